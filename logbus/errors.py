@@ -1,0 +1,137 @@
+"""The one error tree of logbus.
+
+Every error a user can see derives from :class:`LogbusError`. Each class says
+whether retrying the same request may succeed (``retriable``), the way Kafka's
+error codes do, and is named after Kafka's code where it means the same thing.
+
+Errors say whose fault they are: bad input from the caller (``InvalidTopicError``,
+``RecordTooLargeError``, ...) is never retriable; a transient state of the
+cluster (``NotLeaderError``, ``NotEnoughReplicasError``, timeouts) is.
+"""
+
+from __future__ import annotations
+
+
+class LogbusError(Exception):
+    """Base of every logbus error."""
+
+    retriable: bool = False
+
+
+class RetriableError(LogbusError):
+    """The request may succeed if it is sent again (after a metadata refresh)."""
+
+    retriable = True
+
+
+# --- caller errors: bad input, never retriable -----------------------------------
+
+
+class InvalidTopicError(LogbusError, ValueError):
+    """The topic name is empty, '.', '..', too long, or has characters outside [a-zA-Z0-9._-]."""
+
+
+class InvalidConfigError(LogbusError, ValueError):
+    """A topic, producer or consumer setting is unknown or out of range."""
+
+
+class InvalidRecordError(LogbusError, ValueError):
+    """A record or batch is malformed (wrong column types, bad timestamps, ...)."""
+
+
+class RecordTooLargeError(LogbusError, ValueError):
+    """A record or batch is larger than the topic's max.message.bytes."""
+
+
+class InvalidPartitionsError(LogbusError, ValueError):
+    """The partition count is invalid (not positive, or lower than the current count)."""
+
+
+class InvalidReplicationFactorError(LogbusError, ValueError):
+    """The replication factor is not positive or exceeds the number of live nodes."""
+
+
+class TopicAlreadyExistsError(LogbusError):
+    """A topic with this name already exists."""
+
+
+class OffsetOutOfRangeError(LogbusError):
+    """The requested offset is below the log start offset or past the log end offset."""
+
+
+class IllegalStateError(LogbusError, RuntimeError):
+    """The object was used in a state that does not allow the call (e.g. after close())."""
+
+
+class CorruptRecordError(LogbusError):
+    """A stored batch failed its CRC or length checks; it is never served."""
+
+
+class StorageError(LogbusError):
+    """The log directory could not be read or written (disk full, I/O error)."""
+
+
+class FencedLeaderEpochError(LogbusError):
+    """The request carried a leader epoch older than the replica's current one."""
+
+
+class InvalidGroupIdError(LogbusError, ValueError):
+    """The consumer group id is empty or malformed."""
+
+
+class UnknownMemberIdError(LogbusError):
+    """The group coordinator does not know this member (it was removed)."""
+
+
+class IllegalGenerationError(LogbusError):
+    """The member's group generation is stale (a rebalance happened)."""
+
+
+class GroupNotEmptyError(LogbusError):
+    """The operation needs an inactive group but the group has members."""
+
+
+class OutOfOrderSequenceError(LogbusError):
+    """An idempotent producer's sequence number skipped ahead: records would be lost."""
+
+
+class ProducerFencedError(LogbusError):
+    """A newer producer with the same producer id has a higher epoch."""
+
+
+# --- cluster state: retriable ---------------------------------------------------
+
+
+class UnknownTopicError(RetriableError):
+    """The topic or partition does not exist (Kafka's UNKNOWN_TOPIC_OR_PARTITION)."""
+
+
+class NotLeaderError(RetriableError):
+    """This replica is not the leader of the partition; refresh metadata and retry."""
+
+
+class NotEnoughReplicasError(RetriableError):
+    """Fewer in-sync replicas than min.insync.replicas: an acks='all' write is refused."""
+
+
+class LeaderNotAvailableError(RetriableError):
+    """The partition has no live leader right now (an election is in progress)."""
+
+
+class RequestTimedOutError(RetriableError, TimeoutError):
+    """The request did not complete within its timeout; it may or may not have happened."""
+
+
+class BufferExhaustedError(RetriableError):
+    """The producer's buffer stayed full for longer than its max block time."""
+
+
+class CoordinatorNotAvailableError(RetriableError):
+    """The group coordinator cannot be reached."""
+
+
+class RebalanceInProgressError(RetriableError):
+    """The group is rebalancing; rejoin and retry."""
+
+
+__all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -1,0 +1,41 @@
+"""Validation of names that become paths: a topic name never escapes the data directory."""
+
+from __future__ import annotations
+
+import re
+
+from logbus.errors import InvalidTopicError
+
+TOPIC_NAME_LENGTH_MAX = 249  # Kafka's limit: leaves room for "-{partition}" in a 255-byte file name
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]+")
+INTERNAL_TOPIC_PREFIX = "__"
+
+
+def validate_topic_name(name: object) -> str:
+    """Return ``name`` if it is a legal topic name, else raise InvalidTopicError.
+
+    Legal: a str of 1 to 249 characters from ``[a-zA-Z0-9._-]``, not '.' or '..'.
+    Checked before any path is built from the name.
+    """
+    if not isinstance(name, str):
+        raise InvalidTopicError(f"topic name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidTopicError("topic name must not be empty")
+    if name in (".", ".."):
+        raise InvalidTopicError(f"topic name cannot be {name!r}")
+    if len(name) > TOPIC_NAME_LENGTH_MAX:
+        raise InvalidTopicError(f"topic name is {len(name)} characters; the limit is {TOPIC_NAME_LENGTH_MAX}")
+    if not _TOPIC_NAME.fullmatch(name):
+        raise InvalidTopicError(f"topic name {name!r} has characters outside [a-zA-Z0-9._-]")
+    return name
+
+
+def validate_partition(partition: object) -> int:
+    if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
+        raise InvalidTopicError(f"partition must be a non-negative int, not {partition!r}")
+    return partition
+
+
+def partition_dir_name(topic: str, partition: int) -> str:
+    """The directory of one partition replica's log: ``{topic}-{partition}``."""
+    return f"{validate_topic_name(topic)}-{validate_partition(partition)}"

@@ -1,0 +1,341 @@
+"""A log segment: one log file of whole batches plus its offset and time indexes.
+
+Files, in the partition's directory, named by the segment's base offset::
+
+    {base_offset:020d}.log        the batches, back to back
+    {base_offset:020d}.index      sparse offset index (see offset_index.py)
+    {base_offset:020d}.timeindex  sparse time index (see time_index.py)
+
+Writes append to the log file with ``pwritev`` at the logical end (header and payload as two
+buffers, so the leader's rewritten header costs no payload copy). Reads map
+the file with ``mmap`` and return memoryviews of whole batches: no copy. The
+map is widened lazily when a read reaches bytes appended since it was made.
+
+A view returned by :meth:`read` stays valid until the segment is truncated,
+deleted or closed; callers copy (e.g. into Ray's object store) before any of
+those.
+
+Crash contract: the log file is the truth; indexes are derived and rebuilt by
+:meth:`recover`, which checks each batch's lengths, CRC and offsets, cuts the
+file at the first bad batch, and returns the number of bytes cut.
+
+This class is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from logbus.errors import CorruptRecordError, StorageError
+from logbus.storage import record_batch as rb
+from logbus.storage.offset_index import OffsetIndex
+from logbus.storage.time_index import TimeIndex
+
+LOG_SUFFIX = ".log"
+INDEX_SUFFIX = ".index"
+TIME_INDEX_SUFFIX = ".timeindex"
+RELATIVE_OFFSET_MAX = 2**32 - 1  # index entries store offsets relative to the base as uint32
+POSITION_MAX = 2**32 - 1
+
+
+def segment_file_name(base_offset: int, suffix: str) -> str:
+    return f"{base_offset:020d}{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentRecovery:
+    """What :meth:`LogSegment.recover` found."""
+
+    valid_batches: int
+    valid_bytes: int
+    truncated_bytes: int
+    error: str | None  # why the scan stopped early, if it did
+
+
+class LogSegment:
+    """One log file plus its indexes. Not thread-safe."""
+
+    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.index_interval_bytes = index_interval_bytes
+        self.log_path = os.path.join(directory, segment_file_name(base_offset, LOG_SUFFIX))
+        self.offset_index = OffsetIndex(os.path.join(directory, segment_file_name(base_offset, INDEX_SUFFIX)))
+        self.time_index = TimeIndex(os.path.join(directory, segment_file_name(base_offset, TIME_INDEX_SUFFIX)))
+        try:
+            self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
+            self.size_bytes = os.fstat(self._fd).st_size
+        except OSError as error:
+            raise StorageError(f"cannot open segment {self.log_path}: {error}") from error
+        self.next_offset = base_offset
+        self.max_timestamp_ms = -1
+        self.first_timestamp_ms: int | None = None  # of the first batch: drives roll by segment.ms
+        self._bytes_since_index_entry = 0
+        self._map: mmap.mmap | None = None
+        self._mapped_bytes = 0
+
+    # --- opening ---------------------------------------------------------------------------
+
+    @classmethod
+    def open_existing(cls, directory: str, base_offset: int, index_interval_bytes: int) -> "LogSegment":
+        """Open a segment trusting its indexes if they look consistent (no full scan)."""
+        segment = cls(directory, base_offset, index_interval_bytes)
+        if not segment._load_indexes():
+            segment.recover()
+        return segment
+
+    def _load_indexes(self) -> bool:
+        if self.size_bytes == 0:
+            self.offset_index.reset()
+            self.time_index.reset()
+            return True
+        if not (self.offset_index.load() and self.time_index.load()):
+            return False
+        if not self.offset_index.consistent_with(self.size_bytes) or self.size_bytes % 8:
+            return False
+        # The last batch gives next_offset; the first batch gives first_timestamp_ms. Scan
+        # forward from the last index entry to reach the end.
+        try:
+            view = self._view()
+            first = rb.read_header(view, 0)
+            self.first_timestamp_ms = first.first_timestamp_ms
+            start = self.offset_index.lookup(RELATIVE_OFFSET_MAX)
+            last = None
+            for _, last in rb.iter_headers(view, start, self.size_bytes):
+                pass
+        except CorruptRecordError:
+            return False
+        if last is None:
+            return False
+        self.next_offset = last.next_offset
+        self.max_timestamp_ms = max(self.time_index.last_key or -1, last.max_timestamp_ms)
+        return True
+
+    def recover(self, expected_base_offset: int | None = None) -> SegmentRecovery:
+        """Scan every batch, rebuild both indexes, and cut the file at the first bad batch.
+
+        A batch is bad if its header or lengths are impossible, its CRC does not
+        match, or its base offset does not continue the previous batch (the
+        first batch must start at ``expected_base_offset`` when given, else at
+        the segment's base offset).
+        """
+        self.offset_index.reset()
+        self.time_index.reset()
+        self.next_offset = self.base_offset
+        self.max_timestamp_ms = -1
+        self.first_timestamp_ms = None
+        self._bytes_since_index_entry = 0
+        view = self._view()
+        position = 0
+        valid_batches = 0
+        error = None
+        expected = self.base_offset if expected_base_offset is None else expected_base_offset
+        while position < self.size_bytes:
+            try:
+                header = rb.validate_batch(view, position)
+            except CorruptRecordError as corrupt:
+                error = str(corrupt)
+                break
+            if header.base_offset != expected:
+                error = f"batch at position {position} has offset {header.base_offset}, expected {expected}"
+                break
+            if header.last_offset - self.base_offset > RELATIVE_OFFSET_MAX:
+                error = f"batch at position {position} overflows the segment's relative offsets"
+                break
+            self._index_batch(header, position)
+            expected = header.next_offset
+            position += header.size_bytes
+            valid_batches += 1
+        del view
+        truncated = self.size_bytes - position
+        if truncated:
+            self._truncate_file(position)
+        return SegmentRecovery(valid_batches, position, truncated, error)
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def _index_batch(self, header: rb.BatchHeader, position: int) -> None:
+        """Account for a batch now at ``position``: indexes, next offset, timestamps."""
+        relative = header.base_offset - self.base_offset
+        if self.first_timestamp_ms is None:
+            self.first_timestamp_ms = header.first_timestamp_ms
+        self.max_timestamp_ms = max(self.max_timestamp_ms, header.max_timestamp_ms)
+        if position == 0 or self._bytes_since_index_entry >= self.index_interval_bytes:
+            self.offset_index.add(relative, position)
+            self.time_index.maybe_add(self.max_timestamp_ms, relative)
+            self._bytes_since_index_entry = 0
+        self._bytes_since_index_entry += header.size_bytes
+        self.next_offset = header.next_offset
+
+    def can_hold(self, header: rb.BatchHeader) -> bool:
+        """Whether the batch fits this segment's relative offsets and uint32 positions."""
+        return (
+            header.last_offset - self.base_offset <= RELATIVE_OFFSET_MAX
+            and self.size_bytes + header.size_bytes <= POSITION_MAX
+        )
+
+    def append(self, header: rb.BatchHeader, parts: list) -> int:
+        """Append one batch given as buffers (e.g. rewritten header and payload); return its position.
+
+        On an I/O error nothing is left behind: the file is cut back to its old size.
+        """
+        position = self.size_bytes
+        size = header.size_bytes
+        try:
+            written = os.pwritev(self._fd, parts, position)
+            if written != size:  # rare short write: finish it
+                data = b"".join(bytes(p) for p in parts)
+                while written < size:
+                    written += os.pwrite(self._fd, data[written:], position + written)
+        except OSError as error:
+            self._truncate_file(position)
+            raise StorageError(f"append to {self.log_path} failed: {error}") from error
+        self.size_bytes = position + size
+        self._index_batch(header, position)
+        return position
+
+    def flush(self) -> None:
+        """Force the log and its indexes to disk."""
+        try:
+            os.fdatasync(self._fd)
+            self.offset_index.flush()
+            self.time_index.flush()
+        except OSError as error:
+            raise StorageError(f"fsync of {self.log_path} failed: {error}") from error
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def _view(self) -> memoryview:
+        """A view of the whole file as mapped now (widened if the file grew)."""
+        if self.size_bytes == 0:
+            return memoryview(b"")
+        if self._mapped_bytes != self.size_bytes:
+            # A map that views still point into cannot be closed; dropping our reference
+            # lets it go once the last view is released.
+            self._map = mmap.mmap(self._fd, self.size_bytes, access=mmap.ACCESS_READ)
+            self._mapped_bytes = self.size_bytes
+        return memoryview(self._map)
+
+    def find_batch(self, offset: int) -> tuple[int, rb.BatchHeader] | None:
+        """(position, header) of the batch holding ``offset``, or None if it lies past this segment."""
+        if offset >= self.next_offset:
+            return None
+        view = self._view()
+        start = self.offset_index.lookup(max(0, offset - self.base_offset))
+        for position, header in rb.iter_headers(view, start, self.size_bytes):
+            if header.last_offset >= offset:
+                return position, header
+        return None
+
+    def read(self, offset: int, max_bytes: int, max_offset: int | None = None) -> tuple[memoryview, int, int] | None:
+        """Whole batches from the one holding ``offset``: (view, first batch's base offset, next offset).
+
+        Takes batches while their total stays within ``max_bytes`` (the first is
+        always taken, so a large batch still makes progress) and while each
+        batch ends below ``max_offset`` (the high watermark). Every returned
+        batch has passed its CRC check. Returns None if nothing qualifies.
+        """
+        found = self.find_batch(offset)
+        if found is None:
+            return None
+        start, first = found
+        if max_offset is not None and first.next_offset > max_offset:
+            return None
+        view = self._view()
+        end = start
+        next_offset = first.base_offset
+        for position, header in rb.iter_headers(view, start, self.size_bytes):
+            if position > start and (position + header.size_bytes - start > max_bytes):
+                break
+            if max_offset is not None and header.next_offset > max_offset:
+                break
+            rb.validate_batch(view, position)
+            end = position + header.size_bytes
+            next_offset = header.next_offset
+        return view[start:end], first.base_offset, next_offset
+
+    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """The first offset in this segment whose record timestamp is >= ``timestamp_ms``, or None."""
+        if self.max_timestamp_ms < timestamp_ms:
+            return None
+        relative = self.time_index.first_offset_reaching(timestamp_ms)
+        start = 0 if relative is None else self.offset_index.lookup(relative)
+        view = self._view()
+        for position, header in rb.iter_headers(view, start, self.size_bytes):
+            if header.max_timestamp_ms >= timestamp_ms:
+                _, records = rb.decode_records(view, position)
+                timestamps = records.column(2).to_numpy()
+                index = int(np.argmax(timestamps >= timestamp_ms))
+                return header.base_offset + index
+        return None
+
+    # --- truncation and lifetime ---------------------------------------------------------------
+
+    def truncate_to(self, offset: int) -> int:
+        """Remove every batch whose last offset is >= ``offset``; return the bytes removed.
+
+        A batch is removed whole, so the new end can lie below ``offset`` when
+        ``offset`` falls inside a batch.
+        """
+        found = self.find_batch(offset)
+        if found is None:
+            return 0
+        position, header = found
+        removed = self.size_bytes - position
+        self._truncate_file(position)
+        self.offset_index.truncate_from_position(position)
+        self.time_index.truncate_from_offset(header.base_offset - self.base_offset)
+        self._reload_tail_state()
+        return removed
+
+    def _reload_tail_state(self) -> None:
+        """Recompute next offset and timestamps after a truncation, scanning from the last index entry."""
+        self.next_offset = self.base_offset
+        self.max_timestamp_ms = self.time_index.last_key if self.time_index.last_key is not None else -1
+        self.first_timestamp_ms = None
+        self._bytes_since_index_entry = 0
+        if self.size_bytes == 0:
+            return
+        view = self._view()
+        self.first_timestamp_ms = rb.read_header(view, 0).first_timestamp_ms
+        start = self.offset_index.lookup(RELATIVE_OFFSET_MAX)
+        for position, header in rb.iter_headers(view, start, self.size_bytes):
+            self.next_offset = header.next_offset
+            self.max_timestamp_ms = max(self.max_timestamp_ms, header.max_timestamp_ms)
+            self._bytes_since_index_entry = position + header.size_bytes - start
+
+    def _truncate_file(self, size_bytes: int) -> None:
+        self._map = None
+        self._mapped_bytes = 0
+        try:
+            os.ftruncate(self._fd, size_bytes)
+        except OSError as error:
+            raise StorageError(f"truncate of {self.log_path} failed: {error}") from error
+        self.size_bytes = size_bytes
+
+    @property
+    def is_empty(self) -> bool:
+        return self.size_bytes == 0
+
+    def close(self) -> None:
+        self._map = None
+        self._mapped_bytes = 0
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.offset_index.close()
+        self.time_index.close()
+
+    def delete(self) -> None:
+        self.close()
+        for path in (self.log_path,):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.offset_index.delete()
+        self.time_index.delete()
