@@ -1,0 +1,64 @@
+"""Admin: topic management, validated on the caller's side before any remote call."""
+
+from __future__ import annotations
+
+from logbus.api.client import get
+from logbus.errors import InvalidPartitionsError, InvalidReplicationFactorError
+from logbus.protocol.messages import TopicDescription
+from logbus.storage.log_config import LogConfig
+from logbus.storage.names import validate_topic_name
+
+
+def _positive(what: str, value, error):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(f"{what} must be a positive int, not {value!r}")
+    return value
+
+
+class Admin:
+    """Create, delete, list, describe and alter topics (``bus.admin``)."""
+
+    def __init__(self, bus) -> None:
+        self._bus = bus
+
+    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1, config: dict | None = None) -> TopicDescription:
+        """Create a topic; its replica actors are started before this returns.
+
+        Raises InvalidTopicError, TopicAlreadyExistsError, InvalidPartitionsError,
+        InvalidReplicationFactorError (e.g. more replicas than Ray nodes) or
+        InvalidConfigError.
+        """
+        validate_topic_name(name)
+        _positive("partitions", partitions, InvalidPartitionsError)
+        _positive("replication_factor", replication_factor, InvalidReplicationFactorError)
+        LogConfig.from_dict(config)
+        self._bus.forget(name)
+        return get(self._bus.controller.create_topic.remote(name, partitions, replication_factor, config))
+
+    def delete_topic(self, name: str) -> None:
+        """Delete a topic: its replica actors stop and its files are removed."""
+        validate_topic_name(name)
+        self._bus.forget(name)
+        get(self._bus.controller.delete_topic.remote(name))
+
+    def list_topics(self) -> list[str]:
+        return get(self._bus.controller.list_topics.remote())
+
+    def describe_topic(self, name: str) -> TopicDescription:
+        """Partitions with leader, replicas, isr, leader_epoch, log_start_offset and high_watermark."""
+        validate_topic_name(name)
+        return get(self._bus.controller.describe_topic.remote(name))
+
+    def create_partitions(self, name: str, total: int) -> TopicDescription:
+        """Grow a topic to ``total`` partitions (keys may then map to other partitions, as in Kafka)."""
+        validate_topic_name(name)
+        _positive("total", total, InvalidPartitionsError)
+        self._bus.forget(name)
+        return get(self._bus.controller.create_partitions.remote(name, total))
+
+    def alter_config(self, name: str, config: dict) -> dict:
+        """Change topic config overrides (Kafka's dotted names); returns the topic's overrides."""
+        validate_topic_name(name)
+        LogConfig.from_dict(config)
+        self._bus.forget(name)
+        return get(self._bus.controller.alter_config.remote(name, config))

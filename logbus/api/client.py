@@ -1,0 +1,158 @@
+"""connect(): join (or start) Ray, get or create the controller, and cache topic metadata."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from logbus.errors import (
+    IllegalStateError,
+    LeaderNotAvailableError,
+    LogbusError,
+    RequestTimedOutError,
+)
+from logbus.storage.log_config import LogConfig
+from logbus.storage.names import validate_topic_name
+
+DEFAULT_DATA_DIR = "logbus-data"
+DEFAULT_NAMESPACE = "logbus"
+CONTROL_TIMEOUT_S = 120.0  # admin calls may start many actors on a busy machine
+
+
+def unwrap(error: BaseException) -> BaseException:
+    """The logbus error behind a Ray error, so users see ours (with its own message), not Ray's wrapper."""
+    if isinstance(error, RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, LogbusError):
+            return cause
+    if isinstance(error, RayActorError):
+        return LeaderNotAvailableError(f"the actor serving this request died or is restarting: {error}")
+    if isinstance(error, GetTimeoutError):
+        return RequestTimedOutError(str(error))
+    return error
+
+
+def get(ref, timeout_s: float | None = CONTROL_TIMEOUT_S):
+    """ray.get that raises logbus errors."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except (RayTaskError, RayActorError, GetTimeoutError) as error:
+        raise unwrap(error) from None
+
+
+@dataclass(frozen=True)
+class TopicMetadata:
+    """What clients cache about a topic: config and per-partition leader handles."""
+
+    name: str
+    topic_id: str
+    config: LogConfig
+    leaders: tuple  # actor handle per partition (None while leaderless)
+    leader_epochs: tuple[int, ...]
+
+    @property
+    def partition_count(self) -> int:
+        return len(self.leaders)
+
+
+class Bus:
+    """A connection to a logbus cluster: the controller handle plus a topic metadata cache.
+
+    Thread-safe. Picklable: a Bus passed into a Ray task or actor reconnects
+    by name there.
+    """
+
+    def __init__(self, controller, namespace: str, data_dir: str) -> None:
+        self._controller = controller
+        self.namespace = namespace
+        self.data_dir = data_dir
+        self._metadata: dict[str, TopicMetadata] = {}
+        self._lock = threading.Lock()
+        from logbus.api.admin import Admin
+
+        self.admin = Admin(self)
+
+    def __reduce__(self):
+        return (_reconnect, (self.namespace, self.data_dir))
+
+    @property
+    def controller(self):
+        return self._controller
+
+    def topic_metadata(self, topic: str, refresh: bool = False) -> TopicMetadata:
+        """Cached metadata of ``topic``; ``refresh`` asks the controller again."""
+        validate_topic_name(topic)
+        with self._lock:
+            cached = self._metadata.get(topic)
+        if cached is not None and not refresh:
+            return cached
+        raw = get(self._controller.topic_metadata.remote(topic))
+        metadata = TopicMetadata(
+            raw["name"],
+            raw["topic_id"],
+            LogConfig.from_dict(raw["config"]),
+            tuple(p["leader"] for p in raw["partitions"]),
+            tuple(p["leader_epoch"] for p in raw["partitions"]),
+        )
+        with self._lock:
+            self._metadata[topic] = metadata
+        return metadata
+
+    def forget(self, topic: str) -> None:
+        with self._lock:
+            self._metadata.pop(topic, None)
+
+
+def _reconnect(namespace: str, data_dir: str) -> Bus:
+    return connect(namespace=namespace, data_dir=data_dir)
+
+
+def connect(address: str | None = None, data_dir: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> Bus:
+    """Connect to logbus, starting what is missing.
+
+    - No ``address`` and Ray not running: start a local Ray in this process
+      (the embedded default), with data under ``./logbus-data`` or ``data_dir``.
+    - ``address`` given: join that Ray cluster (``ray.init(address=...)``).
+    - Inside a Ray task or actor, or after ``ray.init``: use the running Ray.
+
+    Gets the cluster's controller (a detached actor named in ``namespace``) or
+    creates it over ``data_dir``; reconnecting later, or after the whole Ray
+    cluster restarted, over the same data directory finds every topic and
+    record again.
+    """
+    if not isinstance(namespace, str) or not namespace:
+        raise IllegalStateError("namespace must be a non-empty str")
+    if not ray.is_initialized():
+        if address is None:
+            ray.init(namespace=namespace, include_dashboard=False, log_to_driver=True)
+        else:
+            ray.init(address=address, namespace=namespace)
+    requested_dir = os.path.abspath(data_dir or DEFAULT_DATA_DIR)
+    from logbus.actors import factory
+
+    controller = None
+    deadline = time.monotonic() + CONTROL_TIMEOUT_S
+    while controller is None:
+        try:
+            controller = ray.get_actor(factory.CONTROLLER_NAME, namespace=namespace)
+        except ValueError:
+            controller = factory.controller(namespace, requested_dir)
+        try:
+            actual_dir = get(controller.get_data_dir.remote())
+        except LeaderNotAvailableError:
+            if time.monotonic() > deadline:
+                raise
+            controller = None
+            time.sleep(0.2)
+    if data_dir is not None and actual_dir != requested_dir:
+        raise IllegalStateError(
+            f"the logbus controller in namespace {namespace!r} serves data_dir {actual_dir}, not {requested_dir}; "
+            "connect with that data_dir or another namespace"
+        )
+    get(controller.ping.remote())
+    return Bus(controller, namespace, actual_dir)

@@ -1,0 +1,534 @@
+"""Producer: buffers records per partition, closes them into Arrow batches, and sends them to leaders.
+
+``send()`` does only per-record bookkeeping (type checks, the partition, list
+appends); the work that can be done per batch (building Arrow arrays, framing,
+the CRC) happens when a batch closes, in a background sender thread, in a few
+C-level calls. A batch closes when it reaches ``batch_size_bytes`` or is
+``linger_ms`` old; at most ``max_in_flight`` batches per partition are in
+flight, and the buffer holds at most ``buffer_memory_bytes``: a full buffer
+blocks ``send()`` up to ``max_block_ms``, then raises BufferExhaustedError.
+Nothing sent is silently dropped: every record's future either resolves to
+its RecordMetadata or raises.
+
+Partitioning matches Kafka's Java client: murmur2(key) % partitions for keyed
+records (same key, same partition); keyless records stick to one partition
+per batch, chosen anew each time a batch closes.
+
+Retries: retriable errors (a leader that died or moved, a timeout) are
+retried after a metadata refresh until ``delivery_timeout_ms``. Without
+idempotence a retry can write a batch twice, as in Kafka.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import murmur2
+
+from logbus.api.client import Bus, TopicMetadata, unwrap
+from logbus.errors import (
+    BufferExhaustedError,
+    IllegalStateError,
+    InvalidConfigError,
+    InvalidRecordError,
+    LeaderNotAvailableError,
+    LogbusError,
+    RecordTooLargeError,
+    RequestTimedOutError,
+    UnknownTopicError,
+)
+from logbus.protocol.messages import RecordMetadata
+from logbus.storage import record_batch as rb
+
+BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
+RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
+RETRY_BACKOFF_S = 0.1
+ACKS = (0, 1, "all", -1)
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """Where a bulk-sent batch landed: records ``base_offset`` .. ``base_offset + record_count - 1``."""
+
+    topic: str
+    partition: int
+    base_offset: int
+    record_count: int
+
+
+class _Batch:
+    __slots__ = (
+        "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
+        "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s",
+    )
+
+    def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.values: list = []
+        self.keys: list = []
+        self.headers: list | None = None
+        self.timestamps: list = []
+        self.size_bytes = 0
+        self.created_s = now_s
+        self.future: Future = Future()
+        self.encoded: bytes | None = None
+        self.record_count = 0
+        self.attempts = 0
+        self.deadline_s = now_s + delivery_timeout_s
+        self.not_before_s = 0.0
+
+
+class _RecordFuture(Future):
+    """The future of one record: a view on its batch's future (creating a full Future per record is costly)."""
+
+    def __init__(self, batch: _Batch, index: int, timestamp_ms: int) -> None:  # noqa: D107 (no super().__init__: state is the batch's)
+        self._batch = batch
+        self._index = index
+        self._timestamp_ms = timestamp_ms
+
+    def _metadata(self, base_offset: int) -> RecordMetadata:
+        offset = -1 if base_offset < 0 else base_offset + self._index
+        return RecordMetadata(self._batch.topic, self._batch.partition, offset, self._timestamp_ms)
+
+    def result(self, timeout=None) -> RecordMetadata:
+        return self._metadata(self._batch.future.result(timeout))
+
+    def exception(self, timeout=None):
+        return self._batch.future.exception(timeout)
+
+    def done(self) -> bool:
+        return self._batch.future.done()
+
+    def running(self) -> bool:
+        return not self._batch.future.done()
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False  # a record handed to the producer is on its way
+
+    def add_done_callback(self, fn) -> None:
+        self._batch.future.add_done_callback(lambda _: fn(self))
+
+    def set_result(self, result) -> None:
+        raise IllegalStateError("a record future is completed by the producer")
+
+    set_exception = set_result
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<RecordFuture {self._batch.topic}-{self._batch.partition}[{self._index}] {state}>"
+
+
+def _as_bytes(value, what: str):
+    if value is None or type(value) is bytes:
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise InvalidRecordError(f"{what} must be bytes, str or None, not {type(value).__name__}")
+
+
+class Producer:
+    """Sends records to topics. Thread-safe: many threads may call send() on one producer.
+
+    Args:
+        bus: from :func:`logbus.connect`.
+        acks: 0 (no reply awaited), 1 (the leader wrote it) or "all" (every in-sync replica has it).
+        linger_ms: how long a batch may wait for more records before it is sent.
+        batch_size_bytes: a batch is sent once it holds this many bytes.
+        buffer_memory_bytes: bound on bytes buffered and in flight; send() blocks beyond it.
+        compression: None, "lz4" or "zstd" (Arrow IPC body compression).
+        max_in_flight: batches in flight per partition.
+        max_block_ms: how long send() may block on a full buffer before raising BufferExhaustedError.
+        delivery_timeout_ms: bound on the time from send() to success or failure, retries included.
+        request_timeout_ms: how long one produce request may take before it is retried.
+    """
+
+    def __init__(
+        self,
+        bus: Bus,
+        acks: int | str = 1,
+        linger_ms: float = 5,
+        batch_size_bytes: int = 1 << 20,
+        buffer_memory_bytes: int = 64 << 20,
+        compression: str | None = None,
+        max_in_flight: int = 5,
+        max_block_ms: float = 60_000,
+        delivery_timeout_ms: float = 120_000,
+        request_timeout_ms: float = 30_000,
+    ) -> None:
+        if acks not in ACKS:
+            raise InvalidConfigError(f"acks must be 0, 1 or 'all', not {acks!r}")
+        if compression not in rb.COMPRESSION_CODES:
+            raise InvalidConfigError(f"compression must be None, 'lz4' or 'zstd', not {compression!r}")
+        for name, value in (
+            ("linger_ms", linger_ms), ("batch_size_bytes", batch_size_bytes), ("buffer_memory_bytes", buffer_memory_bytes),
+            ("max_in_flight", max_in_flight), ("max_block_ms", max_block_ms), ("delivery_timeout_ms", delivery_timeout_ms),
+            ("request_timeout_ms", request_timeout_ms),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and name not in ("linger_ms", "max_block_ms")):
+                raise InvalidConfigError(f"{name} must be a positive number, not {value!r}")
+        self._bus = bus
+        self.acks = "all" if acks == -1 else acks
+        self.linger_s = linger_ms / 1000
+        self.batch_size_bytes = int(batch_size_bytes)
+        self.buffer_memory_bytes = int(buffer_memory_bytes)
+        self.compression = compression
+        self.max_in_flight = int(max_in_flight)
+        self.max_block_s = max_block_ms / 1000
+        self.delivery_timeout_s = delivery_timeout_ms / 1000
+        self.request_timeout_s = request_timeout_ms / 1000
+        self._topics: dict[str, TopicMetadata] = {}
+        self._sticky: dict[str, int] = {}
+        self._open: dict[tuple[str, int], _Batch] = {}
+        self._ready: deque[_Batch] = deque()
+        self._in_flight: dict[tuple[str, int], int] = {}
+        self._in_flight_total = 0
+        self._buffered_bytes = 0
+        self._flushing = 0
+        self._closed = False
+        self._stopping = False
+        self._refresh: set[str] = set()
+        self._condition = threading.Condition()
+        self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
+        self._sender.start()
+
+    # --- metadata -------------------------------------------------------------------------------
+
+    def _topic(self, topic: str) -> TopicMetadata:
+        metadata = self._topics.get(topic)
+        if metadata is None:
+            metadata = self._bus.topic_metadata(topic)
+            self._topics[topic] = metadata
+        return metadata
+
+    def partitions_for(self, topic: str) -> list[int]:
+        """The partition numbers of ``topic``."""
+        return list(range(self._topic(topic).partition_count))
+
+    # --- sending ----------------------------------------------------------------------------------
+
+    def send(self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None) -> Future:
+        """Queue one record; returns a Future of its RecordMetadata.
+
+        ``value`` and ``key`` are bytes, str (UTF-8) or None; ``headers`` a dict
+        or a list of (str, bytes) pairs. Raises at once (nothing queued) for an
+        unknown topic, a bad partition, bad types, or a record over the topic's
+        max.message.bytes; raises BufferExhaustedError if the buffer stays full.
+        """
+        if self._closed:
+            raise IllegalStateError("send() after close()")
+        metadata = self._topic(topic)
+        value = _as_bytes(value, "value")
+        key = _as_bytes(key, "key")
+        size = RECORD_OVERHEAD_BYTES + (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
+        if headers is not None:
+            headers = _normalize_headers(headers)
+            size += sum(len(k) + (len(v) if v is not None else 0) + 12 for k, v in headers)
+        limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
+        if size > limit:
+            raise RecordTooLargeError(
+                f"record of about {size} bytes exceeds what a batch of topic {topic!r} can hold "
+                f"(max.message.bytes={metadata.config.max_message_bytes})"
+            )
+        count = metadata.partition_count
+        if partition is None:
+            partition = murmur2(key, count) if key is not None else self._sticky_partition(topic, count)
+        elif isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition < count:
+            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition!r}")
+        if timestamp_ms is None:
+            timestamp_ms = time.time_ns() // 1_000_000
+        elif isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int) or timestamp_ms < 0:
+            raise InvalidRecordError(f"timestamp_ms must be a non-negative int, not {timestamp_ms!r}")
+        with self._condition:
+            self._reserve(size)
+            slot = (topic, partition)
+            batch = self._open.get(slot)
+            if batch is not None and batch.size_bytes + size > min(self.batch_size_bytes, limit):
+                self._close_batch(slot)
+                batch = None
+            if batch is None:
+                batch = self._open[slot] = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s)
+            index = len(batch.values)
+            batch.values.append(value)
+            batch.keys.append(key)
+            batch.timestamps.append(timestamp_ms)
+            if headers is not None:
+                if batch.headers is None:
+                    batch.headers = [None] * index
+                batch.headers.append(headers)
+            elif batch.headers is not None:
+                batch.headers.append(None)
+            batch.size_bytes += size
+            if batch.size_bytes >= self.batch_size_bytes or self.linger_s == 0:
+                self._close_batch(slot)
+        return _RecordFuture(batch, index, timestamp_ms)
+
+    def send_table(self, topic: str, table: pa.Table | pa.RecordBatch) -> Future:
+        """Send a pyarrow Table in bulk; returns a Future of a list of BatchMetadata.
+
+        Columns: ``value`` (binary or string), optional ``key``, ``timestamp``
+        (int64 ms), ``headers`` (map<string, binary>) and ``partition`` (int).
+        Rows without a partition go by key hash, or to one sticky partition.
+        """
+        if self._closed:
+            raise IllegalStateError("send_table() after close()")
+        if not isinstance(table, pa.Table | pa.RecordBatch):
+            raise InvalidRecordError(f"send_table takes a pyarrow Table, not {type(table).__name__}")
+        metadata = self._topic(topic)
+        count = metadata.partition_count
+        rows = table.num_rows
+        if rows == 0:
+            done: Future = Future()
+            done.set_result([])
+            return done
+        partitions = self._table_partitions(topic, table, count)
+        records = rb.conform_table(table)
+        limit = min(self.batch_size_bytes, metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES)
+        order = np.argsort(partitions, kind="stable")
+        sorted_partitions = partitions[order]
+        bounds = np.flatnonzero(np.diff(sorted_partitions)) + 1
+        batches: list[_Batch] = []
+        for chunk in np.split(order, bounds):
+            partition = int(partitions[chunk[0]])
+            part = records.take(pa.array(chunk)) if len(chunk) != rows else records
+            bytes_per_row = max(1, part.nbytes // max(1, part.num_rows))
+            step = max(1, limit // bytes_per_row)
+            for start in range(0, part.num_rows, step):
+                piece = part.slice(start, step)
+                encoded = rb.frame_record_batch(piece, compression=self.compression)
+                if len(encoded) > metadata.config.max_message_bytes:
+                    raise RecordTooLargeError(f"a row of the table exceeds max.message.bytes of topic {topic!r}")
+                batch = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s)
+                batch.encoded = encoded
+                batch.record_count = piece.num_rows
+                batch.size_bytes = len(encoded)
+                batches.append(batch)
+        with self._condition:
+            for batch in batches:
+                self._reserve(batch.size_bytes)
+                self._ready.append(batch)
+                self._condition.notify_all()
+        result: Future = Future()
+        _gather(batches, result)
+        return result
+
+    def _table_partitions(self, topic: str, table, count: int) -> np.ndarray:
+        names = table.schema.names
+        rows = table.num_rows
+        if "partition" in names:
+            partitions = table.column("partition").to_numpy(zero_copy_only=False)
+            if np.any(partitions < 0) or np.any(partitions >= count):
+                raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}; the table names others")
+            return partitions.astype(np.int64)
+        if "key" in names:
+            keys = table.column("key").cast(pa.binary()).to_pylist()
+            sticky = self._sticky_partition(topic, count)
+            return np.fromiter((sticky if k is None else murmur2(k, count) for k in keys), np.int64, rows)
+        return np.full(rows, self._sticky_partition(topic, count), np.int64)
+
+    def _sticky_partition(self, topic: str, count: int) -> int:
+        partition = self._sticky.get(topic)
+        if partition is None or partition >= count:
+            partition = self._sticky[topic] = random.randrange(count)
+        return partition
+
+    def _reserve(self, size: int) -> None:
+        """Wait (holding the condition) until ``size`` more bytes fit in the buffer."""
+        if self._buffered_bytes + size <= self.buffer_memory_bytes or self._buffered_bytes == 0:
+            self._buffered_bytes += size
+            return
+        deadline = time.monotonic() + self.max_block_s
+        self._flushing += 1  # send what is buffered now rather than let it linger
+        self._condition.notify_all()
+        try:
+            while self._buffered_bytes + size > self.buffer_memory_bytes and self._buffered_bytes > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    raise BufferExhaustedError(
+                        f"the producer's buffer ({self.buffer_memory_bytes} bytes) stayed full for {self.max_block_s:.1f}s"
+                    )
+                self._condition.wait(remaining)
+        finally:
+            self._flushing -= 1
+        self._buffered_bytes += size
+
+    def _close_batch(self, slot: tuple[str, int]) -> None:
+        batch = self._open.pop(slot)
+        self._ready.append(batch)
+        if self._sticky.get(slot[0]) == slot[1] and batch.keys.count(None):
+            self._sticky.pop(slot[0], None)  # keyless records move on to another partition
+        self._condition.notify_all()
+
+    # --- the sender thread ---------------------------------------------------------------------------
+
+    def _run_sender(self) -> None:
+        while True:
+            with self._condition:
+                batches, wait_s = self._collect()
+                if not batches:
+                    if self._stopping and not self._open and not self._ready and not self._in_flight_total:
+                        return
+                    self._condition.wait(wait_s)
+                    continue
+            for batch in batches:
+                self._dispatch(batch)
+
+    def _collect(self) -> tuple[list[_Batch], float]:
+        """Under the lock: close lingering batches, then take the ready ones that may go now."""
+        now = time.monotonic()
+        wait_s = 0.05
+        for slot, batch in list(self._open.items()):
+            due = batch.created_s + self.linger_s
+            if due <= now or self._flushing or self._stopping:
+                self._close_batch(slot)
+            else:
+                wait_s = min(wait_s, due - now)
+        taken = []
+        kept: deque[_Batch] = deque()
+        while self._ready:
+            batch = self._ready.popleft()
+            slot = (batch.topic, batch.partition)
+            if self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
+                kept.append(batch)
+                if batch.not_before_s > now:
+                    wait_s = min(wait_s, batch.not_before_s - now)
+                continue
+            self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
+            self._in_flight_total += 1
+            taken.append(batch)
+        self._ready = kept
+        return taken, max(wait_s, 0.001)
+
+    def _dispatch(self, batch: _Batch) -> None:
+        try:
+            if batch.topic in self._refresh:
+                self._refresh.discard(batch.topic)
+                self._topics[batch.topic] = self._bus.topic_metadata(batch.topic, refresh=True)
+            if batch.encoded is None:
+                batch.encoded = rb.encode_batch(
+                    batch.values, batch.keys if any(k is not None for k in batch.keys) else None,
+                    batch.timestamps, batch.headers, compression=self.compression,
+                )
+                batch.record_count = len(batch.values)
+                batch.values = batch.keys = batch.headers = batch.timestamps = None
+            leader = self._topics[batch.topic].leaders[batch.partition]
+            if leader is None:
+                raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
+            batch.attempts += 1
+            ref = leader.produce.remote(np.frombuffer(batch.encoded, np.uint8), self.acks)
+        except Exception as error:  # noqa: BLE001 (every failure is routed to the batch's future)
+            self._complete(batch, None, error)
+            return
+        if self.acks == 0:
+            self._complete(batch, -1, None)
+            return
+        ref.future().add_done_callback(lambda future: self._on_reply(batch, future))
+
+    def _on_reply(self, batch: _Batch, future) -> None:
+        error = future.exception()
+        if error is None:
+            self._complete(batch, future.result().base_offset, None)
+        else:
+            self._complete(batch, None, unwrap(error))
+
+    def _complete(self, batch: _Batch, base_offset: int | None, error: BaseException | None) -> None:
+        retry = (
+            error is not None
+            and isinstance(error, LogbusError)
+            and error.retriable
+            and time.monotonic() + RETRY_BACKOFF_S < batch.deadline_s
+        )
+        with self._condition:
+            slot = (batch.topic, batch.partition)
+            self._in_flight[slot] -= 1
+            self._in_flight_total -= 1
+            if retry:
+                batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
+                self._refresh.add(batch.topic)
+                self._ready.appendleft(batch)
+            else:
+                self._buffered_bytes -= batch.size_bytes
+            self._condition.notify_all()
+        if retry:
+            return
+        if error is None:
+            batch.future.set_result(base_offset)
+        else:
+            batch.future.set_exception(error)
+
+    # --- flushing and closing ------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Send everything buffered and wait until every record is acknowledged or failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._condition:
+            self._flushing += 1
+            self._condition.notify_all()
+            try:
+                while self._open or self._ready or self._in_flight_total:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise RequestTimedOutError(f"flush did not finish within {timeout_s}s")
+                    self._condition.wait(0.05 if remaining is None else min(remaining, 0.05))
+            finally:
+                self._flushing -= 1
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush, then stop the sender thread. Later calls to send() raise IllegalStateError."""
+        if self._closed:
+            return
+        self.flush(timeout_s)
+        with self._condition:
+            self._closed = True
+            self._stopping = True
+            self._condition.notify_all()
+        self._sender.join(timeout=5)
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _normalize_headers(headers) -> list[tuple[str, bytes | None]]:
+    items = headers.items() if isinstance(headers, dict) else headers
+    try:
+        out = [(k, _as_bytes(v, "header value")) for k, v in items]
+    except (TypeError, ValueError):
+        raise InvalidRecordError("headers must be a dict or a list of (str, bytes) pairs") from None
+    if any(not isinstance(k, str) for k, _ in out):
+        raise InvalidRecordError("header names must be str")
+    return out
+
+
+def _gather(batches: list[_Batch], result: Future) -> None:
+    """Resolve ``result`` with every batch's metadata once all are done (or with the first error)."""
+    remaining = [len(batches)]
+    lock = threading.Lock()
+
+    def done(_):
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [b.future.exception() for b in batches if b.future.exception() is not None]
+        if errors:
+            result.set_exception(errors[0])
+        else:
+            result.set_result([BatchMetadata(b.topic, b.partition, b.future.result(), b.record_count) for b in batches])
+
+    for batch in batches:
+        batch.future.add_done_callback(done)

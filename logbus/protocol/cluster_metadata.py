@@ -1,0 +1,184 @@
+"""Cluster metadata kept by the controller: topics, partitions, replica placement, leaders, epochs.
+
+Pure state with its rules; no Ray and no I/O beyond (de)serialising to JSON.
+The controller actor owns one instance, persists it after every change
+(:meth:`to_json`), and reloads it on restart (:meth:`from_json`).
+
+Replica ids are per partition: replica ``r`` of a partition has the id ``r``
+(0 .. replication_factor-1) and its log lives in
+``{data_dir}/replica-{r}/{topic}-{partition}``; placement maps a replica id to
+the Ray node that runs it.
+
+This class is not thread-safe; the controller serialises access.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from logbus.errors import (
+    InvalidPartitionsError,
+    InvalidReplicationFactorError,
+    TopicAlreadyExistsError,
+    UnknownTopicError,
+)
+from logbus.storage.log_config import LogConfig
+from logbus.storage.names import validate_topic_name
+
+PARTITIONS_MAX = 10_000  # per topic: each partition replica is a Ray actor (a process)
+METADATA_VERSION = 1
+
+
+@dataclass(slots=True)
+class PartitionState:
+    replicas: list[int]  # replica ids, the first is the preferred leader
+    nodes: dict[str, str]  # replica id (as str, for JSON) -> Ray node id
+    leader: int | None
+    leader_epoch: int
+    isr: list[int]
+
+
+@dataclass(slots=True)
+class TopicState:
+    name: str
+    topic_id: str
+    partitions: list[PartitionState]
+    config: dict = field(default_factory=dict)  # overrides, Kafka dotted names
+
+    @property
+    def replication_factor(self) -> int:
+        return len(self.partitions[0].replicas) if self.partitions else 0
+
+
+class ClusterMetadata:
+    """Topics and their partitions' placement and leadership."""
+
+    def __init__(self) -> None:
+        self.topics: dict[str, TopicState] = {}
+        self.next_producer_id = 0
+
+    # --- topics ------------------------------------------------------------------------------
+
+    def topic(self, name: str) -> TopicState:
+        validate_topic_name(name)
+        try:
+            return self.topics[name]
+        except KeyError:
+            raise UnknownTopicError(f"topic {name!r} does not exist") from None
+
+    def create_topic(
+        self, name: str, partitions: int, replication_factor: int, config: dict | None, live_nodes: list[str]
+    ) -> TopicState:
+        """Add a topic, placing its replicas on distinct live nodes; validates everything first."""
+        validate_topic_name(name)
+        _check_count("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
+        _check_count("replication_factor", replication_factor, InvalidReplicationFactorError, None)
+        normalized = LogConfig.from_dict(config).to_dict() if config else {}
+        if name in self.topics:
+            raise TopicAlreadyExistsError(f"topic {name!r} already exists")
+        if replication_factor > len(live_nodes):
+            raise InvalidReplicationFactorError(
+                f"replication factor {replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+            )
+        overrides = {key: normalized[key] for key in (config or {})}
+        topic = TopicState(name, uuid.uuid4().hex, [], overrides)
+        topic.partitions = [self._place(p, replication_factor, live_nodes) for p in range(partitions)]
+        self.topics[name] = topic
+        return topic
+
+    def _place(self, partition: int, replication_factor: int, live_nodes: list[str]) -> PartitionState:
+        count = len(live_nodes)
+        replicas = list(range(replication_factor))
+        nodes = {str(r): live_nodes[(partition + r) % count] for r in replicas}
+        return PartitionState(replicas, nodes, leader=0, leader_epoch=0, isr=list(replicas))
+
+    def create_partitions(self, name: str, total: int, live_nodes: list[str]) -> list[int]:
+        """Grow a topic to ``total`` partitions; return the new partition numbers."""
+        topic = self.topic(name)
+        _check_count("total", total, InvalidPartitionsError, PARTITIONS_MAX)
+        current = len(topic.partitions)
+        if total <= current:
+            raise InvalidPartitionsError(f"topic {name!r} has {current} partitions; the new total must be larger, not {total}")
+        if topic.replication_factor > len(live_nodes):
+            raise InvalidReplicationFactorError(
+                f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+            )
+        added = list(range(current, total))
+        topic.partitions += [self._place(p, topic.replication_factor, live_nodes) for p in added]
+        return added
+
+    def alter_config(self, name: str, config: dict) -> dict:
+        """Merge config overrides into a topic's (validated); return the new overrides."""
+        topic = self.topic(name)
+        merged = {**topic.config, **(config or {})}
+        normalized = LogConfig.from_dict(merged).to_dict()
+        topic.config = {key: normalized[key] for key in merged}
+        return topic.config
+
+    def delete_topic(self, name: str) -> TopicState:
+        topic = self.topic(name)
+        del self.topics[name]
+        return topic
+
+    def reassign_dead_nodes(self, live_nodes: list[str]) -> list[tuple[str, int, int]]:
+        """Point replicas on nodes that are gone at live nodes; return the (topic, partition, replica) moved.
+
+        On one machine (the embedded Ray, or after a restart of the whole
+        cluster) every node sees the same data directory, so a moved replica
+        finds its log where it left it.
+        """
+        moved = []
+        if not live_nodes:
+            return moved
+        live = set(live_nodes)
+        for topic in self.topics.values():
+            for p, state in enumerate(topic.partitions):
+                taken = {node for node in state.nodes.values() if node in live}
+                for r in state.replicas:
+                    if state.nodes[str(r)] in live:
+                        continue
+                    free = [n for n in live_nodes if n not in taken] or live_nodes
+                    choice = free[(p + r) % len(free)]
+                    state.nodes[str(r)] = choice
+                    taken.add(choice)
+                    moved.append((topic.name, p, r))
+        return moved
+
+    def allocate_producer_id(self) -> int:
+        producer_id = self.next_producer_id
+        self.next_producer_id += 1
+        return producer_id
+
+    # --- persistence -------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": METADATA_VERSION,
+                "next_producer_id": self.next_producer_id,
+                "topics": {name: asdict(topic) for name, topic in self.topics.items()},
+            },
+            indent=1,
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "ClusterMetadata":
+        raw = json.loads(text)
+        if raw.get("version") != METADATA_VERSION:
+            raise ValueError(f"unsupported metadata version {raw.get('version')!r}")
+        metadata = cls()
+        metadata.next_producer_id = raw["next_producer_id"]
+        for name, topic in raw["topics"].items():
+            partitions = [PartitionState(**p) for p in topic["partitions"]]
+            metadata.topics[name] = TopicState(topic["name"], topic["topic_id"], partitions, topic["config"])
+        return metadata
+
+
+def _check_count(what: str, value: object, error: type[Exception], limit: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise error(f"{what} must be a positive int, not {value!r}")
+    if limit is not None and value > limit:
+        raise error(f"{what} must be at most {limit}, not {value}")

@@ -1,0 +1,80 @@
+"""Plain message types shared by clients, replicas and the controller. No Ray, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+
+class TopicPartition(NamedTuple):
+    """A partition of a topic, as in Kafka's clients."""
+
+    topic: str
+    partition: int
+
+
+class RecordMetadata(NamedTuple):
+    """Where an acknowledged record landed."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+
+
+class ConsumerRecord(NamedTuple):
+    """One record as returned by Consumer.poll()."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes | None]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    """One partition as described by the controller."""
+
+    topic: str
+    partition: int
+    leader: int | None  # replica id of the leader, None while no leader is available
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
+    leader_epoch: int
+    log_start_offset: int = -1
+    high_watermark: int = -1
+    log_end_offset: int = -1
+
+
+@dataclass(frozen=True, slots=True)
+class TopicDescription:
+    name: str
+    partitions: tuple[PartitionInfo, ...]
+    config: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ProduceResponse:
+    base_offset: int
+    log_end_offset: int
+    log_start_offset: int
+    timestamp_ms: int  # max timestamp of the batch (create time)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResponse:
+    """Metadata of one fetch; the batches themselves travel as a separate uint8 array.
+
+    ``first_offset``/``next_offset`` bound the whole batches returned (the
+    first may start below the requested offset). ``high_watermark`` and
+    ``log_start_offset`` are the partition's at the time of the fetch.
+    """
+
+    first_offset: int
+    next_offset: int
+    high_watermark: int
+    log_start_offset: int
+    leader_epoch: int
