@@ -1,0 +1,256 @@
+"""The broker end to end on one machine: real Ray actors, real files."""
+
+import os
+import signal
+
+import pyarrow as pa
+import pytest
+import ray
+
+import logbus
+from logbus import TopicPartition
+from logbus.errors import (
+    IllegalStateError,
+    InvalidPartitionsError,
+    InvalidReplicationFactorError,
+    InvalidTopicError,
+    OffsetOutOfRangeError,
+    RecordTooLargeError,
+    TopicAlreadyExistsError,
+    UnknownTopicError,
+)
+from tests.api.murmur2_reference import kafka_partition
+from tests.conftest import wait_for
+
+
+def drain(consumer, expected, timeout_s=120):
+    """Poll until ``expected`` records arrived; returns them as a pyarrow Table."""
+    tables, total = [], 0
+
+    def more():
+        nonlocal total
+        table = consumer.poll_arrow(timeout_ms=500)
+        if table.num_rows:
+            tables.append(table)
+            total += table.num_rows
+        return total >= expected
+
+    wait_for(more, timeout_s=timeout_s, interval_s=0, message=f"{expected} records")
+    return pa.concat_tables(tables)
+
+
+def test_produce_and_consume_200k_keyed_records(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=4)
+    producer = logbus.Producer(bus, linger_ms=20)
+    count = 200_000
+    keys = [b"user-%d" % (i % 5000) for i in range(count)]
+    futures = [producer.send(topic_name, b"event-%d" % i, key=keys[i]) for i in range(count)]
+    producer.flush(timeout_s=120)
+    metadata = [f.result() for f in futures]
+    producer.close()
+
+    for i in range(0, count, 997):  # the key decides the partition, exactly like Kafka's Java client
+        assert metadata[i].partition == kafka_partition(keys[i], 4)
+    per_partition = {}
+    for i, m in enumerate(metadata):
+        per_partition.setdefault(m.partition, []).append((m.offset, i))
+    for partition, entries in per_partition.items():
+        assert [o for o, _ in entries] == list(range(len(entries)))  # contiguous, in send order
+
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, p) for p in range(4)])
+    table = drain(consumer, count)
+    assert table.num_rows == count
+    assert consumer.poll_arrow(timeout_ms=200).num_rows == 0
+    for partition in range(4):
+        rows = table.filter(pa.compute.equal(table["partition"], partition))
+        offsets = rows["offset"].to_pylist()
+        assert offsets == list(range(len(per_partition[partition])))
+        assert rows["value"].to_pylist() == [b"event-%d" % i for _, i in per_partition[partition]]
+        assert all(kafka_partition(k, 4) == partition for k in rows["key"].to_pylist()[:500])
+    described = bus.admin.describe_topic(topic_name)
+    assert sum(p.high_watermark for p in described.partitions) == count
+
+
+def test_poll_returns_records_with_headers_and_timestamps(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        producer.send(topic_name, "first", key="k", headers={"trace": b"abc"}, timestamp_ms=1000).result(timeout=60)
+        producer.send(topic_name, b"second", timestamp_ms=2000).result(timeout=60)
+    consumer = logbus.Consumer(bus)
+    tp = TopicPartition(topic_name, 0)
+    consumer.assign([tp])
+    records = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="records")
+    first = records[0]
+    assert (first.offset, first.key, first.value, first.timestamp_ms, first.headers) == (0, b"k", b"first", 1000, [("trace", b"abc")])
+    assert consumer.offsets_for_times({tp: 1500}) == {tp: 1}
+    assert consumer.offsets_for_times({tp: 5000}) == {tp: None}
+    consumer.seek(tp, 1)
+    again = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="record after seek")
+    assert [r.value for r in again] == [b"second"]
+    assert consumer.position(tp) == 2
+    assert consumer.beginning_offsets([tp]) == {tp: 0} and consumer.end_offsets([tp]) == {tp: 2}
+
+
+def test_send_table_in_bulk(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=3)
+    table = pa.table({"key": [b"k%d" % (i % 7) for i in range(30_000)], "value": [b"v%d" % i for i in range(30_000)]})
+    with logbus.Producer(bus) as producer:
+        batches = producer.send_table(topic_name, table).result(timeout=120)
+    assert sum(b.record_count for b in batches) == 30_000
+    for b in batches:
+        assert b.partition in (0, 1, 2) and b.base_offset >= 0
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, p) for p in range(3)])
+    got = drain(consumer, 30_000)
+    assert sorted(got["value"].to_pylist()) == sorted(table["value"].to_pylist())
+    for key, partition in zip(got["key"].to_pylist()[:300], got["partition"].to_pylist()[:300]):
+        assert kafka_partition(key, 3) == partition
+
+
+def test_pause_resume_and_seek_to_end(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    with logbus.Producer(bus) as producer:
+        for i in range(100):
+            producer.send(topic_name, b"%d" % i, partition=i % 2)
+    consumer = logbus.Consumer(bus)
+    tps = [TopicPartition(topic_name, 0), TopicPartition(topic_name, 1)]
+    consumer.assign(tps)
+    consumer.pause([tps[1]])
+    got = drain(consumer, 50)
+    assert set(got["partition"].to_pylist()) == {0} and got.num_rows == 50
+    consumer.resume([tps[1]])
+    assert drain(consumer, 50)["partition"].to_pylist() == [1] * 50
+    consumer.seek_to_end()
+    assert consumer.position(tps[0]) == 50
+    assert consumer.poll_arrow(timeout_ms=100).num_rows == 0
+
+
+def test_auto_offset_reset_latest_and_none(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    with logbus.Producer(bus) as producer:
+        producer.send(topic_name, b"old").result(timeout=60)
+    latest = logbus.Consumer(bus, auto_offset_reset="latest")
+    latest.assign([tp])
+    assert latest.position(tp) == 1
+    strict = logbus.Consumer(bus, auto_offset_reset="none")
+    strict.assign([tp])
+    with pytest.raises(OffsetOutOfRangeError):
+        strict.poll(timeout_ms=100)
+    strict.seek(tp, 5)  # past the end
+    with pytest.raises(OffsetOutOfRangeError):
+        strict.poll(timeout_ms=2000)
+
+
+def test_admin_lifecycle_and_errors(bus, topic_name):
+    created = bus.admin.create_topic(topic_name, partitions=2, config={"retention.ms": 3600000})
+    assert [p.partition for p in created.partitions] == [0, 1]
+    assert topic_name in bus.admin.list_topics()
+    with pytest.raises(TopicAlreadyExistsError):
+        bus.admin.create_topic(topic_name)
+    grown = bus.admin.create_partitions(topic_name, 3)
+    assert len(grown.partitions) == 3
+    with pytest.raises(InvalidPartitionsError):
+        bus.admin.create_partitions(topic_name, 2)
+    assert bus.admin.alter_config(topic_name, {"segment.bytes": 1 << 20}) == {"retention.ms": 3600000, "segment.bytes": 1 << 20}
+    assert bus.admin.describe_topic(topic_name).config["segment.bytes"] == 1 << 20
+    directory = os.path.join(bus.data_dir, "replica-0", f"{topic_name}-0")
+    assert os.path.isdir(directory)
+    bus.admin.delete_topic(topic_name)
+    assert topic_name not in bus.admin.list_topics()
+    assert not os.path.exists(directory)
+    with pytest.raises(UnknownTopicError):
+        bus.admin.describe_topic(topic_name)
+    with pytest.raises(UnknownTopicError):
+        bus.admin.delete_topic(topic_name)
+
+
+@pytest.mark.parametrize("name", ["../x", "", "..", "a/b", "x" * 250, "bad name"])
+def test_invalid_topic_names_change_nothing(bus, name):
+    before = sorted(os.listdir(bus.data_dir))
+    with pytest.raises(InvalidTopicError):
+        bus.admin.create_topic(name)
+    producer = logbus.Producer(bus)
+    with pytest.raises(InvalidTopicError):
+        producer.send(name, b"x")
+    producer.close()
+    assert sorted(os.listdir(bus.data_dir)) == before
+    assert bus.admin.list_topics() == []
+
+
+def test_bad_inputs_get_named_errors(bus, topic_name):
+    with pytest.raises(InvalidReplicationFactorError):
+        bus.admin.create_topic(topic_name, replication_factor=5)  # one Ray node here
+    with pytest.raises(InvalidPartitionsError):
+        bus.admin.create_topic(topic_name, partitions=0)
+    assert bus.admin.list_topics() == []
+    bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 8192})
+    producer = logbus.Producer(bus)
+    with pytest.raises(UnknownTopicError):
+        producer.send("no-such-topic", b"x")
+    with pytest.raises(UnknownTopicError):
+        producer.send(topic_name, b"x", partition=3)
+    with pytest.raises(RecordTooLargeError):
+        producer.send(topic_name, b"x" * 10_000)
+    with pytest.raises(logbus.InvalidRecordError):
+        producer.send(topic_name, 12345)
+    producer.close()
+    with pytest.raises(IllegalStateError):
+        producer.send(topic_name, b"x")
+    consumer = logbus.Consumer(bus)
+    with pytest.raises(UnknownTopicError):
+        consumer.assign([TopicPartition("no-such-topic", 0)])
+    consumer.assign([TopicPartition(topic_name, 0)])
+    with pytest.raises(OffsetOutOfRangeError):
+        consumer.seek(TopicPartition(topic_name, 0), -1)
+    consumer.close()
+    with pytest.raises(IllegalStateError):
+        consumer.poll()
+    assert bus.admin.describe_topic(topic_name).partitions[0].log_end_offset == 0
+
+
+def test_producer_and_consumer_inside_ray_tasks(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+
+    @ray.remote(num_cpus=0)
+    def produce(bus, topic, start):
+        with logbus.Producer(bus) as producer:
+            futures = [producer.send(topic, b"%d" % i, key=b"%d" % i) for i in range(start, start + 500)]
+        return [f.result().offset for f in futures]
+
+    @ray.remote(num_cpus=0)
+    def consume(bus, topic, expected):
+        consumer = logbus.Consumer(bus)
+        consumer.assign([TopicPartition(topic, 0), TopicPartition(topic, 1)])
+        values = []
+        while len(values) < expected:
+            values += consumer.poll_arrow(timeout_ms=1000)["value"].to_pylist()
+        return sorted(int(v) for v in values)
+
+    ray.get([produce.remote(bus, topic_name, 0), produce.remote(bus, topic_name, 500)], timeout=120)
+    assert ray.get(consume.remote(bus, topic_name, 1000), timeout=120) == list(range(1000))
+
+
+@pytest.mark.slow
+def test_kill_replica_process_while_producing(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    pid = ray.get(leader.ping.remote())
+    producer = logbus.Producer(bus, linger_ms=1, delivery_timeout_ms=60_000)
+    futures = []
+    for i in range(20_000):
+        futures.append(producer.send(topic_name, b"r-%d" % i))
+        if i == 10_000:
+            os.kill(pid, signal.SIGKILL)
+    producer.flush(timeout_s=120)
+    acknowledged = {f.result().offset: b"r-%d" % i for i, f in enumerate(futures) if f.exception() is None}
+    assert len(acknowledged) > 10_000
+    assert ray.get(leader.ping.remote()) != pid  # Ray restarted the actor in a new process
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, 0)])
+    end = consumer.end_offsets([TopicPartition(topic_name, 0)])[TopicPartition(topic_name, 0)]
+    stored = drain(consumer, end)
+    by_offset = dict(zip(stored["offset"].to_pylist(), stored["value"].to_pylist()))
+    for offset, value in acknowledged.items():
+        assert by_offset[offset] == value  # every acknowledged record survived, at its offset

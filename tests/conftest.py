@@ -1,0 +1,88 @@
+"""Shared fixtures: one Ray session per test run (started on first use), a fresh bus per test.
+
+tests/storage and tests/protocol never request these, so they run without Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+RAY_INIT_ARGS = dict(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
+
+
+def start_ray():
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(**RAY_INIT_ARGS)
+
+
+def wait_for(condition, timeout_s: float = 60.0, interval_s: float = 0.05, message: str = "condition"):
+    """Poll ``condition`` until it returns a truthy value; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {message}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    start_ray()
+    yield ray
+    ray.shutdown()
+
+
+def close_bus(bus) -> None:
+    """Delete the bus's topics and stop its controller, so actors do not pile up across tests."""
+    import ray
+
+    from logbus.actors.factory import CONTROLLER_NAME
+
+    try:
+        for topic in bus.admin.list_topics():
+            bus.admin.delete_topic(topic)
+    except Exception:  # noqa: BLE001 (best-effort cleanup after a failed test)
+        pass
+    try:
+        ray.kill(ray.get_actor(CONTROLLER_NAME, namespace=bus.namespace), no_restart=True)
+    except ValueError:
+        pass
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    path = tmp_path / "data"
+    path.mkdir()
+    return str(path)
+
+
+@pytest.fixture
+def bus(ray_session, data_dir):
+    """A logbus cluster of its own (namespace and data dir) for one test."""
+    import logbus
+
+    start_ray()  # a test may have restarted Ray
+    connected = logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
+    yield connected
+    if ray_session.is_initialized():
+        close_bus(connected)
+
+
+@pytest.fixture
+def topic_name(request):
+    return "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:60] + "-" + uuid.uuid4().hex[:6]
+
+
+def pytest_collection_modifyitems(config, items):
+    # Run the Ray-free suites first: they fail fast and need no cluster.
+    items.sort(key=lambda item: 0 if os.sep + "storage" + os.sep in str(item.fspath) or os.sep + "protocol" + os.sep in str(item.fspath) else 1)
