@@ -44,7 +44,9 @@ from logbus.errors import (
     StorageError,
 )
 from logbus.storage import record_batch as rb
+from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LogConfig
+from logbus.storage.producer_state import ProducerStateTable
 from logbus.storage.segment import LOG_SUFFIX, LogSegment
 
 RECOVERY_POINT_FILE = "recovery-point"
@@ -71,6 +73,7 @@ class AppendResult:
     record_count: int
     max_timestamp_ms: int
     log_end_offset: int
+    duplicate: bool = False  # an idempotent retry of a batch already in the log: nothing was written
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +115,28 @@ class PartitionLog:
         self.segments: list[LogSegment] = []
         self._bases: list[int] = []
         self.recovery = self._open_segments()
+        self.epochs = LeaderEpochCache(directory)
+        self.producer_state = ProducerStateTable()
+        self._rebuild_derived_state(trust_epoch_checkpoint=True)
         self._last_flush_ms = self.clock_ms()
+
+    def _rebuild_derived_state(self, trust_epoch_checkpoint: bool = False) -> None:
+        """Rebuild the producer table (and, if needed, the epoch cache) from the batch headers."""
+        loaded = trust_epoch_checkpoint and self.epochs.load()
+        if loaded:
+            self.epochs.truncate_from_end(self.log_end_offset)
+        else:
+            self.epochs.entries = []
+        self.producer_state.clear()
+        for segment in self.segments:
+            view = segment._view()
+            for _, header in rb.iter_headers(view, 0, segment.size_bytes):
+                self.producer_state.update(header)
+                if not loaded:
+                    self.epochs.assign(header.leader_epoch, header.base_offset, persist=False)
+            del view
+        if not loaded:
+            self.epochs.save()
 
     # --- opening and recovery -------------------------------------------------------------
 
@@ -229,6 +253,10 @@ class PartitionLog:
         header = self._validate_incoming(view)
         if header.size_bytes != len(view):
             raise InvalidRecordError(f"expected one batch of {header.size_bytes} bytes, got {len(view)} bytes")
+        duplicate_of = self.producer_state.check(header)
+        if duplicate_of is not None:
+            last = duplicate_of + header.record_count - 1
+            return AppendResult(duplicate_of, last, header.record_count, header.max_timestamp_ms, self.log_end_offset, duplicate=True)
         base_offset = self.log_end_offset
         new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch)
         stamped = replace(header, base_offset=base_offset, leader_epoch=leader_epoch)
@@ -264,9 +292,11 @@ class PartitionLog:
     def _write(self, header: rb.BatchHeader, parts: list) -> None:
         self._maybe_roll(header)
         self.active_segment.append(header, parts)
+        self.epochs.assign(header.leader_epoch, header.base_offset)
+        self.producer_state.update(header)
         policy = self.config.flush_policy
         if policy == "batch":
-            self.flush()
+            self.flush(indexes=False)
         elif policy == "interval":
             self.maybe_flush()
 
@@ -300,10 +330,14 @@ class PartitionLog:
 
     # --- flushing --------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Sync the active segment (older ones were synced when they rolled)."""
+    def flush(self, indexes: bool = True) -> None:
+        """Sync the active segment (older ones were synced when they rolled).
+
+        ``indexes=False`` syncs only the log file: indexes are derived data that
+        recovery rebuilds for the active segment, so per-batch syncs skip them.
+        """
         self._check_open()
-        self.active_segment.flush()
+        self.active_segment.flush(indexes=indexes)
         self._last_flush_ms = self.clock_ms()
 
     def maybe_flush(self) -> bool:
@@ -374,6 +408,8 @@ class PartitionLog:
             segment.delete()
         self.active_segment.truncate_to(offset)
         self._write_recovery_point(min(self._read_recovery_point() or 0, self.active_segment.base_offset))
+        self.epochs.truncate_from_end(self.log_end_offset)
+        self._rebuild_derived_state(trust_epoch_checkpoint=True)
         return self.log_end_offset
 
     def truncate_fully_and_start_at(self, offset: int) -> None:
@@ -384,6 +420,8 @@ class PartitionLog:
         self.segments, self._bases = [], []
         self._add_segment(LogSegment(self.directory, offset, self.config.index_interval_bytes))
         self._write_recovery_point(offset)
+        self.epochs.clear()
+        self.producer_state.clear()
 
     def enforce_retention(self) -> int:
         """Delete whole old segments past retention.ms or retention.bytes; return how many went."""
@@ -410,6 +448,7 @@ class PartitionLog:
         segment = self.segments.pop(0)
         self._bases.pop(0)
         segment.delete()
+        self.epochs.truncate_from_start(self.log_start_offset)
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -428,7 +467,7 @@ class PartitionLog:
         for segment in self.segments:
             segment.delete()
         self._closed = True
-        for name in (RECOVERY_POINT_FILE, RECOVERY_POINT_FILE + ".tmp"):
+        for name in (RECOVERY_POINT_FILE, RECOVERY_POINT_FILE + ".tmp", self.epochs.path, self.epochs.path + ".tmp"):
             try:
                 os.unlink(os.path.join(self.directory, name))
             except FileNotFoundError:

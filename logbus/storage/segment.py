@@ -198,12 +198,13 @@ class LogSegment:
         self._index_batch(header, position)
         return position
 
-    def flush(self) -> None:
-        """Force the log and its indexes to disk."""
+    def flush(self, indexes: bool = True) -> None:
+        """Force the log (and its indexes, unless ``indexes`` is False) to disk."""
         try:
             os.fdatasync(self._fd)
-            self.offset_index.flush()
-            self.time_index.flush()
+            if indexes:
+                self.offset_index.flush()
+                self.time_index.flush()
         except OSError as error:
             raise StorageError(f"fsync of {self.log_path} failed: {error}") from error
 
