@@ -71,10 +71,6 @@ class StorageError(LogbusError):
     """The log directory could not be read or written (disk full, I/O error)."""
 
 
-class FencedLeaderEpochError(LogbusError):
-    """The request carried a leader epoch older than the replica's current one."""
-
-
 class InvalidGroupIdError(LogbusError, ValueError):
     """The consumer group id is empty or malformed."""
 
@@ -91,8 +87,8 @@ class GroupNotEmptyError(LogbusError):
     """The operation needs an inactive group but the group has members."""
 
 
-class OutOfOrderSequenceError(LogbusError):
-    """An idempotent producer's sequence number skipped ahead: records would be lost."""
+class OutOfOrderSequenceError(RetriableError):
+    """An idempotent producer's batch does not continue its sequence (an earlier batch is still being retried)."""
 
 
 class ProducerFencedError(LogbusError):
@@ -112,6 +108,10 @@ class NotLeaderError(RetriableError):
 
 class NotEnoughReplicasError(RetriableError):
     """Fewer in-sync replicas than min.insync.replicas: an acks='all' write is refused."""
+
+
+class FencedLeaderEpochError(RetriableError):
+    """The request carried a leader epoch older than the replica's current one; refresh metadata."""
 
 
 class LeaderNotAvailableError(RetriableError):

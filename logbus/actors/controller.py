@@ -11,6 +11,13 @@ Retry contract: a call that failed may have taken effect, so clients may send
 it again; creating an existing replica actor reuses it (``get_if_exists``),
 and deleting twice reports UnknownTopicError the second time.
 
+Failure detection does not wait for Ray's node-death detection: every replica
+heartbeats (``replica_heartbeat``); a control loop deposes a leader silent for
+``LEASE_TIMEOUT_MS`` and elects a live ISR member with a higher epoch (the
+deposed leader's own lease ran out first, so it has stopped taking writes).
+A replica whose node is gone for ``replica_replacement_ms`` is replaced by a
+new replica on another live node, which copies the log from the leader.
+
 It is an async actor: methods run on one event loop and are serialised by a
 lock around every metadata change.
 """
@@ -19,31 +26,57 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import ray
 
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.messages import PartitionInfo, TopicDescription
+from logbus.storage.log_config import LogConfig
 from logbus.storage.names import partition_dir_name, validate_topic_name
 
 METADATA_FILE = "metadata.json"
 REPLICA_CALL_TIMEOUT_S = 60.0
+CONTROL_LOOP_INTERVAL_S = 0.1
+LEASE_TIMEOUT_MS = 1_000  # must exceed the replicas' LEASE_MS (see partition_replica.py)
+REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
+STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
+RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
 
 
 def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:
     return os.path.join(data_dir, f"replica-{replica_id}", partition_dir_name(topic, partition))
 
 
+REPLICA_NODE_RESOURCE = "logbus_replica"
+
+
 def live_node_ids() -> list[str]:
-    return sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+    """The live Ray nodes that may host replicas.
+
+    If any node offers the custom resource ``logbus_replica``, only such nodes
+    host replicas (so a cluster can keep them off its head node); otherwise
+    every live node does.
+    """
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
+    return sorted(node["NodeID"] for node in (marked or nodes))
 
 
 class Controller:
     """Cluster metadata and replica lifecycle (see the module docstring)."""
 
-    def __init__(self, data_dir: str, namespace: str) -> None:
+    def __init__(self, data_dir: str, namespace: str, replica_replacement_ms: int = REPLICA_REPLACEMENT_MS) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.namespace = namespace
+        self.replica_replacement_ms = replica_replacement_ms
+        self._last_seen_ms: dict[tuple[str, int, int], int] = {}
+        self._started_ms = monotonic_ms() + RESTART_GRACE_MS
+        self._control_loop: asyncio.Task | None = None
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
         self.metadata = self._load()
@@ -79,6 +112,8 @@ class Controller:
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._restore())
         await asyncio.shield(self._started)
+        if self._control_loop is None:
+            self._control_loop = asyncio.get_running_loop().create_task(self._run_control_loop())
 
     async def _restore(self) -> None:
         if self.metadata.reassign_dead_nodes(live_node_ids()):
@@ -111,9 +146,129 @@ class Controller:
         return handle
 
     async def _start_partition(self, topic: TopicState, partition: int) -> None:
+        """Start a partition's replica actors (concurrently) and tell each its role."""
         state = topic.partitions[partition]
-        handles = [self._replica_handle(topic, partition, r) for r in state.replicas]
-        await asyncio.wait_for(asyncio.gather(*(h.ping.remote() for h in handles)), REPLICA_CALL_TIMEOUT_S)
+        handles = {r: self._replica_handle(topic, partition, r) for r in state.replicas}
+        pings = await asyncio.gather(*(h.ping.remote() for h in handles.values()), return_exceptions=True)
+        if all(isinstance(p, Exception) for p in pings):
+            raise pings[0]
+        await self._announce(topic, partition)
+
+    async def _announce(self, topic: TopicState, partition: int) -> None:
+        """Tell every replica of a partition the current leader and epoch (best effort; heartbeats repair misses)."""
+        state = topic.partitions[partition]
+        if state.leader is None:
+            return
+        leader = self._replica_handle(topic, partition, state.leader)
+        calls = [leader.become_leader.remote(state.leader_epoch, list(state.replicas), list(state.isr))]
+        for r in state.replicas:
+            if r != state.leader:
+                calls.append(self._replica_handle(topic, partition, r).become_follower.remote(state.leader_epoch, state.leader, leader))
+        await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), REPLICA_CALL_TIMEOUT_S)
+
+    # --- failure detection and elections --------------------------------------------------------------
+
+    def _expect_heartbeats(self, topic: TopicState, partitions) -> None:
+        """New replicas are alive until proven silent: their actors take a while to start."""
+        until = monotonic_ms() + STARTUP_GRACE_MS
+        for p in partitions:
+            for r in topic.partitions[p].replicas:
+                self._last_seen_ms[(topic.name, p, r)] = until
+
+    def _alive(self, name: str, partition: int, replica_id: int, now: int) -> bool:
+        return now - self._last_seen_ms.get((name, partition, replica_id), self._started_ms) <= LEASE_TIMEOUT_MS
+
+    async def replica_heartbeat(self, topic: str, partition: int, replica_id: int, leader_epoch: int, log_end_offset: int) -> dict:
+        """A replica's lease renewal; the reply carries the partition's current leadership."""
+        await self._ready()
+        state_topic = self.metadata.topics.get(topic)
+        if state_topic is None or partition >= len(state_topic.partitions) or replica_id not in state_topic.partitions[partition].replicas:
+            return {"deleted": True}
+        self._last_seen_ms[(topic, partition, replica_id)] = monotonic_ms()
+        state = state_topic.partitions[partition]
+        handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
+        return {
+            "leader": state.leader,
+            "leader_epoch": state.leader_epoch,
+            "replicas": list(state.replicas),
+            "isr": list(state.isr),
+            "leader_handle": handle,
+        }
+
+    async def alter_isr(self, topic: str, partition: int, leader: int, leader_epoch: int, isr: list[int]) -> list[int] | None:
+        """A leader's ISR change; accepted only from the current leader and epoch, and persisted first."""
+        await self._ready()
+        async with self._lock:
+            if topic not in self.metadata.topics:
+                return None
+            accepted = self.metadata.alter_isr(topic, partition, leader, leader_epoch, isr)
+            if accepted is not None:
+                self._persist()
+        return accepted
+
+    async def _run_control_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CONTROL_LOOP_INTERVAL_S)
+            try:
+                await self._check_partitions()
+            except Exception as error:  # noqa: BLE001 (the loop must survive; the next tick retries)
+                print(f"logbus controller: control loop error: {error!r}")
+
+    async def _check_partitions(self) -> None:
+        now = monotonic_ms()
+        changed: list[tuple[TopicState, int]] = []
+        async with self._lock:
+            for topic in list(self.metadata.topics.values()):
+                unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
+                for p, state in enumerate(topic.partitions):
+                    alive = {r for r in state.replicas if self._alive(topic.name, p, r, now)}
+                    if state.leader is None or state.leader not in alive:
+                        if self.metadata.elect_leader(topic.name, p, alive, unclean):
+                            changed.append((topic, p))
+                    replaced = self._replace_lost(topic, p, now)
+                    if replaced and (topic, p) not in changed:
+                        changed.append((topic, p))
+            if changed:
+                self._persist()
+        for topic, p in changed:
+            asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
+
+    async def _announce_safely(self, topic: TopicState, partition: int) -> None:
+        try:
+            await self._announce(topic, partition)
+        except Exception as error:  # noqa: BLE001 (heartbeats will carry the news instead)
+            print(f"logbus controller: announcing {topic.name}-{partition} failed: {error!r}")
+
+    def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
+        """Replace replicas whose node is gone and that were silent for replica_replacement_ms."""
+        state = topic.partitions[partition]
+        live_nodes = None
+        replaced = False
+        for r in list(state.replicas):
+            silent_ms = now - self._last_seen_ms.get((topic.name, partition, r), self._started_ms)
+            if silent_ms <= self.replica_replacement_ms:
+                continue
+            if state.isr == [r]:
+                continue  # the only in-sync copy: replacing it would lose the partition's data
+            if live_nodes is None:
+                live_nodes = live_node_ids()
+            if state.nodes.get(str(r)) in live_nodes:
+                continue  # its node is alive: Ray restarts the actor there
+            used = {state.nodes[str(x)] for x in state.replicas if x != r}
+            free = [n for n in live_nodes if n not in used]
+            if not free:
+                continue
+            old = self._replicas.pop((topic.name, partition, r), None)
+            if old is not None:
+                try:
+                    ray.kill(old, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+            new = self.metadata.replace_replica(topic.name, partition, r, free[partition % len(free)])
+            self._last_seen_ms[(topic.name, partition, new)] = now + STARTUP_GRACE_MS
+            self._replica_handle(topic, partition, new)
+            replaced = True
+        return replaced
 
     # --- admin -------------------------------------------------------------------------------------
 
@@ -121,6 +276,7 @@ class Controller:
         await self._ready()
         async with self._lock:
             topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids())
+            self._expect_heartbeats(topic, range(partitions))
             self._persist()
         # Start every replica actor concurrently: each is a process that takes a while to boot.
         await asyncio.gather(*(self._start_partition(topic, p) for p in range(partitions)))
@@ -149,8 +305,12 @@ class Controller:
     async def describe_topic(self, name: str) -> TopicDescription:
         await self._ready()
         topic = self.metadata.topic(name)
-        leaders = [self._replica_handle(topic, p, state.leader) for p, state in enumerate(topic.partitions)]
-        offsets = await asyncio.gather(*(h.offsets.remote() for h in leaders), return_exceptions=True)
+        async def leader_offsets(p, state):
+            if state.leader is None:
+                return None
+            return await asyncio.wait_for(self._replica_handle(topic, p, state.leader).offsets.remote(), 10)
+
+        offsets = await asyncio.gather(*(leader_offsets(p, s) for p, s in enumerate(topic.partitions)), return_exceptions=True)
         infos = []
         for p, (state, found) in enumerate(zip(topic.partitions, offsets)):
             start, high_watermark, end = found if isinstance(found, tuple) else (-1, -1, -1)
@@ -163,8 +323,9 @@ class Controller:
         await self._ready()
         async with self._lock:
             added = self.metadata.create_partitions(name, total, live_node_ids())
-            self._persist()
             topic = self.metadata.topic(name)
+            self._expect_heartbeats(topic, added)
+            self._persist()
         await asyncio.gather(*(self._start_partition(topic, p) for p in added))
         return await self.describe_topic(name)
 
@@ -190,6 +351,38 @@ class Controller:
             handle = self._replica_handle(topic, p, state.leader) if state.leader is not None else None
             partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+
+    async def allocate_producer_id(self) -> int:
+        """A producer id for an idempotent producer, unique for the life of the cluster's data."""
+        await self._ready()
+        async with self._lock:
+            producer_id = self.metadata.allocate_producer_id()
+            self._persist()
+        return producer_id
+
+    async def replica_statuses(self, name: str) -> list[list[dict]]:
+        """Every replica's own view (role, epoch, offsets): for tests and `logbus status`."""
+        await self._ready()
+        topic = self.metadata.topic(name)
+        out = []
+        for p, state in enumerate(topic.partitions):
+            handles = [self._replica_handle(topic, p, r) for r in state.replicas]
+            found = await asyncio.gather(*(asyncio.wait_for(h.status.remote(), 5) for h in handles), return_exceptions=True)
+            out.append([f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)} for r, f in zip(state.replicas, found)])
+        return out
+
+    async def replica_handle(self, name: str, partition: int, replica_id: int):
+        """The actor handle of one replica (for tests and tools)."""
+        await self._ready()
+        return self._replica_handle(self.metadata.topic(name), partition, replica_id)
+
+    async def replica_logs(self, name: str, partition: int, max_offset: int) -> list:
+        """Every replica's log bytes below ``max_offset`` (tests compare replicas byte for byte)."""
+        await self._ready()
+        topic = self.metadata.topic(name)
+        state = topic.partitions[partition]
+        handles = [self._replica_handle(topic, partition, r) for r in state.replicas]
+        return list(await asyncio.gather(*(h.read_all.remote(max_offset) for h in handles)))
 
     async def get_data_dir(self) -> str:
         return self.data_dir

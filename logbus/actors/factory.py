@@ -20,8 +20,14 @@ def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: in
     return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
 
 
-def controller(namespace: str, data_dir: str):
-    """Get or create the cluster's controller: detached, named, restarted forever by Ray."""
+def controller(namespace: str, data_dir: str, replica_replacement_ms: int | None = None):
+    """Get or create the cluster's controller: detached, named, restarted forever by Ray.
+
+    It prefers the node of the process that creates it (the driver's; on a
+    cluster, the head node), where its metadata directory lives.
+    """
+    options = {} if replica_replacement_ms is None else {"replica_replacement_ms": replica_replacement_ms}
+    here = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(Controller)
         .options(
@@ -33,8 +39,9 @@ def controller(namespace: str, data_dir: str):
             max_task_retries=0,  # callers retry; every controller method is idempotent
             num_cpus=0,
             max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
         )
-        .remote(data_dir, namespace)
+        .remote(data_dir, namespace, **options)
     )
 
 
@@ -64,5 +71,5 @@ def partition_replica(
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )
-        .remote(topic, partition, replica_id, directory, config, leader_epoch)
+        .remote(topic, partition, replica_id, directory, config, leader_epoch, namespace, CONTROLLER_NAME)
     )

@@ -1,20 +1,39 @@
 """PartitionReplica: the actor that owns one partition replica's log on its node.
 
-A thin shell around :class:`~logbus.storage.PartitionLog`: it receives encoded
-batches (uint8 arrays, never Arrow objects), appends them, and serves fetches
-as an ObjectRef to a copy of whole batches (one copy, mmap -> object store).
+A thin shell around :class:`~logbus.storage.PartitionLog` and, while it
+leads, a :class:`~logbus.protocol.replica_state.LeaderState`. It receives
+encoded batches (uint8 arrays, never Arrow objects), appends them, and serves
+fetches as an ObjectRef to a copy of whole batches (one copy, mmap -> object
+store).
+
+Roles. The controller decides who leads: ``become_leader`` /
+``become_follower`` carry the new leader epoch. A follower pulls from the
+leader through ``replica_fetch`` (the same read path consumers use, but up to
+the log end rather than the high watermark) and appends the bytes unchanged.
+Before it follows a new leader it truncates by leader epoch (KIP-101/279):
+it asks the leader where its own latest epoch ended and cuts its log there,
+never merely to its own high watermark.
+
+Leases. Every replica heartbeats to the controller; a leader accepts writes
+only while its lease (the time of its last acknowledged heartbeat plus
+``LEASE_MS``) is valid, and the controller deposes a leader only after
+``LEASE_TIMEOUT_MS`` > ``LEASE_MS`` without heartbeats. So a leader that was
+paused or cut off stops accepting writes before another replica can be
+elected: at most one replica accepts writes for a partition at any time.
+Heartbeat replies also carry the partition's current leader and epoch, so a
+replica that restarted, or missed a role change, corrects itself.
 
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
 that loop. A produce appends before its first await, so batches from one
 caller land in the order they were sent.
 
-All state is rebuilt from disk in ``__init__``: when Ray restarts the actor
-(it reruns only the constructor) the log recovers from its files, and the
-replica's latest topic config is reloaded from ``replica.json`` beside the log.
+All durable state is rebuilt from disk in ``__init__`` (Ray reruns only the
+constructor on restart); the role is relearned from the controller.
 
-Retry contract: a produce that failed may have been appended (the caller cannot
-tell a lost reply from a lost request); fetches and offset queries are
+Retry contract: a produce that failed may have been appended (the caller
+cannot tell a lost reply from a lost request); the idempotent producer's
+sequence numbers make its retries safe. Fetches and offset queries are
 idempotent.
 """
 
@@ -24,38 +43,90 @@ import asyncio
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import ray
 
-from logbus.errors import InvalidRecordError, NotLeaderError
+from logbus.errors import (
+    FencedLeaderEpochError,
+    InvalidRecordError,
+    LogbusError,
+    NotEnoughReplicasError,
+    NotLeaderError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+)
 from logbus.protocol.messages import FetchResponse, ProduceResponse
+from logbus.protocol.replica_state import LeaderState
+from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
 from logbus.storage.log_config import LogConfig
 from logbus.storage.partition_log import PartitionLog
 
 STATE_FILE = "replica.json"
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
 FETCH_WAIT_MS_MAX = 30_000
+HEARTBEAT_INTERVAL_S = 0.15
+LEASE_MS = 800  # a leader stops taking writes this long after its last acknowledged heartbeat
+LEASE_TIMEOUT_MS = 1_000  # the controller deposes a silent leader after this (must exceed LEASE_MS)
+ISR_CHECK_INTERVAL_S = 0.1
+REPLICA_FETCH_WAIT_MS = 500
+REPLICA_FETCH_MAX_BYTES = 16 << 20
+PRODUCE_TIMEOUT_MS_MAX = 120_000
+
+LEADER = "leader"
+FOLLOWER = "follower"
+UNKNOWN = "unknown"
+
+
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
 
 
 class PartitionReplica:
     """One replica of one partition (see the module docstring)."""
 
-    def __init__(self, topic: str, partition: int, replica_id: int, directory: str, config: dict, leader_epoch: int) -> None:
+    def __init__(
+        self,
+        topic: str,
+        partition: int,
+        replica_id: int,
+        directory: str,
+        config: dict,
+        leader_epoch: int,
+        namespace: str | None = None,
+        controller_name: str | None = None,
+    ) -> None:
         self.topic = topic
         self.partition = partition
         self.replica_id = replica_id
         self.directory = directory
-        state = self._load_state()
-        if state is None:
-            state = {"config": dict(config), "leader_epoch": leader_epoch}
+        self.namespace = namespace
+        self.controller_name = controller_name
+        os.makedirs(directory, exist_ok=True)
+        state = self._load_state() or {"config": dict(config), "leader_epoch": -1}
         self.config_overrides = state["config"]
-        self.leader_epoch = max(int(state["leader_epoch"]), leader_epoch)
         self.log = PartitionLog(directory, LogConfig.from_dict(self.config_overrides))
-        self._save_state()
+        self.leader_epoch = int(state["leader_epoch"])  # the epoch of the role held, -1 before any
+        self.role = UNKNOWN
+        self.leader_state: LeaderState | None = None
+        self.leader_handle = None
+        self.leader_id: int | None = None
+        self.follower_high_watermark = 0
+        self._lease_expires_ms = 0
         self._appended: asyncio.Event | None = None
-        self._background: asyncio.Task | None = None
+        self._hw_moved: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._follow_task: asyncio.Task | None = None
         self._deleted = False
+        self._save_state()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop yet: the first call starts the background work
+        # Ray runs an async actor's constructor on its event loop: start heartbeating at once,
+        # so a replica that Ray restarted rejoins without waiting for a call.
+        self._started()
 
     # --- state file --------------------------------------------------------------------------
 
@@ -78,58 +149,267 @@ class PartitionReplica:
             os.fsync(file.fileno())
         os.replace(temporary, path)
 
-    # --- helpers -------------------------------------------------------------------------------
+    # --- loop-bound set-up and background work -------------------------------------------------
 
     def _started(self) -> None:
         """Create loop-bound objects on first use (the constructor runs outside the event loop)."""
-        if self._appended is None:
-            self._appended = asyncio.Event()
-        if self._background is None:
-            self._background = asyncio.get_running_loop().create_task(self._background_loop())
+        if self._appended is not None:
+            return
+        self._appended = asyncio.Event()
+        self._hw_moved = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._housekeeping_loop()))
+        if self.controller_name is not None:
+            self._tasks.append(loop.create_task(self._heartbeat_loop()))
+        self._tasks.append(loop.create_task(self._isr_loop()))
 
-    async def _background_loop(self) -> None:
+    async def _housekeeping_loop(self) -> None:
         while not self._deleted:
             await asyncio.sleep(BACKGROUND_INTERVAL_S)
             if self._deleted:
                 return
-            self.log.enforce_retention()
-            self.log.maybe_flush()
+            try:
+                self.log.enforce_retention()
+                self.log.maybe_flush()
+            except LogbusError as error:  # keep serving; the next tick tries again
+                print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: housekeeping failed: {error}")
+
+    def _controller(self):
+        return ray.get_actor(self.controller_name, namespace=self.namespace)
+
+    async def _heartbeat_loop(self) -> None:
+        controller = None
+        while not self._deleted:
+            sent_ms = monotonic_ms()
+            try:
+                if controller is None:
+                    controller = self._controller()
+                reply = await asyncio.wait_for(
+                    controller.replica_heartbeat.remote(
+                        self.topic, self.partition, self.replica_id, self.leader_epoch, self.log.log_end_offset
+                    ),
+                    timeout=LEASE_MS / 1000,
+                )
+            except Exception:  # noqa: BLE001 (controller restarting or busy: no lease renewal this round)
+                controller = None
+                await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+                continue
+            if reply.get("deleted"):
+                self._deleted = True
+                return
+            self._lease_expires_ms = sent_ms + LEASE_MS
+            await self._reconcile(reply)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _reconcile(self, reply: dict) -> None:
+        """Adopt the controller's view of the partition if ours is stale."""
+        epoch, leader = reply["leader_epoch"], reply["leader"]
+        if leader == self.replica_id:
+            if self.role != LEADER or epoch != self.leader_epoch:
+                await self.become_leader(epoch, reply["replicas"], reply["isr"])
+            elif self.leader_state is not None:
+                self.leader_state.replicas = list(reply["replicas"])
+        elif leader is not None:
+            if self.role != FOLLOWER or epoch != self.leader_epoch or self.leader_id != leader:
+                await self.become_follower(epoch, leader, reply["leader_handle"])
+        elif self.role == LEADER and epoch > self.leader_epoch:
+            self._step_down(epoch)
+
+    async def _isr_loop(self) -> None:
+        """As leader: propose ISR changes to the controller when followers fall behind or catch up."""
+        while not self._deleted:
+            await asyncio.sleep(ISR_CHECK_INTERVAL_S)
+            state = self.leader_state
+            if self.role != LEADER or state is None or self.controller_name is None:
+                continue
+            proposal = state.proposed_isr(self.log.log_end_offset, monotonic_ms(), self.log.config.replica_lag_time_max_ms)
+            if proposal is None:
+                continue
+            try:
+                accepted = await asyncio.wait_for(
+                    self._controller().alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
+                    timeout=5,
+                )
+            except Exception:  # noqa: BLE001 (retried on the next tick)
+                accepted = None
+            if self.leader_state is state:
+                state.isr_change_done(accepted)
+                self._advance_high_watermark()
+
+    # --- roles --------------------------------------------------------------------------------------------
 
     @property
     def high_watermark(self) -> int:
-        # With one replica every appended record is committed; replication narrows this.
-        return self.log.log_end_offset
+        if self.role == LEADER and self.leader_state is not None:
+            return self.leader_state.high_watermark
+        return min(self.follower_high_watermark, self.log.log_end_offset)
 
-    def _signal_append(self) -> None:
-        event = self._appended
-        self._appended = asyncio.Event()
+    def _signal(self, attribute: str) -> None:
+        event = getattr(self, attribute)
+        setattr(self, attribute, asyncio.Event())
         event.set()
 
-    # --- data plane --------------------------------------------------------------------------------
+    def _advance_high_watermark(self) -> None:
+        if self.leader_state is not None and self.leader_state.update_high_watermark(self.log.log_end_offset):
+            self._signal("_hw_moved")
+            self._signal("_appended")  # consumers long-polling at the old watermark can proceed
 
-    async def produce(self, batch: np.ndarray, acks: int | str = 1, leader_epoch: int | None = None) -> ProduceResponse:
-        """Append one encoded batch as leader and return where it landed."""
+    def _set_epoch(self, epoch: int) -> None:
+        if epoch != self.leader_epoch:
+            self.leader_epoch = epoch
+            self._save_state()
+
+    async def become_leader(self, epoch: int, replicas: list[int], isr: list[int]) -> bool:
+        """Lead the partition from ``epoch`` on (called by the controller; idempotent)."""
         self._started()
-        if leader_epoch is not None and leader_epoch != self.leader_epoch:
-            raise NotLeaderError(f"{self.topic}-{self.partition}: request epoch {leader_epoch}, replica epoch {self.leader_epoch}")
+        if epoch < self.leader_epoch or (epoch == self.leader_epoch and self.role == LEADER):
+            return self.role == LEADER and epoch == self.leader_epoch
+        self._stop_following()
+        self._set_epoch(epoch)
+        self.log.epochs.assign(epoch, self.log.log_end_offset)
+        previous_hw = self.high_watermark
+        self.leader_state = LeaderState(
+            self.replica_id, replicas, isr, epoch, self.log.log_end_offset, previous_hw, monotonic_ms()
+        )
+        self.role = LEADER
+        self.leader_id = self.replica_id
+        self.leader_handle = None
+        if self.controller_name is None:
+            self._lease_expires_ms = 2**62  # standalone (tests): no controller to hold a lease with
+        self._advance_high_watermark()
+        self._signal("_hw_moved")
+        return True
+
+    def _step_down(self, epoch: int) -> None:
+        self.leader_state = None
+        self.role = UNKNOWN
+        self._set_epoch(epoch)
+        self._signal("_hw_moved")
+
+    async def become_follower(self, epoch: int, leader_id: int, leader_handle) -> bool:
+        """Follow ``leader_id`` from ``epoch`` on (called by the controller; idempotent)."""
+        self._started()
+        if epoch < self.leader_epoch:
+            return False
+        if self.role == FOLLOWER and epoch == self.leader_epoch and self.leader_id == leader_id:
+            return True
+        if self.role == LEADER:
+            self.follower_high_watermark = self.high_watermark
+        self.leader_state = None
+        self._set_epoch(epoch)
+        self.role = FOLLOWER
+        self.leader_id = leader_id
+        self.leader_handle = leader_handle
+        self._signal("_hw_moved")  # acks=all waiters on a deposed leader must give up
+        self._stop_following()
+        self._follow_task = asyncio.get_running_loop().create_task(self._follow(epoch, leader_handle))
+        return True
+
+    def _stop_following(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            self._follow_task = None
+
+    async def _truncate_by_epoch(self, leader) -> None:
+        """KIP-101/279: cut our log where our latest epoch diverges from the leader's log."""
+        latest = self.log.epochs.latest_epoch
+        if latest == UNDEFINED_EPOCH:
+            return
+        leader_epoch, end_offset = await leader.end_offset_for_epoch.remote(latest)
+        if leader_epoch == UNDEFINED_EPOCH:
+            target = self.log.log_start_offset
+        else:
+            _, our_end = self.log.epochs.end_offset_for(leader_epoch, self.log.log_end_offset)
+            target = min(end_offset, our_end)
+        if target < self.log.log_end_offset:
+            self.log.truncate_to(target)
+
+    async def _follow(self, epoch: int, leader) -> None:
+        truncated = False
+        while not self._deleted and self.role == FOLLOWER and self.leader_epoch == epoch:
+            try:
+                if not truncated:
+                    await self._truncate_by_epoch(leader)
+                    truncated = True
+                meta, ref = await leader.replica_fetch.remote(
+                    self.replica_id, epoch, self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS
+                )
+                if self.role != FOLLOWER or self.leader_epoch != epoch:
+                    return
+                if ref is not None:
+                    data = await ref
+                    self.log.append_as_follower(data)
+                    del data
+                self.follower_high_watermark = meta.high_watermark
+            except asyncio.CancelledError:
+                raise
+            except OffsetOutOfRangeError:
+                start, _, end = await leader.offsets.remote()
+                if self.log.log_end_offset < start:
+                    self.log.truncate_fully_and_start_at(start)
+                else:
+                    truncated = False  # our log runs past the leader's: cut it by epoch again
+            except Exception:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
+                await asyncio.sleep(0.1)
+
+    # --- data plane --------------------------------------------------------------------------------------
+
+    def _check_leader(self, epoch: int | None = None) -> LeaderState:
+        if self.role != LEADER or self.leader_state is None:
+            raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} is not the leader")
+        if epoch is not None and epoch != self.leader_epoch:
+            error = FencedLeaderEpochError if epoch < self.leader_epoch else NotLeaderError
+            raise error(f"{self.topic}-{self.partition}: request epoch {epoch}, leader epoch {self.leader_epoch}")
+        return self.leader_state
+
+    async def produce(self, batch, acks: int | str = 1, leader_epoch: int | None = None, timeout_ms: int = 30_000) -> ProduceResponse:
+        """Append one encoded batch as leader; with acks='all' wait until every ISR member has it."""
+        self._started()
+        state = self._check_leader(leader_epoch)
+        if monotonic_ms() > self._lease_expires_ms:
+            raise NotLeaderError(f"{self.topic}-{self.partition}: leader lease expired (controller unreachable)")
         if not isinstance(batch, np.ndarray | bytes | bytearray | memoryview):
             raise InvalidRecordError(f"produce takes an encoded batch (uint8 array or bytes), not {type(batch).__name__}")
+        min_isr = self.log.config.min_insync_replicas
+        if acks == "all" and state.in_sync_count() < min_isr:
+            raise NotEnoughReplicasError(
+                f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
+            )
         result = self.log.append(batch, leader_epoch=self.leader_epoch)
-        self._signal_append()
+        if not result.duplicate:
+            self._signal("_appended")
+        self._advance_high_watermark()
+        if acks == "all":
+            await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms)
 
-    async def fetch(self, offset: int, max_bytes: int = 8 << 20, max_wait_ms: int = 0):
-        """Whole batches from ``offset`` below the high watermark: (FetchResponse, ObjectRef | None).
+    async def _wait_committed(self, state: LeaderState, end_offset: int, timeout_ms: int) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
+        while state.high_watermark < end_offset:
+            if self.leader_state is not state:
+                raise NotLeaderError(f"{self.topic}-{self.partition}: leadership moved before the batch was committed")
+            if state.in_sync_count() < self.log.config.min_insync_replicas:
+                raise NotEnoughReplicasError(
+                    f"{self.topic}-{self.partition}: the ISR shrank below min.insync.replicas after the append"
+                )
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
+            try:
+                await asyncio.wait_for(self._hw_moved.wait(), min(remaining, 0.1))
+            except asyncio.TimeoutError:
+                pass
 
-        Waits up to ``max_wait_ms`` for data when there is none yet. The
-        ObjectRef holds a uint8 array of whole batches (the first may start
-        below ``offset``); it is None when nothing arrived in time.
-        """
-        self._started()
+    async def _read(self, offset: int, max_bytes: int, max_wait_ms: int, limit) -> tuple[FetchResponse, object]:
+        """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some."""
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
-        deadline = asyncio.get_running_loop().time() + max_wait_ms / 1000
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_wait_ms / 1000
+        epoch = self.leader_epoch
         while True:
-            result = self.log.read(offset, max_bytes, max_offset=self.high_watermark)
+            if self.leader_epoch != epoch:
+                raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
+            result = self.log.read(offset, max_bytes, max_offset=limit())
             if result is not None:
                 # One copy, from the mapped segment into the object store.
                 ref = ray.put(np.frombuffer(result.data, dtype=np.uint8))
@@ -138,13 +418,39 @@ class PartitionReplica:
                 )
                 del result
                 return meta, ref
-            remaining = deadline - asyncio.get_running_loop().time()
+            remaining = deadline - loop.time()
             if remaining <= 0:
                 return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
             try:
                 await asyncio.wait_for(self._appended.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
+
+    async def fetch(self, offset: int, max_bytes: int = 8 << 20, max_wait_ms: int = 0):
+        """For consumers: whole batches from ``offset`` below the high watermark: (FetchResponse, ObjectRef | None).
+
+        Waits up to ``max_wait_ms`` for data when there is none yet. The
+        ObjectRef holds a uint8 array of whole batches (the first may start
+        below ``offset``); it is None when nothing arrived in time.
+        """
+        self._started()
+        self._check_leader()
+        return await self._read(offset, max_bytes, max_wait_ms, lambda: self.high_watermark)
+
+    async def replica_fetch(self, follower_id: int, epoch: int, offset: int, max_bytes: int, max_wait_ms: int):
+        """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress."""
+        self._started()
+        state = self._check_leader(epoch)
+        if offset > self.log.log_end_offset:
+            raise OffsetOutOfRangeError(f"follower offset {offset} is past the leader's log end {self.log.log_end_offset}")
+        state.on_follower_fetch(follower_id, offset, self.log.log_end_offset, monotonic_ms())
+        self._advance_high_watermark()
+        return await self._read(offset, max_bytes, max_wait_ms, lambda: None)
+
+    async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
+        """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""
+        self._started()
+        return self.log.epochs.end_offset_for(epoch, self.log.log_end_offset)
 
     async def offsets(self) -> tuple[int, int, int]:
         """(log start offset, high watermark, log end offset)."""
@@ -172,6 +478,7 @@ class PartitionReplica:
     async def delete(self) -> None:
         """Close and remove this replica's files; the actor is killed by the controller afterwards."""
         self._deleted = True
+        self._stop_following()
         self.log.delete()
         shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -179,6 +486,29 @@ class PartitionReplica:
         """Ready check: returns the process id (fault-injection tests kill it)."""
         self._started()
         return os.getpid()
+
+    async def status(self) -> dict:
+        """Role, epoch, offsets and (as leader) ISR: for tests, tools and the controller."""
+        self._started()
+        return {
+            "replica_id": self.replica_id,
+            "role": self.role,
+            "leader_epoch": self.leader_epoch,
+            "log_start_offset": self.log.log_start_offset,
+            "log_end_offset": self.log.log_end_offset,
+            "high_watermark": self.high_watermark,
+            "isr": sorted(self.leader_state.isr) if self.leader_state else None,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+
+    async def read_all(self, max_offset: int | None = None):
+        """Every batch of the log as one uint8 array (tests compare replicas byte for byte)."""
+        chunks, offset = [], self.log.log_start_offset
+        while (result := self.log.read(offset, 64 << 20, max_offset=max_offset)) is not None:
+            chunks.append(bytes(result.data))
+            offset = result.next_offset
+        return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
     async def recovery_report(self) -> dict:
         report = self.log.recovery

@@ -112,7 +112,12 @@ def _reconnect(namespace: str, data_dir: str) -> Bus:
     return connect(namespace=namespace, data_dir=data_dir)
 
 
-def connect(address: str | None = None, data_dir: str | None = None, namespace: str = DEFAULT_NAMESPACE) -> Bus:
+def connect(
+    address: str | None = None,
+    data_dir: str | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    replica_replacement_ms: int | None = None,
+) -> Bus:
     """Connect to logbus, starting what is missing.
 
     - No ``address`` and Ray not running: start a local Ray in this process
@@ -124,6 +129,10 @@ def connect(address: str | None = None, data_dir: str | None = None, namespace: 
     creates it over ``data_dir``; reconnecting later, or after the whole Ray
     cluster restarted, over the same data directory finds every topic and
     record again.
+
+    ``replica_replacement_ms`` (used only when this call creates the
+    controller): how long a replica's node must be gone before a new replica
+    is placed on another node (default 60 s).
     """
     if not isinstance(namespace, str) or not namespace:
         raise IllegalStateError("namespace must be a non-empty str")
@@ -141,7 +150,7 @@ def connect(address: str | None = None, data_dir: str | None = None, namespace: 
         try:
             controller = ray.get_actor(factory.CONTROLLER_NAME, namespace=namespace)
         except ValueError:
-            controller = factory.controller(namespace, requested_dir)
+            controller = factory.controller(namespace, requested_dir, replica_replacement_ms)
         try:
             actual_dir = get(controller.get_data_dir.remote())
         except LeaderNotAvailableError:

@@ -28,6 +28,7 @@ from logbus.errors import (
     IllegalStateError,
     InvalidConfigError,
     InvalidGroupIdError,
+    LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
     UnknownTopicError,
@@ -127,14 +128,21 @@ class Consumer:
         metadata = self._bus.topic_metadata(tp.topic, refresh=refresh)
         if tp.partition >= metadata.partition_count:
             raise UnknownTopicError(f"topic {tp.topic!r} has partitions 0..{metadata.partition_count - 1}, not {tp.partition}")
-        return metadata.leaders[tp.partition]
+        leader = metadata.leaders[tp.partition]
+        if leader is None:
+            self._bus.forget(tp.topic)
+            raise LeaderNotAvailableError(f"{tp} has no leader right now (an election is in progress)")
+        return leader
 
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replacing any previous assignment)."""
         self._check_open()
         wanted = [_check_tp(tp) for tp in partitions]
         for tp in wanted:
-            self._leader(tp)  # unknown topics and partitions fail here, before anything changes
+            try:
+                self._leader(tp)  # unknown topics and partitions fail here, before anything changes
+            except LeaderNotAvailableError:
+                pass  # it exists; its leader is being elected
         self._partitions = {tp: self._partitions.get(tp) or _Partition(tp) for tp in wanted}
 
     def assignment(self) -> set[TopicPartition]:
@@ -229,8 +237,9 @@ class Consumer:
             try:
                 leader = self._leader(state.tp)
             except LogbusError as error:
-                state.error = error
-                continue
+                if not error.retriable:
+                    state.error = error
+                continue  # retriable (no leader yet): the next round asks again
             ref = leader.fetch.remote(state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms)
             state.in_flight = (ref, state.fetch_offset)
 
@@ -270,8 +279,14 @@ class Consumer:
     def _pump(self, timeout_s: float) -> None:
         """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records."""
         deadline = time.monotonic() + timeout_s
-        self._reset_positions([s for s in self._partitions.values() if s.position is None])
         while True:
+            try:
+                self._reset_positions([s for s in self._partitions.values() if s.position is None])
+            except LogbusError as error:
+                if not error.retriable or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+                continue
             self._send_fetches()
             self._raise_errors()
             if any(s.buffered_rows and not s.paused for s in self._partitions.values()):

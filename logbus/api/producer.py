@@ -51,6 +51,7 @@ BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame an
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
 RETRY_BACKOFF_S = 0.1
 ACKS = (0, 1, "all", -1)
+IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class BatchMetadata:
 class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
-        "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s",
+        "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
     )
 
     def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
@@ -84,6 +85,8 @@ class _Batch:
         self.attempts = 0
         self.deadline_s = now_s + delivery_timeout_s
         self.not_before_s = 0.0
+        self.records = None  # an Arrow batch to frame at dispatch (send_table)
+        self.order = 0  # dispatch order within the producer: retries keep it
 
 
 class _RecordFuture(Future):
@@ -149,7 +152,10 @@ class Producer:
         batch_size_bytes: a batch is sent once it holds this many bytes.
         buffer_memory_bytes: bound on bytes buffered and in flight; send() blocks beyond it.
         compression: None, "lz4" or "zstd" (Arrow IPC body compression).
-        max_in_flight: batches in flight per partition.
+        max_in_flight: batches in flight per partition (at most 5 with idempotence, as in Kafka).
+        enable_idempotence: give every batch a producer id and per-partition sequence numbers, so
+            retries (after a timeout or a leader failover) never write a record twice. On by
+            default unless acks=0 (which gets no replies to retry on).
         max_block_ms: how long send() may block on a full buffer before raising BufferExhaustedError.
         delivery_timeout_ms: bound on the time from send() to success or failure, retries included.
         request_timeout_ms: how long one produce request may take before it is retried.
@@ -167,6 +173,7 @@ class Producer:
         max_block_ms: float = 60_000,
         delivery_timeout_ms: float = 120_000,
         request_timeout_ms: float = 30_000,
+        enable_idempotence: bool | None = None,
     ) -> None:
         if acks not in ACKS:
             raise InvalidConfigError(f"acks must be 0, 1 or 'all', not {acks!r}")
@@ -179,6 +186,17 @@ class Producer:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and name not in ("linger_ms", "max_block_ms")):
                 raise InvalidConfigError(f"{name} must be a positive number, not {value!r}")
+        if enable_idempotence and acks == 0:
+            raise InvalidConfigError("enable_idempotence needs acks=1 or 'all': acks=0 gets no replies to retry on")
+        if enable_idempotence is None:
+            enable_idempotence = acks != 0
+        if enable_idempotence and max_in_flight > IDEMPOTENT_IN_FLIGHT_MAX:
+            raise InvalidConfigError(f"max_in_flight must be at most {IDEMPOTENT_IN_FLIGHT_MAX} with idempotence")
+        self.enable_idempotence = bool(enable_idempotence)
+        self._producer_id = rb.NO_PRODUCER_ID
+        self._producer_epoch = rb.NO_PRODUCER_EPOCH
+        self._next_sequence: dict[tuple[str, int], int] = {}
+        self._order = 0
         self._bus = bus
         self.acks = "all" if acks == -1 else acks
         self.linger_s = linger_ms / 1000
@@ -307,13 +325,12 @@ class Producer:
             step = max(1, limit // bytes_per_row)
             for start in range(0, part.num_rows, step):
                 piece = part.slice(start, step)
-                encoded = rb.frame_record_batch(piece, compression=self.compression)
-                if len(encoded) > metadata.config.max_message_bytes:
+                if piece.nbytes > limit and piece.num_rows == 1:
                     raise RecordTooLargeError(f"a row of the table exceeds max.message.bytes of topic {topic!r}")
                 batch = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s)
-                batch.encoded = encoded
+                batch.records = piece
                 batch.record_count = piece.num_rows
-                batch.size_bytes = len(encoded)
+                batch.size_bytes = piece.nbytes
                 batches.append(batch)
         with self._condition:
             for batch in batches:
@@ -407,6 +424,9 @@ class Producer:
                 continue
             self._in_flight[slot] = self._in_flight.get(slot, 0) + 1
             self._in_flight_total += 1
+            if not batch.order:
+                self._order += 1
+                batch.order = self._order
             taken.append(batch)
         self._ready = kept
         return taken, max(wait_s, 0.001)
@@ -417,12 +437,7 @@ class Producer:
                 self._refresh.discard(batch.topic)
                 self._topics[batch.topic] = self._bus.topic_metadata(batch.topic, refresh=True)
             if batch.encoded is None:
-                batch.encoded = rb.encode_batch(
-                    batch.values, batch.keys if any(k is not None for k in batch.keys) else None,
-                    batch.timestamps, batch.headers, compression=self.compression,
-                )
-                batch.record_count = len(batch.values)
-                batch.values = batch.keys = batch.headers = batch.timestamps = None
+                self._encode(batch)
             leader = self._topics[batch.topic].leaders[batch.partition]
             if leader is None:
                 raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
@@ -435,6 +450,29 @@ class Producer:
             self._complete(batch, -1, None)
             return
         ref.future().add_done_callback(lambda future: self._on_reply(batch, future))
+
+    def _encode(self, batch: _Batch) -> None:
+        """Frame a batch once, at its first dispatch: retries resend the same bytes and sequence numbers."""
+        frame = {"compression": self.compression}
+        if self.enable_idempotence:
+            if self._producer_id == rb.NO_PRODUCER_ID:
+                from logbus.api.client import get
+
+                self._producer_id = get(self._bus.controller.allocate_producer_id.remote())
+                self._producer_epoch = 0
+            slot = (batch.topic, batch.partition)
+            count = batch.record_count if batch.records is not None else len(batch.values)
+            sequence = self._next_sequence.get(slot, 0)
+            self._next_sequence[slot] = sequence + count
+            frame.update(producer_id=self._producer_id, producer_epoch=self._producer_epoch, base_sequence=sequence)
+        if batch.records is not None:
+            batch.encoded = rb.frame_record_batch(batch.records, **frame)
+            batch.records = None
+        else:
+            keys = batch.keys if any(k is not None for k in batch.keys) else None
+            batch.encoded = rb.encode_batch(batch.values, keys, batch.timestamps, batch.headers, **frame)
+            batch.record_count = len(batch.values)
+            batch.values = batch.keys = batch.headers = batch.timestamps = None
 
     def _on_reply(self, batch: _Batch, future) -> None:
         error = future.exception()
@@ -457,7 +495,10 @@ class Producer:
             if retry:
                 batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
                 self._refresh.add(batch.topic)
-                self._ready.appendleft(batch)
+                # Retried batches go out again in their first order, ahead of newer ones, so a
+                # partition's sequence numbers reach the leader in order.
+                retried = sorted([b for b in self._ready if b.order] + [batch], key=lambda b: b.order)
+                self._ready = deque(retried + [b for b in self._ready if not b.order])
             else:
                 self._buffered_bytes -= batch.size_bytes
             self._condition.notify_all()

@@ -146,6 +146,62 @@ class ClusterMetadata:
                     moved.append((topic.name, p, r))
         return moved
 
+    # --- leadership ---------------------------------------------------------------------------
+
+    def elect_leader(self, name: str, partition: int, alive: set[int], unclean_allowed: bool) -> bool:
+        """Choose a new leader for a partition whose leader is gone; True if the leadership changed.
+
+        Candidates are the live ISR members other than the failed leader, in
+        replica order. With none, and only if ``unclean_allowed``, any live
+        replica may lead (it may lack committed records). Otherwise the
+        partition stays leaderless (and the ISR keeps its last members, so a
+        returning one can lead without loss). Every change bumps the epoch.
+        """
+        state = self.topic(name).partitions[partition]
+        old = state.leader
+        candidates = [r for r in state.replicas if r in state.isr and r in alive]
+        unclean = False
+        if not candidates and unclean_allowed:
+            candidates = [r for r in state.replicas if r in alive]
+            unclean = True
+        if not candidates:
+            if old is None:
+                return False
+            state.leader = None
+            state.leader_epoch += 1
+            return True
+        new = candidates[0]
+        if new == old:
+            return False
+        state.leader = new
+        state.leader_epoch += 1
+        if unclean:
+            state.isr = [new]
+        elif old is not None and old in state.isr and len(state.isr) > 1:
+            state.isr = [r for r in state.isr if r != old]
+        return True
+
+    def alter_isr(self, name: str, partition: int, leader: int, leader_epoch: int, isr: list[int]) -> list[int] | None:
+        """Accept a leader's ISR change if it comes from the current leader and epoch; return the ISR in force."""
+        state = self.topic(name).partitions[partition]
+        if state.leader != leader or state.leader_epoch != leader_epoch:
+            return None
+        members = sorted(set(isr) & set(state.replicas) | {leader})
+        state.isr = members
+        return members
+
+    def replace_replica(self, name: str, partition: int, dead: int, node: str) -> int:
+        """Put a new replica (a fresh id, so a fresh directory) on ``node`` in place of ``dead``."""
+        state = self.topic(name).partitions[partition]
+        new = max(state.replicas) + 1
+        state.replicas = [new if r == dead else r for r in state.replicas]
+        state.nodes.pop(str(dead), None)
+        state.nodes[str(new)] = node
+        state.isr = [r for r in state.isr if r != dead]
+        if state.leader == dead:
+            state.leader = None
+        return new
+
     def allocate_producer_id(self) -> int:
         producer_id = self.next_producer_id
         self.next_producer_id += 1

@@ -1,0 +1,598 @@
+"""Ray Data: read a topic's offset range as a Dataset, and write a Dataset into a topic.
+
+``read_dataset(topic, start, end)`` returns a :class:`ray.data.Dataset` with the
+schema of ``ray.data.read_kafka`` (:data:`SCHEMA`). The offset range of every
+partition is resolved once, on the driver, when ``read_dataset`` is called:
+the start and end offsets of all partitions are asked for together, so the
+range is one consistent cut of the topic, errors in the arguments surface
+before any task starts, and re-running the Dataset reads the same records.
+
+There is one read task per partition. It calls the partition leader's
+``fetch`` directly (actor handles pickle), keeps the next fetch in flight while
+it decodes the current one, decodes whole batches with Arrow without copying
+(:func:`~logbus.storage.record_batch.decode_batches`), slices them to
+``[start, end)``, and yields blocks of about ``block_size_bytes``, so that
+downstream consumers (Spark through RayDP above all) get a few large Arrow
+blocks rather than many small ones.
+
+``TopicSink`` is a :class:`ray.data.Datasink`: ``ds.write_datasink(TopicSink(...))``
+sends every block with one :class:`~logbus.api.producer.Producer` per write
+task (``send_table``, then ``flush``), so no per-row Python runs on the path
+unless rows are partitioned by key.
+
+Offset specifications (``start`` / ``end``):
+
+- ``"earliest"`` (the log start offset) / ``"latest"`` (the high watermark);
+  ``start`` cannot be ``"latest"`` and ``end`` cannot be ``"earliest"`` (as in
+  ``read_kafka`` and Spark's batch Kafka source);
+- an ``int``: the same offset in every partition;
+- a :class:`datetime.datetime`: per partition, the first offset whose timestamp
+  is at or after it (a naive datetime is UTC); the high watermark when there
+  is none;
+- a ``{partition: offset}`` dict whose offsets are any of the above;
+  partitions not listed take ``"earliest"`` (start) or ``"latest"`` (end).
+
+As in ``read_kafka``, an end past the high watermark is cut to it, and a start
+below the log start offset (records already deleted by retention) is raised to
+it with a warning. A start past the high watermark, a start after the end,
+and negative offsets raise :class:`~logbus.errors.OffsetOutOfRangeError`.
+
+``timestamp_type`` follows Kafka's Java client and Spark: 0 for CreateTime, 1
+for LogAppendTime (records of a LogAppendTime batch carry the batch's append
+time, its max timestamp).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import datetime, timezone
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.data import Dataset
+from ray.data.block import BlockAccessor, BlockMetadata
+from ray.data.datasource import Datasink, Datasource, ReadTask
+
+from logbus.api.client import Bus, connect, get
+from logbus.api.producer import Producer
+from logbus.errors import (
+    InvalidConfigError,
+    InvalidRecordError,
+    LeaderNotAvailableError,
+    LogbusError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+    UnknownTopicError,
+)
+from logbus.storage import record_batch as rb
+from logbus.storage.names import validate_topic_name
+
+logger = logging.getLogger(__name__)
+
+EARLIEST = "earliest"
+LATEST = "latest"
+
+SCHEMA = pa.schema(
+    [
+        pa.field("offset", pa.int64()),
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary()),
+        pa.field("topic", pa.string()),
+        pa.field("partition", pa.int32()),
+        pa.field("timestamp", pa.int64()),  # ms since the epoch
+        pa.field("timestamp_type", pa.int32()),  # 0 CreateTime, 1 LogAppendTime
+        pa.field("headers", rb.HEADERS_TYPE),
+    ]
+)
+
+FETCH_MAX_BYTES = 8 << 20  # per fetch; a fetch returns whole batches, at least one
+# Blocks of 16 MiB are about 120,000 records of 100 bytes: few enough blocks for
+# Spark (through RayDP each block becomes one Spark partition and one task).
+BLOCK_SIZE_BYTES = 16 << 20
+# How long a read task keeps retrying a partition whose leader is unavailable
+# (restarting, or moving after a failover) before it gives up.
+RETRY_TIMEOUT_S = 60.0
+RETRY_BACKOFF_S = 0.2
+# A fetch below ``end`` that returns nothing means the high watermark went
+# back (a leader change truncated the log): wait this long for it to return.
+MISSING_RECORDS_WAIT_MS = 2_000
+
+
+# --- offset resolution (driver side) ----------------------------------------------------------
+
+
+def _to_ms(moment: datetime) -> int:
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return int(moment.timestamp() * 1000)
+
+
+def _check_spec(spec, what: str, forbidden: str) -> None:
+    """Raise InvalidConfigError unless ``spec`` is one offset specification (not a dict)."""
+    if isinstance(spec, str):
+        if spec not in (EARLIEST, LATEST):
+            raise InvalidConfigError(f"{what} must be 'earliest', 'latest', an int, a datetime or a {{partition: offset}} dict, not {spec!r}")
+        if spec == forbidden:
+            raise InvalidConfigError(f"{what} cannot be {forbidden!r}")
+    elif isinstance(spec, datetime):
+        pass
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 0:
+            raise OffsetOutOfRangeError(f"{what} must be a non-negative offset, not {spec}")
+    else:
+        raise InvalidConfigError(
+            f"{what} must be 'earliest', 'latest', an int, a datetime or a {{partition: offset}} dict, not {spec!r}"
+        )
+
+
+def _per_partition(spec, what: str, default: str, forbidden: str, partition_count: int) -> list:
+    """One offset specification per partition, checked."""
+    if isinstance(spec, dict):
+        specs = [default] * partition_count
+        for partition, offset in spec.items():
+            if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
+                raise InvalidConfigError(f"{what} keys must be partition numbers (int >= 0), not {partition!r}")
+            if partition >= partition_count:
+                raise UnknownTopicError(f"{what} names partition {partition}; the topic has partitions 0..{partition_count - 1}")
+            _check_spec(offset, f"{what}[{partition}]", forbidden)
+            specs[partition] = offset
+        return specs
+    _check_spec(spec, what, forbidden)
+    return [spec] * partition_count
+
+
+def resolve_offsets(bus: Bus, topic: str, start="earliest", end="latest") -> list[tuple[int, int]]:
+    """Resolve ``start`` and ``end`` to ``[(start, end)]`` per partition, with one round of concurrent calls.
+
+    See the module docstring for the accepted specifications and the errors.
+    """
+    validate_topic_name(topic)
+    metadata = bus.topic_metadata(topic, refresh=True)
+    count = metadata.partition_count
+    starts = _per_partition(start, "start", EARLIEST, LATEST, count)
+    ends = _per_partition(end, "end", LATEST, EARLIEST, count)
+    leaders = metadata.leaders
+    for partition, leader in enumerate(leaders):
+        if leader is None:
+            raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
+    # Every call goes out before any answer is awaited: one cut across the partitions.
+    offset_refs = [leader.offsets.remote() for leader in leaders]
+    time_refs = {}
+    for partition, specs in enumerate(zip(starts, ends)):
+        for spec in specs:
+            if isinstance(spec, datetime):
+                time_refs[(partition, spec)] = leaders[partition].offset_for_timestamp.remote(_to_ms(spec))
+    bounds = [get(ref) for ref in offset_refs]
+    by_time = {key: get(ref) for key, ref in time_refs.items()}
+
+    ranges = []
+    for partition, (log_start, high_watermark, _) in enumerate(bounds):
+
+        def resolve(spec) -> int:
+            if spec == EARLIEST:
+                return log_start
+            if spec == LATEST:
+                return high_watermark
+            if isinstance(spec, datetime):
+                found = by_time[(partition, spec)]
+                return high_watermark if found < 0 else found
+            return spec
+
+        first, last = resolve(starts[partition]), min(resolve(ends[partition]), high_watermark)
+        if first > high_watermark:
+            raise OffsetOutOfRangeError(
+                f"start offset {first} of {topic}-{partition} is past its high watermark {high_watermark}"
+            )
+        if first < log_start:
+            logger.warning(
+                "start offset %d of %s-%d is below its log start offset %d (deleted by retention); reading from %d",
+                first, topic, partition, log_start, log_start,
+            )
+            first = log_start
+        if last < first:
+            raise OffsetOutOfRangeError(
+                f"end offset {last} of {topic}-{partition} is before its start offset {first} "
+                f"(start={starts[partition]!r}, end={ends[partition]!r})"
+            )
+        ranges.append((first, last))
+    return ranges
+
+
+# --- reading (read task side) -----------------------------------------------------------------
+
+
+def _records_to_rows(topic: str, partition: int, header: rb.BatchHeader, records: pa.RecordBatch, first: int) -> pa.RecordBatch:
+    """One decoded (and sliced) batch as a record batch of SCHEMA; every column but four is a view."""
+    count = records.num_rows
+    timestamps = records.column(2)
+    if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+        timestamps = pa.array(np.full(count, header.max_timestamp_ms, np.int64))
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.arange(first, first + count, dtype=np.int64)),
+            records.column(0),
+            records.column(1),
+            pa.repeat(pa.scalar(topic, pa.string()), count),
+            pa.repeat(pa.scalar(partition, pa.int32()), count),
+            timestamps,
+            pa.repeat(pa.scalar(header.timestamp_type, pa.int32()), count),
+            records.column(3),
+        ],
+        schema=SCHEMA,
+    )
+
+
+class _PartitionReader:
+    """Reads ``[start, end)`` of one partition with one fetch kept in flight; retries while the leader is away."""
+
+    def __init__(self, topic: str, partition: int, leader, namespace: str, data_dir: str, fetch_max_bytes: int) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.leader = leader
+        self.namespace = namespace
+        self.data_dir = data_dir
+        self.fetch_max_bytes = fetch_max_bytes
+
+    def _fetch(self, offset: int, max_wait_ms: int = 0):
+        return self.leader.fetch.remote(offset, self.fetch_max_bytes, max_wait_ms)
+
+    def _refresh_leader(self) -> None:
+        metadata = connect(namespace=self.namespace, data_dir=self.data_dir).topic_metadata(self.topic, refresh=True)
+        if metadata.leaders[self.partition] is not None:
+            self.leader = metadata.leaders[self.partition]
+
+    def batches(self, start: int, end: int, verify_crc: bool) -> Iterator[pa.RecordBatch]:
+        offset = start
+        pending = self._fetch(offset) if offset < end else None
+        deadline = None  # of the retries after a retriable error
+        waited = False  # for records that should be there
+        while pending is not None:
+            try:
+                meta, data_ref = get(pending, timeout_s=None)
+                data = None if data_ref is None else get(data_ref, timeout_s=None)
+            except LogbusError as error:
+                if not error.retriable:
+                    raise
+                deadline = deadline or time.monotonic() + RETRY_TIMEOUT_S
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(RETRY_BACKOFF_S)
+                try:
+                    self._refresh_leader()
+                except LogbusError:
+                    pass  # the controller may be restarting too; keep the old handle and retry
+                pending = self._fetch(offset)
+                continue
+            deadline = None
+            if data is None:
+                # Records below ``end`` were committed when the range was resolved; if the
+                # high watermark went back since (a new leader truncated), wait for it once.
+                if waited:
+                    raise OffsetOutOfRangeError(
+                        f"{self.topic}-{self.partition}: offsets up to {end} were committed when the read started, "
+                        f"but the high watermark is now {meta.high_watermark} (the log was truncated)"
+                    )
+                waited = True
+                pending = self._fetch(offset, MISSING_RECORDS_WAIT_MS)
+                continue
+            waited = False
+            next_offset = min(meta.next_offset, end)
+            # Ask for the next range before decoding this one, so the fetch overlaps the decode.
+            pending = self._fetch(next_offset) if next_offset < end else None
+            for header, records in rb.decode_batches(data, verify_crc=verify_crc):
+                first = max(offset, header.base_offset)
+                stop = min(end, header.next_offset)
+                if stop <= first:
+                    continue
+                if first != header.base_offset or stop != header.next_offset:
+                    records = records.slice(first - header.base_offset, stop - first)
+                yield _records_to_rows(self.topic, self.partition, header, records, first)
+            offset = next_offset
+
+
+def _read_partition(
+    topic: str,
+    partition: int,
+    leader,
+    namespace: str,
+    data_dir: str,
+    start: int,
+    end: int,
+    fetch_max_bytes: int,
+    block_size_bytes: int,
+    verify_crc: bool,
+) -> Iterator[pa.Table]:
+    """The body of one read task: blocks of about ``block_size_bytes`` covering ``[start, end)``."""
+    reader = _PartitionReader(topic, partition, leader, namespace, data_dir, fetch_max_bytes)
+    pending: list[pa.RecordBatch] = []
+    pending_bytes = 0
+    for batch in reader.batches(start, end, verify_crc):
+        pending.append(batch)
+        pending_bytes += batch.nbytes
+        if pending_bytes >= block_size_bytes:
+            yield pa.Table.from_batches(pending, SCHEMA)
+            pending, pending_bytes = [], 0
+    if pending:
+        yield pa.Table.from_batches(pending, SCHEMA)
+
+
+class TopicDatasource(Datasource):
+    """A bounded offset range of a topic as a Ray Data source: one read task per partition.
+
+    The range is resolved in the constructor (on the driver); see the module docstring.
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        start="earliest",
+        end="latest",
+        bus: Bus | None = None,
+        *,
+        fetch_max_bytes: int = FETCH_MAX_BYTES,
+        block_size_bytes: int = BLOCK_SIZE_BYTES,
+        verify_crc: bool = True,
+    ) -> None:
+        super().__init__()
+        for name, value in (("fetch_max_bytes", fetch_max_bytes), ("block_size_bytes", block_size_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        bus = connect() if bus is None else bus
+        self.topic = validate_topic_name(topic)
+        self.ranges = resolve_offsets(bus, topic, start, end)
+        self._leaders = bus.topic_metadata(topic).leaders
+        self._namespace = bus.namespace
+        self._data_dir = bus.data_dir
+        self._fetch_max_bytes = fetch_max_bytes
+        self._block_size_bytes = block_size_bytes
+        self._verify_crc = verify_crc
+
+    @property
+    def num_rows(self) -> int:
+        return sum(end - start for start, end in self.ranges)
+
+    def get_name(self) -> str:
+        return "Logbus"
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list[ReadTask]:
+        tasks = []
+        for partition, (start, end) in enumerate(self.ranges):
+            if start >= end:
+                continue  # nothing to read: no task, no empty block
+
+            def read_fn(
+                partition=partition, start=start, end=end, topic=self.topic, leader=self._leaders[partition],
+                namespace=self._namespace, data_dir=self._data_dir, fetch_max_bytes=self._fetch_max_bytes,
+                block_size_bytes=self._block_size_bytes, verify_crc=self._verify_crc,
+            ):
+                return _read_partition(
+                    topic, partition, leader, namespace, data_dir, start, end, fetch_max_bytes, block_size_bytes, verify_crc
+                )
+
+            metadata = BlockMetadata(
+                num_rows=end - start,  # offsets are dense: record i of a batch is base_offset + i
+                size_bytes=None,
+                input_files=[f"logbus://{self.topic}/{partition}"],
+                exec_stats=None,
+            )
+            tasks.append(ReadTask(read_fn, metadata, schema=SCHEMA, per_task_row_limit=per_task_row_limit))
+        return tasks
+
+
+def read_dataset(
+    topic: str,
+    start="earliest",
+    end="latest",
+    bus: Bus | None = None,
+    *,
+    fetch_max_bytes: int = FETCH_MAX_BYTES,
+    block_size_bytes: int = BLOCK_SIZE_BYTES,
+    verify_crc: bool = True,
+    num_cpus: float | None = None,
+    ray_remote_args: dict | None = None,
+) -> Dataset:
+    """Read ``[start, end)`` of every partition of ``topic`` as a Ray Dataset.
+
+    Columns (as ``ray.data.read_kafka``): offset int64, key binary, value binary,
+    topic string, partition int32, timestamp int64 (ms), timestamp_type int32,
+    headers map<string, binary>. ``bus=None`` connects with :func:`logbus.connect`.
+
+    The offsets are resolved now (see the module docstring); the records are
+    read when the Dataset executes. Raises UnknownTopicError, InvalidTopicError,
+    InvalidConfigError or OffsetOutOfRangeError here, before any task starts.
+    """
+    datasource = TopicDatasource(
+        topic, start, end, bus, fetch_max_bytes=fetch_max_bytes, block_size_bytes=block_size_bytes, verify_crc=verify_crc
+    )
+    tasks = sum(1 for start, end in datasource.ranges if start < end)
+    if tasks == 0:
+        return ray.data.from_arrow(SCHEMA.empty_table())
+    # One output stream per read task: without this Ray Data splits each task's
+    # blocks into many small ones to reach its default minimum block count.
+    return ray.data.read_datasource(datasource, num_cpus=num_cpus, ray_remote_args=ray_remote_args, override_num_blocks=tasks)
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def _is_binary_like(arrow_type: pa.DataType) -> bool:
+    return (
+        pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type) or pa.types.is_string(arrow_type)
+        or pa.types.is_large_string(arrow_type) or pa.types.is_null(arrow_type)
+    )
+
+
+def _is_entry_list(arrow_type: pa.DataType) -> bool:
+    """list<struct<key: string, value: binary>>: headers as Spark's Kafka source spells them."""
+    if not (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)):
+        return False
+    item = arrow_type.value_type
+    return pa.types.is_struct(item) and item.num_fields == 2 and [item.field(i).name for i in range(2)] == ["key", "value"]
+
+
+def headers_to_map(array) -> pa.Array:
+    """Headers as map<string, binary>, from a map or from a list of {key, value} structs (zero-copy where it can)."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if pa.types.is_map(array.type):
+        return array.cast(rb.HEADERS_TYPE)
+    if _is_entry_list(array.type):
+        if pa.types.is_large_list(array.type):
+            array = array.cast(pa.list_(array.type.value_type))
+        entries = array.values
+        mask = array.is_null() if array.null_count else None
+        return pa.MapArray.from_arrays(
+            array.offsets, entries.field(0).cast(pa.string()), entries.field(1).cast(pa.binary()), mask=mask
+        )
+    if pa.types.is_null(array.type):
+        return pa.nulls(len(array), rb.HEADERS_TYPE)
+    raise InvalidRecordError(f"headers must be map<string, binary> or list<struct<key, value>>, not {array.type}")
+
+
+def _timestamps_ms(array) -> pa.Array:
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if pa.types.is_timestamp(array.type):
+        return array.cast(pa.timestamp("ms", array.type.tz)).cast(pa.int64())
+    return array.cast(pa.int64())
+
+
+class TopicSink(Datasink):
+    """Writes a Dataset into a topic: ``ds.write_datasink(TopicSink("events", key_column="user"))``.
+
+    Args:
+        topic: an existing topic (checked now, on the driver).
+        key_column: the column of record keys (binary or string), or None for keyless records.
+        value_column: the column of record values (binary or string); required.
+        bus: from :func:`logbus.connect`; None connects to the default.
+        headers_column, timestamp_column, partition_column: used when the Dataset has a
+            column of that name (None: never). Headers are map<string, binary> or
+            list<struct<key, value>> (Spark's spelling); timestamps are int64 ms or an
+            Arrow timestamp; partitions are ints in range. Rows without a partition go
+            by key hash, or to one sticky partition per block.
+        producer_options: keyword arguments for each write task's :class:`Producer`.
+
+    Delivery: every write task flushes its producer and fails if any record
+    failed, so a successful write means every record was acknowledged. A
+    retried task sends its block again (at-least-once, as Kafka without
+    idempotence). After the write, ``records_written`` holds the total.
+    """
+
+    def __init__(
+        self,
+        topic: str,
+        key_column: str | None = None,
+        value_column: str = "value",
+        bus: Bus | None = None,
+        *,
+        headers_column: str | None = "headers",
+        timestamp_column: str | None = "timestamp",
+        partition_column: str | None = "partition",
+        producer_options: dict | None = None,
+    ) -> None:
+        if not isinstance(value_column, str) or not value_column:
+            raise InvalidConfigError(f"value_column must be a column name, not {value_column!r}")
+        for name, column in (("key_column", key_column), ("headers_column", headers_column),
+                             ("timestamp_column", timestamp_column), ("partition_column", partition_column)):
+            if column is not None and (not isinstance(column, str) or not column):
+                raise InvalidConfigError(f"{name} must be a column name or None, not {column!r}")
+        self.bus = connect() if bus is None else bus
+        self.topic = validate_topic_name(topic)
+        self.bus.topic_metadata(topic, refresh=True)  # UnknownTopicError now, not in a task
+        self.key_column = key_column
+        self.value_column = value_column
+        self.headers_column = headers_column
+        self.timestamp_column = timestamp_column
+        self.partition_column = partition_column
+        self.producer_options = dict(producer_options or {})
+        Producer(self.bus, **self.producer_options).close()  # bad producer options fail now
+        self.records_written = 0
+
+    def get_name(self) -> str:
+        return "Logbus"
+
+    @property
+    def min_bytes_per_write(self) -> int:
+        return 4 << 20  # a few MiB per write task call: whole batches, few actor calls
+
+    def on_write_start(self, schema: pa.Schema | None = None) -> None:
+        """Check the columns on the driver before any write task starts."""
+        if schema is None:
+            return
+        if hasattr(schema, "base_schema"):
+            schema = schema.base_schema
+        names = list(schema.names)
+        if self.value_column not in names:
+            raise InvalidRecordError(f"the Dataset has no value column {self.value_column!r}; its columns are {names}")
+        if not _is_binary_like(schema.field(self.value_column).type):
+            raise InvalidRecordError(f"value column {self.value_column!r} must be binary or string, not {schema.field(self.value_column).type}")
+        if self.key_column is not None:
+            if self.key_column not in names:
+                raise InvalidRecordError(f"the Dataset has no key column {self.key_column!r}; its columns are {names}")
+            if not _is_binary_like(schema.field(self.key_column).type):
+                raise InvalidRecordError(f"key column {self.key_column!r} must be binary or string, not {schema.field(self.key_column).type}")
+        if self.headers_column in names:
+            kind = schema.field(self.headers_column).type
+            if not (pa.types.is_map(kind) or _is_entry_list(kind) or pa.types.is_null(kind)):
+                raise InvalidRecordError(f"headers column {self.headers_column!r} must be map<string, binary> or list<struct<key, value>>, not {kind}")
+        if self.partition_column in names and not pa.types.is_integer(schema.field(self.partition_column).type):
+            raise InvalidRecordError(f"partition column {self.partition_column!r} must hold ints, not {schema.field(self.partition_column).type}")
+
+    def _table(self, block) -> pa.Table:
+        """The columns send_table takes, from one block."""
+        table = BlockAccessor.for_block(block).to_arrow()
+        names = table.schema.names
+        if self.value_column not in names:
+            raise InvalidRecordError(f"a block has no value column {self.value_column!r}; its columns are {names}")
+        columns = {"value": table.column(self.value_column)}
+        if self.key_column is not None:
+            columns["key"] = table.column(self.key_column)
+        if self.headers_column in names:
+            columns["headers"] = headers_to_map(table.column(self.headers_column))
+        if self.timestamp_column in names:
+            columns["timestamp"] = _timestamps_ms(table.column(self.timestamp_column))
+        if self.partition_column in names:
+            column = table.column(self.partition_column)
+            if column.null_count:
+                raise InvalidRecordError(f"partition column {self.partition_column!r} has nulls")
+            columns["partition"] = column
+        return pa.table(columns)
+
+    def write(self, blocks, ctx) -> int:
+        producer = Producer(self.bus, **self.producer_options)
+        futures, count = [], 0
+        try:
+            for block in blocks:
+                table = self._table(block)
+                if table.num_rows:
+                    futures.append(producer.send_table(self.topic, table))
+                    count += table.num_rows
+            producer.flush()
+        finally:
+            producer.close()
+        for future in futures:
+            future.result()  # raises the first failed batch's error
+        return count
+
+    def on_write_complete(self, write_result) -> None:
+        self.records_written = sum(write_result.write_returns)
+
+
+def write_dataset(dataset: Dataset, topic: str, bus: Bus | None = None, *, key_column: str | None = None, value_column: str = "value", **sink_options) -> int:
+    """Write ``dataset`` into ``topic`` through a :class:`TopicSink`; returns the number of records written.
+
+    Unlike a bare ``write_datasink``, this checks the columns against the
+    Dataset's schema before any task (read or write) starts.
+    """
+    sink = TopicSink(topic, key_column=key_column, value_column=value_column, bus=bus, **sink_options)
+    schema = dataset.schema(fetch_if_missing=False)
+    if schema is not None:
+        sink.on_write_start(schema)
+    dataset.write_datasink(sink)
+    return sink.records_written

@@ -1,0 +1,319 @@
+"""Spark through RayDP: read a topic into a DataFrame, write a DataFrame into a topic.
+
+    import logbus.spark
+
+    spark = logbus.spark.init_spark("my-app")          # Spark executors as Ray actors
+    df = logbus.spark.read(spark, "events")             # the Spark Kafka source's schema
+    df.groupBy("key").count().show()
+    logbus.spark.write(df.selectExpr("key", "upper(value) AS value"), "events-upper")
+    logbus.spark.stop_spark()
+
+``read`` goes topic -> :func:`logbus.api.dataset.read_dataset` (one Ray task per
+partition, large Arrow blocks) -> ``Dataset.to_spark`` (RayDP) -> a cheap Spark
+projection to the exact schema of Spark's Kafka source:
+
+    key binary, value binary, topic string, partition int, offset long,
+    timestamp timestamp, timestampType int [, headers array<struct<key string, value binary>>]
+
+The offsets are resolved when ``read`` is called and the records are read
+into Ray's object store then (RayDP's ``to_spark`` needs the blocks); Spark
+reads them from there each time the DataFrame is evaluated, so the DataFrame
+always holds the same records.
+
+``write`` goes DataFrame -> ``ray.data.from_spark`` (RayDP) -> :class:`~logbus.api.dataset.TopicSink`,
+with Spark's Kafka sink columns: ``value`` (required, string or binary) and
+optional ``key``, ``headers`` and ``partition``; other columns are ignored.
+
+Environment (RayDP 1.6.5 on Java 17): :func:`init_spark` adds the JVM options
+Spark needs on Java 17 to the driver, executor and RayDP app master options
+(keeping the caller's), and points ``PYSPARK_PYTHON`` at this interpreter
+when it is not set (RayDP's Python workers must import pyarrow and ray).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import datetime
+
+from logbus.api.client import Bus, connect
+from logbus.api.dataset import EARLIEST, LATEST, TopicSink, read_dataset
+from logbus.errors import IllegalStateError, InvalidConfigError, InvalidRecordError
+from logbus.storage.names import validate_topic_name
+
+# Packages of java.base that Spark 3.5 and RayDP open by reflection (Java 17 refuses without these).
+_OPENED_PACKAGES = (
+    "java.lang", "java.lang.invoke", "java.lang.reflect", "java.io", "java.net", "java.nio", "java.math",
+    "java.text", "java.time", "java.util", "java.util.concurrent", "java.util.concurrent.atomic",
+    "jdk.internal.misc", "sun.nio.ch", "sun.nio.cs", "sun.security.action", "sun.util.calendar",
+)
+JAVA_17_OPTIONS = " ".join(["-XX:+IgnoreUnrecognizedVMOptions"] + [f"--add-opens=java.base/{p}=ALL-UNNAMED" for p in _OPENED_PACKAGES])
+JAVA_OPTION_KEYS = (
+    "spark.driver.extraJavaOptions",
+    "spark.executor.extraJavaOptions",
+    "spark.ray.raydp_app_master.extraJavaOptions",
+)
+
+# Spark's Kafka source spells the offset bounds in JSON with these two sentinels.
+SPARK_EARLIEST = -2
+SPARK_LATEST = -1
+
+_KAFKA_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp", "timestampType")
+
+
+def spark_configs(configs: dict | None = None) -> dict:
+    """``configs`` with the Java 17 options merged in (ours first, so the caller's can override)."""
+    merged = {str(k): str(v) for k, v in (configs or {}).items()}
+    for key in JAVA_OPTION_KEYS:
+        theirs = merged.get(key, "").strip()
+        merged[key] = f"{JAVA_17_OPTIONS} {theirs}".strip()
+    return merged
+
+
+def init_spark(
+    app_name: str = "logbus",
+    num_executors: int = 1,
+    executor_cores: int = 1,
+    executor_memory: str | int = "1GB",
+    configs: dict | None = None,
+    **raydp_options,
+):
+    """Start Spark on Ray with RayDP (``raydp.init_spark``) and return the SparkSession.
+
+    Starts a local Ray first if none is running (as RayDP does). Spark's
+    executors are Ray actors of ``executor_cores`` CPUs each: leave Ray enough
+    CPUs for them and for the read tasks. ``raydp_options`` go to
+    ``raydp.init_spark`` (e.g. ``placement_group_strategy``).
+    """
+    import raydp
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    return raydp.init_spark(
+        app_name, num_executors, executor_cores, executor_memory, configs=spark_configs(configs), **raydp_options
+    )
+
+
+def stop_spark() -> None:
+    """Stop the Spark session started by :func:`init_spark` (and its executor actors)."""
+    import raydp
+
+    raydp.stop_spark()
+
+
+def check_spark(spark) -> None:
+    """Raise IllegalStateError unless ``spark`` is a live SparkSession started through RayDP."""
+    from pyspark.sql import SparkSession
+
+    if spark is None:
+        raise IllegalStateError("Spark is not started: pass the session from logbus.spark.init_spark(...)")
+    if not isinstance(spark, SparkSession):
+        raise IllegalStateError(f"expected a SparkSession from logbus.spark.init_spark(...), not {type(spark).__name__}")
+    context = spark.sparkContext
+    if getattr(context, "_jsc", None) is None:
+        raise IllegalStateError("this Spark session was stopped: start one with logbus.spark.init_spark(...)")
+    master = context.master or ""
+    if not master.startswith("ray://"):
+        raise IllegalStateError(
+            f"this Spark session runs on {master!r}, not on Ray: logbus hands data to Spark through RayDP, "
+            "so start the session with logbus.spark.init_spark(...)"
+        )
+
+
+# --- offsets in Spark's spelling -----------------------------------------------------------------
+
+
+def _offsets(spec, topic: str, what: str, forbidden: str):
+    """Translate Spark's offset spelling into read_dataset's; other specifications pass through.
+
+    Accepts "earliest"/"latest", a JSON string or dict like {"topic": {"0": 23, "1": -2}}
+    (-2 earliest, -1 latest), or anything read_dataset takes (int, datetime, {partition: offset}).
+    """
+    if isinstance(spec, str) and spec not in (EARLIEST, LATEST):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            raise InvalidConfigError(
+                f"{what} must be 'earliest', 'latest' or JSON like {{\"{topic}\": {{\"0\": 23}}}}, not {spec!r}"
+            ) from None
+        if not isinstance(spec, dict):
+            raise InvalidConfigError(f"{what} JSON must be an object of topics, not {spec!r}")
+    if not (isinstance(spec, dict) and spec and all(isinstance(k, str) for k in spec)):
+        return spec  # read_dataset's own spelling, checked there
+    others = sorted(k for k in spec if k != topic)
+    if others:
+        raise InvalidConfigError(f"{what} names topics {others}; this read is of topic {topic!r} only")
+    partitions = spec.get(topic)
+    if not isinstance(partitions, dict):
+        raise InvalidConfigError(f"{what}[{topic!r}] must map partitions to offsets, not {partitions!r}")
+    translated = {}
+    for partition, offset in partitions.items():
+        try:
+            number = int(partition)
+        except (TypeError, ValueError):
+            raise InvalidConfigError(f"{what}[{topic!r}] has a partition {partition!r} that is not a number") from None
+        if isinstance(offset, bool) or not isinstance(offset, int | datetime | str):
+            raise InvalidConfigError(f"{what}[{topic!r}][{partition!r}] must be an offset, not {offset!r}")
+        if offset == SPARK_EARLIEST:
+            offset = EARLIEST
+        elif offset == SPARK_LATEST:
+            offset = LATEST
+        if offset == forbidden:
+            raise InvalidConfigError(
+                f"{what}[{topic!r}][{partition!r}] cannot be {forbidden!r} "
+                f"({SPARK_LATEST if forbidden == LATEST else SPARK_EARLIEST}) in a batch read"
+            )
+        translated[number] = offset
+    return translated
+
+
+# --- read -------------------------------------------------------------------------------------------
+
+
+def _spark_block(block, include_headers: bool):
+    """A read_dataset block in a shape RayDP's ``to_spark`` carries intact.
+
+    ``to_spark`` goes through pandas inside Spark's Python workers (mapInPandas),
+    and two things break there: Arrow maps (Spark's converter wants dicts) and,
+    with pandas 3, string columns (pandas keeps them as chunked Arrow arrays
+    that Spark 3.5 cannot take). So headers travel as list<struct<key, value>>
+    and every string as binary; the Spark projection in :func:`read` casts back.
+    """
+    import pyarrow as pa
+
+    block = block.set_column(block.schema.get_field_index("topic"), "topic", block.column("topic").cast(pa.binary()))
+    index = block.schema.get_field_index("headers")
+    if not include_headers:
+        return block.remove_column(index)
+    headers = block.column("headers").combine_chunks()
+    entries = pa.StructArray.from_arrays([headers.keys.cast(pa.binary()), headers.items], names=["key", "value"])
+    mask = headers.is_null() if headers.null_count else None
+    return block.set_column(index, "headers", pa.ListArray.from_arrays(headers.offsets, entries, mask=mask))
+
+
+def read(
+    spark,
+    topic: str,
+    starting_offsets="earliest",
+    ending_offsets="latest",
+    include_headers: bool = False,
+    bus: Bus | None = None,
+):
+    """Read ``[starting_offsets, ending_offsets)`` of ``topic`` as a Spark DataFrame.
+
+    Offsets: "earliest", "latest", Spark's JSON spelling (a string or dict,
+    ``{"topic": {"0": 23, "1": -2}}``, -2 earliest, -1 latest; partitions not
+    named take earliest / latest), or what :func:`logbus.api.dataset.read_dataset`
+    takes. Bad arguments raise before any task starts: IllegalStateError
+    (Spark not started), UnknownTopicError, InvalidConfigError, OffsetOutOfRangeError.
+    """
+    from pyspark.sql import functions as F
+
+    check_spark(spark)
+    validate_topic_name(topic)
+    start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
+    end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
+    dataset = read_dataset(topic, start, end, bus=bus).map_batches(
+        _spark_block, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
+        fn_kwargs={"include_headers": include_headers},
+    )
+    dataset = dataset.materialize()  # to_spark needs the blocks and the schema: read them once
+    columns = [
+        F.col("key"),
+        F.col("value"),
+        F.col("topic").cast("string").alias("topic"),
+        F.col("partition"),
+        F.col("offset"),
+        F.timestamp_millis(F.col("timestamp")).alias("timestamp"),
+        F.col("timestamp_type").alias("timestampType"),
+    ]
+    if include_headers:
+        columns.append(F.col("headers").cast("array<struct<key: string, value: binary>>").alias("headers"))
+    if dataset.count() == 0:
+        return spark.createDataFrame([], kafka_schema(include_headers))
+    return dataset.to_spark(spark).select(*columns)
+
+
+def kafka_schema(include_headers: bool = False):
+    """The schema of Spark's Kafka source (and of :func:`read`)."""
+    from pyspark.sql.types import (
+        ArrayType, BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType,
+    )
+
+    fields = [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
+    ]
+    if include_headers:
+        header = StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+        fields.append(StructField("headers", ArrayType(header)))
+    return StructType(fields)
+
+
+# --- write ------------------------------------------------------------------------------------------
+
+
+def _check_columns(df) -> list[str]:
+    """The columns of ``df`` to send, after checking their types the way Spark's Kafka sink does."""
+    from pyspark.sql.types import ArrayType, BinaryType, IntegerType, LongType, ShortType, ByteType, StringType, StructType
+
+    types = {field.name: field.dataType for field in df.schema.fields}
+    if "value" not in types:
+        raise InvalidRecordError(f"a DataFrame to write needs a 'value' column (string or binary); it has {list(types)}")
+    for name in ("value", "key"):
+        if name in types and not isinstance(types[name], StringType | BinaryType):
+            raise InvalidRecordError(f"column {name!r} must be string or binary, not {types[name].simpleString()}")
+    if "headers" in types:
+        kind = types["headers"]
+        element = kind.elementType if isinstance(kind, ArrayType) else None
+        if not (isinstance(element, StructType) and [f.name for f in element.fields] == ["key", "value"]):
+            raise InvalidRecordError(
+                f"column 'headers' must be array<struct<key: string, value: binary>>, not {kind.simpleString()}"
+            )
+    if "partition" in types and not isinstance(types["partition"], IntegerType | LongType | ShortType | ByteType):
+        raise InvalidRecordError(f"column 'partition' must be an int, not {types['partition'].simpleString()}")
+    return [name for name in ("value", "key", "headers", "partition") if name in types]
+
+
+def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
+    """Write the rows of ``df`` into ``topic``; returns the number of records written.
+
+    Columns as Spark's Kafka sink: ``value`` (string or binary, required),
+    optional ``key`` (string or binary), ``headers`` (array<struct<key string,
+    value binary>>) and ``partition`` (int); others (``topic`` included) are
+    ignored. Rows without a partition go by key hash (Kafka's murmur2), or to a
+    sticky partition when keyless. Bad arguments raise before any Spark job:
+    IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError.
+    """
+    import ray
+    from pyspark.sql import DataFrame
+
+    if not isinstance(df, DataFrame):
+        raise InvalidRecordError(f"write takes a Spark DataFrame, not {type(df).__name__}")
+    check_spark(df.sparkSession)
+    validate_topic_name(topic)
+    columns = _check_columns(df)
+    sink = TopicSink(
+        topic,
+        key_column="key" if "key" in columns else None,
+        value_column="value",
+        bus=connect() if bus is None else bus,
+        headers_column="headers",
+        timestamp_column=None,  # Spark's Kafka sink has no timestamp column either
+        partition_column="partition",
+        producer_options=producer_options,
+    )
+    selected = df.select(*columns)
+    from raydp.spark.dataset import release_spark_recoverable
+
+    dataset = ray.data.from_spark(selected)
+    try:
+        dataset.write_datasink(sink)
+    finally:
+        release_spark_recoverable(selected)
+    return sink.records_written
