@@ -9,16 +9,23 @@
     logbus.spark.stop_spark()
 
 ``read`` goes topic -> :func:`logbus.api.dataset.read_dataset` (one Ray task per
-partition, large Arrow blocks) -> ``Dataset.to_spark`` (RayDP) -> a cheap Spark
-projection to the exact schema of Spark's Kafka source:
+partition, large Arrow blocks) -> one Arrow IPC stream per block -> RayDP's
+``ray_dataset_to_spark_dataframe`` (the function behind ``Dataset.to_spark``),
+whose executors read those streams in the JVM -> a cheap Spark projection to
+the exact schema of Spark's Kafka source:
 
     key binary, value binary, topic string, partition int, offset long,
     timestamp timestamp, timestampType int [, headers array<struct<key string, value binary>>]
 
+(``Dataset.to_spark`` itself hands RayDP Arrow tables, which RayDP converts
+through pandas in Spark's Python workers: slower, and with pandas 3 it cannot
+carry string or map columns; see :func:`to_spark`.)
+
 The offsets are resolved when ``read`` is called and the records are read
-into Ray's object store then (RayDP's ``to_spark`` needs the blocks); Spark
-reads them from there each time the DataFrame is evaluated, so the DataFrame
-always holds the same records.
+into Ray's object store then (RayDP needs the blocks to build the DataFrame);
+Spark reads them from there each time the DataFrame is evaluated, so the
+DataFrame always holds the same records. As with ``Dataset.to_spark``, the
+blocks stay in the object store until the Spark session stops.
 
 ``write`` goes DataFrame -> ``ray.data.from_spark`` (RayDP) -> :class:`~logbus.api.dataset.TopicSink`,
 with Spark's Kafka sink columns: ``value`` (required, string or binary) and
@@ -32,13 +39,16 @@ when it is not set (RayDP's Python workers must import pyarrow and ray).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import uuid
 from datetime import datetime
 
 from logbus.api.client import Bus, connect
 from logbus.api.dataset import EARLIEST, LATEST, TopicSink, read_dataset
+from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
 from logbus.errors import IllegalStateError, InvalidConfigError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
 
@@ -170,25 +180,48 @@ def _offsets(spec, topic: str, what: str, forbidden: str):
 # --- read -------------------------------------------------------------------------------------------
 
 
-def _spark_block(block, include_headers: bool):
-    """A read_dataset block in a shape RayDP's ``to_spark`` carries intact.
+@functools.cache
+def _arrow_stream_task():
+    import ray
 
-    ``to_spark`` goes through pandas inside Spark's Python workers (mapInPandas),
-    and two things break there: Arrow maps (Spark's converter wants dicts) and,
-    with pandas 3, string columns (pandas keeps them as chunked Arrow arrays
-    that Spark 3.5 cannot take). So headers travel as list<struct<key, value>>
-    and every string as binary; the Spark projection in :func:`read` casts back.
+    @ray.remote
+    def arrow_stream(table) -> bytes:
+        """One block as an Arrow IPC stream in a bytes object, the form RayDP's JVM reads directly."""
+        import pyarrow as pa
+
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        return sink.getvalue().to_pybytes()
+
+    return arrow_stream
+
+
+def to_spark(spark, dataset, schema):
+    """Hand a Dataset of Arrow blocks to Spark as Arrow IPC streams (RayDP's JVM-side reader).
+
+    ``Dataset.to_spark`` gives RayDP the Arrow tables themselves, which RayDP
+    turns into rows with a pandas UDF in Spark's Python workers (every value a
+    Python object, and with pandas 3 neither string nor map columns survive).
+    RayDP's same entry point, given blocks that are IPC stream bytes, reads
+    them in the executors' JVM with Arrow's Java reader instead: no Python
+    worker, no per-row Python, every Arrow type Spark knows. One Ray task per
+    block writes the stream (one copy).
     """
-    import pyarrow as pa
+    import ray
+    from raydp.spark.dataset import ray_dataset_to_spark_dataframe
+    from raydp.spark.ray_cluster_master import RAYDP_SPARK_MASTER_SUFFIX
 
-    block = block.set_column(block.schema.get_field_index("topic"), "topic", block.column("topic").cast(pa.binary()))
-    index = block.schema.get_field_index("headers")
-    if not include_headers:
-        return block.remove_column(index)
-    headers = block.column("headers").combine_chunks()
-    entries = pa.StructArray.from_arrays([headers.keys.cast(pa.binary()), headers.items], names=["key", "value"])
-    mask = headers.is_null() if headers.null_count else None
-    return block.set_column(index, "headers", pa.ListArray.from_arrays(headers.offsets, entries, mask=mask))
+    arrow_stream = _arrow_stream_task()
+    refs = [arrow_stream.remote(block) for block in dataset.to_arrow_refs()]
+    if not refs:
+        return None
+    # The JVM gets only the objects' ids, so something must hold the references
+    # for as long as Spark may read them: RayDP's master actor, which holds
+    # Dataset.to_spark's blocks the same way, until the Spark session stops.
+    master = ray.get_actor(spark.sparkContext.appName + RAYDP_SPARK_MASTER_SUFFIX)
+    ray.get(master.add_objects.remote(uuid.uuid4().hex, refs))
+    return ray_dataset_to_spark_dataframe(spark, schema, refs)
 
 
 def read(
@@ -213,25 +246,28 @@ def read(
     validate_topic_name(topic)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
-    dataset = read_dataset(topic, start, end, bus=bus).map_batches(
-        _spark_block, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
-        fn_kwargs={"include_headers": include_headers},
-    )
-    dataset = dataset.materialize()  # to_spark needs the blocks and the schema: read them once
+    dataset = read_dataset(topic, start, end, bus=bus)
+    schema = DATASET_SCHEMA
+    if not include_headers:
+        dataset = dataset.drop_columns(["headers"])
+        schema = schema.remove(schema.get_field_index("headers"))
+    df = to_spark(spark, dataset, schema)
+    if df is None:
+        return spark.createDataFrame([], kafka_schema(include_headers))
     columns = [
         F.col("key"),
         F.col("value"),
-        F.col("topic").cast("string").alias("topic"),
+        F.col("topic"),
         F.col("partition"),
         F.col("offset"),
         F.timestamp_millis(F.col("timestamp")).alias("timestamp"),
         F.col("timestamp_type").alias("timestampType"),
     ]
     if include_headers:
-        columns.append(F.col("headers").cast("array<struct<key: string, value: binary>>").alias("headers"))
-    if dataset.count() == 0:
-        return spark.createDataFrame([], kafka_schema(include_headers))
-    return dataset.to_spark(spark).select(*columns)
+        # map_entries gives non-null keys and entries; the Kafka source's type allows nulls.
+        headers_type = kafka_schema(True)["headers"].dataType
+        columns.append(F.map_entries(F.col("headers")).cast(headers_type).alias("headers"))
+    return df.select(*columns)
 
 
 def kafka_schema(include_headers: bool = False):

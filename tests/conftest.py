@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-RAY_INIT_ARGS = dict(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
+RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
 
 
 def start_ray():

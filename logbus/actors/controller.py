@@ -38,7 +38,7 @@ from logbus.storage.names import partition_dir_name, validate_topic_name
 METADATA_FILE = "metadata.json"
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
-LEASE_TIMEOUT_MS = 1_000  # must exceed the replicas' LEASE_MS (see partition_replica.py)
+LEASE_TIMEOUT_MS = 1_500  # must exceed the replicas' LEASE_MS (see partition_replica.py)
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
 RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in

@@ -66,9 +66,9 @@ from logbus.storage.partition_log import PartitionLog
 STATE_FILE = "replica.json"
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
 FETCH_WAIT_MS_MAX = 30_000
-HEARTBEAT_INTERVAL_S = 0.15
-LEASE_MS = 800  # a leader stops taking writes this long after its last acknowledged heartbeat
-LEASE_TIMEOUT_MS = 1_000  # the controller deposes a silent leader after this (must exceed LEASE_MS)
+HEARTBEAT_INTERVAL_S = 0.2
+LEASE_MS = 1_200  # a leader stops taking writes this long after its last acknowledged heartbeat
+LEASE_TIMEOUT_MS = 1_500  # the controller deposes a silent leader after this (must exceed LEASE_MS)
 ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from logbus.errors import (
     IllegalStateError,
@@ -30,10 +30,12 @@ def unwrap(error: BaseException) -> BaseException:
         cause = getattr(error, "cause", None)
         if isinstance(cause, LogbusError):
             return cause
-    if isinstance(error, RayActorError):
-        return LeaderNotAvailableError(f"the actor serving this request died or is restarting: {error}")
     if isinstance(error, GetTimeoutError):
         return RequestTimedOutError(str(error))
+    if isinstance(error, RayError) and not isinstance(error, RayTaskError):
+        # The actor died, is restarting, cannot be scheduled (its node is gone), or an
+        # object was lost: the request may succeed against the partition's next leader.
+        return LeaderNotAvailableError(f"the replica serving this request is unavailable: {type(error).__name__}: {error}")
     return error
 
 
@@ -41,7 +43,7 @@ def get(ref, timeout_s: float | None = CONTROL_TIMEOUT_S):
     """ray.get that raises logbus errors."""
     try:
         return ray.get(ref, timeout=timeout_s)
-    except (RayTaskError, RayActorError, GetTimeoutError) as error:
+    except RayError as error:
         raise unwrap(error) from None
 
 
@@ -122,7 +124,8 @@ def connect(
 
     - No ``address`` and Ray not running: start a local Ray in this process
       (the embedded default), with data under ``./logbus-data`` or ``data_dir``.
-    - ``address`` given: join that Ray cluster (``ray.init(address=...)``).
+    - ``address`` given: join that Ray cluster (``ray.init(address=...)``;
+      ``"auto"`` finds a cluster started on this machine with ``ray start``).
     - Inside a Ray task or actor, or after ``ray.init``: use the running Ray.
 
     Gets the cluster's controller (a detached actor named in ``namespace``) or
@@ -138,7 +141,8 @@ def connect(
         raise IllegalStateError("namespace must be a non-empty str")
     if not ray.is_initialized():
         if address is None:
-            ray.init(namespace=namespace, include_dashboard=False, log_to_driver=True)
+            # "local": always a new embedded Ray, never some other cluster left running on the machine.
+            ray.init(address="local", namespace=namespace, include_dashboard=False, log_to_driver=True)
         else:
             ray.init(address=address, namespace=namespace)
     requested_dir = os.path.abspath(data_dir or DEFAULT_DATA_DIR)

@@ -38,6 +38,7 @@ from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name
 
 OFFSET_RESETS = ("earliest", "latest", "none")
+STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch this late makes the consumer check for a new leader
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -241,10 +242,28 @@ class Consumer:
                     state.error = error
                 continue  # retriable (no leader yet): the next round asks again
             ref = leader.fetch.remote(state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms)
-            state.in_flight = (ref, state.fetch_offset)
+            state.in_flight = (ref, state.fetch_offset, time.monotonic(), leader._actor_id)
+
+    def _drop_stale_fetches(self) -> None:
+        """Give up on fetches that outlived their long poll and whose leader has since been replaced.
+
+        A fetch sent to a replica whose node died may never be answered.
+        """
+        now = time.monotonic()
+        patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
+        stale = [s for s in self._partitions.values() if s.in_flight is not None and now - s.in_flight[2] > patience_s]
+        for topic in {s.tp.topic for s in stale}:
+            self._bus.forget(topic)
+        for state in stale:
+            try:
+                leader = self._leader(state.tp)
+            except LogbusError:
+                leader = None
+            if leader is None or leader._actor_id != state.in_flight[3]:
+                state.in_flight = None
 
     def _receive(self, state: _Partition) -> None:
-        ref, requested = state.in_flight
+        ref, requested, _, _ = state.in_flight
         state.in_flight = None
         try:
             meta, data_ref = get(ref, timeout_s=None)
@@ -293,12 +312,14 @@ class Consumer:
                 return
             in_flight = {s.in_flight[0]: s for s in self._partitions.values() if s.in_flight is not None}
             remaining = deadline - time.monotonic()
+            self._drop_stale_fetches()
+            in_flight = {s.in_flight[0]: s for s in self._partitions.values() if s.in_flight is not None}
             if not in_flight:
                 if remaining > 0:
                     time.sleep(min(remaining, 0.05))
                     continue
                 return
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, remaining))
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, min(remaining, 0.5)))
             for ref in ready:
                 self._receive(in_flight[ref])
             # Collect any others that are already done, without waiting.

@@ -64,7 +64,6 @@ from logbus.errors import (
     LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
-    RequestTimedOutError,
     UnknownTopicError,
 )
 from logbus.storage import record_batch as rb

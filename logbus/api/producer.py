@@ -50,6 +50,8 @@ from logbus.storage import record_batch as rb
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
 RETRY_BACKOFF_S = 0.1
+STALE_AFTER_S = 0.5  # a request unanswered this long makes the sender check whether its leader moved
+STALE_CHECK_INTERVAL_S = 0.25
 ACKS = (0, 1, "all", -1)
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
 
@@ -68,6 +70,7 @@ class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
         "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
+        "sent_s", "leader_id",
     )
 
     def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
@@ -87,6 +90,8 @@ class _Batch:
         self.not_before_s = 0.0
         self.records = None  # an Arrow batch to frame at dispatch (send_table)
         self.order = 0  # dispatch order within the producer: retries keep it
+        self.sent_s = 0.0  # when the current attempt was sent
+        self.leader_id = None  # the actor id the current attempt went to
 
 
 class _RecordFuture(Future):
@@ -218,6 +223,8 @@ class Producer:
         self._closed = False
         self._stopping = False
         self._refresh: set[str] = set()
+        self._in_flight_batches: dict[int, _Batch] = {}
+        self._last_stale_check_s = 0.0
         self._condition = threading.Condition()
         self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
         self._sender.start()
@@ -392,15 +399,50 @@ class Producer:
 
     def _run_sender(self) -> None:
         while True:
+            self._expire_stale_requests()
             with self._condition:
                 batches, wait_s = self._collect()
                 if not batches:
                     if self._stopping and not self._open and not self._ready and not self._in_flight_total:
                         return
-                    self._condition.wait(wait_s)
+                    self._condition.wait(min(wait_s, STALE_CHECK_INTERVAL_S) if self._in_flight_total else wait_s)
                     continue
             for batch in batches:
                 self._dispatch(batch)
+
+    def _expire_stale_requests(self) -> None:
+        """Fail (as retriable) requests that outlived request_timeout_ms or whose leader was replaced.
+
+        A request to a replica whose node died may never be answered; waiting for
+        the timeout alone would stall the partition. So requests older than
+        STALE_AFTER_S trigger a metadata refresh, and those sent to a replica that
+        is no longer the leader are retried at once (safe with idempotence).
+        """
+        now = time.monotonic()
+        if now - self._last_stale_check_s < STALE_CHECK_INTERVAL_S:
+            return
+        self._last_stale_check_s = now
+        with self._condition:
+            old = [b for b in self._in_flight_batches.values() if now - b.sent_s > STALE_AFTER_S]
+        if not old:
+            return
+        leaders = {}
+        for topic in {b.topic for b in old}:
+            try:
+                self._topics[topic] = metadata = self._bus.topic_metadata(topic, refresh=True)
+                leaders[topic] = metadata.leaders
+            except LogbusError:
+                leaders[topic] = None
+        for batch in old:
+            if now - batch.sent_s > self.request_timeout_s:
+                error = RequestTimedOutError(f"no reply from the leader of {batch.topic}-{batch.partition} in {self.request_timeout_s}s")
+            else:
+                current = leaders.get(batch.topic)
+                leader = current[batch.partition] if current is not None else None
+                if leader is not None and leader._actor_id == batch.leader_id:
+                    continue
+                error = LeaderNotAvailableError(f"the leader of {batch.topic}-{batch.partition} changed")
+            self._complete(batch, None, error, attempt=batch.attempts)
 
     def _collect(self) -> tuple[list[_Batch], float]:
         """Under the lock: close lingering batches, then take the ready ones that may go now."""
@@ -427,6 +469,9 @@ class Producer:
             if not batch.order:
                 self._order += 1
                 batch.order = self._order
+            batch.attempts += 1
+            batch.sent_s = now
+            self._in_flight_batches[id(batch)] = batch
             taken.append(batch)
         self._ready = kept
         return taken, max(wait_s, 0.001)
@@ -441,15 +486,16 @@ class Producer:
             leader = self._topics[batch.topic].leaders[batch.partition]
             if leader is None:
                 raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
-            batch.attempts += 1
-            ref = leader.produce.remote(np.frombuffer(batch.encoded, np.uint8), self.acks)
+            batch.leader_id = leader._actor_id
+            ref = leader.produce.remote(np.frombuffer(batch.encoded, np.uint8), self.acks, None, int(self.request_timeout_s * 1000))
         except Exception as error:  # noqa: BLE001 (every failure is routed to the batch's future)
-            self._complete(batch, None, error)
+            self._complete(batch, None, error, attempt=batch.attempts)
             return
         if self.acks == 0:
-            self._complete(batch, -1, None)
+            self._complete(batch, -1, None, attempt=batch.attempts)
             return
-        ref.future().add_done_callback(lambda future: self._on_reply(batch, future))
+        attempt = batch.attempts
+        ref.future().add_done_callback(lambda future: self._on_reply(batch, future, attempt))
 
     def _encode(self, batch: _Batch) -> None:
         """Frame a batch once, at its first dispatch: retries resend the same bytes and sequence numbers."""
@@ -474,14 +520,18 @@ class Producer:
             batch.record_count = len(batch.values)
             batch.values = batch.keys = batch.headers = batch.timestamps = None
 
-    def _on_reply(self, batch: _Batch, future) -> None:
+    def _on_reply(self, batch: _Batch, future, attempt: int) -> None:
         error = future.exception()
         if error is None:
-            self._complete(batch, future.result().base_offset, None)
+            self._complete(batch, future.result().base_offset, None, attempt)
         else:
-            self._complete(batch, None, unwrap(error))
+            self._complete(batch, None, unwrap(error), attempt)
 
-    def _complete(self, batch: _Batch, base_offset: int | None, error: BaseException | None) -> None:
+    def _complete(self, batch: _Batch, base_offset: int | None, error: BaseException | None, attempt: int) -> None:
+        with self._condition:
+            # Each attempt completes once: a late reply to an attempt that expired is dropped.
+            if batch.attempts != attempt or self._in_flight_batches.pop(id(batch), None) is None:
+                return
         retry = (
             error is not None
             and isinstance(error, LogbusError)

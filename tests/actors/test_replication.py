@@ -50,7 +50,11 @@ def cluster(tmp_path_factory):
     ray.init(address=cluster.address)
     yield cluster
     ray.shutdown()
-    cluster.shutdown()
+    try:
+        cluster.shutdown()
+    except ValueError:  # a stray thread re-attached to the cluster: detach and retry
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @pytest.fixture
@@ -116,6 +120,15 @@ class Workload:
     def acknowledged_count(self):
         return sum(1 for _, f in list(self.futures) if f.done() and f.exception() is None)
 
+    def stop(self):
+        """Stop sending and close the producer without waiting (cleanup after a failure)."""
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        try:
+            self.producer.close(timeout_s=5)
+        except Exception:  # noqa: BLE001 (best effort)
+            pass
+
     def finish(self):
         self.stop_event.set()
         self.thread.join(timeout=30)
@@ -175,17 +188,21 @@ def test_leader_node_killed_five_times(cluster, rbus):
     rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2})
     workload = Workload(rbus, topic)
     failovers = []
-    for _ in range(5):
-        wait_isr(rbus, topic, 3)
-        acked_before = workload.acknowledged_count()
-        wait_for(lambda: workload.acknowledged_count() > acked_before + 500, timeout_s=60, message="progress")
-        described, status = leader_status(rbus, topic)
-        node = next(n for n in cluster.worker_nodes if n.node_id == status["node_id"])
-        cluster.remove_node(node, allow_graceful=False)
-        cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE)
-        failovers.append(wait_new_leader(rbus, topic, described.leader_epoch))
-        acked = workload.acknowledged_count()
-        wait_for(lambda: workload.acknowledged_count() > acked + 200, timeout_s=60, message="writes resume")
+    try:
+        for _ in range(5):
+            wait_isr(rbus, topic, 3)
+            acked_before = workload.acknowledged_count()
+            wait_for(lambda: workload.acknowledged_count() > acked_before + 500, timeout_s=60, message="progress")
+            described, status = leader_status(rbus, topic)
+            node = next(n for n in cluster.worker_nodes if n.node_id == status["node_id"])
+            cluster.remove_node(node, allow_graceful=False)
+            failovers.append(wait_new_leader(rbus, topic, described.leader_epoch))
+            cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE)  # room for the replacement replica
+            acked = workload.acknowledged_count()
+            wait_for(lambda: workload.acknowledged_count() > acked + 200, timeout_s=60, message="writes resume")
+    except BaseException:
+        workload.stop()
+        raise
     acknowledged = workload.finish()
     stored = check_invariants(rbus, topic, acknowledged, 3)
     print(
@@ -203,7 +220,16 @@ def test_process_faults_and_controller_restart(cluster, rbus):
     topic = "payments"
     rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2, "replica.lag.time.max.ms": 1500})
     workload = Workload(rbus, topic)
+    try:
+        run_process_faults(rbus, topic, workload)
+    except BaseException:
+        workload.stop()
+        raise
+    acknowledged = workload.finish()
+    check_invariants(rbus, topic, acknowledged, 3)
 
+
+def run_process_faults(rbus, topic, workload):
     def progress(extra=300):
         acked = workload.acknowledged_count()
         wait_for(lambda: workload.acknowledged_count() > acked + extra, timeout_s=90, message="progress")
@@ -236,8 +262,6 @@ def test_process_faults_and_controller_restart(cluster, rbus):
     controller = ray.get_actor(CONTROLLER_NAME, namespace=rbus.namespace)
     kill_process(ray.get(controller.ping.remote()))
     progress()
-    acknowledged = workload.finish()
-    check_invariants(rbus, topic, acknowledged, 3)
 
 
 def test_not_enough_replicas_is_refused_and_never_exposed(cluster, rbus):

@@ -1,0 +1,741 @@
+"""The ``logbus`` command line: topic admin, a console producer and consumer, and cluster status.
+
+Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer``,
+``kafka-console-consumer``)::
+
+    logbus topics create --topic events --partitions 4 --replication-factor 1 --config retention.ms=86400000
+    logbus topics list
+    logbus topics describe [--topic events]
+    logbus topics alter --topic events --config retention.ms=3600000 [--partitions 8]
+    logbus topics delete --topic events
+    printf 'user-1:hello\\n' | logbus produce events --key-separator :
+    logbus consume events --from-beginning --max-messages 10 --format kv
+    logbus status
+
+Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
+environment) each invocation starts an embedded local Ray, serves the command,
+and shuts Ray down again; topics and records stay on disk under ``--data-dir``
+(default ``./logbus-data``) and the next invocation finds them there. With
+``--address`` (e.g. ``auto`` or ``HOST:PORT``) the command joins that Ray
+cluster and leaves it running.
+
+Exit codes: 0 success; 1 a logbus error (``error: <message>`` on stderr, no
+traceback) or an I/O error; 2 a usage error; 130 interrupted. Writing into a
+closed pipe (``logbus consume ... | head``) ends the command quietly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import sys
+import time
+
+from logbus.errors import LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.storage.names import validate_topic_name
+
+PROG = "logbus"
+DEFAULT_DATA_DIR_HELP = "./logbus-data"
+PRODUCE_CHUNK_LINES = 10_000  # lines per send_table() call
+PRODUCE_CHUNK_BYTES = 4 << 20  # ... or this many bytes, whichever comes first
+PROGRESS_EVERY = 100_000  # records between progress lines on stderr
+POLL_MAX_RECORDS = 5_000
+POLL_WAIT_MS = 500
+FORMATS = ("value", "kv", "json")
+
+
+class CliError(Exception):
+    """A runtime failure of the command itself (bad input data), reported like a logbus error."""
+
+
+# --- connecting -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _connected(args):
+    """A Bus for the command; starts (and afterwards stops) Ray only if it was not running here.
+
+    Without ``--address`` and without ``RAY_ADDRESS``, Ray is started as a fresh
+    local instance (``address="local"``), never attached to whatever cluster
+    ``/tmp/ray/ray_current_cluster`` happens to name.
+    """
+    import ray
+
+    import logbus
+
+    started_here = not ray.is_initialized()
+    if started_here:
+        address = args.address
+        if address is None and not os.environ.get("RAY_ADDRESS"):
+            address = "local"
+        init = dict(address=address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR)
+        if address == "local":
+            init["include_dashboard"] = False
+        ray.init(**init)
+    try:
+        yield logbus.connect(address=args.address, data_dir=args.data_dir, namespace=args.namespace)
+    finally:
+        if started_here and ray.is_initialized():
+            ray.shutdown()
+
+
+# --- output helpers --------------------------------------------------------------------------------
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    """Left-aligned columns separated by two spaces (the last column is not padded)."""
+    cells = [[str(c) for c in row] for row in [headers, *rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        padded = [cell.ljust(widths[i]) if i < len(row) - 1 else cell for i, cell in enumerate(row)]
+        lines.append("  ".join(padded).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _ids(values) -> str:
+    return ",".join(str(v) for v in values) if values else "-"
+
+
+def _configs(config: dict) -> str:
+    return ",".join(f"{k}={_config_value(v)}" for k, v in sorted(config.items()))
+
+
+def _config_value(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _text(data: bytes | None) -> str:
+    return "null" if data is None else data.decode("utf-8", errors="replace")
+
+
+def _json_text(data: bytes | None) -> str | None:
+    return None if data is None else data.decode("utf-8", errors="replace")
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- argument types -----------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
+    return value
+
+
+def _offset(text: str):
+    if text in ("earliest", "latest"):
+        return text
+    try:
+        return _non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'earliest', 'latest' or a non-negative integer, not {text!r}") from None
+
+
+def _config_items(text: str) -> list[tuple[str, str]]:
+    """``k=v`` or Kafka's ``k1=v1,k2=v2``."""
+    items = []
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {part!r}")
+        items.append((key.strip(), value.strip()))
+    return items
+
+
+def _header_item(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, not {text!r}")
+    return key, value
+
+
+def _acks(text: str):
+    if text in ("all", "-1"):
+        return "all"
+    if text in ("0", "1"):
+        return int(text)
+    raise argparse.ArgumentTypeError(f"acks must be 0, 1, all or -1, not {text!r}")
+
+
+# --- topics -----------------------------------------------------------------------------------------------
+
+
+def cmd_topics_create(args) -> int:
+    """Create a topic; its replica actors are running when this returns."""
+    validate_topic_name(args.topic)
+    config = dict(args.config or [])
+    with _connected(args) as bus:
+        if args.if_not_exists and args.topic in bus.admin.list_topics():
+            return 0
+        bus.admin.create_topic(args.topic, partitions=args.partitions, replication_factor=args.replication_factor, config=config or None)
+    print(f"Created topic {args.topic}.")
+    return 0
+
+
+def cmd_topics_list(args) -> int:
+    """Print every topic name, one per line, sorted."""
+    with _connected(args) as bus:
+        topics = bus.admin.list_topics()
+    sys.stdout.write("".join(f"{t}\n" for t in topics))
+    return 0
+
+
+def _describe_rows(description) -> list[list]:
+    return [
+        [
+            description.name,
+            p.partition,
+            "none" if p.leader is None else p.leader,
+            _ids(p.replicas),
+            _ids(p.isr),
+            p.leader_epoch,
+            p.log_start_offset,
+            p.high_watermark,
+        ]
+        for p in description.partitions
+    ]
+
+
+DESCRIBE_HEADERS = ["Topic", "Partition", "Leader", "Replicas", "Isr", "LeaderEpoch", "LogStartOffset", "HighWatermark"]
+
+
+def cmd_topics_describe(args) -> int:
+    """Print each topic's summary line and a table of its partitions."""
+    if args.topic is not None:
+        validate_topic_name(args.topic)
+    with _connected(args) as bus:
+        names = [args.topic] if args.topic is not None else bus.admin.list_topics()
+        descriptions = []
+        for name in names:
+            try:
+                descriptions.append(bus.admin.describe_topic(name))
+            except UnknownTopicError:
+                if args.topic is not None:
+                    raise
+                # deleted since it was listed
+    blocks = []
+    for d in descriptions:
+        replication_factor = len(d.partitions[0].replicas) if d.partitions else 0
+        summary = f"Topic: {d.name}\tPartitionCount: {len(d.partitions)}\tReplicationFactor: {replication_factor}\tConfigs: {_configs(d.config)}\n"
+        blocks.append(summary + _table(DESCRIBE_HEADERS, _describe_rows(d)))
+    sys.stdout.write("\n".join(blocks))
+    return 0
+
+
+def cmd_topics_delete(args) -> int:
+    """Delete a topic: its replica actors stop and its files are removed."""
+    validate_topic_name(args.topic)
+    with _connected(args) as bus:
+        try:
+            bus.admin.delete_topic(args.topic)
+        except UnknownTopicError:
+            if args.if_exists:
+                return 0
+            raise
+    print(f"Deleted topic {args.topic}.")
+    return 0
+
+
+def cmd_topics_alter(args) -> int:
+    """Change a topic's config overrides and/or grow its partition count."""
+    validate_topic_name(args.topic)
+    with _connected(args) as bus:
+        if args.config:
+            overrides = bus.admin.alter_config(args.topic, dict(args.config))
+            print(f"Updated config of topic {args.topic}: {_configs(overrides)}")
+        if args.partitions is not None:
+            description = bus.admin.create_partitions(args.topic, args.partitions)
+            print(f"Topic {args.topic} now has {len(description.partitions)} partitions.")
+    return 0
+
+
+# --- produce ------------------------------------------------------------------------------------------------
+
+
+def _lines(stream):
+    """Lines of ``stream`` as bytes without their line terminator (\\n or \\r\\n)."""
+    binary = getattr(stream, "buffer", None)
+    for line in binary if binary is not None else stream:
+        if isinstance(line, str):
+            line = line.encode("utf-8", errors="surrogateescape")
+        if line.endswith(b"\n"):
+            line = line[:-1]
+            if line.endswith(b"\r"):
+                line = line[:-1]
+        yield line
+
+
+def cmd_produce(args) -> int:
+    """Send each input line as one record (see ``logbus produce --help``)."""
+    import pyarrow as pa
+
+    import logbus
+    from logbus.storage.record_batch import HEADERS_TYPE
+
+    topic = validate_topic_name(args.topic)
+    separator = None
+    if args.key_separator is not None or args.parse_key:
+        separator = (args.key_separator if args.key_separator is not None else "\t").encode()
+    headers = list(args.header or []) or None
+    encoded_headers = None if headers is None else [(k, v.encode()) for k, v in headers]
+    source = open(args.file, "rb") if args.file is not None else sys.stdin  # fail before starting Ray
+    try:
+        with _connected(args) as bus:
+            producer = logbus.Producer(bus, acks=args.acks, compression=args.compression)
+            try:
+                partition_count = len(producer.partitions_for(topic))
+                if args.partition is not None and args.partition >= partition_count:
+                    raise UnknownTopicError(f"topic {topic!r} has partitions 0..{partition_count - 1}, not {args.partition}")
+                interactive = args.file is None and _isatty(source)
+                started = time.monotonic()
+                futures = []
+                count = 0
+                next_report = PROGRESS_EVERY
+
+                def split(line_number: int, line: bytes):
+                    if separator is None:
+                        return None, line
+                    key, sep, value = line.partition(separator)
+                    if not sep:
+                        raise CliError(f"no key separator {separator.decode()!r} found on line {line_number}")
+                    return key, value
+
+                if interactive:
+                    # One record per line, delivered before the next line is read.
+                    for number, line in enumerate(_lines(source), 1):
+                        key, value = split(number, line)
+                        producer.send(topic, value, key=key, headers=encoded_headers, partition=args.partition).result()
+                        count += 1
+                else:
+                    keyless_partition = random.randrange(partition_count)
+                    values, keys, size = [], [], 0
+
+                    def send_chunk():
+                        nonlocal keyless_partition, values, keys, size
+                        if not values:
+                            return
+                        columns = {"value": pa.array(values, pa.binary())}
+                        if separator is not None:
+                            columns["key"] = pa.array(keys, pa.binary())
+                        if args.partition is not None:
+                            columns["partition"] = pa.array([args.partition] * len(values), pa.int32())
+                        elif separator is None:
+                            # Keyless lines go to one partition per chunk, moving on each chunk (sticky, like Kafka).
+                            columns["partition"] = pa.array([keyless_partition] * len(values), pa.int32())
+                            keyless_partition = (keyless_partition + 1) % partition_count
+                        if encoded_headers is not None:
+                            columns["headers"] = pa.array([encoded_headers] * len(values), HEADERS_TYPE)
+                        futures.append(producer.send_table(topic, pa.table(columns)))
+                        values, keys, size = [], [], 0
+                        for future in [f for f in futures if f.done()]:
+                            future.result()  # raises the first failure early
+                            futures.remove(future)
+
+                    for number, line in enumerate(_lines(source), 1):
+                        key, value = split(number, line)
+                        values.append(value)
+                        keys.append(key)
+                        size += len(line)
+                        count += 1
+                        if len(values) >= PRODUCE_CHUNK_LINES or size >= PRODUCE_CHUNK_BYTES:
+                            send_chunk()
+                        if count >= next_report:
+                            elapsed = max(time.monotonic() - started, 1e-9)
+                            _err(f"produced {count} records ({count / elapsed:,.0f} records/s)")
+                            next_report += PROGRESS_EVERY
+                    send_chunk()
+                    producer.flush()
+                    for future in futures:
+                        future.result()
+            finally:
+                with contextlib.suppress(LogbusError):
+                    producer.close(timeout_s=30)
+            elapsed = time.monotonic() - started
+            _err(f"produced {count} records to {topic} in {elapsed:.2f} s")
+    finally:
+        if source is not sys.stdin:
+            source.close()
+    return 0
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+# --- consume ------------------------------------------------------------------------------------------------
+
+
+def _formatter(fmt: str, print_offsets: bool):
+    if fmt == "json":
+
+        def line(r) -> str:
+            return json.dumps(
+                {
+                    "topic": r.topic,
+                    "partition": r.partition,
+                    "offset": r.offset,
+                    "timestamp": r.timestamp_ms,
+                    "key": _json_text(r.key),
+                    "value": _json_text(r.value),
+                    "headers": None if r.headers is None else [[k, _json_text(v)] for k, v in r.headers],
+                },
+                ensure_ascii=False,
+            ) + "\n"
+
+        return line
+    prefix = (lambda r: f"Partition:{r.partition}\tOffset:{r.offset}\t") if print_offsets else (lambda r: "")
+    if fmt == "kv":
+        return lambda r: f"{prefix(r)}{_text(r.key)}\t{_text(r.value)}\n"
+    return lambda r: f"{prefix(r)}{_text(r.value)}\n"
+
+
+def cmd_consume(args) -> int:
+    """Print records of a topic (see ``logbus consume --help``)."""
+    import logbus
+    from logbus import TopicPartition
+
+    topic = validate_topic_name(args.topic)
+    out = sys.stdout
+    line = _formatter(args.format, args.print_offsets)
+    count = 0
+    with _connected(args) as bus:
+        reset = "earliest" if args.from_beginning or args.offset == "earliest" else "latest"
+        consumer = logbus.Consumer(bus, auto_offset_reset=reset)
+        try:
+            if args.partition is not None:
+                tps = [TopicPartition(topic, args.partition)]
+            else:
+                tps = [TopicPartition(topic, p) for p in range(bus.topic_metadata(topic, refresh=True).partition_count)]
+            consumer.assign(tps)
+            if isinstance(args.offset, int):
+                (tp,) = tps
+                start = consumer.beginning_offsets(tps)[tp]
+                end = consumer.end_offsets(tps)[tp]
+                if not start <= args.offset <= end:
+                    raise OffsetOutOfRangeError(f"offset {args.offset} is out of range for {topic}-{args.partition} (log start {start}, high watermark {end})")
+                consumer.seek(tp, args.offset)
+            elif args.from_beginning or args.offset == "earliest":
+                consumer.seek_to_beginning()
+            else:
+                consumer.seek_to_end()
+            idle_since = time.monotonic()
+            try:
+                while args.max_messages is None or count < args.max_messages:
+                    wait_ms = POLL_WAIT_MS
+                    if args.timeout_ms is not None:
+                        wait_ms = max(0.0, min(wait_ms, args.timeout_ms - (time.monotonic() - idle_since) * 1000))
+                    budget = POLL_MAX_RECORDS if args.max_messages is None else min(POLL_MAX_RECORDS, args.max_messages - count)
+                    polled = consumer.poll(timeout_ms=wait_ms, max_records=budget)
+                    if polled:
+                        lines = [line(r) for tp in sorted(polled) for r in polled[tp]]
+                        out.write("".join(lines))
+                        out.flush()
+                        count += len(lines)
+                        idle_since = time.monotonic()
+                    elif args.timeout_ms is not None and (time.monotonic() - idle_since) * 1000 >= args.timeout_ms:
+                        break
+            except KeyboardInterrupt:
+                pass  # Ctrl-C is how a following consumer is stopped
+        finally:
+            consumer.close()
+    _err(f"Processed a total of {count} messages")
+    return 0
+
+
+# --- status -------------------------------------------------------------------------------------------------
+
+
+def _resources(resources: dict) -> str:
+    parts = []
+    for name in sorted(resources):
+        if name.startswith("node:"):
+            continue
+        value = resources[name]
+        if name in ("memory", "object_store_memory"):
+            parts.append(f"{name}={value / (1 << 30):.1f}GiB")
+        else:
+            parts.append(f"{name}={value:g}")
+    return ", ".join(parts)
+
+
+def cmd_status(args) -> int:
+    """Print the Ray nodes, then every topic with its partitions and replicas."""
+    import ray
+
+    from logbus.api.client import get
+
+    with _connected(args) as bus:
+        nodes = ray.nodes()
+        names = bus.admin.list_topics()
+        descriptions = []
+        statuses = {}
+        for name in names:
+            try:
+                descriptions.append(bus.admin.describe_topic(name))
+            except UnknownTopicError:
+                continue
+            try:
+                statuses[name] = get(bus.controller.replica_statuses.remote(name))
+            except LogbusError:
+                statuses[name] = None
+    out = []
+    alive = sum(1 for n in nodes if n.get("Alive"))
+    out.append(f"Ray nodes: {len(nodes)} ({alive} alive)\n")
+    out.append(
+        _table(
+            ["NodeID", "Alive", "Address", "Resources"],
+            [[n.get("NodeID", "?"), "yes" if n.get("Alive") else "no", n.get("NodeManagerAddress", "?"), _resources(n.get("Resources", {}))] for n in nodes],
+        )
+    )
+    out.append(f"\nlogbus: namespace {bus.namespace}, data dir {bus.data_dir}\n")
+    out.append(f"Topics: {len(descriptions)}\n")
+    if descriptions:
+        out.append(
+            _table(
+                ["Topic", "Partitions", "ReplicationFactor", "Configs"],
+                [[d.name, len(d.partitions), len(d.partitions[0].replicas) if d.partitions else 0, _configs(d.config)] for d in descriptions],
+            )
+        )
+        out.append("\nPartitions:\n")
+        out.append(
+            _table(
+                ["Topic", "Partition", "Leader", "Replicas", "Isr", "LeaderEpoch", "HighWatermark", "LogEndOffset"],
+                [
+                    [d.name, p.partition, "none" if p.leader is None else p.leader, _ids(p.replicas), _ids(p.isr), p.leader_epoch, p.high_watermark, p.log_end_offset]
+                    for d in descriptions
+                    for p in d.partitions
+                ],
+            )
+        )
+        rows = []
+        for d in descriptions:
+            for p, replicas in enumerate(statuses.get(d.name) or []):
+                for s in replicas:
+                    if "error" in s:
+                        rows.append([d.name, p, s.get("replica_id", "?"), "unreachable", "-", "-"])
+                    else:
+                        rows.append([d.name, p, s.get("replica_id"), s.get("role"), str(s.get("node_id", "?"))[:12], s.get("log_end_offset")])
+        if rows:
+            out.append("\nReplicas:\n")
+            out.append(_table(["Topic", "Partition", "Replica", "Role", "Node", "LogEndOffset"], rows))
+    sys.stdout.write("".join(out))
+    return 0
+
+
+# --- the parser ---------------------------------------------------------------------------------------------
+
+
+def _global_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """--address, --data-dir and --namespace; accepted before or after the command."""
+
+    def default(value):
+        return argparse.SUPPRESS if suppress else value
+
+    parser.add_argument(
+        "--address",
+        default=default(None),
+        help="Ray cluster address to join (e.g. auto or HOST:PORT); default: $RAY_ADDRESS if set, "
+        "else an embedded local Ray started for this command and stopped after it",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=default(None),
+        help=f"directory holding the logs and metadata (default: {DEFAULT_DATA_DIR_HELP}); "
+        "an already running controller must serve this same directory",
+    )
+    parser.add_argument("--namespace", default=default("logbus"), help="Ray namespace of the logbus controller (default: logbus)")
+
+
+def _topic_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("topic", nargs="?", metavar="TOPIC", help="the topic")
+    parser.add_argument("--topic", dest="topic_flag", metavar="TOPIC", help="the topic (same as the positional TOPIC)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``logbus`` command."""
+    common = argparse.ArgumentParser(add_help=False)
+    _global_options(common, suppress=True)
+    formatter = argparse.RawDescriptionHelpFormatter
+
+    doc = __doc__.replace("``", "").replace("::", ":")
+    parser = argparse.ArgumentParser(prog=PROG, description=doc.split("\n\n")[0], epilog=doc.split("\n\n", 1)[1], formatter_class=formatter)
+    _global_options(parser, suppress=False)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    # topics
+    topics = commands.add_parser("topics", parents=[common], help="create, list, describe, alter and delete topics", description="Manage topics (like kafka-topics).")
+    actions = topics.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    create = actions.add_parser("create", parents=[common], help="create a topic", description=cmd_topics_create.__doc__)
+    create.add_argument("--topic", required=True, help="topic name: 1-249 characters from [a-zA-Z0-9._-]")
+    create.add_argument("--partitions", type=_positive_int, default=1, help="number of partitions (default: 1)")
+    create.add_argument("--replication-factor", type=_positive_int, default=1, help="replicas per partition, on distinct Ray nodes (default: 1)")
+    create.add_argument("--config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a topic config override, e.g. retention.ms=60000 (repeatable; or k1=v1,k2=v2)")
+    create.add_argument("--if-not-exists", action="store_true", help="succeed quietly if the topic exists")
+    create.set_defaults(func=cmd_topics_create)
+
+    listing = actions.add_parser("list", parents=[common], help="list topic names", description=cmd_topics_list.__doc__)
+    listing.set_defaults(func=cmd_topics_list)
+
+    describe = actions.add_parser(
+        "describe",
+        parents=[common],
+        help="describe topics and their partitions",
+        description=cmd_topics_describe.__doc__ + " Columns: " + ", ".join(DESCRIBE_HEADERS) + ". Leader, Replicas and Isr are replica ids.",
+    )
+    describe.add_argument("--topic", help="the topic to describe (default: every topic)")
+    describe.set_defaults(func=cmd_topics_describe)
+
+    delete = actions.add_parser("delete", parents=[common], help="delete a topic", description=cmd_topics_delete.__doc__)
+    delete.add_argument("--topic", required=True, help="the topic to delete")
+    delete.add_argument("--if-exists", action="store_true", help="succeed quietly if the topic does not exist")
+    delete.set_defaults(func=cmd_topics_delete)
+
+    alter = actions.add_parser("alter", parents=[common], help="change topic configs or partition count", description=cmd_topics_alter.__doc__)
+    alter.add_argument("--topic", required=True, help="the topic to alter")
+    alter.add_argument("--config", "--add-config", dest="config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a config override to set (repeatable; or k1=v1,k2=v2)")
+    alter.add_argument("--partitions", type=_positive_int, help="grow the topic to this many partitions")
+    alter.set_defaults(func=cmd_topics_alter)
+
+    # produce
+    produce = commands.add_parser(
+        "produce",
+        parents=[common],
+        help="send lines from stdin or a file as records",
+        formatter_class=formatter,
+        description=(
+            "Send each input line as one record (like kafka-console-producer).\n\n"
+            "Lines come from stdin, or from --file. The line terminator is dropped; an empty line is an\n"
+            "empty record. With --key-separator (or --parse-key, whose default separator is TAB) each\n"
+            "line is split once into KEY and VALUE, and a line without the separator is an error.\n"
+            "Keyed records go to murmur2(key) % partitions, as in Kafka; keyless ones stick to one\n"
+            "partition per chunk of lines. Lines are sent in chunks (send_table) unless stdin is a\n"
+            "terminal, where each line is delivered as it is typed. Progress goes to stderr every\n"
+            f"{PROGRESS_EVERY:,} records, and a summary line at the end."
+        ),
+    )
+    _topic_argument(produce)
+    produce.add_argument("--file", metavar="PATH", help="read lines from PATH instead of stdin")
+    produce.add_argument("--parse-key", action="store_true", help="split each line into key and value (separator: --key-separator, default TAB)")
+    produce.add_argument("--key-separator", metavar="SEP", help="split each line at the first SEP into key and value (implies --parse-key)")
+    produce.add_argument("--partition", type=_non_negative_int, help="send every record to this partition")
+    produce.add_argument("--header", action="append", type=_header_item, metavar="KEY=VALUE", help="a header added to every record (repeatable)")
+    produce.add_argument("--acks", "--request-required-acks", dest="acks", type=_acks, default="all", help="0, 1 or all (= -1): what the leader waits for before acknowledging (default: all)")
+    produce.add_argument("--compression", "--compression-codec", dest="compression", choices=("none", "lz4", "zstd"), default="none", help="batch compression (default: none)")
+    produce.set_defaults(func=cmd_produce)
+
+    # consume
+    consume = commands.add_parser(
+        "consume",
+        parents=[common],
+        help="print records of a topic",
+        formatter_class=formatter,
+        description=(
+            "Print records of a topic, one per line (like kafka-console-consumer).\n\n"
+            "Reads every partition (or --partition), starting at the end (new records only) unless\n"
+            "--from-beginning or --offset says otherwise. Without --timeout-ms it keeps waiting for\n"
+            "new records, like Kafka's console consumer, until --max-messages records were printed\n"
+            "or Ctrl-C; with --timeout-ms it exits once no record arrived for that long. The count of\n"
+            "records printed goes to stderr at the end.\n\n"
+            "Formats: value (the value as UTF-8, undecodable bytes replaced; null for no value),\n"
+            "kv (key TAB value), json (one object per line: topic, partition, offset, timestamp (ms),\n"
+            "key, value, headers (a list of [name, value] pairs, or null))."
+        ),
+    )
+    _topic_argument(consume)
+    consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset of every partition (default: at the end)")
+    consume.add_argument("--partition", type=_non_negative_int, help="read only this partition")
+    consume.add_argument("--offset", type=_offset, help="with --partition: earliest, latest or an offset to start at")
+    consume.add_argument("--max-messages", type=_positive_int, help="exit after printing this many records")
+    consume.add_argument("--timeout-ms", type=_non_negative_int, help="exit when no record arrived for this long (default: wait forever)")
+    consume.add_argument("--format", choices=FORMATS, default="value", help="output format (default: value)")
+    consume.add_argument("--print-offsets", action="store_true", help="prefix each line with Partition:P<TAB>Offset:O<TAB> (value and kv formats)")
+    consume.set_defaults(func=cmd_consume)
+
+    # status
+    status = commands.add_parser("status", parents=[common], help="show Ray nodes, topics, partitions and replicas", description=cmd_status.__doc__)
+    status.set_defaults(func=cmd_status)
+
+    # keep each subparser at hand for usage errors found after parsing
+    for sub in (create, listing, describe, delete, alter, produce, consume, status):
+        sub.set_defaults(parser=sub)
+    return parser
+
+
+def _check(args) -> None:
+    """Usage rules argparse cannot express; violations exit 2 through parser.error()."""
+    parser = args.parser
+    if args.command in ("produce", "consume"):
+        if args.topic is not None and args.topic_flag is not None and args.topic != args.topic_flag:
+            parser.error("give the topic once: as TOPIC or as --topic")
+        args.topic = args.topic if args.topic is not None else args.topic_flag
+        if args.topic is None:
+            parser.error("a topic is required (TOPIC or --topic)")
+    if args.command == "produce" and args.compression == "none":
+        args.compression = None
+    if args.command == "consume":
+        if args.offset is not None and args.partition is None:
+            parser.error("--offset requires --partition")
+        if args.offset is not None and args.from_beginning:
+            parser.error("--offset and --from-beginning cannot be used together")
+    if args.command == "topics" and args.action == "alter" and not args.config and args.partitions is None:
+        parser.error("nothing to alter: give --config KEY=VALUE and/or --partitions N")
+
+
+def _silence_stdout() -> None:
+    """After EPIPE, point fd 1 at /dev/null so the interpreter's final flush does not complain."""
+    with contextlib.suppress(Exception):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``logbus`` command line with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        _check(args)
+    except SystemExit as exit_:  # usage errors (2) and --help (0)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        return args.func(args)
+    except BrokenPipeError:
+        _silence_stdout()
+        return 0
+    except (LogbusError, CliError) as error:
+        _err(f"error: {error}")
+        return 1
+    except OSError as error:
+        _err(f"error: {error}")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

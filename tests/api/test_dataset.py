@@ -1,0 +1,226 @@
+"""Ray Data: read_dataset and TopicSink against real replica actors and real files."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import datetime, timezone
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+import ray
+
+import logbus
+from logbus import TopicPartition
+from logbus.api.dataset import SCHEMA, TopicSink, read_dataset, write_dataset
+from logbus.errors import (
+    InvalidConfigError,
+    InvalidRecordError,
+    InvalidTopicError,
+    OffsetOutOfRangeError,
+    UnknownTopicError,
+)
+from tests.conftest import close_bus, wait_for
+
+RECORDS = 100_000
+PARTITIONS = 4
+KEYS = 1_000
+
+
+@pytest.fixture(scope="module")
+def module_bus(ray_session, tmp_path_factory):
+    """One logbus cluster for the module: the 100,000-record topic is produced once."""
+    bus = logbus.connect(data_dir=str(tmp_path_factory.mktemp("dataset-data")), namespace=f"ds-{uuid.uuid4().hex[:10]}")
+    yield bus
+    if ray.is_initialized():
+        close_bus(bus)
+
+
+def produced_table(count: int, start_ms: int) -> pa.Table:
+    """``count`` records: unique values, 1,000 keys, increasing timestamps, headers on every third record."""
+    index = np.arange(count)
+    headers = [[("seq", b"%d" % i), ("kind", b"third")] if i % 3 == 0 else None for i in range(count)]
+    return pa.table(
+        {
+            "key": pa.array([b"key-%d" % (i % KEYS) for i in range(count)], pa.binary()),
+            "value": pa.array([b"value-%08d" % i for i in range(count)], pa.binary()),
+            "timestamp": pa.array(start_ms + index, pa.int64()),
+            "headers": pa.array(headers, pa.map_(pa.string(), pa.binary())),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def topic(module_bus):
+    """A 4-partition topic holding RECORDS records; returns (name, produced table, records per partition)."""
+    name = f"ds-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=PARTITIONS)
+    # Recent timestamps (retention must not delete the segments under the test), 1 ms apart.
+    table = produced_table(RECORDS, int(time.time() * 1000) - RECORDS)
+    producer = logbus.Producer(module_bus)
+    future = producer.send_table(name, table)
+    producer.flush(timeout_s=120)
+    batches = future.result()
+    producer.close()
+    counts = [0] * PARTITIONS
+    for batch in batches:
+        counts[batch.partition] += batch.record_count
+    assert sum(counts) == RECORDS and all(counts)
+    return name, table, counts
+
+
+def rows(table: pa.Table, columns=("key", "value", "timestamp", "headers")) -> list[tuple]:
+    """Rows as comparable tuples, sorted by value (values are unique)."""
+    table = table.select(list(columns)).sort_by("value")
+    return list(zip(*(table.column(c).to_pylist() for c in columns)))
+
+
+def read_all(dataset) -> pa.Table:
+    return pa.concat_tables(ray.get(dataset.to_arrow_refs()))
+
+
+def check_partitions(table: pa.Table, expected_ranges: dict[int, tuple[int, int]]) -> None:
+    """Each partition holds exactly the offsets [start, end), once each, in order of the values sent."""
+    for partition, (start, end) in expected_ranges.items():
+        part = table.filter(pc.equal(table["partition"], partition)).sort_by("offset")
+        assert part["offset"].to_pylist() == list(range(start, end)), partition
+        values = part["value"].to_pylist()
+        assert values == sorted(values), f"partition {partition} is not in send order"
+
+
+@pytest.mark.timeout(180)
+def test_read_dataset_round_trip(module_bus, topic):
+    name, produced, counts = topic
+    dataset = read_dataset(name, bus=module_bus, block_size_bytes=256 << 10)
+    assert dataset.schema().base_schema == SCHEMA
+    assert dataset.count() == RECORDS
+    refs = dataset.to_arrow_refs()
+    blocks = ray.get(refs)
+    table = pa.concat_tables(blocks)
+    assert table.schema == SCHEMA
+    assert table.num_rows == RECORDS
+    check_partitions(table, {p: (0, counts[p]) for p in range(PARTITIONS)})
+    assert rows(table) == rows(produced)
+    assert set(table["topic"].to_pylist()) == {name}
+    assert set(table["timestamp_type"].to_pylist()) == {0}
+    # A few large blocks per partition, not one per batch and not tiny ones: every
+    # block but the last of each partition reaches the requested 256 KiB.
+    assert len(blocks) < RECORDS // 2_000
+    small = [b for b in blocks if b.nbytes < 256 << 10]
+    assert len(small) <= PARTITIONS
+
+
+@pytest.mark.timeout(180)
+def test_offset_ranges_int_dict_and_datetime(module_bus, topic):
+    name, produced, counts = topic
+
+    table = read_all(read_dataset(name, 100, 250, bus=module_bus))
+    assert table.num_rows == 150 * PARTITIONS
+    check_partitions(table, {p: (100, 250) for p in range(PARTITIONS)})
+
+    start = {0: 10, 2: "earliest", 3: counts[3]}
+    end = {0: 20, 1: 5, 3: "latest"}
+    table = read_all(read_dataset(name, start, end, bus=module_bus))
+    expected = {0: (10, 20), 1: (0, 5), 2: (0, counts[2]), 3: (counts[3], counts[3])}
+    check_partitions(table, expected)
+    assert table.num_rows == sum(e - s for s, e in expected.values())
+
+    # Timestamps rise by 1 ms per record sent, so a time range is a range of values.
+    first_ms = produced["timestamp"][0].as_py()
+    low_ms, high_ms = first_ms + 30_000, first_ms + 60_000
+    low = datetime.fromtimestamp(low_ms / 1000, tz=timezone.utc)
+    high = datetime.fromtimestamp(high_ms / 1000, tz=timezone.utc)
+    table = read_all(read_dataset(name, low, high, bus=module_bus))
+    wanted = produced.filter(pc.and_(pc.greater_equal(produced["timestamp"], low_ms), pc.less(produced["timestamp"], high_ms)))
+    assert rows(table) == rows(wanted)
+    # A naive datetime is UTC, as in ray.data.read_kafka.
+    naive = read_dataset(name, low.replace(tzinfo=None), high.replace(tzinfo=None), bus=module_bus)
+    assert naive.count() == wanted.num_rows
+
+    empty = read_all(read_dataset(name, {p: counts[p] for p in range(PARTITIONS)}, bus=module_bus))
+    assert empty.num_rows == 0 and empty.schema == SCHEMA
+
+
+@pytest.mark.timeout(180)
+def test_topic_sink_round_trip(module_bus):
+    source = produced_table(30_000, int(time.time() * 1000))
+    source = source.append_column("user", source["key"].cast(pa.string()))
+    name = f"sink-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=3)
+    dataset = ray.data.from_arrow([source.slice(0, 10_000), source.slice(10_000)])
+    sink = TopicSink(name, key_column="user", bus=module_bus)
+    dataset.write_datasink(sink)
+    assert sink.records_written == source.num_rows
+
+    consumer = logbus.Consumer(module_bus)
+    consumer.assign([TopicPartition(name, p) for p in range(3)])
+    tables, total = [], 0
+
+    def more():
+        nonlocal total
+        table = consumer.poll_arrow(timeout_ms=500)
+        tables.append(table)
+        total += table.num_rows
+        return total >= source.num_rows
+
+    wait_for(more, timeout_s=120, interval_s=0, message=f"{source.num_rows} records")
+    consumer.close()
+    back = pa.concat_tables(tables)
+    assert back.num_rows == source.num_rows
+    assert rows(back) == rows(source)
+    # One key, one partition: the sink partitions by key as the producer does.
+    pairs = set(zip(back["key"].to_pylist(), back["partition"].to_pylist()))
+    assert len(pairs) == KEYS
+
+    # write_dataset, with explicit partitions and Spark-style headers (list of key/value structs).
+    other = f"sink-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(other, partitions=2)
+    entries = pa.array([[{"key": "h", "value": b"%d" % i}] for i in range(1_000)], pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())])))
+    spark_like = pa.table({"value": pa.array(["v%d" % i for i in range(1_000)]), "headers": entries, "partition": pa.array([i % 2 for i in range(1_000)], pa.int32())})
+    assert write_dataset(ray.data.from_arrow(spark_like), other, module_bus) == 1_000
+    back = read_all(read_dataset(other, bus=module_bus))
+    assert back.num_rows == 1_000
+    for row in back.slice(0, 50).to_pylist():
+        number = int(row["value"][1:])
+        assert row["partition"] == number % 2
+        assert row["headers"] == [("h", b"%d" % number)]
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_on_the_driver(module_bus, topic):
+    name, _, counts = topic
+    with pytest.raises(UnknownTopicError):
+        read_dataset("no-such-topic", bus=module_bus)
+    with pytest.raises(InvalidTopicError):
+        read_dataset("../escape", bus=module_bus)
+    with pytest.raises(OffsetOutOfRangeError, match="before its start"):
+        read_dataset(name, 200, 100, bus=module_bus)
+    with pytest.raises(OffsetOutOfRangeError, match="before its start"):
+        read_dataset(name, {1: 50}, {1: 10}, bus=module_bus)
+    with pytest.raises(OffsetOutOfRangeError, match="past its high watermark"):
+        read_dataset(name, max(counts) + 1, bus=module_bus)
+    with pytest.raises(OffsetOutOfRangeError):
+        read_dataset(name, -1, bus=module_bus)
+    with pytest.raises(InvalidConfigError):
+        read_dataset(name, "latest", bus=module_bus)
+    with pytest.raises(InvalidConfigError):
+        read_dataset(name, end="earliest", bus=module_bus)
+    with pytest.raises(InvalidConfigError):
+        read_dataset(name, "start", bus=module_bus)
+    with pytest.raises(UnknownTopicError):
+        read_dataset(name, {PARTITIONS: 0}, bus=module_bus)
+
+    with pytest.raises(UnknownTopicError):
+        TopicSink("no-such-topic", bus=module_bus)
+    target = f"bad-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(target, partitions=1)
+    no_value = ray.data.from_arrow(pa.table({"payload": pa.array([b"x"] * 10)}))
+    with pytest.raises(InvalidRecordError, match="no value column"):
+        write_dataset(no_value, target, module_bus)
+    with pytest.raises(InvalidRecordError, match="no key column"):
+        write_dataset(ray.data.from_arrow(pa.table({"value": pa.array([b"x"] * 10)})), target, module_bus, key_column="user")
+    with pytest.raises(InvalidRecordError, match="no value column"):
+        no_value.write_datasink(TopicSink(target, bus=module_bus))
+    assert read_dataset(target, bus=module_bus).count() == 0  # nothing was written

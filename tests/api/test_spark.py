@@ -1,0 +1,254 @@
+"""Spark through RayDP: logbus.spark.read / write against real replicas, real files and a real Spark.
+
+One Spark session serves the whole run (RayDP's Spark takes about 10 s to
+start); it runs on the shared Ray session of tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+import zlib
+from collections import Counter
+
+import pyarrow as pa
+import pytest
+import ray
+
+import logbus
+import logbus.spark
+from logbus import TopicPartition
+from logbus.errors import (
+    IllegalStateError,
+    InvalidConfigError,
+    InvalidRecordError,
+    OffsetOutOfRangeError,
+    UnknownTopicError,
+)
+from tests.api.murmur2_reference import kafka_partition
+from tests.api.test_dataset import KEYS, PARTITIONS, RECORDS, produced_table
+from tests.conftest import close_bus, wait_for
+
+
+@pytest.fixture(scope="session")
+def spark(ray_session):
+    """One RayDP Spark session for the run: 1 executor of 1 core (the shared Ray has 4 CPUs)."""
+    session = logbus.spark.init_spark(
+        "logbus-tests",
+        num_executors=1,
+        executor_cores=1,
+        executor_memory="1GB",
+        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"},
+    )
+    yield session
+    logbus.spark.stop_spark()
+
+
+@pytest.fixture(scope="module")
+def module_bus(ray_session, tmp_path_factory):
+    bus = logbus.connect(data_dir=str(tmp_path_factory.mktemp("spark-data")), namespace=f"sp-{uuid.uuid4().hex[:10]}")
+    yield bus
+    if ray.is_initialized():
+        close_bus(bus)
+
+
+@pytest.fixture(scope="module")
+def topic(module_bus):
+    """A 4-partition topic of RECORDS keyed records; returns (name, produced table, records per partition)."""
+    name = f"sp-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=PARTITIONS)
+    table = produced_table(RECORDS, int(time.time() * 1000) - RECORDS)
+    producer = logbus.Producer(module_bus)
+    future = producer.send_table(name, table)
+    producer.flush(timeout_s=120)
+    counts = [0] * PARTITIONS
+    for batch in future.result():
+        counts[batch.partition] += batch.record_count
+    producer.close()
+    return name, table, counts
+
+
+def drain(bus, topic: str, partitions: int, expected: int) -> pa.Table:
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    tables, total = [], 0
+
+    def more():
+        nonlocal total
+        table = consumer.poll_arrow(timeout_ms=500)
+        tables.append(table)
+        total += table.num_rows
+        return total >= expected
+
+    wait_for(more, timeout_s=120, interval_s=0, message=f"{expected} records")
+    consumer.close()
+    return pa.concat_tables(tables)
+
+
+def content_hash(key: bytes, value: bytes, timestamp_ms: int) -> int:
+    """What Spark computes below as crc32(concat(key, value, timestamp as decimal digits))."""
+    return zlib.crc32(key + value + str(timestamp_ms).encode())
+
+
+@pytest.mark.timeout(300)
+def test_read_topic_into_spark(spark, module_bus, topic):
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    name, produced, counts = topic
+    df = logbus.spark.read(spark, name, bus=module_bus)
+    assert df.schema == logbus.spark.kafka_schema()
+
+    # One Spark job checks every record: per partition the offsets are 0..n-1 once each,
+    # in the order the values were sent, and the records hash to what was produced.
+    previous = F.lag("value").over(Window.partitionBy("partition").orderBy("offset"))
+    digest = F.crc32(F.concat("key", "value", F.unix_millis("timestamp").cast("string").cast("binary")))
+    found = {
+        row["partition"]: row.asDict()
+        for row in df.withColumn("out_of_order", (previous > F.col("value")).cast("int"))
+        .groupBy("partition")
+        .agg(
+            F.count("*").alias("n"),
+            F.countDistinct("offset").alias("distinct"),
+            F.min("offset").alias("low"),
+            F.max("offset").alias("high"),
+            F.sum("out_of_order").alias("out_of_order"),
+            F.sum(digest).alias("digest"),
+            F.collect_set("topic").alias("topics"),
+            F.collect_set("timestampType").alias("types"),
+        )
+        .collect()
+    }
+    expected_digest = [0] * PARTITIONS
+    for key, value, ts in zip(produced["key"].to_pylist(), produced["value"].to_pylist(), produced["timestamp"].to_pylist()):
+        expected_digest[kafka_partition(key, PARTITIONS)] += content_hash(key, value, ts)
+    assert sorted(found) == list(range(PARTITIONS))
+    for partition, row in found.items():
+        n = counts[partition]
+        assert (row["n"], row["distinct"], row["low"], row["high"]) == (n, n, 0, n - 1), partition
+        assert row["out_of_order"] == 0
+        assert row["digest"] == expected_digest[partition]
+        assert row["topics"] == [name] and row["types"] == [0]
+
+    # And a slice, row by row, with timestamps as Spark timestamps.
+    sample = df.where("offset < 25").orderBy("partition", "offset").collect()
+    by_value = {v: (k, ts) for k, v, ts in zip(produced["key"].to_pylist(), produced["value"].to_pylist(), produced["timestamp"].to_pylist())}
+    assert len(sample) == 25 * PARTITIONS
+    for row in sample:
+        key, ts = by_value[bytes(row["value"])]
+        assert bytes(row["key"]) == key
+        assert round(row["timestamp"].timestamp() * 1000) == ts  # PySpark hands out naive local times
+
+
+@pytest.mark.timeout(300)
+def test_spark_sql_aggregation_matches_python(spark, module_bus, topic):
+    name, produced, _ = topic
+    logbus.spark.read(spark, name, bus=module_bus).createOrReplaceTempView("events")
+    result = spark.sql(
+        "SELECT CAST(key AS STRING) AS user, COUNT(*) AS n, SUM(LENGTH(value)) AS bytes, MAX(offset) AS last "
+        "FROM events GROUP BY key"
+    ).collect()
+    counted = Counter(produced["key"].to_pylist())
+    sizes = Counter()
+    for key, value in zip(produced["key"].to_pylist(), produced["value"].to_pylist()):
+        sizes[key] += len(value)
+    assert len(result) == KEYS
+    assert {row["user"].encode(): row["n"] for row in result} == dict(counted)
+    assert {row["user"].encode(): row["bytes"] for row in result} == dict(sizes)
+
+
+@pytest.mark.timeout(300)
+def test_json_offsets_and_headers(spark, module_bus, topic):
+    from pyspark.sql import functions as F
+
+    name, produced, counts = topic
+    starting = '{"%s": {"0": 23, "1": -2, "3": %d}}' % (name, counts[3] - 7)
+    ending = {name: {"0": 100, "2": 50, "3": -1}}
+    df = logbus.spark.read(spark, name, starting, ending, include_headers=True, bus=module_bus)
+    assert df.schema == logbus.spark.kafka_schema(include_headers=True)
+    found = {
+        row["partition"]: (row["n"], row["low"], row["high"])
+        for row in df.groupBy("partition").agg(F.count("*").alias("n"), F.min("offset").alias("low"), F.max("offset").alias("high")).collect()
+    }
+    assert found == {0: (77, 23, 99), 1: (counts[1], 0, counts[1] - 1), 2: (50, 0, 49), 3: (7, counts[3] - 7, counts[3] - 1)}
+
+    sample = df.where("partition = 0").orderBy("offset").select("value", "headers").collect()
+    by_value = {v: h for v, h in zip(produced["value"].to_pylist(), produced["headers"].to_pylist())}
+    for row in sample:
+        expected = by_value[bytes(row["value"])]
+        got = None if row["headers"] is None else [(h["key"], bytes(h["value"])) for h in row["headers"]]
+        assert got == expected
+
+
+@pytest.mark.timeout(300)
+def test_write_dataframe_to_topic(spark, module_bus):
+    target = f"sp-out-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(target, partitions=3)
+    count = 20_000
+    df = spark.range(count).selectExpr(
+        "CAST(id % 500 AS STRING) AS key",
+        "CONCAT('payload-', CAST(id AS STRING)) AS value",
+        "ARRAY(NAMED_STRUCT('key', 'id', 'value', CAST(CAST(id AS STRING) AS BINARY))) AS headers",
+        "'ignored' AS topic",
+    )
+    assert logbus.spark.write(df, target, bus=module_bus) == count
+    back = drain(module_bus, target, 3, count)
+    assert back.num_rows == count
+    assert sorted(back["value"].to_pylist()) == sorted(b"payload-%d" % i for i in range(count))
+    for row in back.slice(0, 200).to_pylist():
+        number = int(row["value"][len(b"payload-"):])
+        assert row["key"] == b"%d" % (number % 500)
+        assert row["headers"] == [("id", b"%d" % number)]
+        assert row["partition"] == kafka_partition(row["key"], 3)  # Kafka's key partitioning
+
+    # An explicit partition column wins over the key.
+    pinned = f"sp-pin-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(pinned, partitions=2)
+    df = spark.range(1_000).selectExpr("CAST(id AS BINARY) AS value", "CAST(id % 2 AS INT) AS partition")
+    assert logbus.spark.write(df, pinned, bus=module_bus) == 1_000
+    back = drain(module_bus, pinned, 2, 1_000)
+    assert Counter(back["partition"].to_pylist()) == {0: 500, 1: 500}
+
+
+class _StoppedContext:
+    _jsc = None
+    master = "ray://stopped"
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_raises_clear_errors(spark, module_bus, topic):
+    from pyspark.sql import SparkSession
+
+    name, _, _ = topic
+    with pytest.raises(IllegalStateError, match="not started"):
+        logbus.spark.read(None, name, bus=module_bus)
+    stopped = object.__new__(SparkSession)  # what a session looks like after stop(): no JVM context
+    stopped._sc = _StoppedContext()
+    with pytest.raises(IllegalStateError, match="stopped"):
+        logbus.spark.read(stopped, name, bus=module_bus)
+    with pytest.raises(UnknownTopicError):
+        logbus.spark.read(spark, "no-such-topic", bus=module_bus)
+    with pytest.raises(OffsetOutOfRangeError, match="before its start"):
+        logbus.spark.read(spark, name, {name: {"0": 50}}, {name: {"0": 10}}, bus=module_bus)
+    with pytest.raises(InvalidConfigError, match="latest"):
+        logbus.spark.read(spark, name, '{"%s": {"0": -1}}' % name, bus=module_bus)
+    with pytest.raises(InvalidConfigError, match="only"):
+        logbus.spark.read(spark, name, '{"other-topic": {"0": 1}}', bus=module_bus)
+    with pytest.raises(InvalidConfigError):
+        logbus.spark.read(spark, name, "{not json", bus=module_bus)
+
+    target = f"sp-bad-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(target, partitions=1)
+    with pytest.raises(InvalidRecordError, match="'value' column"):
+        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS payload"), target, bus=module_bus)
+    with pytest.raises(InvalidRecordError, match="string or binary"):
+        logbus.spark.write(spark.range(10).selectExpr("id AS value"), target, bus=module_bus)
+    with pytest.raises(UnknownTopicError):
+        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS value"), "no-such-topic", bus=module_bus)
+    with pytest.raises(InvalidRecordError, match="Spark DataFrame"):
+        logbus.spark.write(pa.table({"value": [b"x"]}), target, bus=module_bus)
+    stopped_df = object.__new__(__import__("pyspark.sql", fromlist=["DataFrame"]).DataFrame)
+    stopped_df._session = stopped
+    with pytest.raises(IllegalStateError, match="stopped"):
+        logbus.spark.write(stopped_df, target, bus=module_bus)
+    assert logbus.api.dataset.read_dataset(target, bus=module_bus).count() == 0  # nothing was written
