@@ -61,8 +61,9 @@ from dataclasses import dataclass
 from logbus.errors import InvalidConfigError
 from logbus.protocol.messages import TopicPartition
 
-# The sticky balancing loop is quadratic in members in the worst case; these
-# bounds keep one assignment well under a second even with mixed subscriptions.
+# The controller computes assignments inline, so their size is bounded. At these limits (measured on
+# 2 cores) equal subscriptions take under 1 s; mixed subscriptions, whose balancing loop is quadratic
+# in members at worst, took 2.5 s when one member owned everything. Realistic groups take milliseconds.
 ASSIGN_MEMBERS_MAX = 1_000
 ASSIGN_PARTITIONS_MAX = 100_000
 

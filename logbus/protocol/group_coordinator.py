@@ -148,7 +148,6 @@ from logbus.errors import (
 )
 from logbus.protocol.assignors import (
     ASSIGN_PARTITIONS_MAX,
-    ASSIGNORS,
     RebalanceProtocol,
     Subscription,
     get_assignor,
@@ -333,7 +332,7 @@ def _check_generation(generation: object) -> int:
 
 
 def _to_partition(tp: object) -> TopicPartition:
-    if not isinstance(tp, tuple) or len(tp) != 2:
+    if not isinstance(tp, (tuple, list)) or len(tp) != 2:
         raise InvalidConfigError(f"a partition must be a (topic, partition) pair, not {tp!r}")
     return TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
 
@@ -511,7 +510,9 @@ class GroupCoordinator:
         """Join or rejoin ``group_id``; poll it until it returns a :class:`JoinResult`.
 
         Args:
-            member_id: "" on the first join (the coordinator assigns one), then the id it returned.
+            member_id: "" on the first join, then the id the coordinator returned. A dynamic
+                member's first join only hands out the id (JoinPending with no backoff); a static
+                member's first join joins at once.
             group_instance_id: makes the member static (KIP-345).
             topics, pattern: the subscription: explicit topics, and/or a regular expression that
                 topic names must match in full (internal ``__`` topics are never matched).
@@ -534,6 +535,8 @@ class GroupCoordinator:
         )  # fmt: skip
         group = self._groups.get(group_id)
         if group is None:
+            if member_id:
+                raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r} (no such group)")
             group = self._add_group(group_id)
         self._expire(group, now_ms)
 

@@ -131,6 +131,9 @@ def test_unknown_member_id_is_rejected():
         gc.heartbeat("g", "nobody", 1, poll_idle_ms=0, now_ms=0)
     with pytest.raises(UnknownMemberIdError):
         gc.heartbeat("no-such-group", "nobody", 1, poll_idle_ms=0, now_ms=0)
+    with pytest.raises(UnknownMemberIdError):
+        rejoin(gc, "nobody", 0, group="no-such-group")
+    assert gc.list_groups() == []  # a failed join creates no group
 
 
 def test_issued_member_ids_expire():
