@@ -49,8 +49,7 @@ def close_bus(bus) -> None:
     from logbus.actors.factory import CONTROLLER_NAME
 
     try:
-        for topic in bus.admin.list_topics():
-            bus.admin.delete_topic(topic)
+        ray.get(bus.controller.destroy.remote(), timeout=120)
     except Exception:  # noqa: BLE001 (best-effort cleanup after a failed test)
         pass
     try:

@@ -30,6 +30,8 @@ import time
 
 import ray
 
+from logbus.actors.group_service import OFFSETS_TOPIC, GroupService
+from logbus.errors import InvalidTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.messages import PartitionInfo, TopicDescription
 from logbus.storage.log_config import LogConfig
@@ -67,8 +69,8 @@ def live_node_ids() -> list[str]:
     return sorted(node["NodeID"] for node in (marked or nodes))
 
 
-class Controller:
-    """Cluster metadata and replica lifecycle (see the module docstring)."""
+class Controller(GroupService):
+    """Cluster metadata, replica lifecycle and consumer groups (see the module docstring)."""
 
     def __init__(self, data_dir: str, namespace: str, replica_replacement_ms: int = REPLICA_REPLACEMENT_MS) -> None:
         self.data_dir = os.path.abspath(data_dir)
@@ -83,6 +85,7 @@ class Controller:
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
         self._lock: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
+        self._init_groups()
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -211,6 +214,7 @@ class Controller:
             await asyncio.sleep(CONTROL_LOOP_INTERVAL_S)
             try:
                 await self._check_partitions()
+                self._tick_groups()
             except Exception as error:  # noqa: BLE001 (the loop must survive; the next tick retries)
                 print(f"logbus controller: control loop error: {error!r}")
 
@@ -274,19 +278,37 @@ class Controller:
 
     async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict | None) -> TopicDescription:
         await self._ready()
+        return await self._create_topic(name, partitions, replication_factor, config)
+
+    async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> TopicDescription:
+        if name == OFFSETS_TOPIC and not internal:
+            raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic; it is created on first use")
         async with self._lock:
             topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids())
             self._expect_heartbeats(topic, range(partitions))
             self._persist()
+            self._topics_changed()
         # Start every replica actor concurrently: each is a process that takes a while to boot.
         await asyncio.gather(*(self._start_partition(topic, p) for p in range(partitions)))
         return await self.describe_topic(name)
 
     async def delete_topic(self, name: str) -> None:
         await self._ready()
+        if name == OFFSETS_TOPIC:
+            raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic and cannot be deleted")
+        await self._delete_topic(name)
+
+    async def destroy(self) -> None:
+        """Delete every topic, the internal one too, with its actors and files (tests and teardown)."""
+        await self._ready()
+        for name in list(self.metadata.topics):
+            await self._delete_topic(name)
+
+    async def _delete_topic(self, name: str) -> None:
         async with self._lock:
             topic = self.metadata.delete_topic(name)
             self._persist()
+            self._topics_changed()
         handles = []
         for p, state in enumerate(topic.partitions):
             for r in state.replicas:
@@ -298,9 +320,9 @@ class Controller:
         for handle in handles:
             ray.kill(handle, no_restart=True)
 
-    async def list_topics(self) -> list[str]:
+    async def list_topics(self, include_internal: bool = False) -> list[str]:
         await self._ready()
-        return sorted(self.metadata.topics)
+        return sorted(name for name in self.metadata.topics if include_internal or name != OFFSETS_TOPIC)
 
     async def describe_topic(self, name: str) -> TopicDescription:
         await self._ready()
@@ -326,6 +348,7 @@ class Controller:
             topic = self.metadata.topic(name)
             self._expect_heartbeats(topic, added)
             self._persist()
+            self._topics_changed()
         await asyncio.gather(*(self._start_partition(topic, p) for p in added))
         return await self.describe_topic(name)
 

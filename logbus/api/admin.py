@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
+
 from logbus.api.client import get
+from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import InvalidPartitionsError, InvalidReplicationFactorError
 from logbus.protocol.messages import TopicDescription
 from logbus.storage.log_config import LogConfig
@@ -55,6 +58,31 @@ class Admin:
         _positive("total", total, InvalidPartitionsError)
         self._bus.forget(name)
         return get(self._bus.controller.create_partitions.remote(name, total))
+
+    # --- consumer groups ---------------------------------------------------------------------------
+
+    def list_groups(self) -> list[tuple[str, str, str | None]]:
+        """(group id, state, assignment strategy) of every group with members or committed offsets."""
+        return [tuple(g) for g in get(self._bus.controller.list_groups.remote())]
+
+    def describe_group(self, group_id: str) -> dict:
+        """State, members with their assignments, and per partition the committed offset,
+        log end offset (the high watermark), lag and owning member (Kafka's columns)."""
+        validate_group_id(group_id)
+        return get(self._bus.controller.describe_group.remote(group_id))
+
+    def reset_offsets(self, group_id: str, to="earliest", topics: list[str] | None = None) -> dict:
+        """Reset an inactive group's committed offsets to "earliest", "latest", an offset, or a datetime.
+
+        Applies to every partition of ``topics``, or to the partitions the group
+        has committed. Raises GroupNotEmptyError while the group has members.
+        """
+        validate_group_id(group_id)
+        if isinstance(to, datetime.datetime):
+            to = {"timestamp": int(to.timestamp() * 1000)}
+        for topic in topics or ():
+            validate_topic_name(topic)
+        return get(self._bus.controller.reset_offsets.remote(group_id, to, list(topics) if topics else None))
 
     def alter_config(self, name: str, config: dict) -> dict:
         """Change topic config overrides (Kafka's dotted names); returns the topic's overrides."""

@@ -10,11 +10,18 @@ with Arrow (no copy, no per-row work) and sliced to the consumer's position.
 poll API must); ``poll_arrow()`` returns one pyarrow Table and does no per-row
 Python work.
 
+Group management: with a ``group_id``, ``subscribe()`` lets the group
+coordinator (in the controller) assign partitions across the group's members;
+positions start from the group's committed offsets (or ``auto_offset_reset``);
+``commit()`` stores positions durably. Rebalance listeners and auto-commit run
+inside ``poll()``, on the caller's thread.
+
 Not thread-safe (like Kafka's consumer): use one consumer per thread.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from typing import Iterable
@@ -93,6 +100,15 @@ class Consumer:
         fetch_max_wait_ms: how long a replica holds a fetch open waiting for new data.
         max_buffered_bytes: per partition, stop prefetching while this much is buffered.
         check_crcs: verify each batch's CRC32C when decoding (cheap; hardware CRC).
+        session_timeout_ms: a member silent this long is removed from the group.
+        heartbeat_interval_ms: how often the background thread heartbeats (a third of the session timeout, say).
+        max_poll_interval_ms: a member that does not poll() this often is removed from the group.
+        enable_auto_commit: commit positions every ``auto_commit_interval_ms`` from poll(), and before
+            partitions are revoked and on close().
+        partition_assignment_strategy: strategy names, preferred first: "range", "roundrobin",
+            "cooperative-sticky" (cooperative only if every listed strategy is).
+        group_instance_id: makes this member static: restarting within the session timeout gets
+            its partitions back with no rebalance.
     """
 
     def __init__(
@@ -104,6 +120,14 @@ class Consumer:
         fetch_max_wait_ms: int = 500,
         max_buffered_bytes: int = 32 << 20,
         check_crcs: bool = True,
+        session_timeout_ms: int = 10_000,
+        heartbeat_interval_ms: int = 3_000,
+        max_poll_interval_ms: int = 300_000,
+        enable_auto_commit: bool = True,
+        auto_commit_interval_ms: int = 5_000,
+        partition_assignment_strategy: tuple[str, ...] | list[str] | str = ("range",),
+        group_instance_id: str | None = None,
+        client_id: str = "logbus-consumer",
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidConfigError(f"auto_offset_reset must be one of {OFFSET_RESETS}, not {auto_offset_reset!r}")
@@ -118,6 +142,36 @@ class Consumer:
         self.check_crcs = check_crcs
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._closed = False
+        if isinstance(partition_assignment_strategy, str):
+            partition_assignment_strategy = (partition_assignment_strategy,)
+        for name, value in (
+            ("session_timeout_ms", session_timeout_ms), ("heartbeat_interval_ms", heartbeat_interval_ms),
+            ("max_poll_interval_ms", max_poll_interval_ms), ("auto_commit_interval_ms", auto_commit_interval_ms),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        if heartbeat_interval_ms >= session_timeout_ms:
+            raise InvalidConfigError("heartbeat_interval_ms must be lower than session_timeout_ms")
+        if group_instance_id is not None and group_id is None:
+            raise InvalidConfigError("group_instance_id needs a group_id")
+        self._group_options = dict(
+            group_instance_id=group_instance_id,
+            client_id=client_id,
+            protocols=tuple(partition_assignment_strategy),
+            session_timeout_ms=session_timeout_ms,
+            heartbeat_interval_ms=heartbeat_interval_ms,
+            max_poll_interval_ms=max_poll_interval_ms,
+        )
+        from logbus.protocol.assignors import get_assignor
+
+        for name in partition_assignment_strategy:
+            get_assignor(name)
+        self.enable_auto_commit = bool(enable_auto_commit) and group_id is not None
+        self.auto_commit_interval_s = auto_commit_interval_ms / 1000
+        self._last_auto_commit_s = time.monotonic()
+        self._membership = None  # GroupMembership once subscribe() is called
+        self._listener = None
+        self._subscribed = False
 
     # --- assignment and positions ---------------------------------------------------------------
 
@@ -138,6 +192,8 @@ class Consumer:
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replacing any previous assignment)."""
         self._check_open()
+        if self._subscribed:
+            raise IllegalStateError("assign() cannot be mixed with subscribe(); call unsubscribe() first")
         wanted = [_check_tp(tp) for tp in partitions]
         for tp in wanted:
             try:
@@ -298,6 +354,14 @@ class Consumer:
     def _pump(self, timeout_s: float) -> None:
         """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records."""
         deadline = time.monotonic() + timeout_s
+        if self._membership is not None:
+            self._membership.polled()
+            if not self._maintain_group(deadline):
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    time.sleep(min(remaining, 0.05))
+                return
+        self._maybe_auto_commit()
         while True:
             try:
                 self._reset_positions([s for s in self._partitions.values() if s.position is None])
@@ -404,8 +468,175 @@ class Consumer:
             )
         return pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
 
+    # --- consumer groups -----------------------------------------------------------------------------
+
+    def subscribe(self, topics: Iterable[str] | None = None, pattern: str | None = None, listener=None) -> None:
+        """Join the consumer group and let its coordinator assign partitions of these topics.
+
+        ``topics`` (names) and/or ``pattern`` (a regular expression topic names
+        must match in full; new matching topics join the subscription).
+        ``listener`` may define ``on_partitions_revoked(partitions)``,
+        ``on_partitions_assigned(partitions)`` and ``on_partitions_lost(partitions)``;
+        they are called from poll().
+        """
+        self._check_open()
+        if self.group_id is None:
+            raise InvalidGroupIdError("subscribe() needs a group_id")
+        if topics is None and pattern is None:
+            raise InvalidConfigError("subscribe() needs topics or a pattern")
+        names = tuple(validate_topic_name(t) for t in (topics or ()))
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as error:
+                raise InvalidConfigError(f"invalid topic pattern {pattern!r}: {error}") from None
+        if not self._subscribed and self._partitions:
+            raise IllegalStateError("subscribe() cannot be mixed with assign(); call unsubscribe() first")
+        if self._membership is None:
+            from logbus.api.group_membership import GroupMembership
+
+            self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
+        self._listener = listener
+        self._subscribed = True
+        self._membership.subscribe(names, pattern)
+
+    def unsubscribe(self) -> None:
+        """Give up every partition and leave the group."""
+        self._check_open()
+        if self._membership is not None:
+            self._revoke(list(self._partitions), commit=True)
+            self._membership.leave()
+            self._membership = None
+        self._subscribed = False
+        self._partitions = {}
+
+    def _call_listener(self, name: str, partitions) -> None:
+        callback = getattr(self._listener, name, None)
+        if callback is not None and partitions:
+            callback(sorted(partitions))
+
+    def _revoke(self, partitions, commit: bool) -> None:
+        """Give up partitions: commit their positions (auto-commit), tell the listener, forget them."""
+        partitions = [tp for tp in partitions if tp in self._partitions]
+        if not partitions:
+            return
+        if commit and self.enable_auto_commit:
+            try:
+                self._commit_positions(partitions)
+            except LogbusError:
+                pass  # the next owner starts from the last successful commit: at least once
+        self._call_listener("on_partitions_revoked", partitions)
+        for tp in partitions:
+            self._partitions.pop(tp, None)
+
+    def _maintain_group(self, deadline: float) -> bool:
+        """Act on what the coordinator said; join if needed. False while this member may not fetch."""
+        membership = self._membership
+        if membership.lost:
+            membership.lost = False
+            lost = list(self._partitions)
+            self._partitions = {}
+            self._call_listener("on_partitions_lost", lost)
+        if not membership.coordinator_ok:
+            return False  # stop fetching until the coordinator answers again
+        if membership.revoke_requested:
+            revoke, membership.revoke_requested = membership.revoke_requested, ()
+            self._revoke(revoke, commit=True)
+            membership.needs_join = True
+        while membership.needs_join:
+            if not membership.cooperative:
+                self._revoke(list(self._partitions), commit=True)
+            result = membership.join(tuple(self._partitions), deadline)
+            if result is None:
+                return False
+            assigned = set(result.assignment)
+            self._revoke([tp for tp in self._partitions if tp not in assigned], commit=True)
+            added = [tp for tp in result.assignment if tp not in self._partitions]
+            for tp in added:
+                self._partitions[tp] = _Partition(tp)
+            self._start_from_committed(added)
+            self._call_listener("on_partitions_assigned", added)
+            if result.revoke:
+                membership.needs_join = True
+        return True
+
+    def _start_from_committed(self, partitions: list[TopicPartition]) -> None:
+        if not partitions:
+            return
+        committed = self._membership.committed(partitions)
+        for tp in partitions:
+            found = committed.get(tp)
+            if found is not None:
+                self._partitions[tp].reset_to(found.offset)
+
+    def _positions(self, partitions=None) -> dict[TopicPartition, int]:
+        tps = self._partitions if partitions is None else partitions
+        return {tp: self._partitions[tp].position for tp in tps if tp in self._partitions and self._partitions[tp].position is not None}
+
+    def _committer(self):
+        if self.group_id is None:
+            raise InvalidGroupIdError("committing offsets needs a group_id")
+        if self._membership is None:
+            from logbus.api.group_membership import GroupMembership
+
+            # A consumer with manual assignment commits as a non-member (generation -1).
+            self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
+            self._membership.stop()
+        return self._membership
+
+    def _commit_positions(self, partitions=None) -> None:
+        offsets = self._positions(partitions)
+        if offsets:
+            self._committer().commit(offsets)
+
+    def _maybe_auto_commit(self) -> None:
+        if not self.enable_auto_commit or time.monotonic() - self._last_auto_commit_s < self.auto_commit_interval_s:
+            return
+        self._last_auto_commit_s = time.monotonic()
+        offsets = self._positions()
+        if offsets:
+            self._committer().commit_async(offsets)
+
+    def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+        """Commit ``offsets`` (default: the current positions of every assigned partition) and wait.
+
+        Raises IllegalGenerationError / UnknownMemberIdError if this member's
+        generation is stale (a rebalance happened): poll() again to rejoin.
+        """
+        self._check_open()
+        if offsets is None:
+            offsets = self._positions()
+        offsets = {_check_tp(tp): int(o) for tp, o in offsets.items()}
+        if offsets:
+            self._committer().commit(offsets)
+
+    def commit_async(self, offsets: dict[TopicPartition, int] | None = None, callback=None) -> None:
+        """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
+        self._check_open()
+        if offsets is None:
+            offsets = self._positions()
+        offsets = {_check_tp(tp): int(o) for tp, o in offsets.items()}
+        if offsets:
+            self._committer().commit_async(offsets, callback)
+
+    def committed(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int | None]:
+        """The group's committed offset of each partition (None where nothing was committed)."""
+        self._check_open()
+        found = self._committer().committed([_check_tp(tp) for tp in partitions])
+        return {tp: (None if om is None else om.offset) for tp, om in found.items()}
+
     def close(self) -> None:
-        """Stop fetching and release buffered data. Later calls raise IllegalStateError."""
+        """Commit (with auto-commit), leave the group, stop fetching. Later calls raise IllegalStateError."""
+        if self._closed:
+            return
+        if self._membership is not None:
+            if self._subscribed and self.enable_auto_commit:
+                try:
+                    self._commit_positions()
+                except LogbusError:
+                    pass
+            self._membership.leave()
+            self._membership = None
         self._closed = True
         self._partitions = {}
 

@@ -1,0 +1,224 @@
+"""A consumer's membership in a consumer group: joins, heartbeats, and what the coordinator asks of it.
+
+The coordinator lives in the controller actor (see logbus/actors/group_service.py
+and logbus/protocol/group_coordinator.py for the protocol). This class is the
+member's side: it joins by polling ``group_join`` until a generation forms,
+and a background thread heartbeats every ``heartbeat_interval_ms``. The
+thread only records what it learns (rejoin, revoke these partitions, the
+member was removed, the coordinator is unreachable); the consumer acts on it
+in ``poll()``, on the caller's thread, where rebalance listeners run (as in
+Kafka's clients).
+
+When the coordinator cannot be reached the consumer stops fetching; if that
+lasts longer than the session timeout, its partitions are treated as lost
+(another member may own them by now) and it joins again once the
+coordinator is back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+from ray.exceptions import RayError
+
+from logbus.api.client import get, unwrap
+from logbus.errors import (
+    IllegalGenerationError,
+    LogbusError,
+    RebalanceInProgressError,
+    UnknownMemberIdError,
+)
+from logbus.protocol.assignors import get_assignor
+from logbus.protocol.group_coordinator import JoinResult
+from logbus.protocol.messages import TopicPartition
+
+HEARTBEAT_TIMEOUT_FRACTION = 0.5  # a heartbeat call may take this share of the session timeout
+
+
+class GroupMembership:
+    """The member side of the group protocol (thread-safe: a heartbeat thread and the consumer's thread)."""
+
+    def __init__(
+        self,
+        bus,
+        group_id: str,
+        *,
+        group_instance_id: str | None,
+        client_id: str,
+        protocols: tuple[str, ...],
+        session_timeout_ms: int,
+        heartbeat_interval_ms: int,
+        max_poll_interval_ms: int,
+    ) -> None:
+        for name in protocols:
+            get_assignor(name)  # unknown strategies fail here, on the caller's side
+        self._bus = bus
+        self.group_id = group_id
+        self.group_instance_id = group_instance_id
+        self.client_id = client_id
+        self.protocols = tuple(protocols)
+        # Kafka's rule: a member is cooperative only if every strategy it lists is.
+        self.cooperative = all(get_assignor(name).protocol == "cooperative" for name in self.protocols)
+        self.session_timeout_ms = session_timeout_ms
+        self.heartbeat_interval_s = heartbeat_interval_ms / 1000
+        self.max_poll_interval_ms = max_poll_interval_ms
+        self.member_id = ""
+        self.generation = -1
+        self.topics: tuple[str, ...] = ()
+        self.pattern: str | None = None
+        self.needs_join = True
+        self.revoke_requested: tuple[TopicPartition, ...] = ()
+        self.lost = False
+        self.coordinator_ok = True
+        self._unreachable_since: float | None = None
+        self._last_poll_s = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat_loop, name=f"logbus-heartbeat-{group_id}", daemon=True)
+        self._thread.start()
+
+    # --- called by the consumer ---------------------------------------------------------------------
+
+    def polled(self) -> None:
+        self._last_poll_s = time.monotonic()
+
+    def subscribe(self, topics: tuple[str, ...], pattern: str | None) -> None:
+        with self._lock:
+            self.topics, self.pattern = topics, pattern
+            self.needs_join = True
+
+    def join(self, owned: tuple[TopicPartition, ...], deadline_s: float) -> JoinResult | None:
+        """Join (or rejoin) until a generation forms or ``deadline_s`` passes (then None: call again later)."""
+        controller = self._bus.controller
+        while True:
+            options = {
+                "member_id": self.member_id,
+                "group_instance_id": self.group_instance_id,
+                "client_id": self.client_id,
+                "topics": self.topics,
+                "pattern": self.pattern,
+                "owned": owned if self.cooperative else (),
+                "protocols": self.protocols,
+                "session_timeout_ms": self.session_timeout_ms,
+                "rebalance_timeout_ms": self.max_poll_interval_ms,
+                "max_poll_interval_ms": self.max_poll_interval_ms,
+            }
+            try:
+                result = get(controller.group_join.remote(self.group_id, options), timeout_s=self.session_timeout_ms / 1000)
+            except UnknownMemberIdError:
+                self.member_id = ""
+                continue
+            except LogbusError as error:
+                if not error.retriable:
+                    raise
+                self._mark_unreachable()
+                return None
+            self._mark_reachable()
+            self.member_id = result.member_id
+            if isinstance(result, JoinResult):
+                with self._lock:
+                    self.generation = result.generation
+                    self.needs_join = False
+                    self.revoke_requested = ()
+                return result
+            remaining = deadline_s - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(result.retry_backoff_ms / 1000, remaining))
+
+    def commit(self, offsets: dict) -> None:
+        """Commit with this member's generation (or as a non-member before the first join)."""
+        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
+        try:
+            get(self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets))
+        except (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError):
+            with self._lock:
+                self.needs_join = True
+            raise
+
+    def commit_async(self, offsets: dict, callback=None) -> None:
+        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
+        ref = self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets)
+
+        def done(future):
+            error = future.exception()
+            error = None if error is None else unwrap(error)
+            if isinstance(error, (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError)):
+                with self._lock:
+                    self.needs_join = True
+            if callback is not None:
+                callback(offsets, error)
+
+        ref.future().add_done_callback(done)
+
+    def committed(self, partitions: list[TopicPartition]) -> dict:
+        return get(self._bus.controller.fetch_committed.remote(self.group_id, list(partitions)))
+
+    def leave(self) -> None:
+        """Leave at once (dynamic members): the group rebalances without waiting for the session timeout."""
+        self._stop.set()
+        if self.member_id and self.group_instance_id is None:
+            try:
+                get(self._bus.controller.group_leave.remote(self.group_id, self.member_id), timeout_s=10)
+            except LogbusError:
+                pass  # the session timeout removes it anyway
+        self._thread.join(timeout=5)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the heartbeat thread --------------------------------------------------------------------------
+
+    def _mark_unreachable(self) -> None:
+        with self._lock:
+            self.coordinator_ok = False
+            if self._unreachable_since is None:
+                self._unreachable_since = time.monotonic()
+            elif (time.monotonic() - self._unreachable_since) * 1000 > self.session_timeout_ms and self.generation >= 0:
+                # Our session has surely expired: another member may own our partitions now.
+                self.lost = True
+                self.needs_join = True
+                self.generation = -1
+
+    def _mark_reachable(self) -> None:
+        with self._lock:
+            self.coordinator_ok = True
+            self._unreachable_since = None
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_interval_s):
+            with self._lock:
+                if not self.member_id or self.generation < 0:
+                    continue
+                member, generation = self.member_id, self.generation
+            idle_ms = int((time.monotonic() - self._last_poll_s) * 1000)
+            try:
+                ref = self._bus.controller.group_heartbeat.remote(self.group_id, member, generation, idle_ms)
+                result = ray.get(ref, timeout=self.session_timeout_ms / 1000 * HEARTBEAT_TIMEOUT_FRACTION)
+            except RayError as error:
+                cause = unwrap(error)
+                if isinstance(cause, UnknownMemberIdError):
+                    with self._lock:
+                        self._unreachable_since = None
+                        self.coordinator_ok = True
+                        self.member_id = ""
+                        self.generation = -1
+                        self.lost = True
+                        self.needs_join = True
+                elif isinstance(cause, (IllegalGenerationError, RebalanceInProgressError)):
+                    with self._lock:
+                        self.needs_join = True
+                else:
+                    self._mark_unreachable()
+                continue
+            except Exception:  # noqa: BLE001 (the controller handle is being re-resolved)
+                self._mark_unreachable()
+                continue
+            self._mark_reachable()
+            with self._lock:
+                if result.revoke:
+                    self.revoke_requested = tuple(result.revoke)
+                if result.rejoin:
+                    self.needs_join = True
