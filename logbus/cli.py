@@ -319,7 +319,10 @@ def cmd_produce(args) -> int:
                         return None, line
                     key, sep, value = line.partition(separator)
                     if not sep:
-                        raise CliError(f"no key separator {separator.decode()!r} found on line {line_number}")
+                        raise CliError(
+                            f"no key separator {separator.decode()!r} found on line {line_number} "
+                            f"(the {count} records before it were produced)"
+                        )
                     return key, value
 
                 if interactive:
@@ -354,7 +357,12 @@ def cmd_produce(args) -> int:
                             futures.remove(future)
 
                     for number, line in enumerate(_lines(source), 1):
-                        key, value = split(number, line)
+                        try:
+                            key, value = split(number, line)
+                        except CliError:
+                            send_chunk()  # the lines before the bad one are sent, as Kafka's console producer does
+                            producer.flush()
+                            raise
                         values.append(value)
                         keys.append(key)
                         size += len(line)
@@ -696,6 +704,8 @@ def _check(args) -> None:
         args.topic = args.topic if args.topic is not None else args.topic_flag
         if args.topic is None:
             parser.error("a topic is required (TOPIC or --topic)")
+    if args.command == "produce" and args.key_separator == "":
+        parser.error("--key-separator must not be empty")
     if args.command == "produce" and args.compression == "none":
         args.compression = None
     if args.command == "consume":

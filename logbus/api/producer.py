@@ -360,7 +360,9 @@ class Producer:
             keys = table.column("key").cast(pa.binary()).to_pylist()
             sticky = self._sticky_partition(topic, count)
             return np.fromiter((sticky if k is None else murmur2(k, count) for k in keys), np.int64, rows)
-        return np.full(rows, self._sticky_partition(topic, count), np.int64)
+        partition = self._sticky_partition(topic, count)
+        self._sticky.pop(topic, None)  # the next keyless table goes to another partition
+        return np.full(rows, partition, np.int64)
 
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
