@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 
 import pyarrow as pa
 import pytest
@@ -74,17 +75,19 @@ def test_produce_and_consume_200k_keyed_records(bus, topic_name):
 
 def test_poll_returns_records_with_headers_and_timestamps(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=1)
+    # Recent timestamps: records older than retention.ms (7 days by default) would be deleted.
+    base_ms = int(time.time() * 1000) - 60_000
     with logbus.Producer(bus, linger_ms=0) as producer:
-        producer.send(topic_name, "first", key="k", headers={"trace": b"abc"}, timestamp_ms=1000).result(timeout=60)
-        producer.send(topic_name, b"second", timestamp_ms=2000).result(timeout=60)
+        producer.send(topic_name, "first", key="k", headers={"trace": b"abc"}, timestamp_ms=base_ms).result(timeout=60)
+        producer.send(topic_name, b"second", timestamp_ms=base_ms + 1000).result(timeout=60)
     consumer = logbus.Consumer(bus)
     tp = TopicPartition(topic_name, 0)
     consumer.assign([tp])
     records = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="records")
     first = records[0]
-    assert (first.offset, first.key, first.value, first.timestamp_ms, first.headers) == (0, b"k", b"first", 1000, [("trace", b"abc")])
-    assert consumer.offsets_for_times({tp: 1500}) == {tp: 1}
-    assert consumer.offsets_for_times({tp: 5000}) == {tp: None}
+    assert (first.offset, first.key, first.value, first.timestamp_ms, first.headers) == (0, b"k", b"first", base_ms, [("trace", b"abc")])
+    assert consumer.offsets_for_times({tp: base_ms + 500}) == {tp: 1}
+    assert consumer.offsets_for_times({tp: base_ms + 5000}) == {tp: None}
     consumer.seek(tp, 1)
     again = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="record after seek")
     assert [r.value for r in again] == [b"second"]
