@@ -215,6 +215,7 @@ class Controller(GroupService):
             try:
                 await self._check_partitions()
                 self._tick_groups()
+                await self._export_lag()
             except Exception as error:  # noqa: BLE001 (the loop must survive; the next tick retries)
                 print(f"logbus controller: control loop error: {error!r}")
 

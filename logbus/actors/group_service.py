@@ -48,6 +48,7 @@ OFFSETS_TOPIC_REPLICATION_MAX = 3
 OFFSETS_TOPIC_CONFIG = {"segment.bytes": 64 << 20, "min.insync.replicas": 1}
 GROUPS_FILE = "groups.json"
 OFFSETS_LOAD_TIMEOUT_S = 60.0
+LAG_EXPORT_INTERVAL_S = 5.0
 
 
 def monotonic_ms() -> int:
@@ -68,6 +69,8 @@ class GroupService:
         self._groups_version_saved = self.groups.state_version
         self._committed: dict[tuple[str, str, int], OffsetAndMetadata] = {}
         self._offsets_loaded: asyncio.Event | None = None
+        self._lag_gauge = None
+        self._lag_exported_s = 0.0
 
     def _partition_counts(self) -> dict[str, int]:
         return {name: len(topic.partitions) for name, topic in self.metadata.topics.items()}
@@ -92,6 +95,30 @@ class GroupService:
         for removed in self.groups.tick(monotonic_ms()):
             print(f"logbus controller: group {removed.group_id}: member {removed.member_id} removed ({removed.reason})")
         self._save_groups()
+
+    async def _export_lag(self) -> None:
+        """Publish each group's lag per partition as the Ray metric ``logbus_consumer_group_lag``.
+
+        Ray serves it with its other metrics on each node's Prometheus endpoint
+        (the node's ``MetricsExportPort``).
+        """
+        if time.monotonic() - self._lag_exported_s < LAG_EXPORT_INTERVAL_S or not self._committed:
+            return
+        self._lag_exported_s = time.monotonic()
+        if self._lag_gauge is None:
+            from ray.util.metrics import Gauge
+
+            self._lag_gauge = Gauge(
+                "logbus_consumer_group_lag",
+                description="Records between a consumer group's committed offset and the partition's high watermark.",
+                tag_keys=("group", "topic", "partition"),
+            )
+        committed = dict(self._committed)
+        ends = await self._log_ends(sorted({TopicPartition(t, p) for (_, t, p) in committed}))
+        for (group_id, topic, partition), om in committed.items():
+            end = ends.get(TopicPartition(topic, partition))
+            if end is not None:
+                self._lag_gauge.set(max(0, end - om.offset), tags={"group": group_id, "topic": topic, "partition": str(partition)})
 
     # --- the offsets topic -------------------------------------------------------------------------
 
