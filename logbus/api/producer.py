@@ -225,7 +225,8 @@ class Producer:
         self._refresh: set[str] = set()
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
-        self._condition = threading.Condition()
+        self._limits: dict[str, tuple[int, int, int]] = {}  # topic -> (partitions, record limit, max.message.bytes)
+        self._condition = threading.Condition(threading.Lock())
         self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
         self._sender.start()
 
@@ -254,33 +255,45 @@ class Producer:
         """
         if self._closed:
             raise IllegalStateError("send() after close()")
-        metadata = self._topic(topic)
-        value = _as_bytes(value, "value")
-        key = _as_bytes(key, "key")
+        # The per-record path: type checks, the partition, list appends. Everything else is per batch.
+        limits = self._limits.get(topic)
+        if limits is None:
+            metadata = self._topic(topic)
+            limits = self._limits[topic] = (
+                metadata.partition_count,
+                metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES,
+                metadata.config.max_message_bytes,
+            )
+        count, limit, max_message_bytes = limits
+        if value.__class__ is not bytes and value is not None:
+            value = _as_bytes(value, "value")
+        if key.__class__ is not bytes and key is not None:
+            key = _as_bytes(key, "key")
         size = RECORD_OVERHEAD_BYTES + (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
         if headers is not None:
             headers = _normalize_headers(headers)
             size += sum(len(k) + (len(v) if v is not None else 0) + 12 for k, v in headers)
-        limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
         if size > limit:
             raise RecordTooLargeError(
                 f"record of about {size} bytes exceeds what a batch of topic {topic!r} can hold "
-                f"(max.message.bytes={metadata.config.max_message_bytes})"
+                f"(max.message.bytes={max_message_bytes})"
             )
-        count = metadata.partition_count
         if partition is None:
             partition = murmur2(key, count) if key is not None else self._sticky_partition(topic, count)
-        elif isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition < count:
+        elif partition.__class__ is not int or not 0 <= partition < count:
             raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition!r}")
         if timestamp_ms is None:
             timestamp_ms = time.time_ns() // 1_000_000
-        elif isinstance(timestamp_ms, bool) or not isinstance(timestamp_ms, int) or timestamp_ms < 0:
+        elif timestamp_ms.__class__ is not int or timestamp_ms < 0:
             raise InvalidRecordError(f"timestamp_ms must be a non-negative int, not {timestamp_ms!r}")
         with self._condition:
-            self._reserve(size)
+            if self._buffered_bytes + size > self.buffer_memory_bytes:
+                self._reserve(size)
+            else:
+                self._buffered_bytes += size
             slot = (topic, partition)
             batch = self._open.get(slot)
-            if batch is not None and batch.size_bytes + size > min(self.batch_size_bytes, limit):
+            if batch is not None and batch.size_bytes + size > self._batch_limit(limit):
                 self._close_batch(slot)
                 batch = None
             if batch is None:
@@ -363,6 +376,9 @@ class Producer:
         partition = self._sticky_partition(topic, count)
         self._sticky.pop(topic, None)  # the next keyless table goes to another partition
         return np.full(rows, partition, np.int64)
+
+    def _batch_limit(self, record_limit: int) -> int:
+        return min(self.batch_size_bytes, record_limit)
 
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
@@ -483,6 +499,7 @@ class Producer:
             if batch.topic in self._refresh:
                 self._refresh.discard(batch.topic)
                 self._topics[batch.topic] = self._bus.topic_metadata(batch.topic, refresh=True)
+                self._limits.pop(batch.topic, None)
             if batch.encoded is None:
                 self._encode(batch)
             leader = self._topics[batch.topic].leaders[batch.partition]
