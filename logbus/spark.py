@@ -44,10 +44,11 @@ import json
 import os
 import sys
 import uuid
+import warnings
 from datetime import datetime
 
-from logbus.api.client import Bus, connect
-from logbus.api.dataset import EARLIEST, LATEST, TopicSink, read_dataset
+from logbus.api.client import Bus
+from logbus.api.dataset import EARLIEST, LATEST, TopicDatasource, TopicSink
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
 from logbus.errors import IllegalStateError, InvalidConfigError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
@@ -68,9 +69,6 @@ JAVA_OPTION_KEYS = (
 # Spark's Kafka source spells the offset bounds in JSON with these two sentinels.
 SPARK_EARLIEST = -2
 SPARK_LATEST = -1
-
-_KAFKA_COLUMNS = ("key", "value", "topic", "partition", "offset", "timestamp", "timestampType")
-
 
 def spark_configs(configs: dict | None = None) -> dict:
     """``configs`` with the Java 17 options merged in (ours first, so the caller's can override)."""
@@ -215,7 +213,7 @@ def to_spark(spark, dataset, schema):
     arrow_stream = _arrow_stream_task()
     refs = [arrow_stream.remote(block) for block in dataset.to_arrow_refs()]
     if not refs:
-        return None
+        raise IllegalStateError("to_spark needs a Dataset with at least one block")
     # The JVM gets only the objects' ids, so something must hold the references
     # for as long as Spark may read them: RayDP's master actor, which holds
     # Dataset.to_spark's blocks the same way, until the Spark session stops.
@@ -246,14 +244,15 @@ def read(
     validate_topic_name(topic)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
-    dataset = read_dataset(topic, start, end, bus=bus)
+    source = TopicDatasource(topic, start, end, bus)
+    if source.num_rows == 0:
+        return spark.createDataFrame([], kafka_schema(include_headers))
+    dataset = source.to_dataset()
     schema = DATASET_SCHEMA
     if not include_headers:
         dataset = dataset.drop_columns(["headers"])
         schema = schema.remove(schema.get_field_index("headers"))
     df = to_spark(spark, dataset, schema)
-    if df is None:
-        return spark.createDataFrame([], kafka_schema(include_headers))
     columns = [
         F.col("key"),
         F.col("value"),
@@ -323,8 +322,9 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     optional ``key`` (string or binary), ``headers`` (array<struct<key string,
     value binary>>) and ``partition`` (int); others (``topic`` included) are
     ignored. Rows without a partition go by key hash (Kafka's murmur2), or to a
-    sticky partition when keyless. Bad arguments raise before any Spark job:
-    IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError.
+    sticky partition when keyless. ``producer_options`` go to each write task's
+    :class:`~logbus.api.producer.Producer`. Bad arguments raise before any Spark
+    job: IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError.
     """
     import ray
     from pyspark.sql import DataFrame
@@ -338,18 +338,74 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
         topic,
         key_column="key" if "key" in columns else None,
         value_column="value",
-        bus=connect() if bus is None else bus,
+        bus=bus,
         headers_column="headers",
         timestamp_column=None,  # Spark's Kafka sink has no timestamp column either
         partition_column="partition",
         producer_options=producer_options,
     )
-    selected = df.select(*columns)
     from raydp.spark.dataset import release_spark_recoverable
 
-    dataset = ray.data.from_spark(selected)
-    try:
-        dataset.write_datasink(sink)
-    finally:
-        release_spark_recoverable(selected)
+    selected = df.select(*columns)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DataFrame.sql_ctx is an internal property")  # RayDP's, not the caller's
+        # RayDP caches the DataFrame's Arrow batches in Spark and builds one block per Spark partition.
+        dataset = ray.data.from_spark(selected)
+        try:
+            dataset.write_datasink(sink)
+        finally:
+            release_spark_recoverable(selected)
     return sink.records_written
+
+
+# --- stream -----------------------------------------------------------------------------------------
+
+
+def stream(
+    spark,
+    topic: str,
+    group_id: str,
+    process_batch,
+    max_offsets_per_trigger: int | None = None,
+    trigger_interval_s: float = 5.0,
+    starting_offsets: str = "earliest",
+    include_headers: bool = False,
+    bus: Bus | None = None,
+    until_caught_up: bool = False,
+    max_batches: int | None = None,
+    progress=None,
+):
+    """Micro-batches of ``topic`` as DataFrames, in the ``foreachBatch`` style; returns the running stream.
+
+    Each trigger reads the group's next offset range as a DataFrame (the Kafka
+    source's schema), calls ``process_batch(df, batch_id)``, and commits the
+    group's offsets only after it returned: a failure leaves them
+    uncommitted, so a restarted stream runs that batch again with the same
+    batch id (at least once; exactly once for a sink keyed by batch id).
+    Progress (records, rate, lag) is reported per batch to ``progress``
+    (default: a line on stderr). Stop it with ``.stop()``; wait with
+    ``.await_termination()``, which re-raises the error that ended it.
+    ``until_caught_up`` ends the stream at the first trigger with nothing to do.
+    See :mod:`logbus.api.streaming`.
+    """
+    from logbus.api.streaming import MicroBatchStream, _stderr_progress
+
+    check_spark(spark)
+    if not callable(process_batch):
+        raise InvalidConfigError("process_batch must be a callable taking (DataFrame, batch_id)")
+
+    def run_batch(start: dict, end: dict, batch_id: int) -> None:
+        df = read(spark, topic, starting_offsets=start, ending_offsets=end, include_headers=include_headers, bus=micro.bus)
+        process_batch(df, batch_id)
+
+    micro = MicroBatchStream(
+        topic,
+        group_id,
+        run_batch,
+        max_offsets_per_trigger=max_offsets_per_trigger,
+        trigger_interval_s=trigger_interval_s,
+        starting_offsets=starting_offsets,
+        bus=bus,
+        progress=progress or _stderr_progress,
+    )
+    return micro.start(until_caught_up=until_caught_up, max_batches=max_batches)
