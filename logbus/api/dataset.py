@@ -51,6 +51,7 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 from ray.data import Dataset
 from ray.data.block import BlockAccessor, BlockMetadata
@@ -359,6 +360,19 @@ class TopicDatasource(Datasource):
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
+    def to_dataset(self, num_cpus: float | None = None, ray_remote_args: dict | None = None) -> Dataset:
+        """The Dataset of this range (an empty one with SCHEMA when the range holds no record)."""
+        tasks = sum(1 for start, end in self.ranges if start < end)
+        if tasks == 0:
+            return ray.data.from_arrow(SCHEMA.empty_table())
+        # One output stream per read task: without this Ray Data splits each task's
+        # blocks into many small ones to reach its default minimum block count.
+        dataset = ray.data.read_datasource(self, num_cpus=num_cpus, ray_remote_args=ray_remote_args, override_num_blocks=tasks)
+        # And without this it merges them (copying) up to its own target of 128 MiB.
+        # The Dataset has its own copy of the DataContext: nothing else changes.
+        dataset.context.target_max_block_size = self._block_size_bytes
+        return dataset
+
     def get_read_tasks(self, parallelism: int, per_task_row_limit: int | None = None, data_context=None) -> list[ReadTask]:
         tasks = []
         for partition, (start, end) in enumerate(self.ranges):
@@ -403,18 +417,14 @@ def read_dataset(
     headers map<string, binary>. ``bus=None`` connects with :func:`logbus.connect`.
 
     The offsets are resolved now (see the module docstring); the records are
-    read when the Dataset executes. Raises UnknownTopicError, InvalidTopicError,
+    read when the Dataset executes, in blocks of about ``block_size_bytes``
+    (the Dataset's ``context.target_max_block_size`` is set to it). Raises UnknownTopicError, InvalidTopicError,
     InvalidConfigError or OffsetOutOfRangeError here, before any task starts.
     """
     datasource = TopicDatasource(
         topic, start, end, bus, fetch_max_bytes=fetch_max_bytes, block_size_bytes=block_size_bytes, verify_crc=verify_crc
     )
-    tasks = sum(1 for start, end in datasource.ranges if start < end)
-    if tasks == 0:
-        return ray.data.from_arrow(SCHEMA.empty_table())
-    # One output stream per read task: without this Ray Data splits each task's
-    # blocks into many small ones to reach its default minimum block count.
-    return ray.data.read_datasource(datasource, num_cpus=num_cpus, ray_remote_args=ray_remote_args, override_num_blocks=tasks)
+    return datasource.to_dataset(num_cpus=num_cpus, ray_remote_args=ray_remote_args)
 
 
 # --- writing ----------------------------------------------------------------------------------
@@ -444,10 +454,14 @@ def headers_to_map(array) -> pa.Array:
     if _is_entry_list(array.type):
         if pa.types.is_large_list(array.type):
             array = array.cast(pa.list_(array.type.value_type))
-        entries = array.values
+        offsets = array.offsets
+        first = offsets[0].as_py()
+        if first or array.offset:  # a slice: rebase the offsets (Arrow refuses sliced offsets with a null mask)
+            offsets = pc.subtract(offsets, pa.scalar(first, offsets.type))
+        entries = array.values.slice(first, offsets[-1].as_py())
         mask = array.is_null() if array.null_count else None
         return pa.MapArray.from_arrays(
-            array.offsets, entries.field(0).cast(pa.string()), entries.field(1).cast(pa.binary()), mask=mask
+            offsets, entries.field(0).cast(pa.string()), entries.field(1).cast(pa.binary()), mask=mask
         )
     if pa.types.is_null(array.type):
         return pa.nulls(len(array), rb.HEADERS_TYPE)
@@ -458,7 +472,7 @@ def _timestamps_ms(array) -> pa.Array:
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
     if pa.types.is_timestamp(array.type):
-        return array.cast(pa.timestamp("ms", array.type.tz)).cast(pa.int64())
+        return array.cast(pa.timestamp("ms", array.type.tz), safe=False).cast(pa.int64())  # truncates to ms
     return array.cast(pa.int64())
 
 

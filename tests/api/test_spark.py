@@ -172,6 +172,9 @@ def test_json_offsets_and_headers(spark, module_bus, topic):
     }
     assert found == {0: (77, 23, 99), 1: (counts[1], 0, counts[1] - 1), 2: (50, 0, 49), 3: (7, counts[3] - 7, counts[3] - 1)}
 
+    empty = logbus.spark.read(spark, name, {name: {str(p): counts[p] for p in range(PARTITIONS)}}, bus=module_bus)
+    assert empty.schema == logbus.spark.kafka_schema() and empty.count() == 0
+
     sample = df.where("partition = 0").orderBy("offset").select("value", "headers").collect()
     by_value = {v: h for v, h in zip(produced["value"].to_pylist(), produced["headers"].to_pylist())}
     for row in sample:
@@ -217,7 +220,7 @@ class _StoppedContext:
 
 @pytest.mark.timeout(120)
 def test_bad_input_raises_clear_errors(spark, module_bus, topic):
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
     name, _, _ = topic
     with pytest.raises(IllegalStateError, match="not started"):
@@ -247,7 +250,7 @@ def test_bad_input_raises_clear_errors(spark, module_bus, topic):
         logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS value"), "no-such-topic", bus=module_bus)
     with pytest.raises(InvalidRecordError, match="Spark DataFrame"):
         logbus.spark.write(pa.table({"value": [b"x"]}), target, bus=module_bus)
-    stopped_df = object.__new__(__import__("pyspark.sql", fromlist=["DataFrame"]).DataFrame)
+    stopped_df = object.__new__(DataFrame)  # a DataFrame of the stopped session
     stopped_df._session = stopped
     with pytest.raises(IllegalStateError, match="stopped"):
         logbus.spark.write(stopped_df, target, bus=module_bus)
