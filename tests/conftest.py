@@ -77,6 +77,23 @@ def bus(ray_session, data_dir):
         close_bus(connected)
 
 
+@pytest.fixture(scope="session")
+def spark(ray_session):
+    """One RayDP Spark session for the whole run: 1 executor of 1 core (the shared Ray has 4 CPUs)."""
+    import logbus.spark
+
+    start_ray()
+    session = logbus.spark.init_spark(
+        "logbus-tests",
+        num_executors=1,
+        executor_cores=1,
+        executor_memory="1GB",
+        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"},
+    )
+    yield session
+    logbus.spark.stop_spark()
+
+
 @pytest.fixture
 def topic_name(request):
     return "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:60] + "-" + uuid.uuid4().hex[:6]

@@ -49,6 +49,7 @@ OFFSETS_TOPIC_CONFIG = {"segment.bytes": 64 << 20, "min.insync.replicas": 1}
 GROUPS_FILE = "groups.json"
 OFFSETS_LOAD_TIMEOUT_S = 60.0
 LAG_EXPORT_INTERVAL_S = 5.0
+COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
 
 
 def monotonic_ms() -> int:
@@ -194,18 +195,24 @@ class GroupService:
     async def _append_commits(self, records: list[tuple[bytes, bytes]]) -> None:
         """Append offset-commit records with acks='all'; raise (retriable) if that fails."""
         await self._ensure_offsets_topic()
-        leader = await self._offsets_leader()
         keys = [k for k, _ in records]
         values = [v for _, v in records]
-        batch = rb.encode_batch(values, keys)
-        try:
-            await asyncio.wait_for(leader.produce.remote(np.frombuffer(batch, np.uint8), "all"), 30)
-        except LogbusError:
-            raise
-        except Exception as error:  # noqa: BLE001 (Ray errors: the offsets leader is moving)
-            from logbus.api.client import unwrap
+        batch = np.frombuffer(rb.encode_batch(values, keys), np.uint8)
+        deadline = time.monotonic() + COMMIT_RETRY_S
+        while True:
+            # A fresh or moving offsets leader refuses writes until its lease is confirmed: retry briefly.
+            try:
+                leader = await self._offsets_leader()
+                await asyncio.wait_for(leader.produce.remote(batch, "all"), 30)
+                return
+            except Exception as error:  # noqa: BLE001 (Ray errors mean the offsets leader is moving)
+                from logbus.api.client import unwrap
 
-            raise unwrap(error) from None
+                cause = unwrap(error)
+                retriable = isinstance(cause, LogbusError) and cause.retriable
+                if not retriable or time.monotonic() > deadline:
+                    raise cause from None
+                await asyncio.sleep(0.1)
 
     # --- membership RPCs ------------------------------------------------------------------------------
 

@@ -354,7 +354,7 @@ class Consumer:
     def _pump(self, timeout_s: float) -> None:
         """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records."""
         deadline = time.monotonic() + timeout_s
-        if self._membership is not None:
+        if self._subscribed and self._membership is not None:
             self._membership.polled()
             if not self._maintain_group(deadline):
                 remaining = deadline - time.monotonic()

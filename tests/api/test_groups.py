@@ -269,3 +269,19 @@ def test_reset_offsets_of_an_inactive_group_and_describe_lag(bus, topic_name):
     wait_for(lambda: got.extend(fresh.poll_arrow(timeout_ms=200)["offset"].to_pylist()) or len(got) >= 90, timeout_s=60, message="records")
     assert sorted(got)[:2] == [5, 5] and len(got) == 90  # both partitions from offset 5
     fresh.close()
+
+
+def test_manual_assignment_with_a_group_keeps_its_partitions_after_commits(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    with logbus.Producer(bus) as producer:
+        for i in range(10):
+            producer.send(topic_name, b"%d" % i)
+    consumer = logbus.Consumer(bus, group_id="manual", enable_auto_commit=True, auto_commit_interval_ms=100)
+    consumer.assign([tp])
+    got = []
+    wait_for(lambda: got.extend(consumer.poll_arrow(timeout_ms=200)["offset"].to_pylist()) or len(got) == 10, timeout_s=60, message="records")
+    consumer.commit()
+    assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # no group join happens for an assigned consumer
+    assert consumer.assignment() == {tp} and consumer.committed([tp]) == {tp: 10}
+    consumer.close()

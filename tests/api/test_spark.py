@@ -30,20 +30,6 @@ from tests.api.test_dataset import KEYS, PARTITIONS, RECORDS, produced_table
 from tests.conftest import close_bus, wait_for
 
 
-@pytest.fixture(scope="session")
-def spark(ray_session):
-    """One RayDP Spark session for the run: 1 executor of 1 core (the shared Ray has 4 CPUs)."""
-    session = logbus.spark.init_spark(
-        "logbus-tests",
-        num_executors=1,
-        executor_cores=1,
-        executor_memory="1GB",
-        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"},
-    )
-    yield session
-    logbus.spark.stop_spark()
-
-
 @pytest.fixture(scope="module")
 def module_bus(ray_session, tmp_path_factory):
     bus = logbus.connect(data_dir=str(tmp_path_factory.mktemp("spark-data")), namespace=f"sp-{uuid.uuid4().hex[:10]}")

@@ -1,0 +1,867 @@
+#!/usr/bin/env python
+"""Broker benchmarks: logbus produce / consume throughput and end-to-end latency, with baselines.
+
+Run with ``./dev bench broker`` (= ``.venv/bin/python perf/bench_broker.py``).
+``--quick`` makes a short smoke run (< 90 s); ``--records N`` sets the records per
+repetition of the throughput cases; ``--skip-redis`` leaves out the Redis baseline.
+
+Everything runs in one process tree on this machine: a private local Ray
+(``ray.init(address="local", num_cpus=4)``), a fresh temp ``data_dir`` and a
+unique namespace; and, for the baseline, a private ``redis-server`` on a free
+loopback port with its own temp dir (``--appendonly yes --appendfsync everysec
+--save ''``), which is always shut down at the end, also on errors.
+
+Every record value is 100 bytes (random, incompressible); keys and headers are
+null; logbus producers use acks=1 and otherwise default settings (so, with the
+current Producer, enable_idempotence=True). Cases:
+
+1. produce   (a) one Producer in the driver, ``send()`` per record, 1-partition topic;
+             (b) one Producer, ``send_table()`` of the same pre-built 10,000-row pyarrow
+                 table, over and over; (info) the same with enable_idempotence=False;
+             (c) two Producers in two Ray actors (separate processes), a 2-partition
+                 topic, producer i writing partition i, with ``send_table()`` and, as a
+                 second row, with ``send()``; aggregate records/s = all records / (last
+                 end - first start).
+             Each timing runs from the first send to the end of ``flush()`` (every record
+             acknowledged); a repetition stops sending after N records or a time cap.
+2. consume   one Consumer in the driver reads the whole send_table topic from offset 0
+             with ``poll_arrow()``; records/s, and MB/s of value bytes.
+3. latency   a Producer in a Ray actor sends at a paced 10,000 records/s (bursts every
+             ~0.5 ms); each value starts with its send time (``time.time_ns()``); a
+             Consumer in another Ray actor polls (timeout 5 ms) and computes poll-return
+             time minus send time per record. p50 / p99 over every record sent: a record
+             not received within a grace period after the sending ended counts as
+             infinitely late ("lost"), and a producer still backlogged then is killed.
+             Target case: linger_ms=0. Informational: linger_ms=5 (the default), and
+             linger_ms=5 with enable_idempotence=False.
+4. baselines Redis Streams with redis-py + hiredis: XADD pipelined 1,000 at a time
+             (produce); XREADGROUP COUNT 1000 from the start of the stream (consume, no
+             XACK); the same latency test (XADD of the records due at each ~0.5 ms tick
+             in one pipeline, XREADGROUP BLOCK 5 in a Ray actor).
+             ray.util.queue.Queue: the driver puts lists of 1,000 values, a Ray task gets
+             them; records/s from the first put to the last get.
+5. ratios    logbus / Redis for produce, consume and latency p99; logbus / queue.
+
+Every case runs once unmeasured as a warm-up (latency: the first configuration), then
+is repeated (3 times in a full run, 2 in a quick one; latency 2 / 1 times) and the best
+repetition is reported (for latency: the repetition with the lowest p99). This
+machine is shared, so the load average at the start and end is printed too. The last
+lines of the output are one JSON object per result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import inspect
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import ray
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import logbus  # noqa: E402
+from logbus import Consumer, Producer, TopicPartition  # noqa: E402
+
+VALUE_SIZE = 100
+POOL_SIZE = 10_000  # distinct values cycled through by the send() loops
+TABLE_ROWS = 10_000
+REDIS_PIPELINE = 1_000
+REDIS_READ_COUNT = 1_000
+QUEUE_BATCH = 1_000
+LATENCY_RATE = 10_000  # records/s
+LATENCY_POLL_MS = 5
+
+PRODUCE_TARGET = 1_500_000  # records/s
+PRODUCE_RATIO_TARGET = 8.0  # x Redis XADD
+CONSUME_TARGET = 5_000_000
+CONSUME_RATIO_TARGET = 15.0  # x Redis XREADGROUP
+P50_TARGET_MS = 3.0
+P99_TARGET_MS = 15.0
+
+
+@dataclass
+class Mode:
+    records: int  # per repetition of a throughput case
+    reps: int
+    latency_reps: int
+    latency_s: float
+    time_cap_s: float  # a produce repetition stops sending after this long (then flushes)
+    warmup_records: int
+    latency_grace_s: float  # how long after the paced sending ends records may still arrive
+
+
+FULL = Mode(records=2_000_000, reps=3, latency_reps=2, latency_s=5.0, time_cap_s=6.0, warmup_records=200_000, latency_grace_s=5.0)
+QUICK = Mode(records=200_000, reps=2, latency_reps=1, latency_s=2.0, time_cap_s=3.0, warmup_records=50_000, latency_grace_s=4.0)
+
+
+@dataclass
+class Result:
+    case: str
+    records_per_s: float | None
+    mb_per_s: float | None = None
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    ratio_vs: str | None = None
+    ratio: float | None = None
+    target: str | None = None
+    meets_target: bool | None = None
+    reps: list = field(default_factory=list)  # records/s (or p99 ms) of every measured repetition
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def make_pool(count: int, seed: int = 7) -> list[bytes]:
+    data = np.random.default_rng(seed).integers(0, 256, count * VALUE_SIZE, dtype=np.uint8).tobytes()
+    return [data[i * VALUE_SIZE : (i + 1) * VALUE_SIZE] for i in range(count)]
+
+
+def make_table(pool: list[bytes], partition: int | None = None) -> pa.Table:
+    columns = {"value": pa.array(pool[:TABLE_ROWS], pa.binary())}
+    if partition is not None:
+        columns["partition"] = pa.array(np.full(TABLE_ROWS, partition, np.int32))
+    return pa.table(columns)
+
+
+PAD = b"\x00" * (VALUE_SIZE - 8)
+
+
+def stamped_value() -> bytes:
+    return struct.pack("<q", time.time_ns()) + PAD
+
+
+def stamps_of(values: pa.Array) -> np.ndarray:
+    """The int64 send times in the first 8 bytes of each value of a binary Arrow array (no per-row Python)."""
+    if isinstance(values, pa.ChunkedArray):
+        return np.concatenate([stamps_of(chunk) for chunk in values.chunks]) if values.num_chunks else np.empty(0, np.int64)
+    count = len(values)
+    if count == 0:
+        return np.empty(0, np.int64)
+    _, offsets_buffer, data_buffer = values.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int32)[values.offset : values.offset + count]
+    data = np.frombuffer(data_buffer, np.uint8)
+    index = offsets[:, None].astype(np.int64) + np.arange(8)
+    return np.ascontiguousarray(data[index]).view("<i8").ravel()
+
+
+# --- logbus: produce ----------------------------------------------------------------------------
+
+
+def produce_send(producer: Producer, topic: str, pool: list[bytes], n: int, time_cap_s: float, partition: int | None = None) -> tuple[int, float, float]:
+    """send() per record until ``n`` records or ``time_cap_s``; then flush. Returns (records, start, end) wall times."""
+    send = producer.send
+    sent = 0
+    start = time.time()
+    deadline = time.perf_counter() + time_cap_s
+    while sent < n:
+        if partition is None:
+            for value in pool:
+                send(topic, value)
+        else:
+            for value in pool:
+                send(topic, value, partition=partition)
+        sent += len(pool)
+        if time.perf_counter() > deadline:
+            break
+    producer.flush()
+    return sent, start, time.time()
+
+
+def produce_tables(producer: Producer, topic: str, table: pa.Table, n: int, time_cap_s: float) -> tuple[int, float, float]:
+    """send_table() of the same pre-built table until ``n`` records or ``time_cap_s``; then flush."""
+    futures = []
+    sent = 0
+    start = time.time()
+    deadline = time.perf_counter() + time_cap_s
+    while sent < n:
+        futures.append(producer.send_table(topic, table))
+        sent += table.num_rows
+        if time.perf_counter() > deadline:
+            break
+    producer.flush()
+    end = time.time()
+    for future in futures:
+        future.result()  # raises if any batch failed
+    return sent, start, end
+
+
+@ray.remote(num_cpus=0)
+class ProducerWorker:
+    """A Producer in its own process (for the two-producer case)."""
+
+    def __init__(self, namespace: str, data_dir: str) -> None:
+        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace)
+        self.producer = Producer(self.bus, acks=1)
+        self.pool = make_pool(POOL_SIZE, seed=os.getpid())
+
+    def run(self, topic: str, partition: int, api: str, n: int, time_cap_s: float) -> tuple[int, float, float]:
+        if api == "send":
+            return produce_send(self.producer, topic, self.pool, n, time_cap_s, partition=partition)
+        return produce_tables(self.producer, topic, make_table(self.pool, partition), n, time_cap_s)
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+def high_watermarks(bus, topic: str) -> list[int]:
+    return [p.high_watermark for p in bus.admin.describe_topic(topic).partitions]
+
+
+# --- logbus: consume and latency --------------------------------------------------------------------
+
+
+def consume_all(bus, topic: str, partitions: int, time_cap_s: float) -> tuple[int, float]:
+    """Read the whole topic from the start with poll_arrow; returns (records, seconds)."""
+    expected = sum(high_watermarks(bus, topic))
+    consumer = Consumer(bus)
+    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+    consumer.seek_to_beginning()
+    got = 0
+    start = time.perf_counter()
+    deadline = start + time_cap_s
+    while got < expected and time.perf_counter() < deadline:
+        got += consumer.poll_arrow(timeout_ms=1000).num_rows
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return got, elapsed
+
+
+def paced_send(send_one, rate: int, duration_s: float, on_tick=None) -> tuple[int, float]:
+    """Call ``send_one()`` at ``rate`` per second for ``duration_s`` (catching up in small bursts every ~0.5 ms;
+    ``on_tick()`` after each burst). Returns (records sent, seconds the sending took)."""
+    total = int(rate * duration_s)
+    sent = 0
+    start = time.perf_counter()
+    while sent < total:
+        due = min(total, int((time.perf_counter() - start) * rate) + 1)
+        while sent < due:
+            send_one()
+            sent += 1
+        if on_tick is not None:
+            on_tick()
+        time.sleep(0.0005)
+    return sent, time.perf_counter() - start
+
+
+@ray.remote(num_cpus=0)
+class PacedProducer:
+    """Sends stamped records at a fixed rate, to logbus or Redis; in its own process, so a hopelessly
+    backlogged producer can simply be killed."""
+
+    def __init__(self, namespace: str | None = None, data_dir: str | None = None, redis_port: int | None = None) -> None:
+        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace) if namespace else None
+        self.redis = None
+        if redis_port is not None:
+            import redis
+
+            self.redis = redis.Redis(host="127.0.0.1", port=redis_port)
+
+    def run_logbus(self, topic: str, rate: int, duration_s: float, flush_timeout_s: float, options: dict) -> tuple[int, float, bool]:
+        producer = Producer(self.bus, acks=1, **options)
+        sent, send_s = paced_send(lambda: producer.send(topic, stamped_value()), rate, duration_s)
+        try:
+            producer.flush(timeout_s=flush_timeout_s)
+        except logbus.errors.RequestTimedOutError:
+            return sent, send_s, False  # the caller kills this actor, and the backlog with it
+        producer.close()
+        return sent, send_s, True
+
+    def run_redis(self, stream: str, rate: int, duration_s: float) -> tuple[int, float, bool]:
+        """XADD each record as it falls due; the records due at one tick (~0.5 ms) share one pipeline
+        (one round trip per record cannot keep up with 10,000/s from Python on this machine)."""
+        pipe = self.redis.pipeline(transaction=False)
+        sent, send_s = paced_send(lambda: pipe.xadd(stream, {"v": stamped_value()}), rate, duration_s, on_tick=pipe.execute)
+        return sent, send_s, True
+
+
+@ray.remote(num_cpus=0)
+class LatencyConsumer:
+    """Polls a partition (logbus) or a stream (Redis) and records send->poll latency per record."""
+
+    def __init__(self, namespace: str | None = None, data_dir: str | None = None, redis_port: int | None = None) -> None:
+        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace) if namespace else None
+        self.redis = None
+        if redis_port is not None:
+            import redis
+
+            self.redis = redis.Redis(host="127.0.0.1", port=redis_port)
+        self.consumer = None
+
+    def prepare_logbus(self, topic: str, partition: int, offset: int) -> bool:
+        if self.consumer is not None:
+            self.consumer.close()
+        self.consumer = Consumer(self.bus)
+        self.consumer.assign([TopicPartition(topic, partition)])
+        self.consumer.seek(TopicPartition(topic, partition), offset)
+        self.consumer.poll_arrow(timeout_ms=0)  # the first fetch is now in flight
+        return True
+
+    def run_logbus(self, expected: int, timeout_s: float) -> np.ndarray:
+        out = []
+        got = 0
+        deadline = time.monotonic() + timeout_s
+        poll = self.consumer.poll_arrow
+        while got < expected and time.monotonic() < deadline:
+            table = poll(timeout_ms=LATENCY_POLL_MS)
+            now = time.time_ns()
+            if table.num_rows:
+                out.append(now - stamps_of(table.column("value")))
+                got += table.num_rows
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+    def prepare_redis(self, stream: str, group: str) -> bool:
+        self.redis.xgroup_create(stream, group, id="$", mkstream=True)
+        return True
+
+    def run_redis(self, stream: str, group: str, expected: int, timeout_s: float) -> np.ndarray:
+        out = []
+        got = 0
+        deadline = time.monotonic() + timeout_s
+        while got < expected and time.monotonic() < deadline:
+            reply = self.redis.xreadgroup(group, "c1", {stream: ">"}, count=REDIS_READ_COUNT, block=LATENCY_POLL_MS)
+            now = time.time_ns()
+            for _, entries in reply:
+                stamps = np.fromiter((struct.unpack_from("<q", fields[b"v"])[0] for _, fields in entries), np.int64, len(entries))
+                out.append(now - stamps)
+                got += len(entries)
+        return np.concatenate(out) if out else np.empty(0, np.int64)
+
+
+def latency_percentiles_ms(latencies_ns: np.ndarray, sent: int) -> tuple[float, float, float]:
+    """p50, p99 and max in ms over every record sent; a record never received counts as infinitely late."""
+    if sent == 0:
+        return float("nan"), float("nan"), float("nan")
+    ordered = np.sort(latencies_ns.astype(np.float64) / 1e6)
+    def at(q: float) -> float:
+        rank = max(0, int(np.ceil(q * sent)) - 1)
+        return float(ordered[rank]) if rank < len(ordered) else float("inf")
+    return at(0.50), at(0.99), (float(ordered[-1]) if len(ordered) == sent else float("inf"))
+
+
+# --- Redis -------------------------------------------------------------------------------------
+
+
+class RedisUnavailable(Exception):
+    pass
+
+
+def ensure_redis_server() -> str:
+    path = shutil.which("redis-server")
+    if path:
+        return path
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        log("redis-server not found; installing Debian's redis-server with apt-get (running as root)")
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        done = subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env, capture_output=True)
+        if done.returncode != 0:
+            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+            subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env, capture_output=True)
+        path = shutil.which("redis-server")
+        if path:
+            return path
+    raise RedisUnavailable("redis-server is not installed: run `sudo apt-get install -y redis-server`, or pass --skip-redis")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, with its own temp dir; stop() is idempotent."""
+
+    def __init__(self) -> None:
+        import redis
+
+        binary = ensure_redis_server()
+        self.dir = tempfile.mkdtemp(prefix="logbus-bench-redis-")
+        self.port = free_port()
+        self.process = subprocess.Popen(
+            [
+                binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
+                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+                "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log"),
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        atexit.register(self.stop)
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RedisUnavailable("redis-server did not start") from None
+                time.sleep(0.05)
+        self.version = self.client.info("server")["redis_version"]
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        if process.poll() is None:
+            try:
+                self.client.shutdown(nosave=True)
+            except Exception:  # noqa: BLE001 (shutdown closes the connection; it may also fail)
+                pass
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def redis_produce(client, stream: str, pool: list[bytes], n: int, time_cap_s: float) -> tuple[int, float]:
+    """XADD pipelined REDIS_PIPELINE at a time; returns (records, seconds)."""
+    sent = 0
+    chunks = [pool[i : i + REDIS_PIPELINE] for i in range(0, len(pool), REDIS_PIPELINE)]
+    start = time.perf_counter()
+    deadline = start + time_cap_s
+    while sent < n:
+        for chunk in chunks:
+            pipe = client.pipeline(transaction=False)
+            for value in chunk:
+                pipe.xadd(stream, {"v": value})
+            pipe.execute()
+            sent += len(chunk)
+        if time.perf_counter() > deadline:
+            break
+    return sent, time.perf_counter() - start
+
+
+def redis_consume(client, stream: str, group: str, time_cap_s: float) -> tuple[int, float]:
+    """XREADGROUP COUNT REDIS_READ_COUNT from the start of the stream to its end; returns (records, seconds)."""
+    expected = client.xlen(stream)
+    client.xgroup_create(stream, group, id="0")
+    got = 0
+    start = time.perf_counter()
+    deadline = start + time_cap_s
+    while got < expected and time.perf_counter() < deadline:
+        reply = client.xreadgroup(group, "c1", {stream: ">"}, count=REDIS_READ_COUNT)
+        if not reply:
+            break
+        for _, entries in reply:
+            got += len(entries)
+    return got, time.perf_counter() - start
+
+
+# --- ray.util.queue -----------------------------------------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+def drain_queue(queue, batches: int) -> tuple[int, float]:
+    got = 0
+    for _ in range(batches):
+        got += len(queue.get())
+    return got, time.time()
+
+
+def queue_round(queue, batch: list[bytes], batches: int) -> tuple[int, float]:
+    start = time.time()
+    ref = drain_queue.remote(queue, batches)
+    for _ in range(batches):
+        queue.put(batch)
+    got, end = ray.get(ref)
+    return got, end - start
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def best(values: list[tuple[int, float]]) -> tuple[float, list[float]]:
+    rates = [count / seconds for count, seconds in values]
+    return max(rates), rates
+
+
+def fmt_rate(value: float | None) -> str:
+    if value is None:
+        return ""
+    if value >= 1e6:
+        return f"{value / 1e6:.2f} M"
+    return f"{value / 1e3:.0f} k"
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None or value != value:
+        return ""
+    if value == float("inf"):
+        return "lost"
+    return f"{value:,.{digits}f}"
+
+
+def print_table(results: list[Result]) -> None:
+    headers = ("case", "records/s", "MB/s", "p50 ms", "p99 ms", "ratio", "vs", "target", "met")
+    rows = [
+        (
+            r.case, fmt_rate(r.records_per_s), fmt(r.mb_per_s, 0), fmt(r.p50_ms), fmt(r.p99_ms),
+            "" if r.ratio is None else f"{r.ratio:.2f}x", r.ratio_vs or "", r.target or "",
+            "" if r.meets_target is None else ("yes" if r.meets_target else "NO"),
+        )
+        for r in results
+    ]
+    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print()
+
+
+def json_number(value, digits: int = 3):
+    if value is None or not isinstance(value, float | int | np.floating | np.integer):
+        return value
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        return None
+    return round(value) if abs(value) >= 1000 else round(value, digits)
+
+
+def producer_accepts(option: str) -> bool:
+    return option in inspect.signature(Producer.__init__).parameters
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short smoke run (< 90 s)")
+    parser.add_argument("--records", type=int, default=None, help="records per repetition of a throughput case")
+    parser.add_argument("--skip-redis", action="store_true", help="leave out the Redis Streams baseline")
+    args = parser.parse_args()
+    mode = QUICK if args.quick else FULL
+    if args.records is not None:
+        if args.records < POOL_SIZE:
+            parser.error(f"--records must be at least {POOL_SIZE}")
+        mode.records = args.records
+        mode.warmup_records = max(POOL_SIZE, min(mode.warmup_records, args.records // 4))
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+    wall_start = time.perf_counter()
+    data_dir = tempfile.mkdtemp(prefix="logbus-bench-broker-")
+    namespace = f"bench-broker-{uuid.uuid4().hex[:8]}"
+    redis_server: RedisServer | None = None
+    results: list[Result] = []
+    topics: list[str] = []
+    bus = None
+    load_start = os.getloadavg()
+    log(f"mode={'quick' if args.quick else 'full'} records/rep={mode.records:,} reps={mode.reps} "
+        f"data_dir={data_dir} namespace={namespace} load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
+    try:
+        # A private local Ray (address="local": never join another cluster running on this machine).
+        ray.init(
+            address="local", num_cpus=4, include_dashboard=False, namespace=namespace,
+            object_store_memory=2 << 30, log_to_driver=False,
+        )
+        bus = logbus.connect(data_dir=data_dir, namespace=namespace)
+        pool = make_pool(POOL_SIZE)
+        table = make_table(pool)
+
+        def create(name: str, partitions: int) -> str:
+            t0 = time.perf_counter()
+            bus.admin.create_topic(name, partitions=partitions)
+            topics.append(name)
+            log(f"created topic {name} ({partitions} partitions) in {time.perf_counter() - t0:.1f}s")
+            return name
+
+        def check_landed(topic: str, before: int, count: int, result_extra: dict) -> None:
+            landed = sum(high_watermarks(bus, topic)) - before
+            if landed != count:
+                log(f"WARNING: {count:,} records sent to {topic} but {landed:,} landed")
+                result_extra.setdefault("landed_mismatch", []).append([count, landed])
+
+        # ---- 1a/1b. one producer in the driver, send() and send_table() ----------------------------
+        single_cases = [
+            ("send", "logbus produce, 1 producer, send()", {}),
+            ("send_table", f"logbus produce, 1 producer, send_table({TABLE_ROWS:,} rows)", {}),
+        ]
+        if producer_accepts("enable_idempotence"):
+            single_cases.append(
+                ("send_table", f"(info) same, send_table, enable_idempotence=False", {"enable_idempotence": False})
+            )
+        for api, label, options in single_cases:
+            topic = create(f"bench-{api.replace('_', '-')}{'-noidem' if options else ''}", 1)
+            producer = Producer(bus, acks=1, **options)
+
+            def produce(n: int):
+                if api == "send":
+                    return produce_send(producer, topic, pool, n, mode.time_cap_s)
+                return produce_tables(producer, topic, table, n, mode.time_cap_s)
+
+            produce(mode.warmup_records)
+            runs, extra = [], {}
+            for rep in range(mode.reps):
+                before = sum(high_watermarks(bus, topic))
+                count, start, end = produce(mode.records)
+                check_landed(topic, before, count, extra)
+                runs.append((count, end - start))
+                log(f"{label:<60} rep {rep + 1}: {count:,} records in {end - start:.2f}s = {count / (end - start):,.0f}/s")
+            producer.close()
+            rate, reps = best(runs)
+            extra["records_per_rep"] = [c for c, _ in runs]
+            extra["topic"] = topic
+            results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
+        topic_table = next(r.extra["topic"] for r in results if "send_table" in r.case and not r.case.startswith("(info)"))
+
+        # ---- 1c. two producers in two processes, 2 partitions --------------------------------------
+        workers = [ProducerWorker.remote(namespace, data_dir) for _ in range(2)]
+        for api, label in (("send_table", f"send_table({TABLE_ROWS:,} rows)"), ("send", "send()")):
+            label = f"logbus produce, 2 producers, 2 partitions, {label}"
+            topic = create(f"bench-two-{api.replace('_', '-')}", 2)
+            ray.get([w.run.remote(topic, i, api, mode.warmup_records // 2, mode.time_cap_s) for i, w in enumerate(workers)])
+            runs, extra = [], {}
+            for rep in range(mode.reps):
+                before = sum(high_watermarks(bus, topic))
+                done = ray.get([w.run.remote(topic, i, api, mode.records // 2, mode.time_cap_s) for i, w in enumerate(workers)])
+                count = sum(d[0] for d in done)
+                seconds = max(d[2] for d in done) - min(d[1] for d in done)
+                check_landed(topic, before, count, extra)
+                runs.append((count, seconds))
+                log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
+            rate, reps = best(runs)
+            extra["records_per_rep"] = [c for c, _ in runs]
+            results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
+        ray.get([w.close.remote() for w in workers])
+        for w in workers:
+            ray.kill(w)
+
+        # ---- 2. consume ----------------------------------------------------------------------------
+        label = "logbus consume, 1 consumer, poll_arrow()"
+        consume_all(bus, topic_table, 1, 2.0)  # warm-up (partial read)
+        runs = []
+        for rep in range(mode.reps):
+            count, seconds = consume_all(bus, topic_table, 1, 4 * mode.time_cap_s)
+            runs.append((count, seconds))
+            log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
+        rate, reps = best(runs)
+        results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra={"records_per_rep": [c for c, _ in runs]}))
+
+        # ---- 3. latency ------------------------------------------------------------------------------
+        latency_consumer = LatencyConsumer.remote(namespace=namespace, data_dir=data_dir)
+
+        def logbus_latency(topic: str, duration_s: float, options: dict) -> tuple[np.ndarray, int, float, bool]:
+            offset = high_watermarks(bus, topic)[0]
+            ray.get(latency_consumer.prepare_logbus.remote(topic, 0, offset))
+            paced = PacedProducer.remote(namespace=namespace, data_dir=data_dir)
+            try:
+                ray.get(paced.__ray_ready__.remote())
+                ref = latency_consumer.run_logbus.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s)
+                time.sleep(0.2)
+                sent, send_s, flushed = ray.get(
+                    paced.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s, options)
+                )
+                return ray.get(ref), sent, send_s, flushed
+            finally:
+                ray.kill(paced)  # with a backlog it would keep sending; killing it drops the backlog
+
+        # (options, label, is the target case); the first case also serves as the warm-up
+        latency_cases = [
+            ({"linger_ms": 5}, f"(info) logbus latency @ {LATENCY_RATE:,}/s, linger_ms=5 (default)", False),
+            ({"linger_ms": 0}, f"logbus latency @ {LATENCY_RATE:,}/s, linger_ms=0", True),
+        ]
+        if producer_accepts("enable_idempotence"):
+            latency_cases.append(
+                ({"linger_ms": 5, "enable_idempotence": False},
+                 f"(info) logbus latency @ {LATENCY_RATE:,}/s, linger_ms=5, enable_idempotence=False", False)
+            )
+        for index, (options, label, is_target) in enumerate(latency_cases):
+            topic = create(f"bench-latency-{index}", 1)
+            if index == 0:
+                logbus_latency(topic, 1.0, options)  # warm-up
+            lat_runs = []
+            for rep in range(mode.latency_reps):
+                latencies, sent, send_s, flushed = logbus_latency(topic, mode.latency_s, options)
+                p50, p99, worst = latency_percentiles_ms(latencies, sent)
+                lat_runs.append((p99, p50, worst, len(latencies), sent, send_s, flushed))
+                log(f"{label:<60} rep {rep + 1}: {len(latencies):,}/{sent:,} records received "
+                    f"(within {mode.latency_s + mode.latency_grace_s:.0f}s), sent in {send_s:.2f}s, flush {'ok' if flushed else 'TIMED OUT'}, "
+                    f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.1f} ms")
+            p99, p50, worst, received, sent, send_s, flushed = min(lat_runs)
+            results.append(Result(
+                label, sent / send_s, p50_ms=p50, p99_ms=p99,
+                target=f"p50 <= {P50_TARGET_MS:g} ms, p99 <= {P99_TARGET_MS:g} ms" if is_target else None,
+                meets_target=bool(p50 <= P50_TARGET_MS and p99 <= P99_TARGET_MS) if is_target else None,
+                reps=[r[0] for r in lat_runs],
+                extra={"received": received, "sent": sent, "max_ms": worst, "p50_per_rep": [r[1] for r in lat_runs],
+                       "received_per_rep": [r[3] for r in lat_runs]},
+            ))
+        ray.kill(latency_consumer)
+
+        # ---- 4a. Redis Streams -------------------------------------------------------------------------
+        redis_results: dict[str, Result] = {}
+        if args.skip_redis:
+            log("Redis baseline skipped (--skip-redis)")
+        else:
+            try:
+                redis_server = RedisServer()
+            except RedisUnavailable as error:
+                log(f"Redis baseline skipped: {error}")
+        if redis_server is not None:
+            client = redis_server.client
+            log(f"redis-server {redis_server.version} on 127.0.0.1:{redis_server.port} (appendonly yes, appendfsync everysec, save '')")
+            label = f"Redis XADD, pipelined {REDIS_PIPELINE:,}"
+            redis_produce(client, "warmup", pool, mode.warmup_records, mode.time_cap_s)
+            client.delete("warmup")
+            runs = []
+            for rep in range(mode.reps):
+                client.delete(f"bench-{rep - 1}")  # keep only the latest stream, for the consume case
+                count, seconds = redis_produce(client, f"bench-{rep}", pool, mode.records, mode.time_cap_s)
+                if client.xlen(f"bench-{rep}") != count:
+                    raise RuntimeError("Redis lost records")
+                runs.append((count, seconds))
+                log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
+            rate, reps = best(runs)
+            redis_results["produce"] = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
+
+            label = f"Redis XREADGROUP COUNT {REDIS_READ_COUNT:,}"
+            stream = f"bench-{mode.reps - 1}"
+            redis_consume(client, stream, "warmup", 2.0)
+            runs = []
+            for rep in range(mode.reps):
+                count, seconds = redis_consume(client, stream, f"group-{rep}", 2 * mode.time_cap_s)
+                runs.append((count, seconds))
+                log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
+            rate, reps = best(runs)
+            redis_results["consume"] = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
+            client.delete(stream)
+
+            label = f"Redis latency @ {LATENCY_RATE:,}/s, XADD per record"
+            redis_consumer = LatencyConsumer.remote(redis_port=redis_server.port)
+            redis_producer = PacedProducer.remote(redis_port=redis_server.port)
+
+            def redis_latency(duration_s: float, run: int) -> tuple[np.ndarray, int, float]:
+                stream_name = f"latency-{run}"
+                ray.get(redis_consumer.prepare_redis.remote(stream_name, "g"))
+                ref = redis_consumer.run_redis.remote(stream_name, "g", int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s)
+                time.sleep(0.2)
+                sent, send_s, _ = ray.get(redis_producer.run_redis.remote(stream_name, LATENCY_RATE, duration_s))
+                latencies = ray.get(ref)
+                client.delete(stream_name)
+                return latencies, sent, send_s
+
+            redis_latency(1.0, -1)  # warm-up
+            lat_runs = []
+            for rep in range(mode.latency_reps):
+                latencies, sent, send_s = redis_latency(mode.latency_s, rep)
+                p50, p99, worst = latency_percentiles_ms(latencies, sent)
+                lat_runs.append((p99, p50, worst, len(latencies), sent, send_s))
+                log(f"{label:<60} rep {rep + 1}: {len(latencies):,}/{sent:,} records received, sent in {send_s:.2f}s, "
+                    f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.1f} ms")
+            p99, p50, worst, received, sent, send_s = min(lat_runs)
+            redis_results["latency"] = Result(label, sent / send_s, p50_ms=p50, p99_ms=p99, reps=[r[0] for r in lat_runs],
+                                              extra={"received": received, "sent": sent, "max_ms": worst})
+            ray.kill(redis_consumer)
+            ray.kill(redis_producer)
+            redis_server.stop()
+            redis_server = None
+
+        # ---- 4b. ray.util.queue -------------------------------------------------------------------------
+        from ray.util.queue import Queue
+
+        label = f"ray.util.queue.Queue, put/get lists of {QUEUE_BATCH:,}"
+        queue = Queue(maxsize=64, actor_options={"num_cpus": 0})
+        batch = pool[:QUEUE_BATCH]
+        count, seconds = queue_round(queue, batch, max(1, mode.warmup_records // QUEUE_BATCH))  # warm-up
+        # As many batches as the warm-up rate allows within the time cap (a get cannot be interrupted).
+        batches = max(10, min(mode.records, int(count / seconds * mode.time_cap_s)) // QUEUE_BATCH)
+        runs = []
+        for rep in range(mode.reps):
+            count, seconds = queue_round(queue, batch, batches)
+            runs.append((count, seconds))
+            log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
+        rate, reps = best(runs)
+        queue_result = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
+        queue.shutdown()
+
+        # ---- 5. ratios and targets ------------------------------------------------------------------------
+        produce_target = f">= {PRODUCE_TARGET / 1e6:g} M/s and >= {PRODUCE_RATIO_TARGET:g}x Redis"
+        consume_target = f">= {CONSUME_TARGET / 1e6:g} M/s and >= {CONSUME_RATIO_TARGET:g}x Redis"
+        for r in results:
+            if r.case.startswith("logbus produce") or r.case.startswith("(info) same"):
+                if "produce" in redis_results:
+                    r.ratio_vs, r.ratio = "Redis XADD", r.records_per_s / redis_results["produce"].records_per_s
+                if r.case.startswith("(info)"):
+                    continue
+                r.target = produce_target
+                r.meets_target = r.records_per_s >= PRODUCE_TARGET and (r.ratio is None or r.ratio >= PRODUCE_RATIO_TARGET)
+                if r.ratio is None:
+                    r.note = "ratio part of the target not checked (no Redis)"
+            elif r.case.startswith("logbus consume"):
+                r.target = consume_target
+                if "consume" in redis_results:
+                    r.ratio_vs, r.ratio = "Redis XREADGROUP", r.records_per_s / redis_results["consume"].records_per_s
+                r.meets_target = r.records_per_s >= CONSUME_TARGET and (r.ratio is None or r.ratio >= CONSUME_RATIO_TARGET)
+                if r.ratio is None:
+                    r.note = "ratio part of the target not checked (no Redis)"
+            elif "latency" in r.case and "latency" in redis_results and r.p99_ms != float("inf"):
+                r.ratio_vs = "Redis p99 (lower is better)"
+                r.ratio = r.p99_ms / redis_results["latency"].p99_ms
+        extra_rows = []
+        main_rows = [r for r in results if r.case.startswith("logbus produce") or r.case.startswith("logbus consume")]
+        for r in main_rows:
+            extra_rows.append(Result(f"{r.case}: vs queue", r.records_per_s, ratio_vs="ray.util.queue",
+                                     ratio=r.records_per_s / queue_result.records_per_s))
+        results = results + list(redis_results.values()) + [queue_result] + extra_rows
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+        if bus is not None:
+            for name in topics:
+                try:
+                    bus.admin.delete_topic(name)
+                except Exception as error:  # noqa: BLE001 (best effort: the whole Ray is stopped next)
+                    log(f"could not delete topic {name}: {error}")
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(data_dir, ignore_errors=True)
+
+    wall = time.perf_counter() - wall_start
+    load_end = os.getloadavg()
+    print_table(results)
+    log(f"done in {wall:.0f}s; every throughput figure is the best of {mode.reps} repetitions, every latency "
+        f"figure the repetition with the lowest p99 of {mode.latency_reps}; 'lost' = not received within "
+        f"{mode.latency_grace_s:g}s after the sending ended; load average {load_start[0]:.1f} at the start, "
+        f"{load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
+    date = datetime.date.today().isoformat()
+    for r in results:
+        line = {
+            "bench": "broker", "case": r.case, "records_per_s": json_number(r.records_per_s),
+            "mb_per_s": json_number(r.mb_per_s, 1), "p50_ms": json_number(r.p50_ms), "p99_ms": json_number(r.p99_ms),
+            "ratio_vs": r.ratio_vs, "ratio": json_number(r.ratio), "target": r.target, "meets_target": r.meets_target,
+            "reps": [json_number(x) for x in r.reps], "quick": bool(args.quick), "date": date,
+            "loadavg_start": round(load_start[0], 1), "loadavg_end": round(load_end[0], 1),
+        }
+        if r.note:
+            line["note"] = r.note
+        line.update({k: (json_number(v) if isinstance(v, float) else v) for k, v in r.extra.items() if k != "topic"})
+        print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
