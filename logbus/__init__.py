@@ -13,3 +13,14 @@ from logbus.errors import *  # noqa: F401,F403  (the error tree is part of the p
 from logbus.protocol.messages import ConsumerRecord, PartitionInfo, RecordMetadata, TopicDescription, TopicPartition
 
 __version__ = "0.1.0"
+
+_DATASET_NAMES = ("read_dataset", "write_dataset", "TopicSink", "TopicDatasource")
+
+
+def __getattr__(name):
+    # Ray Data is imported only when these are used: it costs seconds, and replica actors never need it.
+    if name in _DATASET_NAMES:
+        from logbus.api import dataset
+
+        return getattr(dataset, name)
+    raise AttributeError(f"module 'logbus' has no attribute {name!r}")
