@@ -574,10 +574,19 @@ def main() -> int:
         f"data_dir={data_dir} namespace={namespace} load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
     try:
         # A private local Ray (address="local": never join another cluster running on this machine).
-        ray.init(
-            address="local", num_cpus=4, include_dashboard=False, namespace=namespace,
-            object_store_memory=2 << 30, log_to_driver=False,
-        )
+        for attempt in (1, 2):  # on an overloaded machine the local Ray can time out while starting
+            try:
+                ray.init(
+                    address="local", num_cpus=4, include_dashboard=False, namespace=namespace,
+                    object_store_memory=2 << 30, log_to_driver=False,
+                )
+                break
+            except Exception as error:  # noqa: BLE001 (Ray raises a bare Exception for a startup timeout)
+                if attempt == 2:
+                    raise
+                log(f"ray.init failed ({error}); retrying once in 5 s")
+                ray.shutdown()
+                time.sleep(5)
         bus = logbus.connect(data_dir=data_dir, namespace=namespace)
         pool = make_pool(POOL_SIZE)
         table = make_table(pool)

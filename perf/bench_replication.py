@@ -28,7 +28,7 @@ and headers. Cases:
              (d) info: (b) with enable_idempotence=False (no sequence checks on the leader;
                  see RESULTS.md for why that matters here).
              Producer settings are otherwise the defaults (linger_ms=5, 1 MiB batches, 5 in
-             flight). A 10,000-row table becomes two batches (8,738 + 1,262 rows). Each
+             flight), except delivery_timeout_ms=60 s, which bounds a failing case. A 10,000-row table becomes two batches (8,738 + 1,262 rows). Each
              repetition runs from the first send to the end of ``flush()`` and is checked
              against the leader's offsets (high watermark for acks=all, log end for acks=1).
              Batches the leader refused and the producer retried are counted per case.
@@ -989,7 +989,8 @@ def main() -> int:
                     f"within {mode.latency_grace_s:g}s of the end of sending (sent in {send_s:.2f}s), "
                     f"p50 {fmt(p50)} ms, p99 {fmt(p99)} ms, max {fmt(mx, 1)} ms; over the received ones only: "
                     f"p50 {fmt(got50)} ms, p99 {fmt(got99)} ms  ({load()})")
-            p99, p50, mx, received, sent, send_s, flushed, got50, got99 = min(lat_runs)
+            # The repetition with the lowest p99 (ties, e.g. both infinite: the one that delivered the most).
+            p99, p50, mx, received, sent, send_s, flushed, got50, got99 = min(lat_runs, key=lambda r: (r[0], r[1], -r[3]))
             results.append(Result(
                 f"latency acks=all, linger_ms={linger_ms}, @ {LATENCY_RATE:,}/s" + ("" if linger_ms == 0 else " (info)"),
                 sent / send_s, p50=p50, p99=p99, max=mx, unit="ms", reps=[r[0] for r in lat_runs],
@@ -1152,7 +1153,12 @@ def main() -> int:
         try:
             shutdown_cluster(cluster)
         finally:
-            shutil.rmtree(data_dir, ignore_errors=True)
+            # A replica process can outlive its killed raylet for a moment and write again: retry.
+            for _ in range(5):
+                shutil.rmtree(data_dir, ignore_errors=True)
+                if not os.path.exists(data_dir):
+                    break
+                time.sleep(1)
 
     wall = time.perf_counter() - wall_start
     print_table(results)

@@ -25,8 +25,9 @@ replica that restarted, or missed a role change, corrects itself.
 
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
-that loop. A produce appends before its first await, so batches from one
-caller land in the order they were sent.
+that loop. Ray may start one caller's calls out of order; batches of an
+idempotent producer that overtook their predecessors wait for them (see
+``_wait_for_earlier_batches``), so they land in the order they were sent.
 
 All durable state is rebuilt from disk in ``__init__`` (Ray reruns only the
 constructor on restart); the role is relearned from the controller.
@@ -59,6 +60,7 @@ from logbus.errors import (
 )
 from logbus.protocol.messages import FetchResponse, ProduceResponse
 from logbus.protocol.replica_state import LeaderState
+from logbus.storage import record_batch as rb
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
 from logbus.storage.log_config import LogConfig
 from logbus.storage.partition_log import PartitionLog
@@ -73,6 +75,7 @@ ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 PRODUCE_TIMEOUT_MS_MAX = 120_000
+REORDER_WAIT_S = 2.0  # how long a batch that overtook its predecessors waits for them
 
 LEADER = "leader"
 FOLLOWER = "follower"
@@ -375,6 +378,7 @@ class PartitionReplica:
             raise NotEnoughReplicasError(
                 f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
             )
+        await self._wait_for_earlier_batches(batch)
         result = self.log.append(batch, leader_epoch=self.leader_epoch)
         if not result.duplicate:
             self._signal("_appended")
@@ -382,6 +386,36 @@ class PartitionReplica:
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms)
+
+    async def _wait_for_earlier_batches(self, batch) -> None:
+        """Let an idempotent producer's batch that arrived ahead of its predecessors wait for them.
+
+        Ray runs an async actor's calls concurrently, so batches sent in order
+        by one producer may start here out of order. A batch whose sequence is
+        ahead of the producer's next expected one waits (briefly) for the gap to
+        fill, instead of failing with OutOfOrderSequenceError and a retry.
+        """
+        try:
+            header = rb.read_header(memoryview(batch).cast("B") if isinstance(batch, np.ndarray) else batch)
+        except Exception:  # noqa: BLE001 (a malformed batch is rejected by the append itself)
+            return
+        if header.producer_id == rb.NO_PRODUCER_ID:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REORDER_WAIT_S
+        while True:
+            known = self.log.producer_state.producers.get(header.producer_id)
+            same_epoch = known is not None and known.epoch == header.producer_epoch
+            expected = known.last_sequence + 1 if same_epoch else 0
+            if header.base_sequence <= expected or (known is not None and header.producer_epoch > known.epoch):
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return  # the append reports the gap
+            try:
+                await asyncio.wait_for(self._appended.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     async def _wait_committed(self, state: LeaderState, end_offset: int, timeout_ms: int) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_ms / 1000

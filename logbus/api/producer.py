@@ -157,7 +157,8 @@ class Producer:
         batch_size_bytes: a batch is sent once it holds this many bytes.
         buffer_memory_bytes: bound on bytes buffered and in flight; send() blocks beyond it.
         compression: None, "lz4" or "zstd" (Arrow IPC body compression).
-        max_in_flight: batches in flight per partition (at most 5 with idempotence, as in Kafka).
+        max_in_flight: batches in flight per partition (at most 5 with idempotence, as in Kafka;
+            1 without it, which alone keeps a partition's records in send order).
         enable_idempotence: give every batch a producer id and per-partition sequence numbers, so
             retries (after a timeout or a leader failover) never write a record twice. On by
             default unless acks=0 (which gets no replies to retry on).
@@ -198,6 +199,10 @@ class Producer:
         if enable_idempotence and max_in_flight > IDEMPOTENT_IN_FLIGHT_MAX:
             raise InvalidConfigError(f"max_in_flight must be at most {IDEMPOTENT_IN_FLIGHT_MAX} with idempotence")
         self.enable_idempotence = bool(enable_idempotence)
+        if not self.enable_idempotence:
+            # Without sequence numbers the leader cannot restore the order of concurrent
+            # requests (Ray may start them out of order): keep one in flight per partition.
+            max_in_flight = 1
         self._producer_id = rb.NO_PRODUCER_ID
         self._producer_epoch = rb.NO_PRODUCER_EPOCH
         self._next_sequence: dict[tuple[str, int], int] = {}

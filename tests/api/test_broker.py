@@ -257,3 +257,17 @@ def test_kill_replica_process_while_producing(bus, topic_name):
     by_offset = dict(zip(stored["offset"].to_pylist(), stored["value"].to_pylist()))
     for offset, value in acknowledged.items():
         assert by_offset[offset] == value  # every acknowledged record survived, at its offset
+
+
+@pytest.mark.parametrize("idempotent", [True, False])
+def test_many_small_batches_land_in_send_order(bus, topic_name, idempotent):
+    """Ray may start concurrent calls to an actor out of order; the log must still follow send order."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    with logbus.Producer(bus, linger_ms=0, enable_idempotence=idempotent) as producer:
+        futures = [producer.send(topic_name, b"%d" % i) for i in range(3000)]
+    offsets = [f.result().offset for f in futures]
+    assert offsets == sorted(offsets) and len(set(offsets)) == 3000
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, 0)])
+    values = drain(consumer, 3000)["value"].to_pylist()
+    assert values == [b"%d" % i for i in range(3000)]
