@@ -25,13 +25,14 @@ and headers. Cases:
                  reported as a ratio to LinkedIn's 421,823 records/s for Kafka with 3x
                  synchronous replication; acks=1 is compared with its 786,980 for 3x async);
              (c) ``send()`` per record with acks="all";
-             (d) info: (b) with enable_idempotence=False (no sequence checks on the leader;
-                 see RESULTS.md for why that matters here).
+             (d) info: (b) with enable_idempotence=False (no sequence numbers; the Producer
+                 then keeps one request in flight per partition, to keep records in order).
              Producer settings are otherwise the defaults (linger_ms=5, 1 MiB batches, 5 in
-             flight), except delivery_timeout_ms=60 s, which bounds a failing case. A 10,000-row table becomes two batches (8,738 + 1,262 rows). Each
-             repetition runs from the first send to the end of ``flush()`` and is checked
-             against the leader's offsets (high watermark for acks=all, log end for acks=1).
-             Batches the leader refused and the producer retried are counted per case.
+             flight), except delivery_timeout_ms=60 s, which bounds a failing case. A
+             10,000-row table becomes two batches (8,738 + 1,262 rows). Each repetition runs
+             from the first send to the end of ``flush()`` and is checked against the
+             leader's offsets (high watermark for acks=all, log end for acks=1). Batches the
+             leader refused and the producer retried are counted per case.
              ref: Ray's own transport: 1 MiB uint8 arrays (a batch) from the driver to an
              actor on a replica node, 5 calls in flight; no logbus code. records/s there is
              MB/s divided by the encoded size of a record (header and Arrow framing included).
@@ -903,8 +904,8 @@ def main() -> int:
             (f"produce send_table({TABLE_ROWS:,} rows), acks=1", 1, True, "table", mode.reps, async_ref, None),
             (f"produce send_table({TABLE_ROWS:,} rows), acks=all", "all", True, "table", mode.reps, sync_ref, PRODUCE_ALL_TARGET),
             ("produce send() per record, acks=all", "all", True, "send", mode.send_reps, sync_ref, None),
-            # Without idempotence the leader does no sequence checks, so batches that Ray delivers out of
-            # order are appended as they come instead of being refused and retried (info: see RESULTS.md).
+            # Without idempotence there are no sequence numbers, and the Producer keeps one request in
+            # flight per partition (Ray may start concurrent calls out of order): info, see RESULTS.md.
             (f"produce send_table({TABLE_ROWS:,} rows), acks=all, idempotence off (info)", "all", False, "table", mode.reps,
              sync_ref, None),
         )

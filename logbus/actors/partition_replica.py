@@ -75,7 +75,8 @@ ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 PRODUCE_TIMEOUT_MS_MAX = 120_000
-REORDER_WAIT_S = 2.0  # how long a batch that overtook its predecessors waits for them
+REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
+# failover the missing batch may sit behind the waiting ones in the producer)
 
 LEADER = "leader"
 FOLLOWER = "follower"
