@@ -138,9 +138,12 @@ FAILOVER_P50_TARGET_S = 1.0
 REPLICA_RESOURCE = {"logbus_replica": 1}
 SYSTEM_CONFIG = {  # as in tests/actors/test_replication.py
     "health_check_initial_delay_ms": 0,
-    "health_check_period_ms": 200,
-    "health_check_timeout_ms": 500,
-    "health_check_failure_threshold": 3,
+    # A removed node's raylet refuses connections at once, so it is declared dead after 5 quick
+    # failures (~1.5 s); a raylet that is merely slow (a loaded CI machine) must stay silent for
+    # 5 x (0.3 s + 1.5 s) before Ray gives up on it, and with it on every actor it hosts.
+    "health_check_period_ms": 300,
+    "health_check_timeout_ms": 1500,
+    "health_check_failure_threshold": 5,
     # Not in the test: Ray's memory monitor kills workers when the *machine's* memory use passes 95%,
     # which other engineers' jobs on this shared machine cause (it killed replicas mid-run once).
     "memory_monitor_refresh_ms": 0,

@@ -6,12 +6,25 @@ tests/storage and tests/protocol never request these, so they run without Ray.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 
 import pytest
 
+# Every test connects to Ray explicitly (fixtures). A background thread left behind by a failed
+# test (a producer's sender, a group heartbeat) must not silently re-attach this process to a
+# Ray cluster that is being torn down: Ray ends a process whose cluster vanishes under it, which
+# would cut the run short without a report.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure's report as soon as it happens (as well as in the summary at the end)."""
+    if report.failed:
+        print(f"\n{report.nodeid} {report.when} FAILED:\n{report.longreprtext}\n", file=sys.__stderr__, flush=True)
 
 
 def start_ray():

@@ -40,7 +40,8 @@ from logbus.storage.names import partition_dir_name, validate_topic_name
 METADATA_FILE = "metadata.json"
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
-LEASE_TIMEOUT_MS = 1_500  # must exceed the replicas' LEASE_MS (see partition_replica.py)
+LEASE_TIMEOUT_MS = 700  # must exceed the replicas' LEASE_MS (see partition_replica.py)
+STALL_MS = 200  # a control-loop tick this late means the controller itself stalled (see _check_partitions)
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
 RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in
@@ -79,6 +80,7 @@ class Controller(GroupService):
         self._last_seen_ms: dict[tuple[str, int, int], int] = {}
         self._started_ms = monotonic_ms() + RESTART_GRACE_MS
         self._control_loop: asyncio.Task | None = None
+        self._last_check_ms = 0
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
         self.metadata = self._load()
@@ -221,6 +223,14 @@ class Controller(GroupService):
 
     async def _check_partitions(self) -> None:
         now = monotonic_ms()
+        late_ms = now - self._last_check_ms - int(CONTROL_LOOP_INTERVAL_S * 1000) if self._last_check_ms else 0
+        self._last_check_ms = now
+        if late_ms > STALL_MS:
+            # This tick ran late: the controller (or its machine) stalled, and replicas'
+            # heartbeats may still be queued behind the stall. The stalled time does not
+            # count against any lease; otherwise a busy controller would depose live leaders.
+            for key in self._last_seen_ms:
+                self._last_seen_ms[key] += late_ms
         changed: list[tuple[TopicState, int]] = []
         async with self._lock:
             for topic in list(self.metadata.topics.values()):

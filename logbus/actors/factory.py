@@ -20,14 +20,17 @@ def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: in
     return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
 
 
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
+
+
 def controller(namespace: str, data_dir: str, replica_replacement_ms: int | None = None):
     """Get or create the cluster's controller: detached, named, restarted forever by Ray.
 
-    It prefers the node of the process that creates it (the driver's; on a
-    cluster, the head node), where its metadata directory lives.
+    It runs on the head node, where its metadata directory lives, and where
+    Ray restarts it after a crash. It must not share a fate with a replica
+    node: the head's death ends the Ray cluster anyway (GCS lives there).
     """
     options = {} if replica_replacement_ms is None else {"replica_replacement_ms": replica_replacement_ms}
-    here = ray.get_runtime_context().get_node_id()
     return (
         ray.remote(Controller)
         .options(
@@ -38,8 +41,8 @@ def controller(namespace: str, data_dir: str, replica_replacement_ms: int | None
             max_restarts=-1,
             max_task_retries=0,  # callers retry; every controller method is idempotent
             num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},
             max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=True),
         )
         .remote(data_dir, namespace, **options)
     )

@@ -58,7 +58,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     RequestTimedOutError,
 )
-from logbus.protocol.messages import FetchResponse, ProduceResponse
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, FetchResponse, ProduceResponse
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
@@ -68,9 +68,9 @@ from logbus.storage.partition_log import PartitionLog
 STATE_FILE = "replica.json"
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
 FETCH_WAIT_MS_MAX = 30_000
-HEARTBEAT_INTERVAL_S = 0.2
-LEASE_MS = 1_200  # a leader stops taking writes this long after its last acknowledged heartbeat
-LEASE_TIMEOUT_MS = 1_500  # the controller deposes a silent leader after this (must exceed LEASE_MS)
+HEARTBEAT_INTERVAL_S = 0.1
+LEASE_MS = 500  # a leader stops taking writes this long after sending its last acknowledged heartbeat
+# The controller deposes a leader silent for its LEASE_TIMEOUT_MS (controller.py), which must exceed LEASE_MS.
 ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20
@@ -85,6 +85,11 @@ UNKNOWN = "unknown"
 
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def _same_actor(a, b) -> bool:
+    """Whether two handles name the same actor (a replica re-created under its old id is another actor)."""
+    return a is not None and b is not None and a._actor_id == b._actor_id
 
 
 class PartitionReplica:
@@ -118,6 +123,7 @@ class PartitionReplica:
         self.leader_id: int | None = None
         self.follower_high_watermark = 0
         self._lease_expires_ms = 0
+        self._controller_handle = None
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -178,16 +184,17 @@ class PartitionReplica:
             except LogbusError as error:  # keep serving; the next tick tries again
                 print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: housekeeping failed: {error}")
 
-    def _controller(self):
-        return ray.get_actor(self.controller_name, namespace=self.namespace)
+    async def _controller(self):
+        """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
+        if self._controller_handle is None:
+            self._controller_handle = await asyncio.to_thread(ray.get_actor, self.controller_name, namespace=self.namespace)
+        return self._controller_handle
 
     async def _heartbeat_loop(self) -> None:
-        controller = None
         while not self._deleted:
             sent_ms = monotonic_ms()
             try:
-                if controller is None:
-                    controller = self._controller()
+                controller = await self._controller()
                 reply = await asyncio.wait_for(
                     controller.replica_heartbeat.remote(
                         self.topic, self.partition, self.replica_id, self.leader_epoch, self.log.log_end_offset
@@ -195,7 +202,7 @@ class PartitionReplica:
                     timeout=LEASE_MS / 1000,
                 )
             except Exception:  # noqa: BLE001 (controller restarting or busy: no lease renewal this round)
-                controller = None
+                self._controller_handle = None
                 await asyncio.sleep(HEARTBEAT_INTERVAL_S)
                 continue
             if reply.get("deleted"):
@@ -214,7 +221,12 @@ class PartitionReplica:
             elif self.leader_state is not None:
                 self.leader_state.replicas = list(reply["replicas"])
         elif leader is not None:
-            if self.role != FOLLOWER or epoch != self.leader_epoch or self.leader_id != leader:
+            if (
+                self.role != FOLLOWER
+                or epoch != self.leader_epoch
+                or self.leader_id != leader
+                or not _same_actor(self.leader_handle, reply["leader_handle"])
+            ):
                 await self.become_follower(epoch, leader, reply["leader_handle"])
         elif self.role == LEADER and epoch > self.leader_epoch:
             self._step_down(epoch)
@@ -231,7 +243,7 @@ class PartitionReplica:
                 continue
             try:
                 accepted = await asyncio.wait_for(
-                    self._controller().alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
+                    (await self._controller()).alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
                     timeout=5,
                 )
             except Exception:  # noqa: BLE001 (retried on the next tick)
@@ -295,7 +307,12 @@ class PartitionReplica:
         self._started()
         if epoch < self.leader_epoch:
             return False
-        if self.role == FOLLOWER and epoch == self.leader_epoch and self.leader_id == leader_id:
+        if (
+            self.role == FOLLOWER
+            and epoch == self.leader_epoch
+            and self.leader_id == leader_id
+            and _same_actor(self.leader_handle, leader_handle)
+        ):
             return True
         if self.role == LEADER:
             self.follower_high_watermark = self.high_watermark
@@ -330,18 +347,21 @@ class PartitionReplica:
 
     async def _follow(self, epoch: int, leader) -> None:
         truncated = False
+        last_error = None
         while not self._deleted and self.role == FOLLOWER and self.leader_epoch == epoch:
             try:
                 if not truncated:
                     await self._truncate_by_epoch(leader)
                     truncated = True
-                meta, ref = await leader.replica_fetch.remote(
-                    self.replica_id, epoch, self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS
+                meta, data = await leader.replica_fetch.remote(
+                    self.replica_id, epoch, self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS,
+                    FETCH_INLINE_MAX_BYTES,
                 )
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
-                if ref is not None:
-                    data = await ref
+                if data is not None:
+                    if not isinstance(data, np.ndarray):
+                        data = await data
                     self.log.append_as_follower(data)
                     del data
                 self.follower_high_watermark = meta.high_watermark
@@ -353,7 +373,10 @@ class PartitionReplica:
                     self.log.truncate_fully_and_start_at(start)
                 else:
                     truncated = False  # our log runs past the leader's: cut it by epoch again
-            except Exception:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
+            except Exception as error:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
+                if repr(error) != last_error:  # say so once per kind of error, not every 100 ms
+                    last_error = repr(error)
+                    print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: fetch from leader failed: {error!r}")
                 await asyncio.sleep(0.1)
 
     # --- data plane --------------------------------------------------------------------------------------
@@ -435,24 +458,31 @@ class PartitionReplica:
             except asyncio.TimeoutError:
                 pass
 
-    async def _read(self, offset: int, max_bytes: int, max_wait_ms: int, limit) -> tuple[FetchResponse, object]:
+    async def _read(
+        self, offset: int, max_bytes: int, max_wait_ms: int, limit, verify_crc: bool = True, inline_max_bytes: int = 0
+    ) -> tuple[FetchResponse, object]:
         """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some."""
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
+        inline_max_bytes = min(max(0, int(inline_max_bytes)), FETCH_INLINE_MAX_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
         while True:
             if self.leader_epoch != epoch:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
-            result = self.log.read(offset, max_bytes, max_offset=limit())
+            result = self.log.read(offset, max_bytes, max_offset=limit(), verify_crc=verify_crc)
             if result is not None:
-                # One copy, from the mapped segment into the object store.
-                ref = ray.put(np.frombuffer(result.data, dtype=np.uint8))
                 meta = FetchResponse(
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
+                if len(result.data) <= inline_max_bytes:
+                    # Small: a copy travels inside the reply (no object-store round trip for the reader).
+                    data = np.frombuffer(bytes(result.data), dtype=np.uint8)
+                else:
+                    # One copy, from the mapped segment into the object store.
+                    data = ray.put(np.frombuffer(result.data, dtype=np.uint8))
                 del result
-                return meta, ref
+                return meta, data
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
@@ -461,26 +491,36 @@ class PartitionReplica:
             except asyncio.TimeoutError:
                 pass
 
-    async def fetch(self, offset: int, max_bytes: int = 8 << 20, max_wait_ms: int = 0):
-        """For consumers: whole batches from ``offset`` below the high watermark: (FetchResponse, ObjectRef | None).
+    async def fetch(
+        self, offset: int, max_bytes: int = 8 << 20, max_wait_ms: int = 0, verify_crc: bool = True, inline_max_bytes: int = 0
+    ):
+        """For consumers: whole batches from ``offset`` below the high watermark: (FetchResponse, data).
 
-        Waits up to ``max_wait_ms`` for data when there is none yet. The
-        ObjectRef holds a uint8 array of whole batches (the first may start
-        below ``offset``); it is None when nothing arrived in time.
+        Waits up to ``max_wait_ms`` for data when there is none yet. ``data``
+        is None when nothing arrived in time; otherwise a uint8 array of whole
+        batches (the first may start below ``offset``): inline when it is at
+        most ``inline_max_bytes`` (capped at FETCH_INLINE_MAX_BYTES), else an
+        ObjectRef to it. ``verify_crc=False`` skips the CRC check here, for
+        readers that check every batch themselves.
         """
         self._started()
         self._check_leader()
-        return await self._read(offset, max_bytes, max_wait_ms, lambda: self.high_watermark)
+        return await self._read(offset, max_bytes, max_wait_ms, lambda: self.high_watermark, verify_crc, inline_max_bytes)
 
-    async def replica_fetch(self, follower_id: int, epoch: int, offset: int, max_bytes: int, max_wait_ms: int):
-        """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress."""
+    async def replica_fetch(
+        self, follower_id: int, epoch: int, offset: int, max_bytes: int, max_wait_ms: int, inline_max_bytes: int = 0
+    ):
+        """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress.
+
+        No CRC check here: the follower's append checks every batch it receives.
+        """
         self._started()
         state = self._check_leader(epoch)
         if offset > self.log.log_end_offset:
             raise OffsetOutOfRangeError(f"follower offset {offset} is past the leader's log end {self.log.log_end_offset}")
         state.on_follower_fetch(follower_id, offset, self.log.log_end_offset, monotonic_ms())
         self._advance_high_watermark()
-        return await self._read(offset, max_bytes, max_wait_ms, lambda: None)
+        return await self._read(offset, max_bytes, max_wait_ms, lambda: None, False, inline_max_bytes)
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""

@@ -3,10 +3,12 @@
 ``send()`` does only per-record bookkeeping (type checks, the partition, list
 appends); the work that can be done per batch (building Arrow arrays, framing,
 the CRC) happens when a batch closes, in a background sender thread, in a few
-C-level calls. A batch closes when it reaches ``batch_size_bytes`` or is
-``linger_ms`` old; at most ``max_in_flight`` batches per partition are in
-flight, and the buffer holds at most ``buffer_memory_bytes``: a full buffer
-blocks ``send()`` up to ``max_block_ms``, then raises BufferExhaustedError.
+C-level calls. A batch closes when it reaches ``batch_size_bytes``, or once
+it is ``linger_ms`` old and its partition has fewer than ``max_in_flight``
+requests in flight (until then later records join it, so ``linger_ms=0``
+sends at once when the partition is idle and batches under load). The
+buffer holds at most ``buffer_memory_bytes``: a full buffer blocks
+``send()`` up to ``max_block_ms``, then raises BufferExhaustedError.
 Nothing sent is silently dropped: every record's future either resolves to
 its RecordMetadata or raises.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import ray
 from confluent_kafka import murmur2
 
 from logbus.api.client import Bus, TopicMetadata, unwrap
@@ -50,8 +53,8 @@ from logbus.storage import record_batch as rb
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
 RETRY_BACKOFF_S = 0.1
-STALE_AFTER_S = 0.5  # a request unanswered this long makes the sender check whether its leader moved
-STALE_CHECK_INTERVAL_S = 0.25
+STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check whether its leader moved
+STALE_CHECK_INTERVAL_S = 0.1
 ACKS = (0, 1, "all", -1)
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
 
@@ -301,7 +304,8 @@ class Producer:
             if batch is not None and batch.size_bytes + size > self._batch_limit(limit):
                 self._close_batch(slot)
                 batch = None
-            if batch is None:
+            new = batch is None
+            if new:
                 batch = self._open[slot] = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s)
             index = len(batch.values)
             batch.values.append(value)
@@ -314,8 +318,10 @@ class Producer:
             elif batch.headers is not None:
                 batch.headers.append(None)
             batch.size_bytes += size
-            if batch.size_bytes >= self.batch_size_bytes or self.linger_s == 0:
+            if batch.size_bytes >= self.batch_size_bytes:
                 self._close_batch(slot)
+            elif new:
+                self._condition.notify_all()  # the sender times the new batch's linger
         return _RecordFuture(batch, index, timestamp_ms)
 
     def send_table(self, topic: str, table: pa.Table | pa.RecordBatch) -> Future:
@@ -422,6 +428,11 @@ class Producer:
 
     def _run_sender(self) -> None:
         while True:
+            if not ray.is_initialized():
+                # Ray was shut down under us: nothing can be delivered any more. Fail what is
+                # left (rather than let a Ray call re-attach this process to some cluster).
+                self._abandon(IllegalStateError("Ray was shut down before these records were acknowledged"))
+                return
             self._expire_stale_requests()
             with self._condition:
                 batches, wait_s = self._collect()
@@ -438,8 +449,10 @@ class Producer:
 
         A request to a replica whose node died may never be answered; waiting for
         the timeout alone would stall the partition. So requests older than
-        STALE_AFTER_S trigger a metadata refresh, and those sent to a replica that
-        is no longer the leader are retried at once (safe with idempotence).
+        STALE_AFTER_S trigger a metadata refresh, and every in-flight request of
+        a partition whose leader changed, young or old, is retried at once
+        (oldest first, so sequence numbers reach the new leader in order; safe
+        with idempotence).
         """
         now = time.monotonic()
         if now - self._last_stale_check_s < STALE_CHECK_INTERVAL_S:
@@ -456,15 +469,24 @@ class Producer:
                 leaders[topic] = metadata.leaders
             except LogbusError:
                 leaders[topic] = None
-        for batch in old:
+        with self._condition:
+            candidates = sorted(
+                (b for b in self._in_flight_batches.values() if b.topic in leaders), key=lambda b: b.order
+            )
+        expired = []
+        for batch in candidates:
             if now - batch.sent_s > self.request_timeout_s:
                 error = RequestTimedOutError(f"no reply from the leader of {batch.topic}-{batch.partition} in {self.request_timeout_s}s")
             else:
                 current = leaders.get(batch.topic)
-                leader = current[batch.partition] if current is not None else None
+                if current is None:
+                    continue  # the controller did not answer: no news about the leader
+                leader = current[batch.partition]
                 if leader is not None and leader._actor_id == batch.leader_id:
                     continue
                 error = LeaderNotAvailableError(f"the leader of {batch.topic}-{batch.partition} changed")
+            expired.append((batch, error))
+        for batch, error in expired:
             self._complete(batch, None, error, attempt=batch.attempts)
 
     def _collect(self) -> tuple[list[_Batch], float]:
@@ -472,11 +494,17 @@ class Producer:
         now = time.monotonic()
         wait_s = 0.05
         for slot, batch in list(self._open.items()):
-            due = batch.created_s + self.linger_s
-            if due <= now or self._flushing or self._stopping:
+            if self._flushing or self._stopping:
                 self._close_batch(slot)
-            else:
+                continue
+            due = batch.created_s + self.linger_s
+            if due > now:
                 wait_s = min(wait_s, due - now)
+            elif self._in_flight.get(slot, 0) < self.max_in_flight:
+                self._close_batch(slot)
+            # else: lingered enough, but the partition's requests are all in flight. Like Kafka's
+            # accumulator, keep the batch open so records arriving meanwhile join it; a reply
+            # (which notifies) frees a slot and closes it.
         taken = []
         kept: deque[_Batch] = deque()
         while self._ready:
@@ -583,6 +611,22 @@ class Producer:
         else:
             batch.future.set_exception(error)
 
+    def _abandon(self, error: BaseException) -> None:
+        """Fail every record not yet acknowledged, and refuse new ones."""
+        with self._condition:
+            self._closed = True
+            batches = list(self._open.values()) + list(self._ready) + list(self._in_flight_batches.values())
+            self._open.clear()
+            self._ready.clear()
+            self._in_flight_batches.clear()
+            self._in_flight.clear()
+            self._in_flight_total = 0
+            self._buffered_bytes = 0
+            self._condition.notify_all()
+        for batch in batches:
+            if not batch.future.done():
+                batch.future.set_exception(error)
+
     # --- flushing and closing ------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -601,10 +645,18 @@ class Producer:
                 self._flushing -= 1
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Flush, then stop the sender thread. Later calls to send() raise IllegalStateError."""
+        """Flush, then stop the sender thread. Later calls to send() raise IllegalStateError.
+
+        As in Kafka, if ``timeout_s`` passes before everything is acknowledged,
+        the records still pending fail (their futures raise RequestTimedOutError)
+        and the producer closes anyway.
+        """
         if self._closed:
             return
-        self.flush(timeout_s)
+        try:
+            self.flush(timeout_s)
+        except RequestTimedOutError as error:
+            self._abandon(RequestTimedOutError(f"the producer closed before these records were acknowledged: {error}"))
         with self._condition:
             self._closed = True
             self._stopping = True

@@ -123,11 +123,15 @@ class ClusterMetadata:
         return topic
 
     def reassign_dead_nodes(self, live_nodes: list[str]) -> list[tuple[str, int, int]]:
-        """Point replicas on nodes that are gone at live nodes; return the (topic, partition, replica) moved.
+        """Place partitions none of whose replicas is on a live node again; return the (topic, partition, replica) moved.
 
-        On one machine (the embedded Ray, or after a restart of the whole
-        cluster) every node sees the same data directory, so a moved replica
-        finds its log where it left it.
+        That happens when the whole Ray cluster was restarted over the same
+        data directory (every node id is new): on one machine every node sees
+        that directory, so a moved replica finds its log where it left it. A
+        partition with a replica still on a live node is left alone: its lost
+        replicas go through election and replacement (a new replica id, which
+        copies the log from the leader), never by moving an identity onto a
+        node that may already hold another replica of the partition.
         """
         moved = []
         if not live_nodes:
@@ -135,14 +139,10 @@ class ClusterMetadata:
         live = set(live_nodes)
         for topic in self.topics.values():
             for p, state in enumerate(topic.partitions):
-                taken = {node for node in state.nodes.values() if node in live}
-                for r in state.replicas:
-                    if state.nodes[str(r)] in live:
-                        continue
-                    free = [n for n in live_nodes if n not in taken] or live_nodes
-                    choice = free[(p + r) % len(free)]
-                    state.nodes[str(r)] = choice
-                    taken.add(choice)
+                if any(state.nodes[str(r)] in live for r in state.replicas):
+                    continue
+                for i, r in enumerate(state.replicas):
+                    state.nodes[str(r)] = live_nodes[(p + i) % len(live_nodes)]
                     moved.append((topic.name, p, r))
         return moved
 

@@ -64,6 +64,9 @@ class ProduceResponse:
     timestamp_ms: int  # max timestamp of the batch (create time)
 
 
+FETCH_INLINE_MAX_BYTES = 64 << 10  # fetch results up to this size travel inside the reply (Ray inlines < 100 KiB)
+
+
 @dataclass(frozen=True, slots=True)
 class FetchResponse:
     """Metadata of one fetch; the batches themselves travel as a separate uint8 array.

@@ -359,14 +359,17 @@ class PartitionLog:
                 f"offset {offset} is outside the log [{self.log_start_offset}, {self.log_end_offset}]"
             )
 
-    def read(self, offset: int, max_bytes: int = 1024 * 1024, max_offset: int | None = None) -> ReadResult | None:
+    def read(
+        self, offset: int, max_bytes: int = 1024 * 1024, max_offset: int | None = None, verify_crc: bool = True
+    ) -> ReadResult | None:
         """Whole batches starting with the one that holds ``offset``, from one segment, without copying.
 
         ``max_offset`` (exclusive; the high watermark for consumers) bounds the
         batches returned. Returns None when there is nothing at or after
         ``offset`` yet (``offset`` == log end, or everything is above
         ``max_offset``). Raises OffsetOutOfRangeError below the log start or
-        past the log end, and CorruptRecordError if a stored batch fails its CRC.
+        past the log end, and CorruptRecordError if a stored batch fails its CRC
+        (checked unless ``verify_crc`` is False: for readers that check it themselves).
         """
         self._check_open()
         self._check_offset(offset)
@@ -374,7 +377,7 @@ class PartitionLog:
             raise ValueError("max_bytes must be positive")
         i = max(0, bisect.bisect_right(self._bases, offset) - 1)
         for segment in self.segments[i:]:
-            found = segment.read(offset, max_bytes, max_offset)
+            found = segment.read(offset, max_bytes, max_offset, verify_crc)
             if found is not None:
                 return ReadResult(*found)
             if offset < segment.next_offset:

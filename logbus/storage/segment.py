@@ -232,13 +232,16 @@ class LogSegment:
                 return position, header
         return None
 
-    def read(self, offset: int, max_bytes: int, max_offset: int | None = None) -> tuple[memoryview, int, int] | None:
+    def read(
+        self, offset: int, max_bytes: int, max_offset: int | None = None, verify_crc: bool = True
+    ) -> tuple[memoryview, int, int] | None:
         """Whole batches from the one holding ``offset``: (view, first batch's base offset, next offset).
 
         Takes batches while their total stays within ``max_bytes`` (the first is
         always taken, so a large batch still makes progress) and while each
-        batch ends below ``max_offset`` (the high watermark). Every returned
-        batch has passed its CRC check. Returns None if nothing qualifies.
+        batch ends below ``max_offset`` (the high watermark). With
+        ``verify_crc`` every returned batch has passed its CRC check (readers
+        that check it themselves pass False). Returns None if nothing qualifies.
         """
         found = self.find_batch(offset)
         if found is None:
@@ -254,7 +257,8 @@ class LogSegment:
                 break
             if max_offset is not None and header.next_offset > max_offset:
                 break
-            rb.validate_batch(view, position)
+            if verify_crc:
+                rb.validate_batch(view, position)
             end = position + header.size_bytes
             next_offset = header.next_offset
         return view[start:end], first.base_offset, next_offset
