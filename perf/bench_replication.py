@@ -11,10 +11,9 @@ tests/actors/test_replication.py: a head node (the driver, the controller and th
 benchmark's helper actors; num_cpus=2) plus three worker nodes (num_cpus=1) that carry the
 custom resource ``{"logbus_replica": 1}``, so every replica is placed off the head node and
 each replica of a partition is on its own node. Ray's health checks are lowered as in the
-test (200 ms period, 500 ms timeout, 3 failures). The controller is created by
-``logbus.connect(..., replica_replacement_ms=2000)``, with its node affinity made hard (the
-factory's is soft, and once put it on a replica node under load; see
-``connect_with_controller_on_head``). Every topic has one partition, replication_factor 3
+test (300 ms period, 1.5 s timeout, 5 failures). The controller is created by
+``logbus.connect(..., replica_replacement_ms=2000)``; the factory places it on the head
+node (checked). Every topic has one partition, replication_factor 3
 and min.insync.replicas 2. Records are 100-byte values (random, incompressible), null keys
 and headers. Cases:
 
@@ -486,14 +485,14 @@ class ProducerTrace:
             dispatch(batch)
             self.events.append((time.monotonic(), "dispatch", batch.leader_id))
 
-        def traced_complete(batch, base_offset, error, attempt):
+        def traced_complete(batch, base_offset, error, attempt, **options):
             now = time.monotonic()
             self.events.append((now, "complete", None if error is None else type(error).__name__))
             if error is not None:
                 name = type(error).__name__
                 self.error_counts[name] = self.error_counts.get(name, 0) + 1
                 self.error_samples.setdefault(name, (now, str(error)[:300]))
-            return complete(batch, base_offset, error, attempt)
+            return complete(batch, base_offset, error, attempt, **options)
 
         producer._dispatch = traced_dispatch
         producer._complete = traced_complete
@@ -805,21 +804,8 @@ def node_of_pid(cluster: Cluster, pid: int) -> str | None:
 
 
 def connect_with_controller_on_head(cluster: Cluster, data_dir: str, namespace: str):
-    """logbus.connect, with the controller pinned to the head node.
-
-    The factory places the controller on the creating process's node (here: the head) with a *soft*
-    node affinity. On this overloaded machine Ray once put it on a replica node instead (the head had
-    just missed a health check), and the first kill then took the controller down with the leader. So
-    the affinity is made hard for this one call; every other option stays the factory's.
-    """
-    from logbus.actors import factory
-
-    original = factory.NodeAffinitySchedulingStrategy
-    factory.NodeAffinitySchedulingStrategy = lambda node_id, soft: original(node_id=node_id, soft=False)
-    try:
-        bus = logbus.connect(data_dir=data_dir, namespace=namespace, replica_replacement_ms=REPLICA_REPLACEMENT_MS)
-    finally:
-        factory.NodeAffinitySchedulingStrategy = original
+    """logbus.connect, checking that the controller is on the head node (the factory pins it there)."""
+    bus = logbus.connect(data_dir=data_dir, namespace=namespace, replica_replacement_ms=REPLICA_REPLACEMENT_MS)
     pid = ray.get(controller_of(bus).ping.remote(), timeout=60)
     where = node_of_pid(cluster, pid)
     if where != cluster.head_node.node_id:

@@ -487,7 +487,9 @@ class Producer:
                 error = LeaderNotAvailableError(f"the leader of {batch.topic}-{batch.partition} changed")
             expired.append((batch, error))
         for batch, error in expired:
-            self._complete(batch, None, error, attempt=batch.attempts)
+            # A batch whose partition has a new leader goes there at once: the metadata is fresh.
+            moved = isinstance(error, LeaderNotAvailableError) and leaders[batch.topic][batch.partition] is not None
+            self._complete(batch, None, error, attempt=batch.attempts, backoff=not moved)
 
     def _collect(self) -> tuple[list[_Batch], float]:
         """Under the lock: close lingering batches, then take the ready ones that may go now."""
@@ -507,10 +509,14 @@ class Producer:
             # (which notifies) frees a slot and closes it.
         taken = []
         kept: deque[_Batch] = deque()
+        held: set[tuple[str, int]] = set()  # partitions with an earlier batch still waiting
         while self._ready:
             batch = self._ready.popleft()
             slot = (batch.topic, batch.partition)
-            if self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
+            if slot in held or self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
+                # A partition's batches leave in order: one held back (retry backoff, or no
+                # slot free) holds back the later ones, so they cannot overtake it at the leader.
+                held.add(slot)
                 kept.append(batch)
                 if batch.not_before_s > now:
                     wait_s = min(wait_s, batch.not_before_s - now)
@@ -579,7 +585,9 @@ class Producer:
         else:
             self._complete(batch, None, unwrap(error), attempt)
 
-    def _complete(self, batch: _Batch, base_offset: int | None, error: BaseException | None, attempt: int) -> None:
+    def _complete(
+        self, batch: _Batch, base_offset: int | None, error: BaseException | None, attempt: int, backoff: bool = True
+    ) -> None:
         with self._condition:
             # Each attempt completes once: a late reply to an attempt that expired is dropped.
             if batch.attempts != attempt or self._in_flight_batches.pop(id(batch), None) is None:
@@ -595,8 +603,9 @@ class Producer:
             self._in_flight[slot] -= 1
             self._in_flight_total -= 1
             if retry:
-                batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
-                self._refresh.add(batch.topic)
+                if backoff:
+                    batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
+                    self._refresh.add(batch.topic)
                 # Retried batches go out again in their first order, ahead of newer ones, so a
                 # partition's sequence numbers reach the leader in order.
                 retried = sorted([b for b in self._ready if b.order] + [batch], key=lambda b: b.order)
