@@ -330,6 +330,8 @@ class Producer:
         Columns: ``value`` (binary or string), optional ``key``, ``timestamp``
         (int64 ms), ``headers`` (map<string, binary>) and ``partition`` (int).
         Rows without a partition go by key hash, or to one sticky partition.
+        Each partition's rows go as one batch, split only where they exceed the
+        topic's max.message.bytes.
         """
         if self._closed:
             raise IllegalStateError("send_table() after close()")
@@ -344,7 +346,9 @@ class Producer:
             return done
         partitions = self._table_partitions(topic, table, count)
         records = rb.conform_table(table)
-        limit = min(self.batch_size_bytes, metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES)
+        # A table is already a batch: it is split only where it exceeds what one batch of the
+        # topic may hold (max.message.bytes), not at batch_size_bytes, which governs send().
+        limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
         order = np.argsort(partitions, kind="stable")
         sorted_partitions = partitions[order]
         bounds = np.flatnonzero(np.diff(sorted_partitions)) + 1
