@@ -124,6 +124,7 @@ class PartitionReplica:
         self.follower_high_watermark = 0
         self._lease_expires_ms = 0
         self._controller_handle = None
+        self._shared_read = None  # ((first offset, next offset, bytes), ObjectRef) of the last large read
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -282,6 +283,7 @@ class PartitionReplica:
             return self.role == LEADER and epoch == self.leader_epoch
         self._stop_following()
         self._set_epoch(epoch)
+        self._shared_read = None  # a read cached under an earlier leadership may predate a truncation
         self.log.epochs.assign(epoch, self.log.log_end_offset)
         previous_hw = self.high_watermark
         self.leader_state = LeaderState(
@@ -317,6 +319,7 @@ class PartitionReplica:
         if self.role == LEADER:
             self.follower_high_watermark = self.high_watermark
         self.leader_state = None
+        self._shared_read = None
         self._set_epoch(epoch)
         self.role = FOLLOWER
         self.leader_id = leader_id
@@ -475,12 +478,19 @@ class PartitionReplica:
                 meta = FetchResponse(
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
-                if len(result.data) <= inline_max_bytes:
+                size = len(result.data)
+                if size <= inline_max_bytes:
                     # Small: a copy travels inside the reply (no object-store round trip for the reader).
                     data = np.frombuffer(bytes(result.data), dtype=np.uint8)
                 else:
-                    # One copy, from the mapped segment into the object store.
-                    data = ray.put(np.frombuffer(result.data, dtype=np.uint8))
+                    # One copy, from the mapped segment into the object store; readers asking for
+                    # the same batches at the same time (the followers, mostly) share it.
+                    key = (result.first_offset, result.next_offset, size)
+                    if self._shared_read is not None and self._shared_read[0] == key:
+                        data = self._shared_read[1]
+                    else:
+                        data = ray.put(np.frombuffer(result.data, dtype=np.uint8))
+                        self._shared_read = (key, data)
                 del result
                 return meta, data
             remaining = deadline - loop.time()
