@@ -34,6 +34,7 @@ from logbus.errors import (
 from logbus.protocol.group_coordinator import (
     GroupCoordinator,
     GroupState,
+    JoinResult,
     OffsetAndMetadata,
     decode_offset_commit_key,
     decode_offset_commit_value,
@@ -50,6 +51,8 @@ GROUPS_FILE = "groups.json"
 OFFSETS_LOAD_TIMEOUT_S = 60.0
 LAG_EXPORT_INTERVAL_S = 5.0
 COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
+LONG_POLL_MAX_MS = 5_000  # bound on how long a heartbeat or join call may wait for the group to change
+JOIN_RECHECK_MS = 100  # a waiting join re-runs the join this often even without a change (delays, timeouts)
 
 
 def monotonic_ms() -> int:
@@ -68,6 +71,9 @@ class GroupService:
         except (FileNotFoundError, ValueError):
             self.groups = GroupCoordinator(topic_partition_counts=counts)
         self._groups_version_saved = self.groups.state_version
+        self._groups_text_saved: str | None = None
+        self._group_events: dict[str, asyncio.Event] = {}
+        self._group_prints: dict[str, tuple] = {}
         self._committed: dict[tuple[str, str, int], OffsetAndMetadata] = {}
         self._offsets_loaded: asyncio.Event | None = None
         self._lag_gauge = None
@@ -77,24 +83,62 @@ class GroupService:
         return {name: len(topic.partitions) for name, topic in self.metadata.topics.items()}
 
     def _save_groups(self) -> None:
+        """Persist the groups if what would be written changed (a join poll that changed nothing
+        durable moves ``state_version`` but must not cost a write and an fsync)."""
         if self.groups.state_version == self._groups_version_saved:
+            return
+        self._groups_version_saved = self.groups.state_version
+        text = self.groups.to_json()
+        if text == self._groups_text_saved:
             return
         temporary = self._groups_path + ".tmp"
         with open(temporary, "w") as file:
-            file.write(self.groups.to_json())
+            file.write(text)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, self._groups_path)
-        self._groups_version_saved = self.groups.state_version
+        self._groups_text_saved = text
+
+    # --- long polls: members wait on their group instead of polling it --------------------------------
+
+    def _group_event(self, group_id: str) -> asyncio.Event:
+        event = self._group_events.get(group_id)
+        if event is None:
+            event = self._group_events[group_id] = asyncio.Event()
+            self._group_prints[group_id] = self.groups.fingerprint(group_id)
+        return event
+
+    def _groups_changed(self, group_id: str | None = None) -> None:
+        """Wake the members waiting on a group whose state, generation or members changed."""
+        for gid in [group_id] if group_id is not None else list(self._group_events):
+            fingerprint = self.groups.fingerprint(gid)
+            if self._group_prints.get(gid) == fingerprint:
+                continue
+            self._group_prints[gid] = fingerprint
+            event = self._group_events.pop(gid, None)
+            if event is not None:
+                event.set()
+
+    async def _wait_group_change(self, group_id: str, event: asyncio.Event, timeout_ms: float) -> bool:
+        """Wait until ``event`` (taken before the state was read) fires or ``timeout_ms`` passes."""
+        if timeout_ms <= 0:
+            return False
+        try:
+            await asyncio.wait_for(event.wait(), timeout_ms / 1000)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def _topics_changed(self) -> None:
         """Called after topics are created, deleted or grow: groups subscribed to them rebalance."""
         self.groups.metadata_changed(self._partition_counts(), now_ms=monotonic_ms())
+        self._groups_changed()
         self._save_groups()
 
     def _tick_groups(self) -> None:
         for removed in self.groups.tick(monotonic_ms()):
             print(f"logbus controller: group {removed.group_id}: member {removed.member_id} removed ({removed.reason})")
+        self._groups_changed()  # expired sessions start rebalances: wake the survivors at once
         self._save_groups()
 
     async def _export_lag(self) -> None:
@@ -216,28 +260,63 @@ class GroupService:
 
     # --- membership RPCs ------------------------------------------------------------------------------
 
-    async def group_join(self, group_id: str, options: dict):
-        """JoinGroup (poll it until it returns a JoinResult); ``options`` are the coordinator's join arguments."""
+    async def group_join(self, group_id: str, options: dict, wait_ms: int = 0):
+        """JoinGroup; ``options`` are the coordinator's join arguments.
+
+        Returns a JoinResult, or JoinPending (call again) if the generation did
+        not form within ``wait_ms``: the call waits for the group to change
+        rather than have the member poll it.
+        """
         await self._ready()
-        result = self.groups.join(group_id, now_ms=monotonic_ms(), **options)
-        self._save_groups()
-        return result
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(0, int(wait_ms)), LONG_POLL_MAX_MS) / 1000
+        options = dict(options)
+        while True:
+            result = self.groups.join(group_id, now_ms=monotonic_ms(), **options)
+            self._groups_changed(group_id)  # wake the others first, then wait on a fresh event
+            event = self._group_event(group_id)
+            self._save_groups()
+            remaining_ms = (deadline - loop.time()) * 1000
+            if isinstance(result, JoinResult) or remaining_ms <= 0:
+                return result
+            options["member_id"] = result.member_id
+            if result.retry_backoff_ms > 0:
+                await self._wait_group_change(group_id, event, min(remaining_ms, JOIN_RECHECK_MS))
 
     async def group_sync(self, group_id: str, member_id: str, generation: int):
         await self._ready()
         result = self.groups.sync(group_id, member_id, generation, now_ms=monotonic_ms())
+        self._groups_changed(group_id)
         self._save_groups()
         return result
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int):
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+        """Heartbeat; with ``wait_ms``, a long poll: when there is nothing to do the reply waits
+        until the group changes (then says what to do) or ``wait_ms`` passes.
+
+        The member counts as alive at the call's start (and at a change it is woken for).
+        """
         await self._ready()
+        started = time.monotonic()
         result = self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
+        self._groups_changed(group_id)
+        event = self._group_event(group_id)
+        self._save_groups()
+        if result.rejoin or result.revoke:
+            return result
+        if not await self._wait_group_change(group_id, event, min(max(0, int(wait_ms)), LONG_POLL_MAX_MS)):
+            return result
+        waited_ms = int((time.monotonic() - started) * 1000)
+        result = self.groups.heartbeat(
+            group_id, member_id, generation, poll_idle_ms=poll_idle_ms + waited_ms, now_ms=monotonic_ms()
+        )
         self._save_groups()
         return result
 
     async def group_leave(self, group_id: str, member_id: str) -> bool:
         await self._ready()
         left = self.groups.leave(group_id, member_id, now_ms=monotonic_ms())
+        self._groups_changed(group_id)
         self._save_groups()
         return left
 

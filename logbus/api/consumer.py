@@ -388,7 +388,15 @@ class Consumer:
                     time.sleep(min(remaining, 0.05))
                     continue
                 return
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, min(remaining, 0.5)))
+            membership = self._membership if self._subscribed else None
+            if membership is not None and (membership.needs_join or membership.revoke_requested or membership.lost):
+                # The group is rebalancing: take part now, within this poll().
+                if not self._maintain_group(deadline):
+                    return
+                continue
+            # A group member waits in short slices, so a rebalance reaches it within ~0.1 s.
+            slice_s = 0.1 if membership is not None else 0.5
+            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, min(remaining, slice_s)))
             for ref in ready:
                 self._receive(in_flight[ref])
             # Collect any others that are already done, without waiting.

@@ -2,10 +2,12 @@
 
 The coordinator lives in the controller actor (see logbus/actors/group_service.py
 and logbus/protocol/group_coordinator.py for the protocol). This class is the
-member's side: it joins by polling ``group_join`` until a generation forms,
-and a background thread heartbeats every ``heartbeat_interval_ms``. The
-thread only records what it learns (rejoin, revoke these partitions, the
-member was removed, the coordinator is unreachable); the consumer acts on it
+member's side: it joins through ``group_join``, which the coordinator holds
+open until the generation forms, and a background thread heartbeats once per
+``heartbeat_interval_ms``, each heartbeat a long poll that the coordinator
+answers as soon as the group starts to rebalance. The thread only records
+what it learns (rejoin, revoke these partitions, the member was removed, the
+coordinator is unreachable); the consumer acts on it
 in ``poll()``, on the caller's thread, where rebalance listeners run (as in
 Kafka's clients).
 
@@ -34,7 +36,10 @@ from logbus.protocol.assignors import get_assignor
 from logbus.protocol.group_coordinator import JoinResult
 from logbus.protocol.messages import TopicPartition
 
-HEARTBEAT_TIMEOUT_FRACTION = 0.5  # a heartbeat call may take this share of the session timeout
+HEARTBEAT_TIMEOUT_FRACTION = 0.5  # beyond its long poll, a heartbeat call may take this share of the session timeout
+JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generation to form
+MIN_HEARTBEAT_SPACING_S = 0.01
+NOT_MEMBER_RECHECK_S = 0.05
 
 
 class GroupMembership:
@@ -105,8 +110,13 @@ class GroupMembership:
                 "rebalance_timeout_ms": self.max_poll_interval_ms,
                 "max_poll_interval_ms": self.max_poll_interval_ms,
             }
+            # The coordinator holds the call until the generation forms (or the wait ends).
+            wait_ms = int(max(0.0, min(deadline_s - time.monotonic(), JOIN_WAIT_MAX_S)) * 1000)
             try:
-                result = get(controller.group_join.remote(self.group_id, options), timeout_s=self.session_timeout_ms / 1000)
+                result = get(
+                    controller.group_join.remote(self.group_id, options, wait_ms),
+                    timeout_s=wait_ms / 1000 + self.session_timeout_ms / 1000,
+                )
             except UnknownMemberIdError:
                 self.member_id = ""
                 continue
@@ -126,7 +136,8 @@ class GroupMembership:
             remaining = deadline_s - time.monotonic()
             if remaining <= 0:
                 return None
-            time.sleep(min(result.retry_backoff_ms / 1000, remaining))
+            if wait_ms == 0:
+                time.sleep(min(result.retry_backoff_ms / 1000, remaining))
 
     def commit(self, offsets: dict) -> None:
         """Commit with this member's generation (or as a non-member before the first join)."""
@@ -188,15 +199,25 @@ class GroupMembership:
             self._unreachable_since = None
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_interval_s):
+        """One heartbeat per interval, each a long poll: the coordinator answers at once when the
+        group starts to rebalance, so the consumer learns of it within a round trip rather than
+        at its next heartbeat."""
+        pause_s = NOT_MEMBER_RECHECK_S
+        while not self._stop.wait(pause_s):
+            # After a reply that asked for something (or an error), the next heartbeat comes one
+            # interval later; after a quiet reply (the wait ended, or the group changed in a way
+            # that needs nothing from us) the next long poll starts at once.
+            pause_s = self.heartbeat_interval_s
             with self._lock:
                 if not self.member_id or self.generation < 0:
+                    pause_s = NOT_MEMBER_RECHECK_S  # start the long poll soon after the join completes
                     continue
                 member, generation = self.member_id, self.generation
             idle_ms = int((time.monotonic() - self._last_poll_s) * 1000)
+            wait_ms = int(self.heartbeat_interval_s * 1000)
             try:
-                ref = self._bus.controller.group_heartbeat.remote(self.group_id, member, generation, idle_ms)
-                result = ray.get(ref, timeout=self.session_timeout_ms / 1000 * HEARTBEAT_TIMEOUT_FRACTION)
+                ref = self._bus.controller.group_heartbeat.remote(self.group_id, member, generation, idle_ms, wait_ms)
+                result = ray.get(ref, timeout=wait_ms / 1000 + self.session_timeout_ms / 1000 * HEARTBEAT_TIMEOUT_FRACTION)
             except RayError as error:
                 cause = unwrap(error)
                 if isinstance(cause, UnknownMemberIdError):
@@ -222,3 +243,5 @@ class GroupMembership:
                     self.revoke_requested = tuple(result.revoke)
                 if result.rejoin:
                     self.needs_join = True
+            if not (result.rejoin or result.revoke):
+                pause_s = MIN_HEARTBEAT_SPACING_S

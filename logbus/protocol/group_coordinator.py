@@ -594,6 +594,17 @@ class GroupCoordinator:
             raise IllegalGenerationError(f"generation {generation} is not group {group_id!r}'s current {group.generation}")
         return self._collect(group, member)
 
+    def fingerprint(self, group_id: str) -> tuple:
+        """What members waiting on a group (long-polled heartbeats and joins) wait to see change:
+        its state, generation and members. Equal fingerprints mean nothing for them to act on."""
+        group = self._groups.get(group_id)
+        if group is None:
+            return ()
+        return (group.state, group.generation, tuple(group.members))
+
+    def group_ids(self) -> list[str]:
+        return list(self._groups)
+
     def heartbeat(self, group_id: str, member_id: str, generation: int, *, poll_idle_ms: int, now_ms: int) -> HeartbeatResult:
         """Keep the member's session alive; say whether it must rejoin or revoke partitions.
 

@@ -120,6 +120,35 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
 
 
 @pytest.mark.timeout(180)
+def test_a_clean_join_rebalances_without_waiting_for_a_heartbeat(bus, topic_name):
+    """Members learn of a rebalance from their long-polled heartbeat at once, not at the next one.
+
+    With a 20 s heartbeat interval, periodic heartbeats alone would tell the first member about
+    the second one only about 20 s after its last heartbeat; the long poll tells it at once.
+    """
+    bus.admin.create_topic(topic_name, partitions=4)
+    options = dict(session_timeout_ms=60_000, heartbeat_interval_ms=20_000, enable_auto_commit=False)
+    first = logbus.Consumer(bus, group_id="prompt", **options)
+    first.subscribe([topic_name])
+    wait_for(lambda: first.poll(timeout_ms=50) is not None and len(first.assignment()) == 4,
+             timeout_s=60, interval_s=0, message="the first member owning every partition")
+    second = logbus.Consumer(bus, group_id="prompt", **options)
+    second.subscribe([topic_name])
+    started = time.monotonic()
+
+    def split():
+        first.poll(timeout_ms=50)
+        second.poll(timeout_ms=50)
+        return len(first.assignment()) == 2 and len(second.assignment()) == 2
+
+    wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
+    assert time.monotonic() - started < 10, "the first member waited for a periodic heartbeat"
+    assert set(first.assignment()) | set(second.assignment()) == {TopicPartition(topic_name, p) for p in range(4)}
+    first.close()
+    second.close()
+
+
+@pytest.mark.timeout(180)
 def test_cooperative_rolling_restart_never_revokes_partitions_that_stay(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=6)
     options = dict(FAST_GROUP, partition_assignment_strategy=("cooperative-sticky",))

@@ -839,3 +839,26 @@ def test_static_restart_never_rebalances(members, partitions, protocols, who):
     assert (after.state, after.generation) == (GroupState.STABLE, before.generation)
     assert back.assignment == results[i].assignment and back.generation == results[i].generation
     assert sorted(m.assignment for m in after.members) == sorted(m.assignment for m in before.members)
+
+
+def test_fingerprint_moves_exactly_when_waiting_members_have_something_to_do():
+    """Long polls wake on a fingerprint change: a join, a leave or an expiry changes it; heartbeats
+    and a pending member's repeated join polls do not."""
+    gc = make_coordinator()
+    assert gc.fingerprint("g") == ()
+    a = join_new(gc, 0)
+    stable = gc.fingerprint("g")
+    assert stable[:2] == (GroupState.STABLE, 1)
+    gc.heartbeat("g", a.member_id, a.generation, poll_idle_ms=0, now_ms=100)
+    assert gc.fingerprint("g") == stable
+    b = join_new(gc, 200)  # a second member: the group prepares a rebalance
+    preparing = gc.fingerprint("g")
+    assert preparing != stable and preparing[0] is GroupState.PREPARING_REBALANCE
+    assert rejoin(gc, b.member_id, 250) == JoinPending(b.member_id, 100)  # polling again changes nothing
+    assert gc.fingerprint("g") == preparing
+    rejoin(gc, a.member_id, 300)
+    rejoin(gc, b.member_id, 300)
+    formed = gc.fingerprint("g")
+    assert formed != preparing and formed[1] == 2
+    gc.leave("g", b.member_id, now_ms=400)
+    assert gc.fingerprint("g") != formed
