@@ -203,16 +203,20 @@ class GroupMembership:
         group starts to rebalance, so the consumer learns of it within a round trip rather than
         at its next heartbeat."""
         pause_s = NOT_MEMBER_RECHECK_S
+        last_sent_s = 0.0
         while not self._stop.wait(pause_s):
-            # After a reply that asked for something (or an error), the next heartbeat comes one
-            # interval later; after a quiet reply (the wait ended, or the group changed in a way
-            # that needs nothing from us) the next long poll starts at once.
-            pause_s = self.heartbeat_interval_s
+            # A quiet reply (the wait ended, or the group changed in a way that needs nothing
+            # from us) is followed by the next long poll at once. While the consumer acts on a
+            # reply that asked for something, heartbeats keep their interval; as soon as it has
+            # rejoined, the long poll resumes. After an error, the next try is an interval later.
+            pause_s = NOT_MEMBER_RECHECK_S
             with self._lock:
                 if not self.member_id or self.generation < 0:
-                    pause_s = NOT_MEMBER_RECHECK_S  # start the long poll soon after the join completes
+                    continue
+                if (self.needs_join or self.revoke_requested) and time.monotonic() - last_sent_s < self.heartbeat_interval_s:
                     continue
                 member, generation = self.member_id, self.generation
+            last_sent_s = time.monotonic()
             idle_ms = int((time.monotonic() - self._last_poll_s) * 1000)
             wait_ms = int(self.heartbeat_interval_s * 1000)
             try:
@@ -233,9 +237,11 @@ class GroupMembership:
                         self.needs_join = True
                 else:
                     self._mark_unreachable()
+                    pause_s = self.heartbeat_interval_s
                 continue
             except Exception:  # noqa: BLE001 (the controller handle is being re-resolved)
                 self._mark_unreachable()
+                pause_s = self.heartbeat_interval_s
                 continue
             self._mark_reachable()
             with self._lock:
