@@ -44,10 +44,7 @@ trip (``ping``) and a 1 KiB write + fsync in the data dir every 50 ms (info rows
                  to the end. records/s = N / (last member done - first member started).
                  Compared with one consumer doing the same: a group of one member (an
                  actor too), which owns all 6 partitions. (info) rows: 3 members without
-                 commits; one consumer without a group (``assign()``), no commits. (A
-                 consumer with a group_id and assign() cannot be the baseline with commits:
-                 its first commit() makes its next poll() try to join the group with an
-                 empty subscription, which raises InvalidConfigError.)
+                 commits; one consumer without a group (``assign()``), no commits.
 
 Targets: clean join/leave rebalance <= 1 s; after a death <= session timeout + 1 s.
 This machine is shared (2 cores, other engineers' runs): every figure is repeated, and the
