@@ -175,7 +175,9 @@ class GroupMembership:
                 get(self._bus.controller.group_leave.remote(self.group_id, self.member_id), timeout_s=10)
             except LogbusError:
                 pass  # the session timeout removes it anyway
-        self._thread.join(timeout=5)
+        # A dynamic member's leave wakes its own long poll at once; a static member's poll just
+        # runs out (within one heartbeat interval) and the thread, a daemon, ends then.
+        self._thread.join(timeout=1)
 
     def stop(self) -> None:
         self._stop.set()
