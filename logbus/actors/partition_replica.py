@@ -14,7 +14,7 @@ Before it follows a new leader it truncates by leader epoch (KIP-101/279):
 it asks the leader where its own latest epoch ended and cuts its log there,
 never merely to its own high watermark.
 
-Leases. Every replica heartbeats to the controller; a leader accepts writes
+Leases. Every replica heartbeats to the controller (pipelined, every 0.1 s); a leader accepts writes
 only while its lease (the time of its last acknowledged heartbeat plus
 ``LEASE_MS``) is valid, and the controller deposes a leader only after
 ``LEASE_TIMEOUT_MS`` > ``LEASE_MS`` without heartbeats. So a leader that was
@@ -69,6 +69,7 @@ STATE_FILE = "replica.json"
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
 FETCH_WAIT_MS_MAX = 30_000
 HEARTBEAT_INTERVAL_S = 0.1
+HEARTBEATS_IN_FLIGHT_MAX = 5
 LEASE_MS = 500  # a leader stops taking writes this long after sending its last acknowledged heartbeat
 # The controller deposes a leader silent for its LEASE_TIMEOUT_MS (controller.py), which must exceed LEASE_MS.
 ISR_CHECK_INTERVAL_S = 0.1
@@ -124,6 +125,7 @@ class PartitionReplica:
         self.follower_high_watermark = 0
         self._lease_expires_ms = 0
         self._controller_handle = None
+        self._heartbeat_applied = 0  # sequence number of the newest heartbeat reply acted on
         self._shared_read = None  # ((first offset, next offset, bytes), ObjectRef) of the last large read
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
@@ -192,26 +194,46 @@ class PartitionReplica:
         return self._controller_handle
 
     async def _heartbeat_loop(self) -> None:
+        """Send a heartbeat every HEARTBEAT_INTERVAL_S without waiting for the previous reply.
+
+        Heartbeats are pipelined so that one slow reply (a busy controller) does not
+        hold back the next renewals: the lease stays valid as long as replies take
+        less than LEASE_MS minus one interval, not half of that.
+        """
+        sequence = 0
+        outstanding: set[asyncio.Task] = set()
+        loop = asyncio.get_running_loop()
         while not self._deleted:
-            sent_ms = monotonic_ms()
-            try:
-                controller = await self._controller()
-                reply = await asyncio.wait_for(
-                    controller.replica_heartbeat.remote(
-                        self.topic, self.partition, self.replica_id, self.leader_epoch, self.log.log_end_offset
-                    ),
-                    timeout=LEASE_MS / 1000,
-                )
-            except Exception:  # noqa: BLE001 (controller restarting or busy: no lease renewal this round)
-                self._controller_handle = None
-                await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-                continue
-            if reply.get("deleted"):
-                self._deleted = True
-                return
-            self._lease_expires_ms = sent_ms + LEASE_MS
-            await self._reconcile(reply)
+            if len(outstanding) < HEARTBEATS_IN_FLIGHT_MAX:
+                sequence += 1
+                task = loop.create_task(self._heartbeat_once(sequence))
+                outstanding.add(task)
+                task.add_done_callback(outstanding.discard)
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def _heartbeat_once(self, sequence: int) -> None:
+        sent_ms = monotonic_ms()
+        try:
+            controller = await self._controller()
+            reply = await asyncio.wait_for(
+                controller.replica_heartbeat.remote(
+                    self.topic, self.partition, self.replica_id, self.leader_epoch, self.log.log_end_offset
+                ),
+                timeout=LEASE_MS / 1000,
+            )
+        except asyncio.TimeoutError:
+            return  # a slow controller: no renewal from this one; the next ones are already on their way
+        except Exception:  # noqa: BLE001 (controller restarting: look it up again)
+            self._controller_handle = None
+            return
+        if sequence <= self._heartbeat_applied:
+            return  # overtaken by a later heartbeat's reply, which already renewed the lease further
+        self._heartbeat_applied = sequence
+        if reply.get("deleted"):
+            self._deleted = True
+            return
+        self._lease_expires_ms = max(self._lease_expires_ms, sent_ms + LEASE_MS)
+        await self._reconcile(reply)
 
     async def _reconcile(self, reply: dict) -> None:
         """Adopt the controller's view of the partition if ours is stale."""
