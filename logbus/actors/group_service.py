@@ -13,17 +13,42 @@ has three replicas).
 
 Every method is idempotent in effect (a repeated commit writes the same
 offsets again), as the controller's retry contract requires.
+
+Long polls. A member's heartbeat is held open while the group has nothing
+for it, and a join is held open until its generation forms; both are
+answered as soon as the group's :meth:`~GroupCoordinator.fingerprint`
+(state, generation, members) changes. A change wakes every call waiting on
+that group through one ``asyncio.Event`` per group. A group timer expires
+sessions every 100 ms, so a dead member's session ends, and the survivors
+hear of it, within about 100 ms of its timeout. A held call counts as a sign
+of life only when it arrives (re-checks after a wake-up pass
+``keep_alive=False``), and it waits at most half the member's session
+timeout, so a member that dies during a long poll still expires on time.
+At most :data:`LONG_POLLS_MAX` calls wait at once: the controller runs at
+most 1000 calls at a time, and replicas' lease heartbeats must never queue
+behind consumers' long polls. Beyond it, heartbeats answer at once and the
+member paces itself by its heartbeat interval.
+
+Durability. ``groups.json`` is written only when what it holds changes (a
+repeated join or a heartbeat does not move the coordinator's
+``state_version``), by one writer task off the event loop
+(``asyncio.to_thread``), so the writes stay in order and each writes the
+latest state; states queued while a write runs are folded into the next
+one. A group RPC answers only once the state it saw is on disk, so no
+member acts on a state that a controller restart would roll back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 
 import numpy as np
 
 from logbus.errors import (
+    CoordinatorNotAvailableError,
     GroupNotEmptyError,
     InvalidConfigError,
     LeaderNotAvailableError,
@@ -32,12 +57,14 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol.group_coordinator import (
+    DEFAULT_SESSION_TIMEOUT_MS,
     GroupCoordinator,
     GroupState,
     JoinResult,
     OffsetAndMetadata,
     decode_offset_commit_key,
     decode_offset_commit_value,
+    long_poll_wait_ms,
     validate_group_id,
 )
 from logbus.protocol.messages import TopicPartition
@@ -51,12 +78,30 @@ GROUPS_FILE = "groups.json"
 OFFSETS_LOAD_TIMEOUT_S = 60.0
 LAG_EXPORT_INTERVAL_S = 5.0
 COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
-LONG_POLL_MAX_MS = 5_000  # bound on how long a heartbeat or join call may wait for the group to change
-JOIN_RECHECK_MS = 100  # a waiting join re-runs the join this often even without a change (delays, timeouts)
+LONG_POLL_MAX_MS = 30_000  # bound on how long a heartbeat or join call may wait for the group to change
+LONG_POLLS_MAX = 500  # calls waiting at once; the controller's max_concurrency is 1000
+JOIN_RECHECK_MS = 1_000  # a held join re-runs the join this often even without a change (a safety net)
+GROUP_TICK_S = 0.1  # sessions and rebalance timeouts are checked this often
+GROUPS_WRITE_RETRY_S = 1.0  # after a failed write of groups.json, the timer tries again this often
 
 
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
+
+
+def _write_atomically(path: str, text: str) -> None:
+    """Replace ``path`` with ``text``, durably: write a temporary file, fsync it, rename, fsync the directory."""
+    temporary = path + ".tmp"
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 class GroupService:
@@ -70,10 +115,21 @@ class GroupService:
                 self.groups = GroupCoordinator.from_json(file.read(), now_ms=monotonic_ms(), topic_partition_counts=counts)
         except (FileNotFoundError, ValueError):
             self.groups = GroupCoordinator(topic_partition_counts=counts)
-        self._groups_version_saved = self.groups.state_version
-        self._groups_text_saved: str | None = None
+        # groups.json: the latest state queued (sequence number, text) and the last one on disk.
+        self._groups_version_queued = self.groups.state_version
+        self._groups_text_queued: str | None = None
+        self._groups_seq = 0
+        self._groups_written_seq = 0
+        self._groups_writer: asyncio.Task | None = None
+        self._groups_write_error: OSError | None = None
+        self._groups_write_failed_s = 0.0
+        self._groups_flushed = asyncio.Event()  # set (and replaced) after every write attempt
+        # Long polls.
         self._group_events: dict[str, asyncio.Event] = {}
         self._group_prints: dict[str, tuple] = {}
+        self._long_polls: dict[int, tuple[str, str, str, float, float]] = {}  # id -> (kind, group, member, start, wait)
+        self._long_poll_ids = 0
+        self._group_timer: asyncio.Task | None = None
         self._committed: dict[tuple[str, str, int], OffsetAndMetadata] = {}
         self._offsets_loaded: asyncio.Event | None = None
         self._lag_gauge = None
@@ -82,22 +138,77 @@ class GroupService:
     def _partition_counts(self) -> dict[str, int]:
         return {name: len(topic.partitions) for name, topic in self.metadata.topics.items()}
 
+    # --- groups.json ---------------------------------------------------------------------------------
+
     def _save_groups(self) -> None:
-        """Persist the groups if what would be written changed (a join poll that changed nothing
-        durable moves ``state_version`` but must not cost a write and an fsync)."""
-        if self.groups.state_version == self._groups_version_saved:
+        """Queue a write of the groups if their durable state changed; returns at once.
+
+        ``await self._groups_durable()`` waits until it is on disk.
+        """
+        if self.groups.state_version == self._groups_version_queued:
             return
-        self._groups_version_saved = self.groups.state_version
+        self._groups_version_queued = self.groups.state_version
         text = self.groups.to_json()
-        if text == self._groups_text_saved:
+        if text == self._groups_text_queued:
             return
-        temporary = self._groups_path + ".tmp"
-        with open(temporary, "w") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self._groups_path)
-        self._groups_text_saved = text
+        self._groups_text_queued = text
+        self._groups_seq += 1
+        self._start_groups_writer()
+
+    def _start_groups_writer(self) -> None:
+        if self._groups_written_seq >= self._groups_seq:
+            return
+        if self._groups_writer is not None and not self._groups_writer.done():
+            return  # the running writer picks the latest state up when its write ends
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on the event loop (no writer can be running): write here
+            _write_atomically(self._groups_path, self._groups_text_queued)
+            self._groups_written_seq = self._groups_seq
+            return
+        self._groups_writer = loop.create_task(self._write_groups())
+
+    async def _write_groups(self) -> None:
+        """The one writer: writes the latest queued state until none is left (or a write fails)."""
+        while self._groups_written_seq < self._groups_seq:
+            seq, text = self._groups_seq, self._groups_text_queued
+            try:
+                await asyncio.to_thread(_write_atomically, self._groups_path, text)
+            except OSError as error:
+                if self._groups_write_error is None:
+                    print(f"logbus controller: cannot write {self._groups_path}: {error!r} (retrying)")
+                self._groups_write_error = error
+                self._groups_write_failed_s = time.monotonic()
+                self._wake_groups_flushed()
+                return
+            self._groups_write_error = None
+            self._groups_written_seq = seq
+            self._wake_groups_flushed()
+
+    def _wake_groups_flushed(self) -> None:
+        flushed, self._groups_flushed = self._groups_flushed, asyncio.Event()
+        flushed.set()
+
+    async def _groups_durable(self) -> None:
+        """Wait until every state queued so far is on disk; raise (retriable) if it cannot be written."""
+        target = self._groups_seq
+        while self._groups_written_seq < target:
+            writing = self._groups_writer is not None and not self._groups_writer.done()
+            if not writing and self._groups_write_error is not None:
+                error, self._groups_write_error = self._groups_write_error, None
+                self._start_groups_writer()  # let the next caller (or the timer) try again
+                raise CoordinatorNotAvailableError(f"the group coordinator cannot save its state: {error}")
+            self._start_groups_writer()
+            await self._groups_flushed.wait()
+
+    async def _settle_group(self, group_id: str) -> asyncio.Event:
+        """After a call changed (or may have changed) ``group_id``: wake its waiters, save, and wait
+        until the state is durable. Returns the event of the next change, taken before any wait."""
+        self._groups_changed(group_id)
+        event = self._group_event(group_id)
+        self._save_groups()
+        await self._groups_durable()
+        return event
 
     # --- long polls: members wait on their group instead of polling it --------------------------------
 
@@ -107,6 +218,20 @@ class GroupService:
             event = self._group_events[group_id] = asyncio.Event()
             self._group_prints[group_id] = self.groups.fingerprint(group_id)
         return event
+
+    def _groups_ready(self) -> None:
+        """Start the group timer (a restarted controller starts it with the first group call; the
+        control loop ticks the groups too)."""
+        if self._group_timer is None or self._group_timer.done():
+            self._group_timer = asyncio.get_running_loop().create_task(self._run_group_timer())
+
+    async def _run_group_timer(self) -> None:
+        while True:
+            await asyncio.sleep(GROUP_TICK_S)
+            try:
+                self._tick_groups()
+            except Exception as error:  # noqa: BLE001 (the timer must survive; the next tick retries)
+                print(f"logbus controller: group timer error: {error!r}")
 
     def _groups_changed(self, group_id: str | None = None) -> None:
         """Wake the members waiting on a group whose state, generation or members changed."""
@@ -119,15 +244,33 @@ class GroupService:
             if event is not None:
                 event.set()
 
-    async def _wait_group_change(self, group_id: str, event: asyncio.Event, timeout_ms: float) -> bool:
+    def _may_long_poll(self) -> bool:
+        return len(self._long_polls) < LONG_POLLS_MAX
+
+    async def _wait_group_change(self, kind: str, group_id: str, member_id: str, event: asyncio.Event, timeout_ms: float) -> bool:
         """Wait until ``event`` (taken before the state was read) fires or ``timeout_ms`` passes."""
         if timeout_ms <= 0:
             return False
+        self._long_poll_ids += 1
+        key = self._long_poll_ids
+        self._long_polls[key] = (kind, group_id, member_id, time.monotonic(), timeout_ms / 1000)
         try:
             await asyncio.wait_for(event.wait(), timeout_ms / 1000)
             return True
         except asyncio.TimeoutError:
             return False
+        finally:
+            del self._long_polls[key]
+
+    async def group_long_polls(self, group_id: str) -> list[dict]:
+        """The calls of ``group_id`` the coordinator holds open now (for tests and debugging):
+        kind ("heartbeat" or "join"), member_id, waited_ms and wait_ms."""
+        now = time.monotonic()
+        return [
+            {"kind": kind, "member_id": member, "waited_ms": int((now - start) * 1000), "wait_ms": int(wait * 1000)}
+            for kind, group, member, start, wait in list(self._long_polls.values())
+            if group == group_id
+        ]
 
     def _topics_changed(self) -> None:
         """Called after topics are created, deleted or grow: groups subscribed to them rebalance."""
@@ -140,6 +283,9 @@ class GroupService:
             print(f"logbus controller: group {removed.group_id}: member {removed.member_id} removed ({removed.reason})")
         self._groups_changed()  # expired sessions start rebalances: wake the survivors at once
         self._save_groups()
+        if self._groups_write_error is not None and time.monotonic() - self._groups_write_failed_s > GROUPS_WRITE_RETRY_S:
+            self._groups_write_failed_s = time.monotonic()
+            self._start_groups_writer()
 
     async def _export_lag(self) -> None:
         """Publish each group's lag per partition as the Ray metric ``logbus_consumer_group_lag``.
@@ -264,60 +410,79 @@ class GroupService:
         """JoinGroup; ``options`` are the coordinator's join arguments.
 
         Returns a JoinResult, or JoinPending (call again) if the generation did
-        not form within ``wait_ms``: the call waits for the group to change
-        rather than have the member poll it.
+        not form within ``wait_ms``: the call is held open until the group
+        changes (the last member's join forms the generation and wakes the
+        others) rather than have the member poll it. It waits at most half the
+        member's session timeout: a held join shows the member alive only when
+        it arrives.
         """
         await self._ready()
+        self._groups_ready()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + min(max(0, int(wait_ms)), LONG_POLL_MAX_MS) / 1000
+        session_ms = options.get("session_timeout_ms", DEFAULT_SESSION_TIMEOUT_MS)
+        deadline = loop.time() + long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000
         options = dict(options)
+        keep_alive = True
         while True:
-            result = self.groups.join(group_id, now_ms=monotonic_ms(), **options)
-            self._groups_changed(group_id)  # wake the others first, then wait on a fresh event
-            event = self._group_event(group_id)
-            self._save_groups()
+            result = self.groups.join(group_id, now_ms=monotonic_ms(), keep_alive=keep_alive, **options)
+            event = await self._settle_group(group_id)
             remaining_ms = (deadline - loop.time()) * 1000
             if isinstance(result, JoinResult) or remaining_ms <= 0:
                 return result
-            options["member_id"] = result.member_id
-            if result.retry_backoff_ms > 0:
-                await self._wait_group_change(group_id, event, min(remaining_ms, JOIN_RECHECK_MS))
+            if options.get("member_id") != result.member_id:
+                options["member_id"] = result.member_id  # a first join got its member id: join with it now
+                continue
+            keep_alive = False  # re-runs of this held call are not new signs of life
+            if not self._may_long_poll():
+                return result
+            await self._wait_group_change("join", group_id, result.member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
 
     async def group_sync(self, group_id: str, member_id: str, generation: int):
         await self._ready()
-        result = self.groups.sync(group_id, member_id, generation, now_ms=monotonic_ms())
-        self._groups_changed(group_id)
-        self._save_groups()
-        return result
+        self._groups_ready()
+        try:
+            return self.groups.sync(group_id, member_id, generation, now_ms=monotonic_ms())
+        finally:
+            await self._settle_group(group_id)
 
     async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
-        """Heartbeat; with ``wait_ms``, a long poll: when there is nothing to do the reply waits
-        until the group changes (then says what to do) or ``wait_ms`` passes.
+        """Heartbeat; with ``wait_ms``, a long poll: when there is nothing to do, the reply waits
+        until the group changes (then says what to do) or the wait ends.
 
-        The member counts as alive at the call's start (and at a change it is woken for).
+        The wait is at most ``wait_ms``, half the member's session timeout and
+        :data:`LONG_POLL_MAX_MS`, and none while :data:`LONG_POLLS_MAX` calls
+        wait already. The member counts as alive at the call's arrival only.
+        The reply's ``waited_ms`` and ``woken`` tell the member whether it
+        may send the next heartbeat at once (it waited) or should pace itself
+        (it did not).
         """
         await self._ready()
+        self._groups_ready()
         started = time.monotonic()
-        result = self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
-        self._groups_changed(group_id)
-        event = self._group_event(group_id)
-        self._save_groups()
-        if result.rejoin or result.revoke:
+        try:
+            result = self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
+        finally:
+            event = await self._settle_group(group_id)
+        if result.rejoin or result.revoke or not self._may_long_poll():
             return result
-        if not await self._wait_group_change(group_id, event, min(max(0, int(wait_ms)), LONG_POLL_MAX_MS)):
-            return result
+        session_ms = self.groups.session_timeout_ms(group_id, member_id) or 0
+        wait_s = long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000 - (time.monotonic() - started)
+        woken = await self._wait_group_change("heartbeat", group_id, member_id, event, wait_s * 1000)
         waited_ms = int((time.monotonic() - started) * 1000)
-        result = self.groups.heartbeat(
-            group_id, member_id, generation, poll_idle_ms=poll_idle_ms + waited_ms, now_ms=monotonic_ms()
-        )
-        self._save_groups()
-        return result
+        if woken:
+            try:
+                result = self.groups.heartbeat(
+                    group_id, member_id, generation, poll_idle_ms=poll_idle_ms + waited_ms, now_ms=monotonic_ms(), keep_alive=False
+                )
+            finally:
+                await self._settle_group(group_id)
+        return dataclasses.replace(result, waited_ms=waited_ms, woken=woken)
 
     async def group_leave(self, group_id: str, member_id: str) -> bool:
         await self._ready()
+        self._groups_ready()
         left = self.groups.leave(group_id, member_id, now_ms=monotonic_ms())
-        self._groups_changed(group_id)
-        self._save_groups()
+        await self._settle_group(group_id)
         return left
 
     # --- offsets RPCs ---------------------------------------------------------------------------------
@@ -334,8 +499,10 @@ class GroupService:
             checked[tp] = om if isinstance(om, OffsetAndMetadata) else OffsetAndMetadata(int(om))
         if not checked:
             return
-        records = self.groups.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
-        self._save_groups()
+        try:
+            records = self.groups.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
+        finally:
+            await self._settle_group(group_id)  # the call may have expired members (or created the group)
         await self._append_commits(records)
         for tp, om in checked.items():
             self._committed[(group_id, tp.topic, tp.partition)] = om
@@ -440,8 +607,10 @@ class GroupService:
                 targets[tp] = min(max(to, start), high_watermark)
             else:
                 raise InvalidConfigError(f"reset to must be 'earliest', 'latest', an offset or {{'timestamp': ms}}, not {to!r}")
-        records = self.groups.commit_offsets(group_id, "", -1, {tp: OffsetAndMetadata(o) for tp, o in targets.items()}, now_ms=monotonic_ms())
-        self._save_groups()
+        try:
+            records = self.groups.commit_offsets(group_id, "", -1, {tp: OffsetAndMetadata(o) for tp, o in targets.items()}, now_ms=monotonic_ms())
+        finally:
+            await self._settle_group(group_id)
         await self._append_commits(records)
         for tp, offset in targets.items():
             self._committed[(group_id, tp.topic, tp.partition)] = OffsetAndMetadata(offset)

@@ -3,9 +3,12 @@
 The coordinator lives in the controller actor (see logbus/actors/group_service.py
 and logbus/protocol/group_coordinator.py for the protocol). This class is the
 member's side: it joins through ``group_join``, which the coordinator holds
-open until the generation forms, and a background thread heartbeats once per
-``heartbeat_interval_ms``, each heartbeat a long poll that the coordinator
-answers as soon as the group starts to rebalance. The thread only records
+open until the generation forms, and a background thread keeps one heartbeat
+in place at all times: a long poll of up to ``heartbeat_interval_ms`` that
+the coordinator answers as soon as the group starts to rebalance, followed
+at once by the next (a reply that was not held, when the coordinator has too
+many long polls open, is followed by the next heartbeat an interval later,
+as with plain periodic heartbeats). The thread only records
 what it learns (rejoin, revoke these partitions, the member was removed, the
 coordinator is unreachable); the consumer acts on it
 in ``poll()``, on the caller's thread, where rebalance listeners run (as in
@@ -19,6 +22,7 @@ coordinator is back.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -40,6 +44,7 @@ HEARTBEAT_TIMEOUT_FRACTION = 0.5  # beyond its long poll, a heartbeat call may t
 JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generation to form
 MIN_HEARTBEAT_SPACING_S = 0.01
 NOT_MEMBER_RECHECK_S = 0.05
+ERROR_RETRY_S = 0.5  # after a failed heartbeat, the next one is this long (at most an interval) later
 
 
 class GroupMembership:
@@ -79,6 +84,10 @@ class GroupMembership:
         self.coordinator_ok = True
         self._unreachable_since: float | None = None
         self._last_poll_s = time.monotonic()
+        # How the heartbeat thread learned that it must rejoin or revoke: "woken" (a held heartbeat
+        # the coordinator answered when the group changed) or "at once" (a heartbeat that found the
+        # group rebalancing when it arrived). For tests and debugging.
+        self.notices: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat_loop, name=f"logbus-heartbeat-{group_id}", daemon=True)
@@ -112,6 +121,7 @@ class GroupMembership:
             }
             # The coordinator holds the call until the generation forms (or the wait ends).
             wait_ms = int(max(0.0, min(deadline_s - time.monotonic(), JOIN_WAIT_MAX_S)) * 1000)
+            sent_s = time.monotonic()
             try:
                 result = get(
                     controller.group_join.remote(self.group_id, options, wait_ms),
@@ -136,7 +146,8 @@ class GroupMembership:
             remaining = deadline_s - time.monotonic()
             if remaining <= 0:
                 return None
-            if wait_ms == 0:
+            if time.monotonic() - sent_s < wait_ms / 2000:
+                # Not held (no wait asked for, or the coordinator has too many calls waiting): back off.
                 time.sleep(min(result.retry_backoff_ms / 1000, remaining))
 
     def commit(self, offsets: dict) -> None:
@@ -201,16 +212,17 @@ class GroupMembership:
             self._unreachable_since = None
 
     def _heartbeat_loop(self) -> None:
-        """One heartbeat per interval, each a long poll: the coordinator answers at once when the
-        group starts to rebalance, so the consumer learns of it within a round trip rather than
-        at its next heartbeat."""
+        """Heartbeats as long polls: the coordinator answers at once when the group starts to
+        rebalance, so the consumer learns of it within a round trip rather than at its next
+        heartbeat."""
         pause_s = NOT_MEMBER_RECHECK_S
         last_sent_s = 0.0
         while not self._stop.wait(pause_s):
-            # A quiet reply (the wait ended, or the group changed in a way that needs nothing
-            # from us) is followed by the next long poll at once. While the consumer acts on a
-            # reply that asked for something, heartbeats keep their interval; as soon as it has
-            # rejoined, the long poll resumes. After an error, the next try is an interval later.
+            # A quiet reply that was held (the wait ended, or the group changed in a way that needs
+            # nothing from us) is followed by the next long poll at once; one that was not held,
+            # an interval after the previous heartbeat. While the consumer acts on a reply that
+            # asked for something, heartbeats keep their interval; as soon as it has rejoined,
+            # the long poll resumes. After an error, the next try is ERROR_RETRY_S later.
             pause_s = NOT_MEMBER_RECHECK_S
             with self._lock:
                 if not self.member_id or self.generation < 0:
@@ -239,17 +251,23 @@ class GroupMembership:
                         self.needs_join = True
                 else:
                     self._mark_unreachable()
-                    pause_s = self.heartbeat_interval_s
+                    pause_s = min(ERROR_RETRY_S, self.heartbeat_interval_s)
                 continue
             except Exception:  # noqa: BLE001 (the controller handle is being re-resolved)
                 self._mark_unreachable()
-                pause_s = self.heartbeat_interval_s
+                pause_s = min(ERROR_RETRY_S, self.heartbeat_interval_s)
                 continue
             self._mark_reachable()
             with self._lock:
+                if (self.member_id, self.generation) != (member, generation):
+                    continue  # the consumer rejoined while this heartbeat was held: its reply is stale
                 if result.revoke:
                     self.revoke_requested = tuple(result.revoke)
                 if result.rejoin:
                     self.needs_join = True
-            if not (result.rejoin or result.revoke):
+            if result.rejoin or result.revoke:
+                self.notices["woken" if result.woken else "at once"] += 1
+            elif result.woken or result.waited_ms > 0:
                 pause_s = MIN_HEARTBEAT_SPACING_S
+            else:
+                pause_s = max(MIN_HEARTBEAT_SPACING_S, last_sent_s + self.heartbeat_interval_s - time.monotonic())

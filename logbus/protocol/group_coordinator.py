@@ -12,12 +12,16 @@ deleted or grow, and persists :meth:`GroupCoordinator.to_json` when
 
 This class is not thread-safe; the controller serialises calls.
 
-Why joins are polled
---------------------
-Kafka's JoinGroup is a long poll held open on a connection. Here every call
-is an RPC that must return at once, so a join returns either
-:class:`JoinResult` (the generation is formed: here is your assignment) or
-:class:`JoinPending` (call ``join`` again after ``retry_backoff_ms``). The
+Why joins return JoinPending
+----------------------------
+Kafka's JoinGroup is a long poll held open on a connection. This class has
+no connections and no clock, so a join returns either :class:`JoinResult`
+(the generation is formed: here is your assignment) or :class:`JoinPending`
+(call ``join`` again after ``retry_backoff_ms``). The controller holds a
+member's join call open and re-runs ``join`` when :meth:`GroupCoordinator.fingerprint`
+changes, and it holds heartbeats open the same way (long polls), so neither
+side polls on a timer; calls a held request re-runs pass ``keep_alive=False``
+(a waiting request shows the member alive only when it arrived). The
 coordinator computes the assignment itself with the group's strategy (see
 :mod:`logbus.protocol.assignors`) as soon as every member has rejoined, so
 there is no group leader and no separate SyncGroup round: ``sync`` only
@@ -246,6 +250,22 @@ class HeartbeatResult:
 
     rejoin: bool
     revoke: tuple[TopicPartition, ...] = ()
+    # Set by the controller on a long-polled heartbeat: how long the call was held, and whether a
+    # change of the group ended the wait (rather than its running out, or no wait at all).
+    waited_ms: int = 0
+    woken: bool = False
+
+
+def long_poll_wait_ms(requested_ms: int, session_timeout_ms: int, cap_ms: int) -> int:
+    """How long the coordinator may hold a member's heartbeat when the group has nothing for it.
+
+    A held heartbeat shows the member alive only when it arrived, so the wait
+    stays within half the session timeout: the next heartbeat then has the
+    other half to arrive (a consumer whose heartbeat interval is not below
+    its session timeout would otherwise expire while it waits). Never
+    negative, never above ``cap_ms``.
+    """
+    return max(0, min(int(requested_ms), int(session_timeout_ms) // 2, int(cap_ms)))
 
 
 class MemberRemoved(NamedTuple):
@@ -506,6 +526,7 @@ class GroupCoordinator:
         rebalance_timeout_ms: int = DEFAULT_REBALANCE_TIMEOUT_MS,
         max_poll_interval_ms: int = DEFAULT_MAX_POLL_INTERVAL_MS,
         now_ms: int,
+        keep_alive: bool = True,
     ) -> JoinResult | JoinPending:
         """Join or rejoin ``group_id``; poll it until it returns a :class:`JoinResult`.
 
@@ -519,6 +540,8 @@ class GroupCoordinator:
             owned: partitions the member holds now (cooperative consumers); eager ones pass ().
             protocols: assignment strategies the member supports, preferred first. The group
                 uses one that every member supports (the one most members prefer).
+            keep_alive: False when the controller re-runs a join call it holds open: the
+                member's session then still runs from the call's arrival.
 
         Raises:
             InvalidGroupIdError, InvalidConfigError, InvalidTopicError: bad arguments.
@@ -571,7 +594,7 @@ class GroupCoordinator:
                 f"member {member_id!r} has group instance id {member.group_instance_id!r}, not {request.group_instance_id!r}"
             )
         self._check_protocols(group, request.protocols, excluding=member_id)
-        return self._rejoin(group, member, request, now_ms)
+        return self._rejoin(group, member, request, now_ms, keep_alive)
 
     def sync(self, group_id: str, member_id: str, generation: int, *, now_ms: int) -> JoinResult:
         """Fetch the member's assignment for ``generation`` again (after a lost join response).
@@ -605,12 +628,23 @@ class GroupCoordinator:
     def group_ids(self) -> list[str]:
         return list(self._groups)
 
-    def heartbeat(self, group_id: str, member_id: str, generation: int, *, poll_idle_ms: int, now_ms: int) -> HeartbeatResult:
+    def session_timeout_ms(self, group_id: str, member_id: str) -> int | None:
+        """The member's session timeout, or None if it is not a member."""
+        group = self._groups.get(group_id)
+        member = None if group is None else group.members.get(member_id)
+        return None if member is None else member.session_timeout_ms
+
+    def heartbeat(
+        self, group_id: str, member_id: str, generation: int, *, poll_idle_ms: int, now_ms: int, keep_alive: bool = True
+    ) -> HeartbeatResult:
         """Keep the member's session alive; say whether it must rejoin or revoke partitions.
 
         Args:
             generation: the generation of the member's current assignment (-1 if none yet).
             poll_idle_ms: milliseconds since the consumer's last poll, on its own clock.
+            keep_alive: False to ask again, for a heartbeat the controller holds open, what the
+                member must do, without counting it as a new heartbeat: a held call shows the
+                member alive only when it arrived (the member may have died since).
 
         Raises:
             UnknownMemberIdError: not a member (removed, fenced, or exceeded ``max_poll_interval_ms``
@@ -624,7 +658,8 @@ class GroupCoordinator:
         group = self._existing_group(group_id, member_id)
         self._expire(group, now_ms)
         member = self._member(group, member_id)
-        member.last_heartbeat_ms = now_ms
+        if keep_alive:
+            member.last_heartbeat_ms = now_ms
         if poll_idle_ms > member.max_poll_interval_ms:
             self._remove_members(group, [member_id], REASON_MAX_POLL_INTERVAL, now_ms)
             raise UnknownMemberIdError(
@@ -931,24 +966,32 @@ class GroupCoordinator:
         self._maybe_complete_join(group, now_ms)
         return self._join_response(group, member)
 
-    def _update_member(self, member: _Member, request: _JoinRequest, now_ms: int) -> bool:
+    def _update_member(self, member: _Member, request: _JoinRequest, now_ms: int, keep_alive: bool = True) -> bool:
         """Take a join's arguments; return whether the subscription or strategies changed."""
         changed = (member.topics, member.pattern, member.protocols) != (request.topics, request.pattern, request.protocols)
+        before = (member.client_id, member.session_timeout_ms, member.rebalance_timeout_ms, member.max_poll_interval_ms)
         member.client_id = request.client_id
         member.topics, member.pattern, member.protocols = request.topics, request.pattern, request.protocols
         member.session_timeout_ms = request.session_timeout_ms
         member.rebalance_timeout_ms = request.rebalance_timeout_ms
         member.max_poll_interval_ms = request.max_poll_interval_ms
-        member.last_heartbeat_ms = now_ms
-        self._state_version += 1
+        if keep_alive:
+            member.last_heartbeat_ms = now_ms
+        after = (member.client_id, member.session_timeout_ms, member.rebalance_timeout_ms, member.max_poll_interval_ms)
+        if changed or after != before:
+            self._state_version += 1  # a repeated join with the same arguments persists nothing new
         return changed
 
-    def _rejoin(self, group: _Group, member: _Member, request: _JoinRequest, now_ms: int) -> JoinResult | JoinPending:
-        changed = self._update_member(member, request, now_ms)
+    def _rejoin(self, group: _Group, member: _Member, request: _JoinRequest, now_ms: int, keep_alive: bool = True) -> JoinResult | JoinPending:
+        changed = self._update_member(member, request, now_ms, keep_alive)
         released = member.owned - request.owned
-        member.owned &= request.owned
+        if released:
+            member.owned -= released
+            self._state_version += 1
         if group.state is GroupState.PREPARING_REBALANCE:
-            member.rejoined = True
+            if not member.rejoined:
+                member.rejoined = True
+                self._state_version += 1
             self._maybe_complete_join(group, now_ms)
         elif changed or released & self._unassigned_partitions(group):
             # A new subscription, or (cooperative phase two) a withheld partition is now free.
@@ -964,6 +1007,7 @@ class GroupCoordinator:
         member.member_id = self._new_member_id(request.group_instance_id)
         group.members[member.member_id] = member
         group.static_members[request.group_instance_id] = member.member_id
+        self._state_version += 1
         self._removals.append(MemberRemoved(group.group_id, old_member_id, member.group_instance_id, REASON_FENCED))
         return self._rejoin(group, member, request, now_ms)
 
@@ -1043,6 +1087,8 @@ class GroupCoordinator:
     def _collect(self, group: _Group, member: _Member) -> JoinResult:
         """Hand the member its assignment of the current generation; the group is Stable once all have theirs."""
         _check(member.generation == group.generation, f"member {member.member_id!r} is not in generation {group.generation}")
+        if not member.collected or not member.owned.issuperset(member.assignment):
+            self._state_version += 1
         member.collected = True
         member.owned |= set(member.assignment)
         if group.state is GroupState.COMPLETING_REBALANCE and all(m.collected for m in group.members.values()):

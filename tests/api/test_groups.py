@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import time
@@ -119,22 +120,43 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
         ray.get(worker.close.remote())
 
 
-@pytest.mark.timeout(180)
-def test_a_clean_join_rebalances_without_waiting_for_a_heartbeat(bus, topic_name):
-    """Members learn of a rebalance from their long-polled heartbeat at once, not at the next one.
+def held_heartbeat(bus, group_id, member_id, spare_ms):
+    """A condition: the coordinator holds ``member_id``'s heartbeat with at least ``spare_ms`` to go."""
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=bus.namespace)
 
-    With a 20 s heartbeat interval, periodic heartbeats alone would tell the first member about
-    the second one only about 20 s after its last heartbeat; the long poll tells it at once.
+    def check():
+        polls = ray.get(controller.group_long_polls.remote(group_id), timeout=60)
+        return any(
+            p["kind"] == "heartbeat" and p["member_id"] == member_id and p["wait_ms"] - p["waited_ms"] >= spare_ms
+            for p in polls
+        )
+
+    return check
+
+
+@pytest.mark.timeout(180)
+def test_a_clean_join_rebalances_through_the_held_heartbeat(bus, topic_name):
+    """The first member hears of the second one from its held heartbeat, woken by the join,
+    not from a heartbeat sent later.
+
+    Its heartbeat interval is 20 s, so the coordinator holds each heartbeat up to 20 s. The
+    second member joins while one is held with 10 s or more to go; the first member's
+    partitions are revoked and split, and the only heartbeat reply that told it to rejoin is
+    the held one, woken by the change (its "at once" count, replies that found the group
+    already rebalancing when they arrived, stays zero).
     """
     bus.admin.create_topic(topic_name, partitions=4)
     options = dict(session_timeout_ms=60_000, heartbeat_interval_ms=20_000, enable_auto_commit=False)
+    listener = Recorder()
     first = logbus.Consumer(bus, group_id="prompt", **options)
-    first.subscribe([topic_name])
+    first.subscribe([topic_name], listener=listener)
     wait_for(lambda: first.poll(timeout_ms=50) is not None and len(first.assignment()) == 4,
              timeout_s=60, interval_s=0, message="the first member owning every partition")
+    membership = first._membership
+    wait_for(held_heartbeat(bus, "prompt", membership.member_id, spare_ms=10_000),
+             timeout_s=60, message="the first member's heartbeat held by the coordinator")
     second = logbus.Consumer(bus, group_id="prompt", **options)
     second.subscribe([topic_name])
-    started = time.monotonic()
 
     def split():
         first.poll(timeout_ms=50)
@@ -142,10 +164,54 @@ def test_a_clean_join_rebalances_without_waiting_for_a_heartbeat(bus, topic_name
         return len(first.assignment()) == 2 and len(second.assignment()) == 2
 
     wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
-    assert time.monotonic() - started < 10, "the first member waited for a periodic heartbeat"
-    assert set(first.assignment()) | set(second.assignment()) == {TopicPartition(topic_name, p) for p in range(4)}
+    everything = {TopicPartition(topic_name, p) for p in range(4)}
+    assert set(first.assignment()) | set(second.assignment()) == everything
+    assert listener.events[:2] == [("assigned", everything), ("revoked", everything)]
+    assert membership.notices == {"woken": 1}, membership.notices
     first.close()
     second.close()
+
+
+@pytest.mark.timeout(180)
+def test_an_expired_session_wakes_the_survivor_held_heartbeat(bus, topic_name):
+    """The coordinator's timer finds the dead member's expired session and wakes the survivor.
+
+    The survivor's heartbeats are held up to 20 s and nothing else calls the coordinator, so
+    only the timer can notice the expiry. The dead member's own heartbeat was held when it
+    stopped: a held heartbeat shows a member alive only when it arrived, so the session still
+    ends on time.
+    """
+    bus.admin.create_topic(topic_name, partitions=4)
+    survivor_listener = Recorder()
+    survivor = logbus.Consumer(bus, group_id="expiry", session_timeout_ms=60_000, heartbeat_interval_ms=20_000,
+                               enable_auto_commit=False)
+    survivor.subscribe([topic_name], listener=survivor_listener)
+    wait_for(lambda: survivor.poll(timeout_ms=50) is not None and len(survivor.assignment()) == 4,
+             timeout_s=60, interval_s=0, message="the survivor owning every partition")
+    doomed = logbus.Consumer(bus, group_id="expiry", session_timeout_ms=3_000, heartbeat_interval_ms=1_000,
+                             enable_auto_commit=False)
+    doomed.subscribe([topic_name])
+
+    def split():
+        survivor.poll(timeout_ms=50)
+        doomed.poll(timeout_ms=50)
+        return len(survivor.assignment()) == 2 and len(doomed.assignment()) == 2
+
+    wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
+    membership = survivor._membership
+    wait_for(held_heartbeat(bus, "expiry", membership.member_id, spare_ms=15_000),
+             timeout_s=60, message="the survivor's heartbeat held by the coordinator")
+    before = collections.Counter(membership.notices)
+    survivor_listener.events.clear()
+    doomed._membership.stop()  # "dies": no more heartbeats, no leave
+
+    wait_for(lambda: survivor.poll(timeout_ms=50) is not None and len(survivor.assignment()) == 4,
+             timeout_s=60, interval_s=0, message="the survivor owning every partition again")
+    assert membership.notices - before == collections.Counter({"woken": 1}), (membership.notices, before)
+    everything = {TopicPartition(topic_name, p) for p in range(4)}
+    assert survivor_listener.events[-1] == ("assigned", everything)
+    survivor.close()
+    doomed.close()
 
 
 @pytest.mark.timeout(180)

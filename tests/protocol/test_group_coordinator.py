@@ -42,6 +42,7 @@ from logbus.protocol.group_coordinator import (
     decode_offset_commit_key,
     decode_offset_commit_value,
     encode_offset_commit,
+    long_poll_wait_ms,
     offset_commit_key,
     offsets_topic_partition_for,
     validate_group_id,
@@ -659,11 +660,13 @@ class FakeConsumer:
 
 
 class Simulation:
+    wrap = staticmethod(lambda gc: gc)  # subclasses watch every coordinator call through a proxy
+
     def __init__(self, protocols, rng):
         self.counts = {"a": 3, "b": 2, "p1": 2}
         ids = itertools.count()
         self.new_member_id = lambda prefix: f"{prefix}-{next(ids):04d}"
-        self.gc = GroupCoordinator(topic_partition_counts=dict(self.counts), new_member_id=self.new_member_id)
+        self.gc = self.wrap(GroupCoordinator(topic_partition_counts=dict(self.counts), new_member_id=self.new_member_id))
         self.protocols, self.rng = protocols, rng
         self.now = 0
         self.consumers: list[FakeConsumer] = []
@@ -744,9 +747,9 @@ class Simulation:
             self.gc.metadata_changed(dict(self.counts), now_ms=self.now)
         elif kind == "restart_coordinator":
             counts = dict(self.counts)
-            self.gc = GroupCoordinator.from_json(
+            self.gc = self.wrap(GroupCoordinator.from_json(
                 self.gc.to_json(), now_ms=self.now, topic_partition_counts=counts, new_member_id=self.new_member_id
-            )
+            ))
 
     def converge(self) -> None:
         """No more faults: every live consumer polls again; the group must settle."""
@@ -862,3 +865,134 @@ def test_fingerprint_moves_exactly_when_waiting_members_have_something_to_do():
     assert formed != preparing and formed[1] == 2
     gc.leave("g", b.member_id, now_ms=400)
     assert gc.fingerprint("g") != formed
+
+
+# --- long polls: what a held call may and may not do ------------------------------------------
+
+
+def test_a_held_heartbeat_rechecked_without_keep_alive_does_not_extend_the_session():
+    """The controller re-runs a held heartbeat with keep_alive=False when the group changes: the
+    answer is fresh, but the session still runs from the call's arrival, so a member that died
+    while its heartbeat was held expires on time."""
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    gc.heartbeat("g", a.member_id, a.generation, poll_idle_ms=0, now_ms=1_000)  # arrives, is held
+    b = join_new(gc, 2_000)  # wakes the held call: it must rejoin
+    woken = gc.heartbeat("g", a.member_id, a.generation, poll_idle_ms=0, now_ms=2_000, keep_alive=False)
+    assert woken.rejoin
+    assert gc.tick(1_000 + SESSION_MS) == []  # not yet: the session runs from 1000
+    removed = gc.tick(1_000 + SESSION_MS + 1)
+    assert [r.member_id for r in removed] == [a.member_id]
+    # b, alone now, forms the next generation at its next join.
+    assert isinstance(rejoin(gc, b.member_id, 1_000 + SESSION_MS + 2), JoinResult)
+
+
+def test_a_held_join_rerun_without_keep_alive_does_not_extend_the_session():
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    b = join_new(gc, 100)  # a must rejoin; b waits in its held join
+    assert isinstance(b, JoinPending)
+    for now in range(200, SESSION_MS + 100, 500):  # the controller re-runs b's held join now and then
+        assert isinstance(rejoin(gc, b.member_id, now, keep_alive=False), JoinPending)
+        # a keeps heartbeating (and is told to rejoin) but does not rejoin yet
+        assert gc.heartbeat("g", a.member_id, a.generation, poll_idle_ms=0, now_ms=now).rejoin
+    assert gc.tick(SESSION_MS + 100) == []
+    # b's session ends SESSION_MS after its arrival at 100, however often its held join was re-run.
+    removed = gc.tick(SESSION_MS + 101)
+    assert [r.member_id for r in removed] == [b.member_id]
+
+
+def test_a_keep_alive_false_call_still_reports_removal():
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    gc.leave("g", a.member_id, now_ms=10)
+    with pytest.raises(UnknownMemberIdError):
+        gc.heartbeat("g", a.member_id, a.generation, poll_idle_ms=0, now_ms=20, keep_alive=False)
+
+
+def test_repeated_joins_persist_nothing_new():
+    """A held join is re-run on every wake-up: if its arguments are the same, nothing durable
+    changes, so groups.json is not rewritten."""
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    b = join_new(gc, 100)
+    assert isinstance(b, JoinPending)
+    version = gc.state_version
+    for now in (150, 200, 250):
+        rejoin(gc, b.member_id, now)
+        rejoin(gc, b.member_id, now, keep_alive=False)
+    assert gc.state_version == version
+    rejoin(gc, a.member_id, 300)  # a rejoins: the generation forms
+    assert gc.state_version > version
+    version = gc.state_version
+    rejoin(gc, b.member_id, 310)  # b collects its assignment: that is durable
+    assert gc.state_version > version
+
+
+def test_session_timeout_of_members():
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    assert gc.session_timeout_ms("g", a.member_id) == SESSION_MS
+    assert gc.session_timeout_ms("g", "nobody") is None
+    assert gc.session_timeout_ms("other", a.member_id) is None
+
+
+@given(requested=st.integers(-10, 10**7), session=st.integers(100, 1_800_000), cap=st.integers(0, 10**6))
+def test_long_poll_wait_stays_within_half_the_session_and_the_cap(requested, session, cap):
+    wait = long_poll_wait_ms(requested, session, cap)
+    assert 0 <= wait <= max(0, requested)
+    assert wait <= session // 2 and wait <= cap
+    # It only shortens a wait, never more than it must.
+    assert wait == max(0, min(requested, session // 2, cap))
+
+
+class _WatchedCoordinator:
+    """Forwards every call to a coordinator and checks, around each one, that a change of what
+    to_json() would write comes with a change of state_version (the controller writes
+    groups.json only when the version moved)."""
+
+    def __init__(self, gc: GroupCoordinator):
+        self._gc = gc
+
+    def __getattr__(self, name):
+        attr = getattr(self._gc, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            before = (self._gc.to_json(), self._gc.state_version)
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                text, version = self._gc.to_json(), self._gc.state_version
+                assert text == before[0] or version != before[1], f"{name} changed the persisted state, not state_version"
+
+        return call
+
+
+class WatchedSimulation(Simulation):
+    wrap = staticmethod(_WatchedCoordinator)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    protocols=st.sampled_from(PROTOCOL_SETS),
+    script=st.lists(st.tuples(ACTIONS, st.integers(0, 2_500)), min_size=1, max_size=25),
+    rng=st.randoms(use_true_random=False),
+)
+def test_every_persisted_change_moves_the_state_version(protocols, script, rng):
+    sim = WatchedSimulation(protocols, rng)
+    for action, advance_ms in script:
+        sim.apply(action)
+        sim.round(advance_ms)
+    sim.converge()
+
+
+def test_sync_after_a_lost_join_response_is_persisted():
+    gc = make_coordinator()
+    a = join_new(gc, 0)
+    b = join_new(gc, 100)
+    rejoin(gc, a.member_id, 200)  # forms generation 2; a collected it, b's response is "lost"
+    version = gc.state_version
+    gc.sync("g", b.member_id, 2, now_ms=300)
+    assert gc.state_version > version
