@@ -35,7 +35,10 @@ ratio: a third of the session) unless said otherwise, and no auto-commit.
 Each rebalance time is also split (printed under the table) into "until the last member
 started rejoining" (its first ``GroupMembership.join()`` call, noted by a wrapper in the
 member's process: when its heartbeat told it to rejoin, plus up to one poll) and "the join
-round after that". During phases 1-2 a driver thread also measures the controller's round
+round after that". The JSON lines also give, per long-lived member and phase, how its
+heartbeat thread learned of the rebalances (``heartbeat_notices``: "woken" = a held
+heartbeat answered when the group changed; "at once" = a heartbeat that found the group
+already rebalancing when it arrived). During phases 1-2 a driver thread also measures the controller's round
 trip (``ping``) and a 1 KiB write + fsync in the data dir every 50 ms (info rows).
 3. throughput    3 members (actors) subscribe to the topic with a fresh group id and wait
                  until the group is stable; then, on a signal, each seeks its partitions
@@ -187,6 +190,11 @@ class Member:
 
     def go(self) -> None:
         self._go.set()
+
+    def notices(self) -> dict:
+        """How this member's heartbeat thread learned of rebalances: {"woken": n, "at once": m}."""
+        membership = getattr(self._consumer, "_membership", None)
+        return dict(membership.notices) if membership is not None else {}
 
     def debug(self) -> dict:
         """The member side's view of the group (for a report when a group does not settle)."""
@@ -341,7 +349,7 @@ def check_errors(members) -> None:
 
 class Probe:
     """While the rebalance phases run: the controller's round trip (``ping``) and the latency of a small
-    write + fsync in the data dir (the controller fsyncs groups.json on its event loop), every 50 ms."""
+    write + fsync in the data dir (the controller writes groups.json there), every 50 ms."""
 
     def __init__(self, bus, data_dir: str) -> None:
         self.bus, self.path = bus, os.path.join(data_dir, "probe.tmp")
@@ -556,9 +564,11 @@ def main() -> int:
                 log(f"{tag} rep {rep + 1}: join {join.values[-1]:.3f}s (old members rejoining after {join.extra['learned_s'][-1] or 0:.3f}s), "
                     f"leave {leave.values[-1]:.3f}s (survivors rejoining after {leave.extra['learned_s'][-1] or 0:.3f}s)")
                 time.sleep(0.3)
+            notices = ray.get([m.notices.remote() for m in members[:2]], timeout=60)
             ray.get([m.stop.remote() for m in members[:2]], timeout=90)
             check_errors(members)
             for r in (join, leave):
+                r.extra["heartbeat_notices"] = notices
                 add_breakdown(r)
                 if r.target and r.values:
                     r.meets_target = r.max <= CLEAN_TARGET_S
@@ -605,6 +615,7 @@ def main() -> int:
                     f"({seconds - SESSION_TIMEOUT_MS / 1000:+.3f}s beyond the session timeout; survivors rejoining after "
                     f"{death.extra['learned_s'][-1] or 0:.3f}s)")
                 time.sleep(0.3)
+            death.extra["heartbeat_notices"] = ray.get([m.notices.remote() for m in survivors], timeout=60)
             ray.get([m.stop.remote() for m in survivors], timeout=90)
             check_errors(survivors)
             add_breakdown(death)
