@@ -126,7 +126,7 @@ class PartitionReplica:
         self._lease_expires_ms = 0
         self._controller_handle = None
         self._heartbeat_applied = 0  # sequence number of the newest heartbeat reply acted on
-        self._shared_read = None  # ((first offset, next offset, bytes), ObjectRef) of the last large read
+        self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -507,7 +507,7 @@ class PartitionReplica:
                 else:
                     # One copy, from the mapped segment into the object store; readers asking for
                     # the same batches at the same time (the followers, mostly) share it.
-                    key = (result.first_offset, result.next_offset, size)
+                    key = (result.first_offset, result.next_offset, size, verify_crc)  # checked or not
                     if self._shared_read is not None and self._shared_read[0] == key:
                         data = self._shared_read[1]
                     else:
