@@ -379,7 +379,6 @@ class Consumer:
             self._raise_errors()
             if any(s.buffered_rows and not s.paused for s in self._partitions.values()):
                 return
-            in_flight = {s.in_flight[0]: s for s in self._partitions.values() if s.in_flight is not None}
             remaining = deadline - time.monotonic()
             self._drop_stale_fetches()
             in_flight = {s.in_flight[0]: s for s in self._partitions.values() if s.in_flight is not None}

@@ -72,6 +72,16 @@ class GroupWorker:
         self.consumer.close()
 
 
+def wait_split(a, b):
+    """Poll two members until each owns two of the topic's four partitions."""
+    def split():
+        a.poll(timeout_ms=50)
+        b.poll(timeout_ms=50)
+        return len(a.assignment()) == 2 and len(b.assignment()) == 2
+
+    wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
+
+
 def all_records(partitions, per_partition):
     return {(p, o) for p in range(partitions) for o in range(per_partition)}
 
@@ -157,13 +167,7 @@ def test_a_clean_join_rebalances_through_the_held_heartbeat(bus, topic_name):
              timeout_s=60, message="the first member's heartbeat held by the coordinator")
     second = logbus.Consumer(bus, group_id="prompt", **options)
     second.subscribe([topic_name])
-
-    def split():
-        first.poll(timeout_ms=50)
-        second.poll(timeout_ms=50)
-        return len(first.assignment()) == 2 and len(second.assignment()) == 2
-
-    wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
+    wait_split(first, second)
     everything = {TopicPartition(topic_name, p) for p in range(4)}
     assert set(first.assignment()) | set(second.assignment()) == everything
     assert listener.events[:2] == [("assigned", everything), ("revoked", everything)]
@@ -191,13 +195,7 @@ def test_an_expired_session_wakes_the_survivor_held_heartbeat(bus, topic_name):
     doomed = logbus.Consumer(bus, group_id="expiry", session_timeout_ms=3_000, heartbeat_interval_ms=1_000,
                              enable_auto_commit=False)
     doomed.subscribe([topic_name])
-
-    def split():
-        survivor.poll(timeout_ms=50)
-        doomed.poll(timeout_ms=50)
-        return len(survivor.assignment()) == 2 and len(doomed.assignment()) == 2
-
-    wait_for(split, timeout_s=60, interval_s=0, message="the partitions split between the two members")
+    wait_split(survivor, doomed)
     membership = survivor._membership
     wait_for(held_heartbeat(bus, "expiry", membership.member_id, spare_ms=15_000),
              timeout_s=60, message="the survivor's heartbeat held by the coordinator")

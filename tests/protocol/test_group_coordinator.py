@@ -803,12 +803,13 @@ ACTIONS = st.tuples(
     st.integers(0, 10),
     st.integers(0, 11),
 )
+SCRIPTS = st.lists(st.tuples(ACTIONS, st.integers(0, 2_500)), min_size=1, max_size=25)  # (action, ms to advance)
 
 
 @settings(max_examples=70, deadline=None)
 @given(
     protocols=st.sampled_from(PROTOCOL_SETS),
-    script=st.lists(st.tuples(ACTIONS, st.integers(0, 2_500)), min_size=1, max_size=25),
+    script=SCRIPTS,
     rng=st.randoms(use_true_random=False),
 )
 def test_random_groups_keep_single_ownership_and_settle(protocols, script, rng):
@@ -977,7 +978,7 @@ class WatchedSimulation(Simulation):
 @settings(max_examples=60, deadline=None)
 @given(
     protocols=st.sampled_from(PROTOCOL_SETS),
-    script=st.lists(st.tuples(ACTIONS, st.integers(0, 2_500)), min_size=1, max_size=25),
+    script=SCRIPTS,
     rng=st.randoms(use_true_random=False),
 )
 def test_every_persisted_change_moves_the_state_version(protocols, script, rng):
