@@ -2,9 +2,10 @@
 
 A thin shell around :class:`~logbus.storage.PartitionLog` and, while it
 leads, a :class:`~logbus.protocol.replica_state.LeaderState`. It receives
-encoded batches (uint8 arrays, never Arrow objects), appends them, and serves
-fetches as an ObjectRef to a copy of whole batches (one copy, mmap -> object
-store).
+encoded batches (bytes or uint8 arrays, never Arrow objects), appends them,
+and serves fetches as a copy of whole batches: inside the reply when small,
+else as an ObjectRef (one copy, mmap -> object store). A consumer's fetch
+session lets its pipelined fetches continue one another (see ``_read``).
 
 Roles. The controller decides who leads: ``become_leader`` /
 ``become_follower`` carry the new leader epoch. A follower pulls from the
@@ -45,6 +46,7 @@ import json
 import os
 import shutil
 import time
+from collections import OrderedDict
 
 import numpy as np
 import ray
@@ -58,7 +60,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     RequestTimedOutError,
 )
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, FetchResponse, ProduceResponse
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, FetchResponse, ProduceResponse
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
@@ -76,6 +78,7 @@ ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 PRODUCE_TIMEOUT_MS_MAX = 120_000
+FETCH_SESSIONS_MAX = 1024  # consumers' fetch sessions remembered (least recently used ones are forgotten)
 REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
 # failover the missing batch may sit behind the waiting ones in the producer)
 
@@ -127,6 +130,10 @@ class PartitionReplica:
         self._controller_handle = None
         self._heartbeat_applied = 0  # sequence number of the newest heartbeat reply acted on
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
+        # Consumers' fetch sessions: session id -> the offset where the last fetch answered in it ended,
+        # valid in the leader epoch _sessions_epoch only.
+        self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
+        self._sessions_epoch = -1
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -385,7 +392,7 @@ class PartitionReplica:
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
                 if data is not None:
-                    if not isinstance(data, np.ndarray):
+                    if isinstance(data, ray.ObjectRef):
                         data = await data
                     self.log.append_as_follower(data)
                     del data
@@ -414,7 +421,9 @@ class PartitionReplica:
             raise error(f"{self.topic}-{self.partition}: request epoch {epoch}, leader epoch {self.leader_epoch}")
         return self.leader_state
 
-    async def produce(self, batch, acks: int | str = 1, leader_epoch: int | None = None, timeout_ms: int = 30_000) -> ProduceResponse:
+    async def produce(
+        self, batch, acks: int | str = 1, leader_epoch: int | None = None, timeout_ms: int = PRODUCE_TIMEOUT_MS_DEFAULT
+    ) -> ProduceResponse:
         """Append one encoded batch as leader; with acks='all' wait until every ISR member has it."""
         self._started()
         state = self._check_leader(leader_epoch)
@@ -483,10 +492,36 @@ class PartitionReplica:
             except asyncio.TimeoutError:
                 pass
 
+    def _session_offset(self, session: int) -> int:
+        """Where the last fetch answered in ``session`` ended (0 if unknown, or it was in another epoch)."""
+        if self._sessions_epoch != self.leader_epoch:
+            self._fetch_sessions.clear()
+            self._sessions_epoch = self.leader_epoch
+        return self._fetch_sessions.get(session, 0)
+
+    def _remember_session(self, session: int, next_offset: int) -> None:
+        sessions = self._fetch_sessions
+        sessions[session] = max(next_offset, sessions.get(session, 0))
+        sessions.move_to_end(session)
+        if len(sessions) > FETCH_SESSIONS_MAX:
+            sessions.popitem(last=False)
+
     async def _read(
-        self, offset: int, max_bytes: int, max_wait_ms: int, limit, verify_crc: bool = True, inline_max_bytes: int = 0
+        self,
+        offset: int,
+        max_bytes: int,
+        max_wait_ms: int,
+        limit,
+        verify_crc: bool = True,
+        inline_max_bytes: int = 0,
+        session: int | None = None,
     ) -> tuple[FetchResponse, object]:
-        """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some."""
+        """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
+
+        In a fetch ``session``, the read starts where the session's last answered
+        fetch ended, if that is past ``offset``: a consumer's pipelined fetches
+        (sent before the earlier one's reply arrived) then continue one another.
+        """
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
         inline_max_bytes = min(max(0, int(inline_max_bytes)), FETCH_INLINE_MAX_BYTES)
         loop = asyncio.get_running_loop()
@@ -495,15 +530,19 @@ class PartitionReplica:
         while True:
             if self.leader_epoch != epoch:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
-            result = self.log.read(offset, max_bytes, max_offset=limit(), verify_crc=verify_crc)
+            start = offset if session is None else max(offset, self._session_offset(session))
+            result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=verify_crc)
             if result is not None:
+                if session is not None:
+                    self._remember_session(session, result.next_offset)
                 meta = FetchResponse(
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
                 size = len(result.data)
                 if size <= inline_max_bytes:
-                    # Small: a copy travels inside the reply (no object-store round trip for the reader).
-                    data = np.frombuffer(bytes(result.data), dtype=np.uint8)
+                    # Small: a copy travels inside the reply, as bytes (no object-store round trip
+                    # for the reader, and bytes serialize faster than an array).
+                    data = bytes(result.data)
                 else:
                     # One copy, from the mapped segment into the object store; readers asking for
                     # the same batches at the same time (the followers, mostly) share it.
@@ -524,20 +563,30 @@ class PartitionReplica:
                 pass
 
     async def fetch(
-        self, offset: int, max_bytes: int = 8 << 20, max_wait_ms: int = 0, verify_crc: bool = True, inline_max_bytes: int = 0
+        self,
+        offset: int,
+        max_bytes: int = 8 << 20,
+        max_wait_ms: int = 0,
+        verify_crc: bool = True,
+        inline_max_bytes: int = 0,
+        session: int | None = None,
     ):
         """For consumers: whole batches from ``offset`` below the high watermark: (FetchResponse, data).
 
         Waits up to ``max_wait_ms`` for data when there is none yet. ``data``
-        is None when nothing arrived in time; otherwise a uint8 array of whole
-        batches (the first may start below ``offset``): inline when it is at
+        is None when nothing arrived in time; otherwise whole batches (the first
+        may start below ``offset``): bytes inside the reply when they are at
         most ``inline_max_bytes`` (capped at FETCH_INLINE_MAX_BYTES), else an
-        ObjectRef to it. ``verify_crc=False`` skips the CRC check here, for
-        readers that check every batch themselves.
+        ObjectRef to a uint8 array. ``verify_crc=False`` skips the CRC check here, for
+        readers that check every batch themselves. ``session`` (an id the
+        consumer picks) lets pipelined fetches continue one another (see _read);
+        the reply's ``first_offset`` says where the batches start.
         """
         self._started()
         self._check_leader()
-        return await self._read(offset, max_bytes, max_wait_ms, lambda: self.high_watermark, verify_crc, inline_max_bytes)
+        return await self._read(
+            offset, max_bytes, max_wait_ms, lambda: self.high_watermark, verify_crc, inline_max_bytes, session
+        )
 
     async def replica_fetch(
         self, follower_id: int, epoch: int, offset: int, max_bytes: int, max_wait_ms: int, inline_max_bytes: int = 0

@@ -1,10 +1,15 @@
 """Consumer: fetches whole Arrow batches from partition leaders, with fetches kept in flight.
 
-Each assigned partition has at most one fetch in flight; as soon as one
-returns, the next is sent (before the records are handed to the caller), so
-the actor round trip overlaps the caller's processing. A fetch returns an
-ObjectRef to whole batches in Ray's object store; they are decoded in place
-with Arrow (no copy, no per-row work) and sliced to the consumer's position.
+Each assigned partition keeps up to two fetches in flight, so one is always
+waiting at the leader while the other's reply travels back: records appended
+at the log end go out at once instead of waiting for the next fetch to arrive.
+The fetches of a partition share a fetch session (an id the leader keys by):
+a fetch that was sent while an earlier one was outstanding continues where the
+earlier one ended, and the consumer drops whatever it already has, so a
+leader that lost the session (a new leader, say) costs only a re-read. Large
+results travel as an ObjectRef to whole batches in Ray's object store, small
+ones inside the reply; either way they are decoded in place with Arrow (no
+copy, no per-row work) and sliced to the consumer's position.
 
 ``poll()`` turns records into ConsumerRecord tuples (per-row Python, as any
 poll API must); ``poll_arrow()`` returns one pyarrow Table and does no per-row
@@ -21,6 +26,7 @@ Not thread-safe (like Kafka's consumer): use one consumer per thread.
 
 from __future__ import annotations
 
+import random
 import re
 import time
 from collections import deque
@@ -46,6 +52,7 @@ from logbus.storage.names import validate_partition, validate_topic_name
 
 OFFSET_RESETS = ("earliest", "latest", "none")
 STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch this late makes the consumer check for a new leader
+FETCHES_IN_FLIGHT = 2  # per partition: one waits at the leader while the other's reply travels
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -62,24 +69,39 @@ ARROW_SCHEMA = pa.schema(
 class _Partition:
     """Fetch state of one assigned partition."""
 
-    __slots__ = ("tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error")
+    __slots__ = (
+        "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
+    )
 
     def __init__(self, tp: TopicPartition) -> None:
         self.tp = tp
         self.position: int | None = None  # next offset to hand to the caller
         self.fetch_offset: int | None = None  # next offset to fetch
         self.paused = False
-        self.in_flight = None  # (ObjectRef, requested offset)
+        # Outstanding fetches, oldest first: (ObjectRef, requested offset, sent at, leader actor id, session).
+        self.in_flight: deque[tuple] = deque()
+        self.session = _new_session()  # replies to fetches of an older session are dropped
         self.buffer: deque[tuple[int, pa.RecordBatch]] = deque()  # (offset of row 0, records)
         self.buffered_rows = 0
         self.error: LogbusError | None = None
+        self.at_end = False  # the last fetch was small (came inline): we are at the log end
 
     def reset_to(self, offset: int) -> None:
         self.position = self.fetch_offset = offset
-        self.in_flight = None
         self.buffer.clear()
         self.buffered_rows = 0
         self.error = None
+        self.drop_fetches()
+
+    def drop_fetches(self) -> None:
+        """Forget the outstanding fetches and start a new fetch session (the next fetch reads from fetch_offset)."""
+        self.in_flight.clear()
+        self.session = _new_session()
+        self.at_end = False
+
+
+def _new_session() -> int:
+    return random.getrandbits(62)
 
 
 def _check_tp(tp) -> TopicPartition:
@@ -287,10 +309,15 @@ class Consumer:
 
     def _send_fetches(self) -> None:
         for state in self._partitions.values():
-            if state.paused or state.in_flight is not None or state.error is not None:
+            if state.paused or state.error is not None or len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
-            if state.buffered_rows and sum(r.nbytes for _, r in state.buffer) >= self.max_buffered_bytes:
-                continue
+            if state.buffered_rows:
+                if state.at_end and state.in_flight:
+                    # At the log end with a fetch already waiting at the leader: the records in
+                    # hand go to the caller first (sending a fetch costs a fraction of a ms).
+                    continue
+                if sum(r.nbytes for _, r in state.buffer) >= self.max_buffered_bytes:
+                    continue
             try:
                 leader = self._leader(state.tp)
             except LogbusError as error:
@@ -300,9 +327,10 @@ class Consumer:
             # The replica skips its CRC check when we check every batch ourselves, and sends
             # small results inside its reply (one round trip instead of two).
             ref = leader.fetch.remote(
-                state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs, FETCH_INLINE_MAX_BYTES
+                state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
+                FETCH_INLINE_MAX_BYTES, state.session,
             )
-            state.in_flight = (ref, state.fetch_offset, time.monotonic(), leader._actor_id)
+            state.in_flight.append((ref, state.fetch_offset, time.monotonic(), leader._actor_id, state.session))
 
     def _drop_stale_fetches(self) -> None:
         """Give up on fetches that outlived their long poll and whose leader has since been replaced.
@@ -311,7 +339,7 @@ class Consumer:
         """
         now = time.monotonic()
         patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
-        stale = [s for s in self._partitions.values() if s.in_flight is not None and now - s.in_flight[2] > patience_s]
+        stale = [s for s in self._partitions.values() if s.in_flight and now - s.in_flight[0][2] > patience_s]
         for topic in {s.tp.topic for s in stale}:
             self._bus.forget(topic)
         for state in stale:
@@ -319,17 +347,30 @@ class Consumer:
                 leader = self._leader(state.tp)
             except LogbusError:
                 leader = None
-            if leader is None or leader._actor_id != state.in_flight[3]:
-                state.in_flight = None
+            if leader is None or leader._actor_id != state.in_flight[0][3]:
+                state.drop_fetches()
 
-    def _receive(self, state: _Partition) -> None:
-        ref, requested, _, _ = state.in_flight
-        state.in_flight = None
+    def _receive(self, state: _Partition, fetch: tuple) -> None:
+        """Take the reply to one of the partition's outstanding fetches.
+
+        Replies may come back in any order (Ray may even start a caller's calls
+        out of order); each says which offsets it holds, and the consumer takes
+        what continues its position and drops what it already has.
+        """
+        try:
+            state.in_flight.remove(fetch)
+        except ValueError:
+            return  # dropped meanwhile (a seek, or a reset by another reply of this round)
+        ref, requested, _, _, session = fetch
+        large = False
         try:
             meta, data = get(ref, timeout_s=None)
-            if data is not None and not isinstance(data, np.ndarray):
+            if isinstance(data, ray.ObjectRef):
                 data = get(data, timeout_s=None)
+                large = True
         except OffsetOutOfRangeError:
+            if session != state.session:
+                return  # a seek happened meanwhile
             if self.auto_offset_reset == "none":
                 state.error = OffsetOutOfRangeError(f"offset {requested} is out of range for {state.tp}")
                 return
@@ -341,15 +382,24 @@ class Consumer:
                 return
             state.error = error
             return
-        if requested != state.fetch_offset or data is None:
-            return  # a seek happened meanwhile, or the long poll expired empty
+        if session != state.session:
+            return  # a seek happened meanwhile
+        state.at_end = not large
+        if data is None or meta.next_offset <= state.fetch_offset:
+            return  # the long poll expired empty, or an earlier fetch already brought these records
+        if meta.first_offset > state.fetch_offset:
+            # Records between our position and this reply went to a reply we dropped (or one
+            # that is still on its way): start a new session, which reads from fetch_offset again.
+            state.drop_fetches()
+            return
+        offset = state.fetch_offset
         for header, records in rb.decode_batches(data, verify_crc=self.check_crcs):
-            skip = requested - header.base_offset
+            skip = offset - header.base_offset
             if skip >= header.record_count:
                 continue
             if skip > 0:
                 records = records.slice(skip)
-                first = requested
+                first = offset
             else:
                 first = header.base_offset
             state.buffer.append((first, records))
@@ -381,7 +431,7 @@ class Consumer:
                 return
             remaining = deadline - time.monotonic()
             self._drop_stale_fetches()
-            in_flight = {s.in_flight[0]: s for s in self._partitions.values() if s.in_flight is not None}
+            in_flight = {f[0]: (s, f) for s in self._partitions.values() for f in s.in_flight}
             if not in_flight:
                 if remaining > 0:
                     time.sleep(min(remaining, 0.05))
@@ -397,13 +447,13 @@ class Consumer:
             slice_s = 0.1 if membership is not None else 0.5
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, min(remaining, slice_s)))
             for ref in ready:
-                self._receive(in_flight[ref])
+                self._receive(*in_flight[ref])
             # Collect any others that are already done, without waiting.
             others = [r for r in in_flight if r not in ready]
             if others:
                 done, _ = ray.wait(others, num_returns=len(others), timeout=0)
                 for ref in done:
-                    self._receive(in_flight[ref])
+                    self._receive(*in_flight[ref])
             self._send_fetches()  # prefetch before handing records out
             if remaining <= 0 and not ready:
                 return

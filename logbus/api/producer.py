@@ -48,7 +48,7 @@ from logbus.errors import (
     RequestTimedOutError,
     UnknownTopicError,
 )
-from logbus.protocol.messages import RecordMetadata
+from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
 from logbus.storage import record_batch as rb
 
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
@@ -551,7 +551,7 @@ class Producer:
             if leader is None:
                 raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
             batch.leader_id = leader._actor_id
-            ref = leader.produce.remote(np.frombuffer(batch.encoded, np.uint8), self.acks, None, int(self.request_timeout_s * 1000))
+            ref = leader.produce.remote(*self._produce_args(batch.encoded))
         except Exception as error:  # noqa: BLE001 (every failure is routed to the batch's future)
             self._complete(batch, None, error, attempt=batch.attempts)
             return
@@ -560,6 +560,20 @@ class Producer:
             return
         attempt = batch.attempts
         ref.future().add_done_callback(lambda future: self._on_reply(batch, future, attempt))
+
+    def _produce_args(self, encoded: bytes) -> tuple:
+        """The arguments of a produce call, kept small: every argument costs time to serialize.
+
+        A batch small enough to travel inside the request goes as bytes (cheaper
+        for Ray than an array); a larger one as a uint8 array, which Ray hands to
+        the object store without pickling. Trailing arguments equal to the
+        replica's defaults are left out.
+        """
+        payload = encoded if len(encoded) <= PRODUCE_INLINE_MAX_BYTES else np.frombuffer(encoded, np.uint8)
+        timeout_ms = int(self.request_timeout_s * 1000)
+        if timeout_ms != PRODUCE_TIMEOUT_MS_DEFAULT:
+            return payload, self.acks, None, timeout_ms
+        return (payload,) if self.acks == 1 else (payload, self.acks)
 
     def _encode(self, batch: _Batch) -> None:
         """Frame a batch once, at its first dispatch: retries resend the same bytes and sequence numbers."""

@@ -64,12 +64,17 @@ class ProduceResponse:
     timestamp_ms: int  # max timestamp of the batch (create time)
 
 
-FETCH_INLINE_MAX_BYTES = 64 << 10  # fetch results up to this size travel inside the reply (Ray inlines < 100 KiB)
+# Batches up to this size travel as bytes inside a produce request or a fetch reply (Ray inlines
+# values under 100 KiB, and bytes serialize faster than arrays); larger ones go as uint8 arrays
+# through the object store.
+FETCH_INLINE_MAX_BYTES = 64 << 10
+PRODUCE_INLINE_MAX_BYTES = 64 << 10
+PRODUCE_TIMEOUT_MS_DEFAULT = 30_000
 
 
 @dataclass(frozen=True, slots=True)
 class FetchResponse:
-    """Metadata of one fetch; the batches themselves travel as a separate uint8 array.
+    """Metadata of one fetch; the batches themselves travel beside it (bytes, or a uint8 array's ObjectRef).
 
     ``first_offset``/``next_offset`` bound the whole batches returned (the
     first may start below the requested offset). ``high_watermark`` and

@@ -271,3 +271,49 @@ def test_many_small_batches_land_in_send_order(bus, topic_name, idempotent):
     consumer.assign([TopicPartition(topic_name, 0)])
     values = drain(consumer, 3000)["value"].to_pylist()
     assert values == [b"%d" % i for i in range(3000)]
+
+
+def test_fetch_sessions_continue_pipelined_fetches(bus, topic_name):
+    """Two fetches of one session sent together read consecutive batches; another session starts over."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(3):
+            producer.send(topic_name, b"batch-%d" % i).result()  # one batch each
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    one_batch = 1  # max_bytes: whole batches, at least one, so exactly one per fetch here
+    pipelined = ray.get([leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7) for _ in range(2)])
+    ranges = sorted((meta.first_offset, meta.next_offset) for meta, _ in pipelined)
+    assert ranges == [(0, 1), (1, 2)]  # whichever ran first, the second continued it
+    assert all(isinstance(data, bytes) for _, data in pipelined)  # small results travel inside the reply
+    meta, _ = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 8))
+    assert (meta.first_offset, meta.next_offset) == (0, 1)  # a new session reads from the offset asked for
+    meta, _ = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7))
+    assert (meta.first_offset, meta.next_offset) == (2, 3)
+    meta, data = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7))
+    assert data is None and meta.first_offset == meta.next_offset  # the session is at the end
+
+
+def test_tailing_consumer_gets_each_record_once_across_seeks(bus, topic_name):
+    """A consumer at the log end (two fetches in flight) takes every record once, in order, also after seeks."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    consumer = logbus.Consumer(bus, fetch_max_wait_ms=200)
+    consumer.assign([tp])
+    assert consumer.poll_arrow(timeout_ms=100).num_rows == 0  # tailing: fetches wait at the leader
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(1000):
+            producer.send(topic_name, b"%d" % i)
+            if i % 100 == 0:
+                producer.flush()
+    assert drain(consumer, 1000)["offset"].to_pylist() == list(range(1000))
+    consumer.seek(tp, 400)
+    assert drain(consumer, 600)["offset"].to_pylist() == list(range(400, 1000))
+    consumer.seek(tp, 990)
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(1000, 1050):
+            producer.send(topic_name, b"%d" % i).result()
+    got = drain(consumer, 60)
+    assert got["offset"].to_pylist() == list(range(990, 1050))
+    assert got["value"].to_pylist() == [b"%d" % i for i in range(990, 1050)]
+    assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # nothing twice
+    consumer.close()
