@@ -33,7 +33,9 @@ current Producer, enable_idempotence=True). Cases:
              not received within a grace period after the sending ended counts as
              infinitely late ("lost"), and a producer still backlogged then is killed.
              Target case: linger_ms=0. Informational: linger_ms=5 (the default), and
-             linger_ms=5 with enable_idempotence=False.
+             linger_ms=5 with enable_idempotence=False. The throughput cases' topics are
+             deleted first (their actors and files), so the stream does not share the
+             CPUs with their heartbeats or with the kernel writing back their data.
 4. baselines Redis Streams with redis-py + hiredis: XADD pipelined 1,000 at a time
              (produce); XREADGROUP COUNT 1000 from the start of the stream (consume, no
              XACK); the same latency test (XADD of the records due at each ~0.5 ms tick
@@ -686,6 +688,14 @@ def main() -> int:
         results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra={"records_per_rep": [c for c, _ in runs]}))
 
         # ---- 3. latency ------------------------------------------------------------------------------
+        # The throughput topics go first: their replicas' heartbeats, and the kernel writing back
+        # the hundreds of MB they left dirty in the page cache, would otherwise compete with the
+        # paced stream for the 2 cores (deleting a topic removes its actors and files).
+        t0 = time.perf_counter()
+        for name in list(topics):
+            bus.admin.delete_topic(name)
+            topics.remove(name)
+        log(f"deleted the throughput topics in {time.perf_counter() - t0:.1f}s")
         latency_consumer = LatencyConsumer.remote(namespace=namespace, data_dir=data_dir)
 
         def logbus_latency(topic: str, duration_s: float, options: dict) -> tuple[np.ndarray, int, float, bool]:
