@@ -25,6 +25,18 @@ of the machine can lose:
 Segments are always synced when they are rolled and when the log is closed.
 After an unclean stop, recovery rescans every segment written since the last
 sync point, so a torn write is cut off, never served.
+
+Page cache
+----------
+
+``cache.tail.bytes`` (default 32 MiB) is how much of the end of the active
+segment a replica leaves in the OS page cache: older pages are written back
+and dropped as appends go on (see ``segment.py``), so new appends reuse
+recently freed memory instead of taking never-used memory, which is slow on
+virtual machines. Readers more than that far behind the end (a consumer
+catching up, a replica copying an old segment) read from disk. Rolled segments
+keep their last ``cache.tail.bytes`` cached. ``-1`` leaves everything to the
+kernel, as Kafka does. No setting changes what is durable.
 """
 
 from __future__ import annotations
@@ -56,6 +68,7 @@ class LogConfig:
     min_insync_replicas: int = 1
     unclean_leader_election_enable: bool = False
     replica_lag_time_max_ms: int = 10_000
+    cache_tail_bytes: int = 32 * MIB  # -1: leave every written page in the page cache
 
     # dotted Kafka name -> (attribute, type, lowest legal value)
     KEYS = {
@@ -70,6 +83,7 @@ class LogConfig:
         "min.insync.replicas": ("min_insync_replicas", int, 1),
         "unclean.leader.election.enable": ("unclean_leader_election_enable", bool, None),
         "replica.lag.time.max.ms": ("replica_lag_time_max_ms", int, 1),
+        "cache.tail.bytes": ("cache_tail_bytes", int, -1),
     }
 
     @classmethod

@@ -291,7 +291,8 @@ class PartitionLog:
 
     def _write(self, header: rb.BatchHeader, parts: list) -> None:
         self._maybe_roll(header)
-        self.active_segment.append(header, parts)
+        active = self.active_segment
+        active.append(header, parts)
         self.epochs.assign(header.leader_epoch, header.base_offset)
         self.producer_state.update(header)
         policy = self.config.flush_policy
@@ -299,6 +300,7 @@ class PartitionLog:
             self.flush(indexes=False)
         elif policy == "interval":
             self.maybe_flush()
+        active.release_page_cache(self.config.cache_tail_bytes)
 
     def _maybe_roll(self, incoming: rb.BatchHeader) -> None:
         active = self.active_segment

@@ -19,6 +19,13 @@ Crash contract: the log file is the truth; indexes are derived and rebuilt by
 :meth:`recover`, which checks each batch's lengths, CRC and offsets, cuts the
 file at the first bad batch, and returns the number of bytes cut.
 
+Page cache. Appends land in the OS page cache, and a replica's cache would
+grow with everything it ever wrote. :meth:`release_page_cache` hands the pages
+more than a given number of bytes behind the end back to the kernel (written
+back first, never lost), so new appends reuse recently freed memory: taking
+never-used memory is slow on virtual machines (the host maps it on first
+touch), much slower than copying into pages that were in use moments ago.
+
 This class is not thread-safe.
 """
 
@@ -40,6 +47,9 @@ INDEX_SUFFIX = ".index"
 TIME_INDEX_SUFFIX = ".timeindex"
 RELATIVE_OFFSET_MAX = 2**32 - 1  # index entries store offsets relative to the base as uint32
 POSITION_MAX = 2**32 - 1
+PAGE_BYTES = mmap.PAGESIZE
+CACHE_RELEASE_STEP_BYTES = 8 << 20  # the page cache is advised at most once per this many appended bytes
+CACHE_RELEASE_REPEAT_BYTES = 32 << 20  # each advice covers this much before the previous one's end again
 
 
 def segment_file_name(base_offset: int, suffix: str) -> str:
@@ -77,6 +87,7 @@ class LogSegment:
         self._bytes_since_index_entry = 0
         self._map: mmap.mmap | None = None
         self._mapped_bytes = 0
+        self._cache_released_to = 0  # file position below which the page cache has been advised away
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -198,6 +209,30 @@ class LogSegment:
         self._index_batch(header, position)
         return position
 
+    def release_page_cache(self, keep_bytes: int) -> None:
+        """Advise the kernel to drop the log file's cached pages more than ``keep_bytes`` before its end.
+
+        ``POSIX_FADV_DONTNEED`` starts the writeback of dirty pages and drops
+        clean ones; it never loses data, and pages a reader has mapped stay.
+        Pages still being written back when advised are dropped by a later
+        advice: each one covers again the last CACHE_RELEASE_REPEAT_BYTES
+        before the previous one's end. Advice is given at most once per
+        CACHE_RELEASE_STEP_BYTES of appends. A negative ``keep_bytes`` keeps
+        every page. Only the page cache changes: reads of dropped pages come
+        from disk.
+        """
+        if keep_bytes < 0:
+            return
+        end = (self.size_bytes - keep_bytes) // PAGE_BYTES * PAGE_BYTES
+        if end - self._cache_released_to < CACHE_RELEASE_STEP_BYTES:
+            return
+        start = max(0, self._cache_released_to - CACHE_RELEASE_REPEAT_BYTES)
+        try:
+            os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass  # advice only: the pages stay cached
+        self._cache_released_to = end
+
     def flush(self, indexes: bool = True) -> None:
         """Force the log (and its indexes, unless ``indexes`` is False) to disk."""
         try:
@@ -316,6 +351,7 @@ class LogSegment:
     def _truncate_file(self, size_bytes: int) -> None:
         self._map = None
         self._mapped_bytes = 0
+        self._cache_released_to = min(self._cache_released_to, size_bytes // PAGE_BYTES * PAGE_BYTES)
         try:
             os.ftruncate(self._fd, size_bytes)
         except OSError as error:

@@ -240,7 +240,8 @@ def test_valid_topic_names(name):
 
 @pytest.mark.parametrize(
     "config",
-    [{"segment.bytes": 0}, {"retention.ms": "soon"}, {"flush.policy": "sometimes"}, {"no.such.key": 1}, {"segment.ms": True}],
+    [{"segment.bytes": 0}, {"retention.ms": "soon"}, {"flush.policy": "sometimes"}, {"no.such.key": 1}, {"segment.ms": True},
+     {"cache.tail.bytes": -2}],
 )
 def test_invalid_config_is_rejected(config):
     with pytest.raises(InvalidConfigError):
