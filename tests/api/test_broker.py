@@ -317,3 +317,29 @@ def test_tailing_consumer_gets_each_record_once_across_seeks(bus, topic_name):
     assert got["value"].to_pylist() == [b"%d" % i for i in range(990, 1050)]
     assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # nothing twice
     consumer.close()
+
+
+def test_consumer_recovers_when_its_fetch_session_runs_ahead(bus, topic_name):
+    """Fault: replies of the consumer's fetch session go elsewhere; it must notice the gap and read again."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    consumer = logbus.Consumer(bus, fetch_max_wait_ms=200)
+    consumer.assign([tp])
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(100):
+            producer.send(topic_name, b"%d" % i)
+    assert drain(consumer, 100)["offset"].to_pylist() == list(range(100))
+    session = consumer._partitions[tp].session  # white box: the id its next fetches carry
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(100, 200):
+            producer.send(topic_name, b"%d" % i).result()  # one batch each
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    stolen = ray.get([leader.fetch.remote(100, 1, 0, True, 1 << 16, session) for _ in range(3)])
+    firsts = sorted(meta.first_offset for meta, _ in stolen)
+    # They continued the session (its fetches waiting at the leader may have taken a batch first).
+    assert firsts[0] >= 100 and firsts == list(range(firsts[0], firsts[0] + 3))
+    got = drain(consumer, 100)
+    assert got["offset"].to_pylist() == list(range(100, 200))
+    assert got["value"].to_pylist() == [b"%d" % i for i in range(100, 200)]
+    assert consumer._partitions[tp].session != session  # it started a new session
+    consumer.close()
