@@ -1,8 +1,10 @@
 """Consumer: fetches whole Arrow batches from partition leaders, with fetches kept in flight.
 
-Each assigned partition keeps up to two fetches in flight, so one is always
-waiting at the leader while the other's reply travels back: records appended
-at the log end go out at once instead of waiting for the next fetch to arrive.
+At the log end, each assigned partition keeps two fetches in flight, so one
+is always waiting at the leader while the other's reply travels back: records
+appended there go out at once instead of waiting for the next fetch to arrive.
+A partition that is behind has one fetch in flight, sent again before its
+records are handed out, so the round trip overlaps the caller's work.
 The fetches of a partition share a fetch session (an id the leader keys by):
 a fetch that was sent while an earlier one was outstanding continues where the
 earlier one ended, and the consumer drops whatever it already has, so a
@@ -52,7 +54,7 @@ from logbus.storage.names import validate_partition, validate_topic_name
 
 OFFSET_RESETS = ("earliest", "latest", "none")
 STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch this late makes the consumer check for a new leader
-FETCHES_IN_FLIGHT = 2  # per partition: one waits at the leader while the other's reply travels
+FETCHES_IN_FLIGHT = 2  # per partition at the log end: one waits at the leader while the other's reply travels
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -309,7 +311,11 @@ class Consumer:
 
     def _send_fetches(self) -> None:
         for state in self._partitions.values():
-            if state.paused or state.error is not None or len(state.in_flight) >= FETCHES_IN_FLIGHT:
+            if state.paused or state.error is not None:
+                continue
+            # A second fetch only at the log end, to keep one waiting at the leader; a partition
+            # that is behind gets data at once, and two large fetches would double its memory.
+            if len(state.in_flight) >= (FETCHES_IN_FLIGHT if state.at_end else 1):
                 continue
             if state.buffered_rows:
                 if state.at_end and state.in_flight:
