@@ -130,10 +130,8 @@ class PartitionReplica:
         self._controller_handle = None
         self._heartbeat_applied = 0  # sequence number of the newest heartbeat reply acted on
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
-        # Consumers' fetch sessions: session id -> the offset where the last fetch answered in it ended,
-        # valid in the leader epoch _sessions_epoch only.
+        # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
         self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
-        self._sessions_epoch = -1
         self._appended: asyncio.Event | None = None
         self._hw_moved: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
@@ -313,6 +311,7 @@ class PartitionReplica:
         self._stop_following()
         self._set_epoch(epoch)
         self._shared_read = None  # a read cached under an earlier leadership may predate a truncation
+        self._fetch_sessions.clear()  # so may a session's position
         self.log.epochs.assign(epoch, self.log.log_end_offset)
         previous_hw = self.high_watermark
         self.leader_state = LeaderState(
@@ -492,13 +491,6 @@ class PartitionReplica:
             except asyncio.TimeoutError:
                 pass
 
-    def _session_offset(self, session: int) -> int:
-        """Where the last fetch answered in ``session`` ended (0 if unknown, or it was in another epoch)."""
-        if self._sessions_epoch != self.leader_epoch:
-            self._fetch_sessions.clear()
-            self._sessions_epoch = self.leader_epoch
-        return self._fetch_sessions.get(session, 0)
-
     def _remember_session(self, session: int, next_offset: int) -> None:
         sessions = self._fetch_sessions
         sessions[session] = max(next_offset, sessions.get(session, 0))
@@ -530,7 +522,7 @@ class PartitionReplica:
         while True:
             if self.leader_epoch != epoch:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
-            start = offset if session is None else max(offset, self._session_offset(session))
+            start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
             result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=verify_crc)
             if result is not None:
                 if session is not None:

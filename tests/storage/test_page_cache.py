@@ -83,7 +83,7 @@ def test_a_negative_tail_keeps_every_page(open_log):
     assert resident_pages(log.active_segment.log_path, early) == early // PAGE_BYTES
 
 
-def test_truncation_into_released_pages_then_appends_and_reopen(open_log, tmp_path):
+def test_truncation_into_released_pages_then_appends_and_reopen(open_log):
     log = open_log({"cache.tail.bytes": KEEP_BYTES})
     batches = append_bytes(log, 3 * CACHE_RELEASE_STEP_BYTES)
     log.flush()
