@@ -315,10 +315,10 @@ class LatencyConsumer:
             self.redis = redis.Redis(host="127.0.0.1", port=redis_port)
         self.consumer = None
 
-    def prepare_logbus(self, topic: str, partition: int, offset: int) -> bool:
+    def prepare_logbus(self, topic: str, partition: int, offset: int, options: dict | None = None) -> bool:
         if self.consumer is not None:
             self.consumer.close()
-        self.consumer = Consumer(self.bus)
+        self.consumer = Consumer(self.bus, **(options or {}))
         self.consumer.assign([TopicPartition(topic, partition)])
         self.consumer.seek(TopicPartition(topic, partition), offset)
         self.consumer.poll_arrow(timeout_ms=0)  # the first fetch is now in flight

@@ -6,6 +6,10 @@ encoded batches (bytes or uint8 arrays, never Arrow objects), appends them,
 and serves fetches as a copy of whole batches: inside the reply when small,
 else as an ObjectRef (one copy, mmap -> object store). A consumer's fetch
 session lets its pipelined fetches continue one another (see ``_read``).
+Clients on the same node may send small produce requests and fetches at the
+log end over the replica's local channel, a Unix socket served on the same
+event loop (``channel_server.py``): the same methods, without Ray's per-call
+cost.
 
 Roles. The controller decides who leads: ``become_leader`` /
 ``become_follower`` carry the new leader epoch. A follower pulls from the
@@ -51,6 +55,7 @@ from collections import OrderedDict
 import numpy as np
 import ray
 
+from logbus.actors.channel_server import ChannelServer
 from logbus.errors import (
     FencedLeaderEpochError,
     InvalidRecordError,
@@ -60,6 +65,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     RequestTimedOutError,
 )
+from logbus.protocol import local_channel as wire
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, FetchResponse, ProduceResponse
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
@@ -137,6 +143,8 @@ class PartitionReplica:
         self._tasks: list[asyncio.Task] = []
         self._follow_task: asyncio.Task | None = None
         self._deleted = False
+        self._channel = ChannelServer(self._channel_request, f"replica {topic}-{partition}/{replica_id}")
+        self._channel_started: asyncio.Task | None = None
         self._save_state()
         try:
             asyncio.get_running_loop()
@@ -180,6 +188,7 @@ class PartitionReplica:
         if self.controller_name is not None:
             self._tasks.append(loop.create_task(self._heartbeat_loop()))
         self._tasks.append(loop.create_task(self._isr_loop()))
+        self._channel_started = loop.create_task(self._channel.start())
 
     async def _housekeeping_loop(self) -> None:
         while not self._deleted:
@@ -507,6 +516,7 @@ class PartitionReplica:
         verify_crc: bool = True,
         inline_max_bytes: int = 0,
         session: int | None = None,
+        inline_cap: int | None = FETCH_INLINE_MAX_BYTES,
     ) -> tuple[FetchResponse, object]:
         """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
@@ -515,7 +525,9 @@ class PartitionReplica:
         (sent before the earlier one's reply arrived) then continue one another.
         """
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
-        inline_max_bytes = min(max(0, int(inline_max_bytes)), FETCH_INLINE_MAX_BYTES)
+        inline_max_bytes = max(0, int(inline_max_bytes))
+        if inline_cap is not None:
+            inline_max_bytes = min(inline_max_bytes, inline_cap)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
@@ -531,7 +543,7 @@ class PartitionReplica:
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
                 size = len(result.data)
-                if size <= inline_max_bytes:
+                if size <= inline_max_bytes or inline_cap is None:
                     # Small: a copy travels inside the reply, as bytes (no object-store round trip
                     # for the reader, and bytes serialize faster than an array).
                     data = bytes(result.data)
@@ -578,6 +590,29 @@ class PartitionReplica:
         self._check_leader()
         return await self._read(
             offset, max_bytes, max_wait_ms, lambda: self.high_watermark, verify_crc, inline_max_bytes, session
+        )
+
+    async def channel_address(self) -> tuple[str, str] | None:
+        """(node id, socket address) of this replica's local channel, or None where there is none."""
+        self._started()
+        try:
+            address = await asyncio.shield(self._channel_started)
+        except Exception as error:  # noqa: BLE001 (clients fall back to actor calls)
+            print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: no local channel: {error}")
+            return None
+        return None if address is None else (ray.get_runtime_context().get_node_id(), address)
+
+    async def _channel_request(self, kind: int, args: tuple):
+        """A request that came over the local channel: the same work as the actor method."""
+        if kind == wire.PRODUCE:
+            return await self.produce(*args)
+        offset, max_bytes, max_wait_ms, verify_crc, session = args
+        self._started()
+        self._check_leader()
+        # Every result travels inside the reply, however large (no object store on this path).
+        return await self._read(
+            int(offset), min(int(max_bytes), wire.CHANNEL_FETCH_MAX_BYTES), max_wait_ms, lambda: self.high_watermark,
+            bool(verify_crc), wire.CHANNEL_FETCH_MAX_BYTES, session, inline_cap=None,
         )
 
     async def replica_fetch(
@@ -627,6 +662,7 @@ class PartitionReplica:
         """Close and remove this replica's files; the actor is killed by the controller afterwards."""
         self._deleted = True
         self._stop_following()
+        await self._channel.close()
         self.log.delete()
         shutil.rmtree(self.directory, ignore_errors=True)
 

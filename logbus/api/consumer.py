@@ -11,7 +11,10 @@ earlier one ended, and the consumer drops whatever it already has, so a
 leader that lost the session (a new leader, say) costs only a re-read. Large
 results travel as an ObjectRef to whole batches in Ray's object store, small
 ones inside the reply; either way they are decoded in place with Arrow (no
-copy, no per-row work) and sliced to the consumer's position.
+copy, no per-row work) and sliced to the consumer's position. At the log end,
+a partition whose leader runs on this node is fetched over the leader's local
+channel (a Unix socket, see ``logbus/protocol/local_channel.py``) rather than
+with actor calls: same fetch, same session, a tenth of the latency.
 
 ``poll()`` turns records into ConsumerRecord tuples (per-row Python, as any
 poll API must); ``poll_arrow()`` returns one pyarrow Table and does no per-row
@@ -28,10 +31,12 @@ Not thread-safe (like Kafka's consumer): use one consumer per thread.
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import re
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Iterable
 
 import numpy as np
@@ -39,6 +44,8 @@ import pyarrow as pa
 import ray
 
 from logbus.api.client import Bus, get
+from logbus.api.local_channel import ChannelClosedError
+from logbus.api.local_channel import channels as local_channels
 from logbus.errors import (
     IllegalStateError,
     InvalidConfigError,
@@ -48,6 +55,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     UnknownTopicError,
 )
+from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name
@@ -80,7 +88,8 @@ class _Partition:
         self.position: int | None = None  # next offset to hand to the caller
         self.fetch_offset: int | None = None  # next offset to fetch
         self.paused = False
-        # Outstanding fetches, oldest first: (ObjectRef, requested offset, sent at, leader actor id, session).
+        # Outstanding fetches, oldest first: (ObjectRef, or a local channel's Future; requested offset,
+        # sent at, leader actor id, session).
         self.in_flight: deque[tuple] = deque()
         self.session = _new_session()  # replies to fetches of an older session are dropped
         self.buffer: deque[tuple[int, pa.RecordBatch]] = deque()  # (offset of row 0, records)
@@ -100,6 +109,34 @@ class _Partition:
         self.in_flight.clear()
         self.session = _new_session()
         self.at_end = False
+
+
+def _wait_any(pending: list, timeout_s: float) -> list:
+    """The outstanding fetches (ObjectRefs and local channel Futures) done within ``timeout_s``, waiting for one."""
+    futures = [p for p in pending if isinstance(p, Future)]
+    if not futures:
+        return ray.wait(pending, num_returns=1, timeout=timeout_s)[0]
+    done = [f for f in futures if f.done()]
+    refs = [p for p in pending if not isinstance(p, Future)]
+    if done:
+        return done + (ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else [])
+    if not refs:
+        return list(concurrent.futures.wait(futures, timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED)[0])
+    # Both kinds: wait on the ObjectRefs through Futures of their own.
+    as_futures = {ref.future(): ref for ref in refs}
+    finished, _ = concurrent.futures.wait(
+        futures + list(as_futures), timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
+    )
+    return [as_futures.get(f, f) for f in finished]
+
+
+def _done_now(pending: list) -> list:
+    """Those of the outstanding fetches that are done already (no waiting)."""
+    done = [p for p in pending if isinstance(p, Future) and p.done()]
+    refs = [p for p in pending if not isinstance(p, Future)]
+    if refs:
+        done += ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+    return done
 
 
 def _new_session() -> int:
@@ -133,6 +170,8 @@ class Consumer:
             "cooperative-sticky" (cooperative only if every listed strategy is).
         group_instance_id: makes this member static: restarting within the session timeout gets
             its partitions back with no rebalance.
+        local_channel: at the log end, fetch from a leader on this node over its local channel
+            (a Unix socket; a tenth of an actor call's latency) rather than with actor calls.
     """
 
     def __init__(
@@ -152,6 +191,7 @@ class Consumer:
         partition_assignment_strategy: tuple[str, ...] | list[str] | str = ("range",),
         group_instance_id: str | None = None,
         client_id: str = "logbus-consumer",
+        local_channel: bool = True,
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidConfigError(f"auto_offset_reset must be one of {OFFSET_RESETS}, not {auto_offset_reset!r}")
@@ -165,6 +205,7 @@ class Consumer:
         self.max_buffered_bytes = int(max_buffered_bytes)
         self.check_crcs = check_crcs
         self._partitions: dict[TopicPartition, _Partition] = {}
+        self._channels = local_channels() if local_channel else None
         self._closed = False
         if isinstance(partition_assignment_strategy, str):
             partition_assignment_strategy = (partition_assignment_strategy,)
@@ -332,11 +373,29 @@ class Consumer:
                 continue  # retriable (no leader yet): the next round asks again
             # The replica skips its CRC check when we check every batch ourselves, and sends
             # small results inside its reply (one round trip instead of two).
-            ref = leader.fetch.remote(
-                state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
-                FETCH_INLINE_MAX_BYTES, state.session,
-            )
+            ref = self._fetch_over_channel(state, leader) if state.at_end else None
+            if ref is None:
+                ref = leader.fetch.remote(
+                    state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
+                    FETCH_INLINE_MAX_BYTES, state.session,
+                )
             state.in_flight.append((ref, state.fetch_offset, time.monotonic(), leader._actor_id, state.session))
+
+    def _fetch_over_channel(self, state: _Partition, leader) -> Future | None:
+        """The reply's Future if the fetch went over the leader's local channel, else None."""
+        if self._channels is None:
+            return None
+        connection = self._channels.connection(leader)
+        if connection is None:
+            return None
+        try:
+            return connection.call(
+                FETCH,
+                (state.fetch_offset, min(self.fetch_max_bytes, CHANNEL_FETCH_MAX_BYTES), self.fetch_max_wait_ms,
+                 not self.check_crcs, state.session),
+            )
+        except ChannelClosedError:
+            return None  # nothing was sent: an actor call carries the fetch
 
     def _drop_stale_fetches(self) -> None:
         """Give up on fetches that outlived their long poll and whose leader has since been replaced.
@@ -370,10 +429,14 @@ class Consumer:
         ref, requested, _, _, session = fetch
         large = False
         try:
-            meta, data = get(ref, timeout_s=None)
-            if isinstance(data, ray.ObjectRef):
-                data = get(data, timeout_s=None)
-                large = True
+            if isinstance(ref, Future):
+                meta, data = ref.result()
+                large = data is not None and len(data) > FETCH_INLINE_MAX_BYTES
+            else:
+                meta, data = get(ref, timeout_s=None)
+                if isinstance(data, ray.ObjectRef):
+                    data = get(data, timeout_s=None)
+                    large = True
         except OffsetOutOfRangeError:
             if session != state.session:
                 return  # a seek happened meanwhile
@@ -451,7 +514,7 @@ class Consumer:
                 continue
             # A group member waits in short slices, so a rebalance reaches it within ~0.1 s.
             slice_s = 0.1 if membership is not None else 0.5
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(0.0, min(remaining, slice_s)))
+            ready = _wait_any(list(in_flight), max(0.0, min(remaining, slice_s)))
             for ref in ready:
                 self._receive(*in_flight[ref])
             # Collect the replies of other partitions that are already done, without waiting (a
@@ -459,8 +522,7 @@ class Consumer:
             # ray.wait costs a fraction of a ms).
             others = [r for r, (state, _) in in_flight.items() if r not in ready and not state.buffered_rows]
             if others:
-                done, _ = ray.wait(others, num_returns=len(others), timeout=0)
-                for ref in done:
+                for ref in _done_now(others):
                     self._receive(*in_flight[ref])
             self._send_fetches()  # prefetch before handing records out
             if remaining <= 0 and not ready:

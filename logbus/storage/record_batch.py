@@ -327,11 +327,16 @@ def frame_record_batch(
         raise InvalidRecordError("a batch needs at least one record")
     if not records.schema.equals(SCHEMA):
         raise InvalidRecordError(f"batch schema must be {SCHEMA}, got {records.schema}")
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, SCHEMA, options=_WRITE_OPTIONS[compression]) as writer:
-        writer.write_batch(records)
-        end = sink.tell()
-    message = sink.getvalue().slice(_SCHEMA_MESSAGE_SIZE, end - _SCHEMA_MESSAGE_SIZE)
+    if compression is None:
+        # The record batch message alone, as a stream writer would write it after the schema
+        # (the same bytes: tests check), without a writer's set-up cost (~70 µs a batch).
+        message = records.serialize()
+    else:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, SCHEMA, options=_WRITE_OPTIONS[compression]) as writer:
+            writer.write_batch(records)
+            end = sink.tell()
+        message = sink.getvalue().slice(_SCHEMA_MESSAGE_SIZE, end - _SCHEMA_MESSAGE_SIZE)
     timestamps = records.column(2).to_numpy()
     attributes = COMPRESSION_CODES[compression] | (timestamp_type << 3)
     batch_length = HEADER_SIZE - LOG_OVERHEAD + message.size

@@ -54,6 +54,21 @@ def test_round_trip(batch, base_offset, epoch):
         assert decoded_headers == [None if h is None else list(h.items()) for h in headers]
 
 
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_uncompressed_message_matches_the_stream_writers_bytes(batch):
+    """frame_record_batch takes the uncompressed message from RecordBatch.serialize(): the same bytes
+    as the IPC stream writer writes after the schema (the format the log stores)."""
+    values, keys, timestamps, headers, _ = batch
+    records = rb.build_record_batch(values, keys, timestamps, headers, default_timestamp_ms=1234)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, rb.SCHEMA) as writer:
+        writer.write_batch(records)
+    streamed = sink.getvalue().to_pybytes()[rb.SCHEMA.serialize().size :]
+    framed = rb.frame_record_batch(records)
+    assert framed[rb.HEADER_SIZE :] == streamed[: len(streamed) - 8]  # the stream's end-of-stream marker is not stored
+
+
 def test_table_round_trip_casts_strings():
     table = pa.table({"value": ["a", "bb", None], "key": ["k1", None, "k3"], "timestamp": [5, 6, 7]})
     [(header, records)] = rb.decode_batches(rb.encode_table(table))

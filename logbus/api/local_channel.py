@@ -1,0 +1,258 @@
+"""The client's end of the local channel (see ``logbus/protocol/local_channel.py``).
+
+``channels()`` is this process's registry: for a leader's actor handle it
+returns an open :class:`Connection` when that replica runs on this node and
+its socket is up, else None (the caller then makes an actor call). Looking up
+a replica's address is itself an actor call, made once and in the
+background: the first requests to a replica go as actor calls while the
+answer is on its way, so a lookup never delays a request.
+
+A connection whose socket fails fails every request waiting on it with
+LeaderNotAvailableError (retriable: producers retry, consumers fetch again)
+and is dropped from the registry; the next request looks the address up
+again (Ray restarts a replica under the same actor id, with a new socket).
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import Future
+
+import ray
+
+from logbus.errors import LeaderNotAvailableError, LogbusError
+from logbus.protocol import local_channel as wire
+
+SEND_TIMEOUT_S = 5.0  # a replica that stops reading its socket fails the send after this long
+RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this long
+
+
+class ChannelClosedError(LeaderNotAvailableError):
+    """The local channel to a replica closed with requests outstanding (the replica died or restarted)."""
+
+
+class Connection:
+    """One Unix socket to one replica, shared by every producer and consumer of this process.
+
+    ``call`` sends a request and returns a Future of its result; a reader
+    thread completes the futures as replies arrive (in any order).
+    """
+
+    def __init__(self, address: str, on_close=None) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)
+            seconds = int(SEND_TIMEOUT_S)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._on_close = on_close
+        self._lock = threading.Lock()  # guards _pending and closed
+        self._send_lock = threading.Lock()  # one frame at a time on the socket
+        self._pending: dict[int, Future] = {}
+        self._ids = itertools.count(1)
+        self.closed = False
+        self.requests_sent = 0  # for tests and diagnostics
+        self._reader = threading.Thread(target=self._read_replies, name="logbus-local-channel", daemon=True)
+        self._reader.start()
+
+    def call(self, kind: int, args: tuple) -> Future:
+        """Send one request; the Future holds its result or the error it raised.
+
+        Raises ChannelClosedError if the connection is (or becomes) unusable
+        before the request is sent: nothing was sent then, and the caller may
+        use an actor call instead.
+        """
+        future: Future = Future()
+        request_id = next(self._ids)
+        frame = wire.encode(request_id, kind, args)
+        with self._lock:
+            if self.closed:
+                raise ChannelClosedError("the local channel is closed")
+            self._pending[request_id] = future
+        try:
+            # Not under self._lock: the reader thread must be able to take replies while a send
+            # waits for room in the socket.
+            with self._send_lock:
+                self._sock.sendall(frame)
+                self.requests_sent += 1
+        except OSError as error:
+            # Part of the frame may have gone out: the stream is out of step, so it closes.
+            with self._lock:
+                self._pending.pop(request_id, None)
+                self._close_locked(f"send failed: {error}")
+            raise ChannelClosedError(f"the local channel failed: {error}") from None
+        return future
+
+    def _recv_exactly(self, size: int) -> bytes | None:
+        chunks, remaining = [], size
+        while remaining:
+            chunk = self._sock.recv(remaining, socket.MSG_WAITALL)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _read_replies(self) -> None:
+        reason = "the replica closed the connection"
+        try:
+            while True:
+                header = self._recv_exactly(wire.HEADER_SIZE)
+                if header is None:
+                    break
+                length, request_id, kind = wire.decode_header(header)
+                body = self._recv_exactly(length) if length else b""
+                if body is None:
+                    break
+                with self._lock:
+                    future = self._pending.pop(request_id, None)
+                if future is None:
+                    continue
+                try:
+                    value = wire.decode_body(body)
+                except Exception as error:  # noqa: BLE001 (a reply that does not decode fails its request)
+                    future.set_exception(LogbusError(f"undecodable local channel reply: {error}"))
+                    continue
+                if kind == wire.OK:
+                    future.set_result(value)
+                elif isinstance(value, BaseException):
+                    future.set_exception(value)
+                else:
+                    future.set_exception(LogbusError(f"local channel error reply: {value!r}"))
+        except (OSError, wire.FrameError) as error:
+            reason = f"{type(error).__name__}: {error}"
+        with self._lock:
+            self._close_locked(reason)
+
+    def _close_locked(self, reason: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(ChannelClosedError(f"the local channel to the replica closed: {reason}"))
+        if self._on_close is not None:
+            self._on_close(self)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked("closed by the client")
+
+
+class _Entry:
+    __slots__ = ("state", "address", "connection", "retry_at")
+
+    def __init__(self) -> None:
+        self.state = "looking-up"  # then "ready" (address known), "remote" (another node), "failed"
+        self.address: str | None = None
+        self.connection: Connection | None = None
+        self.retry_at = 0.0
+
+
+class Channels:
+    """Per process: the local channel connection of each replica on this node, by actor id."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[object, _Entry] = {}
+        self._node_id: str | None = None
+
+    def connection(self, replica) -> Connection | None:
+        """The open connection to ``replica`` (an actor handle), or None: use an actor call."""
+        key = replica._actor_id
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.state == "ready" and entry.connection is not None and not entry.connection.closed:
+                return entry.connection
+            if entry is None or (entry.state == "failed" and time.monotonic() >= entry.retry_at):
+                entry = self._entries[key] = _Entry()
+                start_lookup = True
+            else:
+                start_lookup = False
+            if entry.state != "ready":
+                address = None
+            else:
+                address = entry.address
+        if start_lookup:
+            self._look_up(key, replica, entry)
+            return None
+        if address is None:
+            return None
+        # The address is known but there is no open connection (first use, or it closed): connect.
+        try:
+            connection = Connection(address, on_close=lambda c: self._closed(key, c))
+        except OSError:
+            with self._lock:
+                if self._entries.get(key) is entry:
+                    entry.state, entry.retry_at = "failed", time.monotonic() + RETRY_LOOKUP_S
+            return None
+        with self._lock:
+            if self._entries.get(key) is entry and entry.state == "ready" and (entry.connection is None or entry.connection.closed):
+                entry.connection = connection
+                return connection
+        connection.close()  # another thread connected first, or the entry changed
+        return self.connection(replica) if self._entries.get(key) is entry else None
+
+    def _look_up(self, key, replica, entry: _Entry) -> None:
+        try:
+            if self._node_id is None:
+                self._node_id = ray.get_runtime_context().get_node_id()
+            ref = replica.channel_address.remote()
+        except Exception:  # noqa: BLE001 (no channel; actor calls still work or report the problem)
+            self._failed(key, entry)
+            return
+        ref.future().add_done_callback(lambda future: self._found(key, entry, future))
+
+    def _found(self, key, entry: _Entry, future) -> None:
+        try:
+            found = future.result()
+        except Exception:  # noqa: BLE001 (the replica is unavailable or predates the channel)
+            self._failed(key, entry)
+            return
+        with self._lock:
+            if self._entries.get(key) is not entry:
+                return
+            if found is None:
+                entry.state = "remote"  # the replica has no channel (not Linux): never ask again
+            elif found[0] != self._node_id:
+                entry.state = "remote"  # replicas stay on their node: actor calls for good
+            else:
+                entry.state, entry.address = "ready", found[1]
+
+    def _failed(self, key, entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                entry.state, entry.retry_at = "failed", time.monotonic() + RETRY_LOOKUP_S
+
+    def _closed(self, key, connection: Connection) -> None:
+        """A connection closed: look the address up again (a restarted replica has a new socket)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.connection is connection:
+                entry.state, entry.connection, entry.retry_at = "failed", None, time.monotonic()
+
+
+_channels: Channels | None = None
+_channels_lock = threading.Lock()
+
+
+def channels() -> Channels:
+    """This process's registry of local channels."""
+    global _channels
+    with _channels_lock:
+        if _channels is None:
+            _channels = Channels()
+        return _channels

@@ -1,0 +1,237 @@
+"""The local channel: its server and client on a real Unix socket, then producers and consumers through it."""
+
+import asyncio
+import os
+import signal
+import socket
+import threading
+
+import pyarrow as pa
+import pytest
+import ray
+
+import logbus
+from logbus import TopicPartition
+from logbus.actors import channel_server
+from logbus.actors.channel_server import ChannelServer
+from logbus.api.local_channel import ChannelClosedError, Connection, channels
+from logbus.errors import NotLeaderError
+from logbus.protocol import local_channel as wire
+from tests.api.test_broker import drain
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.skipif(not channel_server.supported(), reason="the local channel needs Linux")
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+class Service:
+    """A handler with the shapes the replica's has: immediate results, long waits, errors."""
+
+    def __init__(self):
+        self.started = 0
+        self.release: asyncio.Event | None = None
+
+    async def __call__(self, kind, args):
+        self.started += 1
+        if args and args[0] == "sleep":
+            await asyncio.sleep(args[1])
+        elif args and args[0] == "block":
+            await self.release.wait()
+        elif args and args[0] == "raise":
+            raise NotLeaderError("not the leader")
+        return (kind, args)
+
+
+def start(loop, service):
+    server = ChannelServer(service, "test")
+
+    async def go():
+        service.release = asyncio.Event()
+        return await server.start()
+
+    address = asyncio.run_coroutine_threadsafe(go(), loop).result(10)
+    return server, address
+
+
+def test_results_errors_and_replies_out_of_order(loop):
+    service = Service()
+    server, address = start(loop, service)
+    connection = Connection(address)
+    try:
+        slow = connection.call(wire.FETCH, ("sleep", 0.5))
+        fast = connection.call(wire.PRODUCE, (b"batch", 1))
+        assert fast.result(10) == (wire.PRODUCE, (b"batch", 1))
+        assert not slow.done()  # the slow request does not hold up the one behind it
+        assert slow.result(10) == (wire.FETCH, ("sleep", 0.5))
+        with pytest.raises(NotLeaderError, match="not the leader"):  # the replica's error, as raised there
+            connection.call(wire.PRODUCE, ("raise",)).result(10)
+        with pytest.raises(ValueError, match="unknown local channel request kind"):
+            connection.call(77, ()).result(10)
+        assert connection.requests_sent == 4
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_outstanding_requests_fail_retriably_when_the_server_goes_away(loop):
+    service = Service()
+    server, address = start(loop, service)
+    connection = Connection(address)
+    waiting = connection.call(wire.FETCH, ("block",))
+    wait_for(lambda: service.started == 1, timeout_s=30, message="the request to reach the server")
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    with pytest.raises(ChannelClosedError) as raised:
+        waiting.result(30)
+    assert raised.value.retriable
+    wait_for(lambda: connection.closed, timeout_s=30, message="the connection to close")
+    with pytest.raises(ChannelClosedError):
+        connection.call(wire.PRODUCE, (b"batch",))  # refused before anything is sent
+    with pytest.raises(OSError):
+        Connection(address)  # nobody listens there any more
+
+
+def test_a_connection_runs_a_bounded_number_of_requests(loop, monkeypatch):
+    monkeypatch.setattr(channel_server, "MAX_CONCURRENT_PER_CONNECTION", 2)
+    service = Service()
+    server, address = start(loop, service)
+    connection = Connection(address)
+    try:
+        blocked = [connection.call(wire.FETCH, ("block",)) for _ in range(3)]
+        wait_for(lambda: service.started == 2, timeout_s=30, message="two requests to start")
+        assert service.started == 2 and not any(f.done() for f in blocked)  # the third waits its turn
+        loop.call_soon_threadsafe(service.release.set)
+        assert [f.result(30)[1] for f in blocked] == [("block",)] * 3
+        assert service.started == 3
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_a_malformed_frame_closes_the_connection(loop):
+    server, address = start(loop, Service())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(address)
+            raw.settimeout(30)
+            raw.sendall(wire.HEADER.pack(wire.MAX_BODY_BYTES + 1, 1, wire.PRODUCE))
+            assert raw.recv(1) == b""  # closed, nothing served
+        connection = Connection(address)  # the server itself keeps serving
+        assert connection.call(wire.PRODUCE, (b"ok",)).result(10) == (wire.PRODUCE, (b"ok",))
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+# --- through real replicas ----------------------------------------------------------------------
+
+
+def channel_requests(leader) -> int:
+    """Requests sent so far over this process's open channel to ``leader`` (0 if none is open)."""
+    connection = channels().connection(leader)
+    return connection.requests_sent if connection is not None else 0
+
+
+def test_producer_and_consumer_on_the_leaders_node_use_the_channel(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    consumer = logbus.Consumer(bus, fetch_max_wait_ms=200)
+    consumer.assign([tp])
+    assert consumer.poll_arrow(timeout_ms=100).num_rows == 0
+    wait_for(lambda: channels().connection(leader) is not None, timeout_s=60, message="the channel to the leader")
+    before = channel_requests(leader)
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        offsets = [producer.send(topic_name, b"v-%d" % i).result(30).offset for i in range(300)]
+    assert offsets == list(range(300))
+    got = drain(consumer, 300)
+    assert got["offset"].to_pylist() == list(range(300))
+    assert got["value"].to_pylist() == [b"v-%d" % i for i in range(300)]
+    # 300 produce requests (one record each, each awaited) and the consumer's fetches at the log end.
+    assert channel_requests(leader) - before >= 300
+    assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # nothing twice
+    consumer.close()
+    # Without the channel the same records land the same way, as actor calls.
+    sent_before = channel_requests(leader)
+    with logbus.Producer(bus, linger_ms=0, local_channel=False) as producer:
+        offsets = [producer.send(topic_name, b"w-%d" % i).result(30).offset for i in range(50)]
+    assert offsets == list(range(300, 350))
+    assert channel_requests(leader) == sent_before
+    consumer = logbus.Consumer(bus, local_channel=False)
+    consumer.assign([tp])
+    consumer.seek(tp, 300)
+    assert drain(consumer, 50)["value"].to_pylist() == [b"w-%d" % i for i in range(50)]
+    consumer.close()
+    assert channel_requests(leader) == sent_before
+
+
+def test_a_large_batch_at_the_log_end_arrives_whole(bus, topic_name):
+    """A tailing consumer fetches over the channel; a batch over 1 MiB comes whole, then it tails on."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    consumer = logbus.Consumer(bus, fetch_max_wait_ms=200)
+    consumer.assign([tp])
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        producer.send(topic_name, b"small").result(30)
+        assert drain(consumer, 1)["value"].to_pylist() == [b"small"]
+        leader = bus.topic_metadata(topic_name).leaders[0]
+        wait_for(lambda: channels().connection(leader) is not None, timeout_s=60, message="the channel to the leader")
+        values = [os.urandom(1000) for _ in range(3000)]  # one 3 MB batch
+        producer.send_table(topic_name, pa.table({"value": pa.array(values, pa.binary())})).result(60)
+        got = drain(consumer, 3000)
+        assert got["offset"].to_pylist() == list(range(1, 3001))
+        assert got["value"].to_pylist() == values
+        producer.send(topic_name, b"after").result(30)
+        assert drain(consumer, 1)["value"].to_pylist() == [b"after"]
+    consumer.close()
+
+
+@pytest.mark.slow
+def test_killed_leader_process_loses_nothing_and_the_channel_reconnects(bus, topic_name):
+    """Fault: kill the leader's process while an idempotent producer sends over the channel."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    pid = ray.get(leader.ping.remote())
+    wait_for(lambda: channels().connection(leader) is not None, timeout_s=60, message="the channel to the leader")
+    first = channels().connection(leader)
+    producer = logbus.Producer(bus, linger_ms=0, delivery_timeout_ms=90_000)
+    futures = [producer.send(topic_name, b"r-%d" % i) for i in range(200)]
+    producer.flush(timeout_s=60)
+    assert first.requests_sent > 0
+    for i in range(200, 6000):
+        futures.append(producer.send(topic_name, b"r-%d" % i))
+        if i == 3000:
+            os.kill(pid, signal.SIGKILL)
+    producer.flush(timeout_s=120)
+    acknowledged = {f.result().offset: b"r-%d" % i for i, f in enumerate(futures) if f.exception() is None}
+    assert len(acknowledged) > 3000
+    assert ray.get(leader.ping.remote()) != pid  # Ray restarted the replica in a new process
+    assert first.closed
+    # The producer finds the restarted replica's new socket and uses it again.
+    wait_for(lambda: channels().connection(leader) not in (None, first), timeout_s=60, message="a new channel")
+    with producer:
+        for i in range(6000, 6100):
+            futures.append(producer.send(topic_name, b"r-%d" % i))
+            acknowledged[futures[-1].result(60).offset] = b"r-%d" % i
+    assert channels().connection(leader).requests_sent >= 100
+    consumer = logbus.Consumer(bus)
+    consumer.assign([tp])
+    end = consumer.end_offsets([tp])[tp]
+    stored = drain(consumer, end)
+    values = stored["value"].to_pylist()
+    assert stored["offset"].to_pylist() == list(range(end))  # offsets never reused or skipped
+    assert len(values) == len(set(values))  # idempotence: no record written twice
+    by_offset = dict(zip(stored["offset"].to_pylist(), values))
+    for offset, value in acknowledged.items():
+        assert by_offset[offset] == value  # every acknowledged record survived, at its offset
+    consumer.close()
