@@ -123,6 +123,8 @@ SCHEMA = pa.schema(
 # batch message that follows it.
 _SCHEMA_MESSAGE_SIZE = SCHEMA.serialize().size
 
+_BINARY = pa.binary()
+_INT64 = pa.int64()
 _WRITE_OPTIONS = {name: pa.ipc.IpcWriteOptions(compression=name) for name in COMPRESSION_CODES}
 
 
@@ -179,24 +181,17 @@ def now_ms() -> int:
 
 
 def _binary_array(items: Sequence, name: str) -> pa.Array:
-    """Build a binary array from bytes-like items (None allowed) with C-level loops."""
-    count = len(items)
-    if count == 0:
-        return pa.array([], pa.binary())
+    """Build a binary array from bytes-like items (str is encoded as UTF-8; None allowed), in one C-level call.
+
+    (pyarrow's converter beats building offsets with numpy at every size measured, 10 to 100,000 items.)
+    """
     try:
-        # Fast path: every item is bytes. map(len) and join run in C.
-        lengths = np.fromiter(map(len, items), np.int64, count)
-        data = b"".join(items)
-    except TypeError:
-        try:
-            return pa.array(items, pa.binary())
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
-            raise InvalidRecordError(f"{name} must be bytes, str or None: {error}") from None
-    offsets = np.zeros(count + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if offsets[-1] < 2**31:
-        return pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)])
-    raise InvalidRecordError(f"{name} column exceeds 2 GiB in one batch")
+        array = pa.array(items, _BINARY)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
+        raise InvalidRecordError(f"{name} must be bytes, str or None: {error}") from None
+    if isinstance(array, pa.ChunkedArray):  # pyarrow splits a column over 2 GiB
+        raise InvalidRecordError(f"{name} column exceeds 2 GiB in one batch")
+    return array
 
 
 def _timestamps_array(timestamps_ms, count: int, default_ms: int) -> pa.Array:
@@ -204,6 +199,12 @@ def _timestamps_array(timestamps_ms, count: int, default_ms: int) -> pa.Array:
         return pa.array(np.full(count, default_ms, np.int64))
     if isinstance(timestamps_ms, pa.Array | pa.ChunkedArray):
         array = timestamps_ms
+    elif isinstance(timestamps_ms, list):
+        # A list of ints (None for "now"), as the producer keeps them: one C-level call.
+        try:
+            array = pa.array(timestamps_ms, _INT64)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            return _timestamps_array(np.asarray(timestamps_ms, dtype=object), count, default_ms)
     else:
         array = np.asarray(timestamps_ms)
         if array.dtype == object:
@@ -213,7 +214,7 @@ def _timestamps_array(timestamps_ms, count: int, default_ms: int) -> pa.Array:
         raise InvalidRecordError(f"got {len(array)} timestamps for {count} records")
     if array.null_count:
         array = array.fill_null(default_ms)
-    return array.cast(pa.int64())
+    return array if array.type == _INT64 else array.cast(_INT64)
 
 
 def _headers_array(headers, count: int) -> pa.Array:
@@ -264,7 +265,7 @@ def build_record_batch(
         raise InvalidRecordError(f"got {len(keys)} keys for {count} values")
     default_ms = now_ms() if default_timestamp_ms is None else default_timestamp_ms
     value_array = _binary_array(values, "value")
-    key_array = pa.nulls(count, pa.binary()) if keys is None else _binary_array(keys, "key")
+    key_array = pa.nulls(count, _BINARY) if keys is None else _binary_array(keys, "key")
     return pa.RecordBatch.from_arrays(
         [key_array, value_array, _timestamps_array(timestamps_ms, count, default_ms), _headers_array(headers, count)],
         schema=SCHEMA,

@@ -87,6 +87,9 @@ class LogSegment:
         self._bytes_since_index_entry = 0
         self._map: mmap.mmap | None = None
         self._mapped_bytes = 0
+        # (offset, position) where the last read ended: a reader at the log end asks for exactly
+        # that next, and finds its batch without an index lookup and header scan.
+        self._read_end: tuple[int, int] | None = None
         self._cache_released_to = 0  # file position below which the page cache has been advised away
 
     # --- opening ---------------------------------------------------------------------------
@@ -261,6 +264,9 @@ class LogSegment:
         if offset >= self.next_offset:
             return None
         view = self._view()
+        hint = self._read_end
+        if hint is not None and hint[0] == offset and hint[1] < self.size_bytes:
+            return hint[1], rb.read_header(view, hint[1])
         start = self.offset_index.lookup(max(0, offset - self.base_offset))
         for position, header in rb.iter_headers(view, start, self.size_bytes):
             if header.last_offset >= offset:
@@ -296,6 +302,7 @@ class LogSegment:
                 rb.validate_batch(view, position)
             end = position + header.size_bytes
             next_offset = header.next_offset
+        self._read_end = (next_offset, end)
         return view[start:end], first.base_offset, next_offset
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
@@ -351,6 +358,7 @@ class LogSegment:
     def _truncate_file(self, size_bytes: int) -> None:
         self._map = None
         self._mapped_bytes = 0
+        self._read_end = None
         self._cache_released_to = min(self._cache_released_to, size_bytes // PAGE_BYTES * PAGE_BYTES)
         try:
             os.ftruncate(self._fd, size_bytes)
@@ -365,6 +373,7 @@ class LogSegment:
     def close(self) -> None:
         self._map = None
         self._mapped_bytes = 0
+        self._read_end = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
