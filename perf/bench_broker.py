@@ -32,8 +32,10 @@ current Producer, enable_idempotence=True). Cases:
              time minus send time per record. p50 / p99 over every record sent: a record
              not received within a grace period after the sending ended counts as
              infinitely late ("lost"), and a producer still backlogged then is killed.
-             Target case: linger_ms=0. Informational: linger_ms=5 (the default), and
-             linger_ms=5 with enable_idempotence=False. The throughput cases' topics are
+             Target case: linger_ms=0. Informational: linger_ms=5 (the default),
+             linger_ms=0 with max_in_flight=1, linger_ms=5 with enable_idempotence=False,
+             and linger_ms=0 with local_channel=False for producer and consumer (actor
+             calls only, no Unix socket to the leader). The throughput cases' topics are
              deleted first (their actors and files), so the stream does not share the
              CPUs with their heartbeats or with the kernel writing back their data.
 4. baselines Redis Streams with redis-py + hiredis: XADD pipelined 1,000 at a time
@@ -700,7 +702,8 @@ def main() -> int:
 
         def logbus_latency(topic: str, duration_s: float, options: dict) -> tuple[np.ndarray, int, float, bool]:
             offset = high_watermarks(bus, topic)[0]
-            ray.get(latency_consumer.prepare_logbus.remote(topic, 0, offset))
+            consumer_options = {k: v for k, v in options.items() if k == "local_channel"}
+            ray.get(latency_consumer.prepare_logbus.remote(topic, 0, offset, consumer_options))
             paced = PacedProducer.remote(namespace=namespace, data_dir=data_dir)
             try:
                 # Both ends first move LATENCY_WARMUP_RECORDS untimed: a fresh producer process pays
@@ -727,6 +730,11 @@ def main() -> int:
             ({"linger_ms": 0, "max_in_flight": 1},
              f"(info) logbus latency @ {LATENCY_RATE:,}/s, linger_ms=0, max_in_flight=1", False),
         ]
+        if producer_accepts("local_channel"):
+            latency_cases.append(
+                ({"linger_ms": 0, "local_channel": False},
+                 f"(info) logbus latency @ {LATENCY_RATE:,}/s, linger_ms=0, local_channel=False (actor calls)", False)
+            )
         if producer_accepts("enable_idempotence"):
             latency_cases.append(
                 ({"linger_ms": 5, "enable_idempotence": False},
