@@ -16,6 +16,7 @@ again (Ray restarts a replica under the same actor id, with a new socket).
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -166,6 +167,7 @@ class Channels:
     """Per process: the local channel connection of each replica on this node, by actor id."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()
         self._lock = threading.Lock()
         self._entries: dict[object, _Entry] = {}
         self._node_id: str | None = None
@@ -253,6 +255,7 @@ def channels() -> Channels:
     """This process's registry of local channels."""
     global _channels
     with _channels_lock:
-        if _channels is None:
+        if _channels is None or _channels.pid != os.getpid():
+            # A forked child inherits the parent's sockets but not their reader threads: it starts afresh.
             _channels = Channels()
         return _channels
