@@ -45,6 +45,7 @@ This module holds no state and imports no Ray; every function is thread-safe.
 
 from __future__ import annotations
 
+import functools
 import struct
 import time
 from dataclasses import dataclass
@@ -217,9 +218,19 @@ def _timestamps_array(timestamps_ms, count: int, default_ms: int) -> pa.Array:
     return array if array.type == _INT64 else array.cast(_INT64)
 
 
+@functools.lru_cache(maxsize=256)
+def _nulls(arrow_type: pa.DataType, count: int) -> pa.Array:
+    """An all-null array (immutable, so small ones are shared between batches)."""
+    return pa.nulls(count, arrow_type)
+
+
+def _null_column(arrow_type: pa.DataType, count: int) -> pa.Array:
+    return _nulls(arrow_type, count) if count <= 1024 else pa.nulls(count, arrow_type)
+
+
 def _headers_array(headers, count: int) -> pa.Array:
     if headers is None:
-        return pa.nulls(count, HEADERS_TYPE)
+        return _null_column(HEADERS_TYPE, count)
     if len(headers) != count:
         raise InvalidRecordError(f"got {len(headers)} header entries for {count} records")
     rows = []
@@ -265,7 +276,7 @@ def build_record_batch(
         raise InvalidRecordError(f"got {len(keys)} keys for {count} values")
     default_ms = now_ms() if default_timestamp_ms is None else default_timestamp_ms
     value_array = _binary_array(values, "value")
-    key_array = pa.nulls(count, _BINARY) if keys is None else _binary_array(keys, "key")
+    key_array = _null_column(_BINARY, count) if keys is None else _binary_array(keys, "key")
     return pa.RecordBatch.from_arrays(
         [key_array, value_array, _timestamps_array(timestamps_ms, count, default_ms), _headers_array(headers, count)],
         schema=SCHEMA,
@@ -319,8 +330,13 @@ def frame_record_batch(
     producer_epoch: int = NO_PRODUCER_EPOCH,
     base_sequence: int = NO_SEQUENCE,
     timestamp_type: int = TIMESTAMP_CREATE_TIME,
+    timestamp_range: tuple[int, int] | None = None,
 ) -> bytes:
-    """Serialize an Arrow record batch of SCHEMA into one framed batch (bytes)."""
+    """Serialize an Arrow record batch of SCHEMA into one framed batch (bytes).
+
+    ``timestamp_range`` (first, max) may be passed by a caller that knows the
+    timestamp column's first and largest values; otherwise they are computed.
+    """
     if compression not in _WRITE_OPTIONS:
         raise InvalidRecordError(f"compression must be one of {sorted(map(str, COMPRESSION_CODES))}, not {compression!r}")
     count = records.num_rows
@@ -338,13 +354,15 @@ def frame_record_batch(
             writer.write_batch(records)
             end = sink.tell()
         message = sink.getvalue().slice(_SCHEMA_MESSAGE_SIZE, end - _SCHEMA_MESSAGE_SIZE)
-    timestamps = records.column(2).to_numpy()
+    if timestamp_range is None:
+        timestamps = records.column(2).to_numpy()
+        timestamp_range = (int(timestamps[0]), int(timestamps.max()))
     attributes = COMPRESSION_CODES[compression] | (timestamp_type << 3)
     batch_length = HEADER_SIZE - LOG_OVERHEAD + message.size
     header = bytearray(HEADER_SIZE)
     _HEADER.pack_into(
         header, 0, base_offset, batch_length, leader_epoch, MAGIC_V1, 0, attributes, count,
-        int(timestamps[0]), int(timestamps.max()), producer_id, producer_epoch, base_sequence,
+        timestamp_range[0], timestamp_range[1], producer_id, producer_epoch, base_sequence,
     )
     crc = crc32c.crc32c(message, crc32c.crc32c(header[ATTRIBUTES_OFFSET:]))
     _CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
@@ -361,6 +379,9 @@ def encode_batch(
     """Encode Python values (and optional keys, timestamps, headers) into one framed batch."""
     default_ms = frame_options.pop("default_timestamp_ms", None)
     records = build_record_batch(values, keys, timestamps_ms, headers, default_timestamp_ms=default_ms)
+    if isinstance(timestamps_ms, list) and 0 < len(timestamps_ms) <= 1024 and None not in timestamps_ms:
+        # Small batches from the producer: the timestamp range from the list (no Arrow round trip).
+        frame_options["timestamp_range"] = (int(timestamps_ms[0]), int(max(timestamps_ms)))
     return frame_record_batch(records, **frame_options)
 
 
