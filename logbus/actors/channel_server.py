@@ -4,9 +4,12 @@ See ``logbus/protocol/local_channel.py`` for why and the frame format. Each
 request runs as its own task on the replica's event loop (as Ray runs an async
 actor's calls), so a fetch held open waiting for data does not hold up the
 produce requests behind it on the same connection. At most
-``MAX_CONCURRENT_PER_CONNECTION`` requests of one connection run at once; the
-next frame is not read until one finishes, so a client that sends faster than
-the replica answers is slowed by the socket, not queued without bound.
+``MAX_CONCURRENT_PER_CONNECTION`` requests of one connection run at once, and
+replies waiting to be sent are bounded too: beyond either, the connection is
+not read until requests finish or the client takes its replies, so a client
+that sends faster than the replica answers is slowed by the socket, not
+queued without bound. Frames are cut from the stream in ``data_received``
+(a protocol rather than a stream reader: one event-loop turn less per request).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class ChannelServer:
         self._handler = handler
         self._label = label
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._connections: set[_Connection] = set()
         self.address: str | None = None
 
     async def start(self) -> str | None:
@@ -59,7 +62,8 @@ class ChannelServer:
         if not supported():
             return None
         address = wire.abstract_address(secrets.token_hex(12))
-        self._server = await asyncio.start_unix_server(self._serve_connection, path=address, limit=1 << 16)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: _Connection(self), path=address)
         self.address = address
         return address
 
@@ -67,67 +71,119 @@ class ChannelServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-        for writer in list(self._writers):
-            writer.close()
-        self._writers.clear()
+        for connection in list(self._connections):
+            connection.close()
+        self._connections.clear()
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if _peer_uid(writer.get_extra_info("socket")) != os.getuid():
-            writer.close()  # only processes of this user (Ray's own workers) may talk to the replica
+
+class _Connection(asyncio.Protocol):
+    """One client connection: frames are cut from the byte stream as it arrives, each request
+    runs as a task, replies are written as they finish. Reading pauses while
+    MAX_CONCURRENT_PER_CONNECTION requests run or while unsent replies exceed
+    WRITE_BUFFER_HIGH_BYTES."""
+
+    def __init__(self, server: ChannelServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._running = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._write_paused = False
+        self._read_paused = False
+
+    # --- asyncio.Protocol --------------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        if _peer_uid(transport.get_extra_info("socket")) != os.getuid():
+            transport.close()  # only processes of this user (Ray's own workers) may talk to the replica
             return
-        self._writers.add(writer)
-        slots = asyncio.Semaphore(MAX_CONCURRENT_PER_CONNECTION)
-        drained = asyncio.Lock()
-        tasks: set[asyncio.Task] = set()
-        try:
-            while True:
-                try:
-                    length, request_id, kind = wire.decode_header(await reader.readexactly(wire.HEADER_SIZE))
-                    body = await reader.readexactly(length)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the client went away
-                except wire.FrameError as error:
-                    print(f"logbus {self._label}: closing a local channel connection: {error}", file=sys.stderr)
-                    return
-                await slots.acquire()
-                task = asyncio.get_running_loop().create_task(self._serve_request(writer, drained, slots, request_id, kind, body))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-        finally:
-            self._writers.discard(writer)
-            writer.close()
-            for task in tasks:
-                task.cancel()
+        self._transport = transport
+        transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH_BYTES)
+        self._server._connections.add(self)
 
-    async def _serve_request(
-        self, writer: asyncio.StreamWriter, drained: asyncio.Lock, slots: asyncio.Semaphore, request_id: int, kind: int, body: bytes
-    ) -> None:
-        try:
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None:
+            return
+        self._buffer += data
+        self._take_frames()
+
+    def connection_lost(self, exc) -> None:
+        self._server._connections.discard(self)
+        self._transport = None
+        for task in self._tasks:
+            task.cancel()  # the client is gone: nobody waits for these replies
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._update_reading()
+        self._take_frames()
+
+    # --- frames and requests --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def _take_frames(self) -> None:
+        buffer = self._buffer
+        while self._transport is not None and self._running < MAX_CONCURRENT_PER_CONNECTION and not self._write_paused:
+            if len(buffer) < wire.HEADER_SIZE:
+                break
             try:
-                if kind not in wire.REQUEST_KINDS:
-                    raise ValueError(f"unknown local channel request kind {kind}")
-                args = wire.decode_body(body)
-                del body
-                if not isinstance(args, tuple):
-                    raise ValueError("local channel request arguments must be a tuple")
-                frame = wire.encode(request_id, wire.OK, await self._handler(kind, args))
-            except asyncio.CancelledError:
-                raise
-            except Exception as error:  # noqa: BLE001 (every failure goes back to the caller)
-                try:
-                    frame = wire.encode(request_id, wire.ERROR, error)
-                except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
-                    from logbus.errors import LogbusError
-
-                    frame = wire.encode(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
-            if writer.is_closing():
+                length, request_id, kind = wire.decode_header(bytes(buffer[: wire.HEADER_SIZE]))
+            except wire.FrameError as error:
+                print(f"logbus {self._server._label}: closing a local channel connection: {error}", file=sys.stderr)
+                self._transport.close()
                 return
-            writer.write(frame)
-            if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH_BYTES:
-                async with drained:
-                    try:
-                        await writer.drain()
-                    except ConnectionError:
-                        return
-        finally:
-            slots.release()
+            end = wire.HEADER_SIZE + length
+            if len(buffer) < end:
+                break
+            body = bytes(buffer[wire.HEADER_SIZE : end])
+            del buffer[:end]
+            self._running += 1
+            task = asyncio.get_running_loop().create_task(self._serve(request_id, kind, body))
+            self._tasks.add(task)
+            task.add_done_callback(self._finished)
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        pause = self._write_paused or self._running >= MAX_CONCURRENT_PER_CONNECTION
+        if pause and not self._read_paused:
+            transport.pause_reading()
+            self._read_paused = True
+        elif not pause and self._read_paused:
+            transport.resume_reading()
+            self._read_paused = False
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._running -= 1
+        self._take_frames()  # frames that waited for a free slot
+
+    async def _serve(self, request_id: int, kind: int, body: bytes) -> None:
+        try:
+            if kind not in wire.REQUEST_KINDS:
+                raise ValueError(f"unknown local channel request kind {kind}")
+            args = wire.decode_body(body)
+            del body
+            if not isinstance(args, tuple):
+                raise ValueError("local channel request arguments must be a tuple")
+            frame = wire.encode(request_id, wire.OK, await self._server._handler(kind, args))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 (every failure goes back to the caller)
+            try:
+                frame = wire.encode(request_id, wire.ERROR, error)
+            except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
+                from logbus.errors import LogbusError
+
+                frame = wire.encode(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(frame)

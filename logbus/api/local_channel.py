@@ -170,7 +170,6 @@ class Channels:
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._entries: dict[object, _Entry] = {}
-        self._node_id: str | None = None
 
     def connection(self, replica) -> Connection | None:
         """The open connection to ``replica`` (an actor handle), or None: use an actor call."""
@@ -210,15 +209,15 @@ class Channels:
 
     def _look_up(self, key, replica, entry: _Entry) -> None:
         try:
-            if self._node_id is None:
-                self._node_id = ray.get_runtime_context().get_node_id()
+            # Asked each time, not cached: a process may leave one Ray cluster and join another.
+            node_id = ray.get_runtime_context().get_node_id()
             ref = replica.channel_address.remote()
         except Exception:  # noqa: BLE001 (no channel; actor calls still work or report the problem)
             self._failed(key, entry)
             return
-        ref.future().add_done_callback(lambda future: self._found(key, entry, future))
+        ref.future().add_done_callback(lambda future: self._found(key, entry, node_id, future))
 
-    def _found(self, key, entry: _Entry, future) -> None:
+    def _found(self, key, entry: _Entry, node_id: str, future) -> None:
         try:
             found = future.result()
         except Exception:  # noqa: BLE001 (the replica is unavailable or predates the channel)
@@ -229,7 +228,7 @@ class Channels:
                 return
             if found is None:
                 entry.state = "remote"  # the replica has no channel (not Linux): never ask again
-            elif found[0] != self._node_id:
+            elif found[0] != node_id:
                 entry.state = "remote"  # replicas stay on their node: actor calls for good
             else:
                 entry.state, entry.address = "ready", found[1]

@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from logbus.errors import (
@@ -259,7 +259,7 @@ class PartitionLog:
             return AppendResult(duplicate_of, last, header.record_count, header.max_timestamp_ms, self.log_end_offset, duplicate=True)
         base_offset = self.log_end_offset
         new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch)
-        stamped = replace(header, base_offset=base_offset, leader_epoch=leader_epoch)
+        stamped = header.stamped(base_offset, leader_epoch)
         self._write(stamped, [new_header_bytes, payload])
         return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
 

@@ -146,6 +146,13 @@ class BatchHeader:
     producer_epoch: int
     base_sequence: int
 
+    def stamped(self, base_offset: int, leader_epoch: int) -> "BatchHeader":
+        """This header with the offset and epoch a leader assigns (dataclasses.replace costs ~10x more)."""
+        return BatchHeader(
+            base_offset, self.batch_length, leader_epoch, self.magic, self.crc, self.attributes, self.record_count,
+            self.first_timestamp_ms, self.max_timestamp_ms, self.producer_id, self.producer_epoch, self.base_sequence,
+        )
+
     @property
     def size_bytes(self) -> int:
         """Total size of the batch, header included."""

@@ -49,6 +49,8 @@ class Service:
             await self.release.wait()
         elif args and args[0] == "raise":
             raise NotLeaderError("not the leader")
+        elif args and args[0] == "big":
+            return b"x" * (1 << 20)
         return (kind, args)
 
 
@@ -114,6 +116,32 @@ def test_a_connection_runs_a_bounded_number_of_requests(loop, monkeypatch):
         assert service.started == 3
     finally:
         connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_a_client_that_does_not_take_its_replies_is_not_served_further(loop, monkeypatch):
+    """Replies waiting to be sent are bounded: past the limit the server stops reading requests."""
+    monkeypatch.setattr(channel_server, "MAX_CONCURRENT_PER_CONNECTION", 2)
+    monkeypatch.setattr(channel_server, "WRITE_BUFFER_HIGH_BYTES", 2 << 20)
+    service = Service()
+    server, address = start(loop, service)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(address)
+            raw.settimeout(60)
+            raw.sendall(b"".join(wire.encode(i, wire.FETCH, ("big",)) for i in range(40)))
+            wait_for(lambda: any(c._read_paused for c in list(server._connections)), timeout_s=30, message="reading to pause")
+            assert service.started < 40  # the rest wait until the client takes its replies
+            replies = 0
+            while replies < 40:  # now read everything: the server resumes and answers every request
+                length, _, kind = wire.decode_header(raw.recv(wire.HEADER_SIZE, socket.MSG_WAITALL))
+                body = b""
+                while len(body) < length:
+                    body += raw.recv(length - len(body))
+                assert kind == wire.OK and len(wire.decode_body(body)) == 1 << 20
+                replies += 1
+        assert service.started == 40
+    finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 

@@ -87,6 +87,13 @@ def test_decode_is_zero_copy_over_numpy_buffer():
     assert start <= data_buffer.address < start + array.nbytes  # values point into the array
 
 
+def test_stamped_header_changes_only_offset_and_epoch():
+    import dataclasses
+
+    header = rb.read_header(rb.encode_batch([b"a", b"b"], producer_id=7, producer_epoch=1, base_sequence=3))
+    assert header.stamped(42, 5) == dataclasses.replace(header, base_offset=42, leader_epoch=5)
+
+
 def test_offset_and_epoch_are_outside_the_crc():
     encoded = rb.encode_batch([b"a", b"b"])
     header, payload = rb.with_offset_and_epoch(encoded, 77, 9)
