@@ -30,6 +30,7 @@ from logbus.protocol import local_channel as wire
 
 SEND_TIMEOUT_S = 5.0  # a replica that stops reading its socket fails the send after this long
 RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this long
+LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
 
 
 class ChannelClosedError(LeaderNotAvailableError):
@@ -160,7 +161,7 @@ class _Entry:
         self.state = "looking-up"  # then "ready" (address known), "remote" (another node), "failed"
         self.address: str | None = None
         self.connection: Connection | None = None
-        self.retry_at = 0.0
+        self.retry_at = time.monotonic() + LOOKUP_TIMEOUT_S  # a lookup still unanswered then is asked again
 
 
 class Channels:
@@ -178,7 +179,7 @@ class Channels:
             entry = self._entries.get(key)
             if entry is not None and entry.state == "ready" and entry.connection is not None and not entry.connection.closed:
                 return entry.connection
-            if entry is None or (entry.state == "failed" and time.monotonic() >= entry.retry_at):
+            if entry is None or (entry.state in ("failed", "looking-up") and time.monotonic() >= entry.retry_at):
                 entry = self._entries[key] = _Entry()
                 start_lookup = True
             else:
