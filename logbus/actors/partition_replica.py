@@ -93,6 +93,48 @@ FOLLOWER = "follower"
 UNKNOWN = "unknown"
 
 
+class Wakeup:
+    """Coroutines waiting, with a timeout, for the next ``wake_all()``.
+
+    What ``asyncio.wait_for(event.wait(), t)`` on a fresh Event per signal did,
+    without a task per wait: a woken waiter resumes in the loop's next turn
+    instead of three turns later, which is on the path of every fetch waiting
+    at the log end.
+    """
+
+    __slots__ = ("_waiters",)
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future] = []
+
+    async def wait(self, timeout_s: float) -> bool:
+        """True if woken, False if ``timeout_s`` passed first."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiters.append(waiter)
+        timer = loop.call_later(max(0.0, timeout_s), _expire, waiter)
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            if not (waiter.done() and not waiter.cancelled() and waiter.result()):
+                try:
+                    self._waiters.remove(waiter)  # timed out or cancelled: not waiting any more
+                except ValueError:
+                    pass
+
+    def wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(True)
+
+
+def _expire(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 def monotonic_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
@@ -138,8 +180,8 @@ class PartitionReplica:
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
         # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
         self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
-        self._appended: asyncio.Event | None = None
-        self._hw_moved: asyncio.Event | None = None
+        self._appended: Wakeup | None = None  # woken by every append (long-polling fetches wait on it)
+        self._hw_moved: Wakeup | None = None  # woken when the high watermark moves or leadership changes
         self._tasks: list[asyncio.Task] = []
         self._follow_task: asyncio.Task | None = None
         self._deleted = False
@@ -181,8 +223,8 @@ class PartitionReplica:
         """Create loop-bound objects on first use (the constructor runs outside the event loop)."""
         if self._appended is not None:
             return
-        self._appended = asyncio.Event()
-        self._hw_moved = asyncio.Event()
+        self._appended = Wakeup()
+        self._hw_moved = Wakeup()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._housekeeping_loop()))
         if self.controller_name is not None:
@@ -298,9 +340,7 @@ class PartitionReplica:
         return min(self.follower_high_watermark, self.log.log_end_offset)
 
     def _signal(self, attribute: str) -> None:
-        event = getattr(self, attribute)
-        setattr(self, attribute, asyncio.Event())
-        event.set()
+        getattr(self, attribute).wake_all()
 
     def _advance_high_watermark(self) -> None:
         if self.leader_state is not None and self.leader_state.update_high_watermark(self.log.log_end_offset):
@@ -478,9 +518,7 @@ class PartitionReplica:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return  # the append reports the gap
-            try:
-                await asyncio.wait_for(self._appended.wait(), remaining)
-            except asyncio.TimeoutError:
+            if not await self._appended.wait(remaining):
                 return
 
     async def _wait_committed(self, state: LeaderState, end_offset: int, timeout_ms: int) -> None:
@@ -495,10 +533,7 @@ class PartitionReplica:
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
                 raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
-            try:
-                await asyncio.wait_for(self._hw_moved.wait(), min(remaining, 0.1))
-            except asyncio.TimeoutError:
-                pass
+            await self._hw_moved.wait(min(remaining, 0.1))
 
     def _remember_session(self, session: int, next_offset: int) -> None:
         sessions = self._fetch_sessions
@@ -561,10 +596,7 @@ class PartitionReplica:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
-            try:
-                await asyncio.wait_for(self._appended.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+            await self._appended.wait(remaining)
 
     async def fetch(
         self,
