@@ -81,6 +81,7 @@ class _Partition:
 
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
+        "arrow_scalars",
     )
 
     def __init__(self, tp: TopicPartition) -> None:
@@ -96,6 +97,7 @@ class _Partition:
         self.buffered_rows = 0
         self.error: LogbusError | None = None
         self.at_end = False  # the last fetch was small (came inline): we are at the log end
+        self.arrow_scalars = (pa.scalar(tp.topic, pa.string()), pa.scalar(tp.partition, pa.int32()))  # for poll_arrow
 
     def reset_to(self, offset: int) -> None:
         self.position = self.fetch_offset = offset
@@ -584,16 +586,18 @@ class Consumer:
         batches = []
         for state, first, records in self._take(max_records):
             count = records.num_rows
+            topic, partition = state.arrow_scalars
+            key, value, timestamp, headers = records.columns
             batches.append(
                 pa.RecordBatch.from_arrays(
                     [
-                        pa.repeat(pa.scalar(state.tp.topic, pa.string()), count),
-                        pa.repeat(pa.scalar(state.tp.partition, pa.int32()), count),
+                        pa.repeat(topic, count),
+                        pa.repeat(partition, count),
                         pa.array(np.arange(first, first + count, dtype=np.int64)),
-                        records.column(2),
-                        records.column(0),
-                        records.column(1),
-                        records.column(3),
+                        timestamp,
+                        key,
+                        value,
+                        headers,
                     ],
                     schema=ARROW_SCHEMA,
                 )
