@@ -3,8 +3,10 @@
 At the log end, each assigned partition keeps two fetches in flight, so one
 is always waiting at the leader while the other's reply travels back: records
 appended there go out at once instead of waiting for the next fetch to arrive.
-A partition that is behind has one fetch in flight, sent again before its
-records are handed out, so the round trip overlaps the caller's work.
+A partition that is behind keeps two fetches in flight too while the buffer
+and both replies fit ``max_buffered_bytes`` (else one), sent again before its
+records are handed out, so the leader's reads overlap this process's decoding
+and the caller's work.
 The fetches of a partition share a fetch session (an id the leader keys by):
 a fetch that was sent while an earlier one was outstanding continues where the
 earlier one ended, and the consumer drops whatever it already has, so a
@@ -356,16 +358,22 @@ class Consumer:
         for state in self._partitions.values():
             if state.paused or state.error is not None:
                 continue
-            # A second fetch only at the log end, to keep one waiting at the leader; a partition
-            # that is behind gets data at once, and two large fetches would double its memory.
-            if len(state.in_flight) >= (FETCHES_IN_FLIGHT if state.at_end else 1):
+            if len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
-            if state.buffered_rows:
-                if state.at_end and state.in_flight:
-                    # At the log end with a fetch already waiting at the leader: the records in
-                    # hand go to the caller first (sending a fetch costs a fraction of a ms).
+            if state.buffered_rows and state.at_end and state.in_flight:
+                # At the log end with a fetch already waiting at the leader: the records in
+                # hand go to the caller first (sending a fetch costs a fraction of a ms).
+                continue
+            if state.at_end:
+                # Replies at the log end are small: only a full buffer stops the fetching.
+                if state.buffered_rows and sum(r.nbytes for _, r in state.buffer) >= self.max_buffered_bytes:
                     continue
-                if sum(r.nbytes for _, r in state.buffer) >= self.max_buffered_bytes:
+            elif state.in_flight or state.buffered_rows:
+                # Behind the log end, replies are up to fetch_max_bytes each: a second fetch goes
+                # out (so the leader reads the next bytes while this process decodes the last
+                # ones) only while the buffer and every reply on its way fit max_buffered_bytes.
+                buffered = sum(r.nbytes for _, r in state.buffer) if state.buffered_rows else 0
+                if buffered + (len(state.in_flight) + 1) * self.fetch_max_bytes > self.max_buffered_bytes:
                     continue
             try:
                 leader = self._leader(state.tp)

@@ -343,3 +343,35 @@ def test_consumer_recovers_when_its_fetch_session_runs_ahead(bus, topic_name):
     assert got["value"].to_pylist() == [b"%d" % i for i in range(100, 200)]
     assert consumer._partitions[tp].session != session  # it started a new session
     consumer.close()
+
+
+def test_consumer_behind_pipelines_fetches_within_its_memory_bound(bus, topic_name):
+    """Behind the log end, two large fetches go out while two replies fit max_buffered_bytes, else one;
+    either way every record arrives once, in order."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    tp = TopicPartition(topic_name, 0)
+    rows, tables = 1000, 30
+    with logbus.Producer(bus) as producer:
+        for t in range(tables):  # one ~110 KB batch per table: larger than a reply carries inline
+            values = [b"%06d" % (t * rows + i) + b"x" * 100 for i in range(rows)]
+            producer.send_table(topic_name, pa.table({"value": pa.array(values, pa.binary())}))
+    fetch_max_bytes = 150_000  # one batch per fetch
+    for max_buffered_bytes, in_flight_max in ((10 << 20, 2), (200_000, 1)):
+        consumer = logbus.Consumer(bus, fetch_max_bytes=fetch_max_bytes, max_buffered_bytes=max_buffered_bytes)
+        consumer.assign([tp])
+        consumer.seek_to_beginning()
+        state = consumer._partitions[tp]  # white box: the fetches outstanding after each poll
+        got, most_in_flight = [], 0
+        while sum(t.num_rows for t in got) < rows * tables:
+            table = consumer.poll_arrow(timeout_ms=5000)
+            assert table.num_rows, "no records within 5 s"
+            got.append(table)
+            most_in_flight = max(most_in_flight, len(state.in_flight))
+        both = pa.concat_tables(got)
+        assert both["offset"].to_pylist() == list(range(rows * tables))
+        assert [v[:6] for v in both["value"].to_pylist()] == [b"%06d" % i for i in range(rows * tables)]
+        if in_flight_max == 2:
+            assert most_in_flight == 2  # the second fetch went out while the first reply was handled
+        else:
+            assert most_in_flight <= 1  # the buffer and a second reply would not fit
+        consumer.close()
