@@ -8,8 +8,10 @@ produce requests behind it on the same connection. At most
 replies waiting to be sent are bounded too: beyond either, the connection is
 not read until requests finish or the client takes its replies, so a client
 that sends faster than the replica answers is slowed by the socket, not
-queued without bound. Frames are cut from the stream in ``data_received``
-(a protocol rather than a stream reader: one event-loop turn less per request).
+queued without bound. Frames are cut from the stream in ``buffer_updated``
+(a buffered protocol rather than a stream reader: one event-loop turn less
+per request, and a large request's body is received where the request keeps
+it).
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ import struct
 import sys
 from collections.abc import Awaitable, Callable
 
+import numpy as np
+
 from logbus.protocol import local_channel as wire
 
 MAX_CONCURRENT_PER_CONNECTION = 256
 WRITE_BUFFER_HIGH_BYTES = 4 << 20  # wait for the socket to drain above this much unsent reply data
+READ_BUFFER_BYTES = 256 << 10  # a connection's reused read buffer
+LARGE_BODY_BYTES = 64 << 10  # a frame body larger than this is received into a buffer of its own
+_WRITE_COPIES = sys.version_info < (3, 12)  # see _Connection._serve
 
 Handler = Callable[[int, tuple], Awaitable[object]]
 
@@ -76,22 +83,33 @@ class ChannelServer:
         self._connections.clear()
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(asyncio.BufferedProtocol):
     """One client connection: frames are cut from the byte stream as it arrives, each request
     runs as a task, replies are written as they finish. Reading pauses while
     MAX_CONCURRENT_PER_CONNECTION requests run or while unsent replies exceed
-    WRITE_BUFFER_HIGH_BYTES."""
+    WRITE_BUFFER_HIGH_BYTES.
+
+    The socket is read into a reused buffer of READ_BUFFER_BYTES; a frame whose
+    body is larger than LARGE_BODY_BYTES (a produce request with a large batch)
+    gets a buffer of its own, which the socket fills directly and the request
+    keeps: its batch is never copied in this process."""
 
     def __init__(self, server: ChannelServer) -> None:
         self._server = server
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._buffer = bytearray(READ_BUFFER_BYTES)
+        self._start = 0  # first byte of _buffer not yet cut into a frame
+        self._end = 0  # end of the bytes received into _buffer
+        self._large: np.ndarray | None = None  # the body of a large frame, being received
+        self._large_filled = 0
+        self._large_frame: tuple[int, int] = (0, 0)  # its (request id, kind)
+        self._ready: tuple[int, int, object] | None = None  # a received large frame waiting for a free slot
         self._running = 0
         self._tasks: set[asyncio.Task] = set()
         self._write_paused = False
         self._read_paused = False
 
-    # --- asyncio.Protocol --------------------------------------------------------------------------
+    # --- asyncio.BufferedProtocol ----------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
         if _peer_uid(transport.get_extra_info("socket")) != os.getuid():
@@ -101,11 +119,32 @@ class _Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH_BYTES)
         self._server._connections.add(self)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._large is not None:
+            return memoryview(self._large)[self._large_filled :]  # a uint8 array: a byte view
+        if self._end == len(self._buffer):
+            # Full: move the start of the incomplete frame to the front (it fits: larger bodies
+            # get a buffer of their own as soon as their header is in).
+            remaining = self._end - self._start
+            self._buffer[:remaining] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, remaining
+        return memoryview(self._buffer)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
         if self._transport is None:
             return
-        self._buffer += data
+        if self._large is not None:
+            self._large_filled += nbytes
+            if self._large_filled == len(self._large):
+                request_id, kind = self._large_frame
+                self._ready = (request_id, kind, self._large)
+                self._large = None
+        else:
+            self._end += nbytes
         self._take_frames()
+
+    def eof_received(self) -> bool:
+        return False  # close the transport
 
     def connection_lost(self, exc) -> None:
         self._server._connections.discard(self)
@@ -128,33 +167,57 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def _may_start(self) -> bool:
+        return self._transport is not None and self._running < MAX_CONCURRENT_PER_CONNECTION and not self._write_paused
+
     def _take_frames(self) -> None:
+        if self._ready is not None and self._may_start():
+            self._start_request(*self._ready)
+            self._ready = None
         buffer = self._buffer
-        while self._transport is not None and self._running < MAX_CONCURRENT_PER_CONNECTION and not self._write_paused:
-            if len(buffer) < wire.HEADER_SIZE:
+        while self._ready is None and self._large is None and self._may_start():
+            if self._end - self._start < wire.HEADER_SIZE:
                 break
             try:
-                length, request_id, kind = wire.decode_header(bytes(buffer[: wire.HEADER_SIZE]))
+                length, request_id, kind = wire.decode_header(bytes(buffer[self._start : self._start + wire.HEADER_SIZE]))
             except wire.FrameError as error:
                 print(f"logbus {self._server._label}: closing a local channel connection: {error}", file=sys.stderr)
                 self._transport.close()
                 return
-            end = wire.HEADER_SIZE + length
-            if len(buffer) < end:
+            body_start = self._start + wire.HEADER_SIZE
+            if length > LARGE_BODY_BYTES:
+                # A buffer of its own, filled directly by the socket from here on (np.empty: a
+                # bytearray would be zeroed first).
+                large = np.empty(length, np.uint8)
+                received = min(self._end - body_start, length)
+                large[:received] = np.frombuffer(buffer, np.uint8, received, body_start)
+                self._start = body_start + received
+                if received == length:
+                    self._start_request(request_id, kind, large)
+                    continue
+                self._large, self._large_filled, self._large_frame = large, received, (request_id, kind)
                 break
-            body = bytes(buffer[wire.HEADER_SIZE : end])
-            del buffer[:end]
-            self._running += 1
-            task = asyncio.get_running_loop().create_task(self._serve(request_id, kind, body))
-            self._tasks.add(task)
-            task.add_done_callback(self._finished)
+            end = body_start + length
+            if end > self._end:
+                break
+            body = bytes(memoryview(buffer)[body_start:end])
+            self._start = end
+            self._start_request(request_id, kind, body)
+        if self._start == self._end:
+            self._start = self._end = 0
         self._update_reading()
+
+    def _start_request(self, request_id: int, kind: int, body) -> None:
+        self._running += 1
+        task = asyncio.get_running_loop().create_task(self._serve(request_id, kind, body))
+        self._tasks.add(task)
+        task.add_done_callback(self._finished)
 
     def _update_reading(self) -> None:
         transport = self._transport
         if transport is None:
             return
-        pause = self._write_paused or self._running >= MAX_CONCURRENT_PER_CONNECTION
+        pause = self._write_paused or self._running >= MAX_CONCURRENT_PER_CONNECTION or self._ready is not None
         if pause and not self._read_paused:
             transport.pause_reading()
             self._read_paused = True
@@ -167,7 +230,7 @@ class _Connection(asyncio.Protocol):
         self._running -= 1
         self._take_frames()  # frames that waited for a free slot
 
-    async def _serve(self, request_id: int, kind: int, body: bytes) -> None:
+    async def _serve(self, request_id: int, kind: int, body) -> None:
         try:
             if kind not in wire.REQUEST_KINDS:
                 raise ValueError(f"unknown local channel request kind {kind}")
@@ -175,15 +238,20 @@ class _Connection(asyncio.Protocol):
             del body
             if not isinstance(args, tuple):
                 raise ValueError("local channel request arguments must be a tuple")
-            frame = wire.encode(request_id, wire.OK, await self._server._handler(kind, args))
+            parts = wire.encode_parts(request_id, wire.OK, await self._server._handler(kind, args))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 (every failure goes back to the caller)
             try:
-                frame = wire.encode(request_id, wire.ERROR, error)
+                parts = wire.encode_parts(request_id, wire.ERROR, error)
             except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
                 from logbus.errors import LogbusError
 
-                frame = wire.encode(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(frame)
+                parts = wire.encode_parts(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            # A reply's out-of-band buffer may be a view of a mapped segment, valid only until
+            # this coroutine yields: Python 3.11's transport sends it or copies what it cannot
+            # send yet before write() returns (later versions keep the view: copy it there).
+            for part in parts:
+                transport.write(part if _WRITE_COPIES else bytes(part))

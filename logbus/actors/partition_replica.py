@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import shutil
 import time
 from collections import OrderedDict
@@ -558,6 +559,9 @@ class PartitionReplica:
         In a fetch ``session``, the read starts where the session's last answered
         fetch ended, if that is past ``offset``: a consumer's pipelined fetches
         (sent before the earlier one's reply arrived) then continue one another.
+        ``inline_cap=None`` is the local channel's read: the data is a view of
+        the mapped segment, however large, and a first batch larger than a
+        channel reply carries raises ChannelReplyTooLargeError.
         """
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
         inline_max_bytes = max(0, int(inline_max_bytes))
@@ -572,13 +576,23 @@ class PartitionReplica:
             start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
             result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=verify_crc)
             if result is not None:
+                if inline_cap is None and len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
+                    # One batch larger than a channel reply carries (the session stays where it was).
+                    raise wire.ChannelReplyTooLargeError(
+                        f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
+                        f"for the local channel", result.next_offset,
+                    )
                 if session is not None:
                     self._remember_session(session, result.next_offset)
                 meta = FetchResponse(
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
                 size = len(result.data)
-                if size <= inline_max_bytes or inline_cap is None:
+                if inline_cap is None:
+                    # For the local channel: a view of the mapped segment, written to the socket
+                    # before the reply's task yields (see channel_server); never copied here.
+                    data = pickle.PickleBuffer(result.data)
+                elif size <= inline_max_bytes:
                     # Small: a copy travels inside the reply, as bytes (no object-store round trip
                     # for the reader, and bytes serialize faster than an array).
                     data = bytes(result.data)
@@ -641,7 +655,8 @@ class PartitionReplica:
         offset, max_bytes, max_wait_ms, verify_crc, session = args
         self._started()
         self._check_leader()
-        # Every result travels inside the reply, however large (no object store on this path).
+        # Every result travels inside the reply, however large (no object store on this path),
+        # up to what one frame can carry.
         return await self._read(
             int(offset), min(int(max_bytes), wire.CHANNEL_FETCH_MAX_BYTES), max_wait_ms, lambda: self.high_watermark,
             bool(verify_crc), wire.CHANNEL_FETCH_MAX_BYTES, session, inline_cap=None,

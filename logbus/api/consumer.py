@@ -10,13 +10,15 @@ and the caller's work.
 The fetches of a partition share a fetch session (an id the leader keys by):
 a fetch that was sent while an earlier one was outstanding continues where the
 earlier one ended, and the consumer drops whatever it already has, so a
-leader that lost the session (a new leader, say) costs only a re-read. Large
-results travel as an ObjectRef to whole batches in Ray's object store, small
-ones inside the reply; either way they are decoded in place with Arrow (no
-copy, no per-row work) and sliced to the consumer's position. At the log end,
-a partition whose leader runs on this node is fetched over the leader's local
-channel (a Unix socket, see ``logbus/protocol/local_channel.py``) rather than
-with actor calls: same fetch, same session, a tenth of the latency.
+leader that lost the session (a new leader, say) costs only a re-read. A
+partition whose leader runs on this node is fetched over the leader's local
+channel (a Unix socket, see ``logbus/protocol/local_channel.py``): same
+fetch, same session, a tenth of an actor call's latency, and the batches go
+from the mapped segment into the socket and from the socket into one buffer
+here. From a leader on another node, large results travel as an ObjectRef to
+whole batches in Ray's object store, small ones inside the reply. Either way
+they are decoded in place with Arrow (no copy, no per-row work) and sliced to
+the consumer's position.
 
 ``poll()`` turns records into ConsumerRecord tuples (per-row Python, as any
 poll API must); ``poll_arrow()`` returns one pyarrow Table and does no per-row
@@ -57,7 +59,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     UnknownTopicError,
 )
-from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH
+from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH, ChannelReplyTooLargeError
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name
@@ -83,7 +85,7 @@ class _Partition:
 
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
-        "arrow_scalars",
+        "arrow_scalars", "actor_fetch_until",
     )
 
     def __init__(self, tp: TopicPartition) -> None:
@@ -99,6 +101,7 @@ class _Partition:
         self.buffered_rows = 0
         self.error: LogbusError | None = None
         self.at_end = False  # the last fetch was small (came inline): we are at the log end
+        self.actor_fetch_until = 0  # below this offset, fetch with actor calls (a batch too large for the channel)
         self.arrow_scalars = (pa.scalar(tp.topic, pa.string()), pa.scalar(tp.partition, pa.int32()))  # for poll_arrow
 
     def reset_to(self, offset: int) -> None:
@@ -174,8 +177,9 @@ class Consumer:
             "cooperative-sticky" (cooperative only if every listed strategy is).
         group_instance_id: makes this member static: restarting within the session timeout gets
             its partitions back with no rebalance.
-        local_channel: at the log end, fetch from a leader on this node over its local channel
-            (a Unix socket; a tenth of an actor call's latency) rather than with actor calls.
+        local_channel: fetch from a leader on this node over its local channel (a Unix socket;
+            a tenth of an actor call's latency, and no copy into the object store) rather than
+            with actor calls.
     """
 
     def __init__(
@@ -383,7 +387,7 @@ class Consumer:
                 continue  # retriable (no leader yet): the next round asks again
             # The replica skips its CRC check when we check every batch ourselves, and sends
             # small results inside its reply (one round trip instead of two).
-            ref = self._fetch_over_channel(state, leader) if state.at_end else None
+            ref = self._fetch_over_channel(state, leader) if state.fetch_offset >= state.actor_fetch_until else None
             if ref is None:
                 ref = leader.fetch.remote(
                     state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
@@ -447,6 +451,9 @@ class Consumer:
                 if isinstance(data, ray.ObjectRef):
                     data = get(data, timeout_s=None)
                     large = True
+        except ChannelReplyTooLargeError as error:
+            state.actor_fetch_until = max(state.actor_fetch_until, error.end_offset)
+            return
         except OffsetOutOfRangeError:
             if session != state.session:
                 return  # a seek happened meanwhile

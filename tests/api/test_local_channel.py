@@ -2,9 +2,12 @@
 
 import asyncio
 import os
+import pickle
+import random
 import signal
 import socket
 import threading
+import zlib
 
 import pyarrow as pa
 import pytest
@@ -160,6 +163,63 @@ def test_a_malformed_frame_closes_the_connection(loop):
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 
+class Echo:
+    """Answers a request of one blob with (its CRC, its length, the type it arrived as), and
+    a request for n bytes with n bytes out of band."""
+
+    async def __call__(self, kind, args):
+        if args[0] == "give":
+            return pickle.PickleBuffer(b"g" * args[1])
+        (blob,) = args
+        return zlib.crc32(blob), len(blob), type(blob).__name__
+
+
+def test_frames_are_cut_from_any_chunking_and_large_bodies_arrive_whole(loop):
+    """Requests of every size, written in chunks cut anywhere (mid-header, mid-body), are each served once."""
+    rng = random.Random(5)
+    server, address = start(loop, Echo())
+    sizes = [rng.choice([10, 5000, channel_server.LARGE_BODY_BYTES + 10, channel_server.READ_BUFFER_BYTES + 99, 3 << 20])
+             for _ in range(60)]
+    blobs = [rng.randbytes(size) for size in sizes]
+    stream = b"".join(wire.encode(i, wire.PRODUCE, (pickle.PickleBuffer(b),)) for i, b in enumerate(blobs))
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+            raw.connect(address)
+            raw.settimeout(60)
+            replies = {}
+
+            def read_replies():
+                while len(replies) < len(blobs):
+                    length, request_id, kind = wire.decode_header(raw.recv(wire.HEADER_SIZE, socket.MSG_WAITALL))
+                    replies[request_id] = (kind, wire.decode_body(raw.recv(length, socket.MSG_WAITALL)))
+
+            reader = threading.Thread(target=read_replies, daemon=True)
+            reader.start()
+            position = 0
+            while position < len(stream):
+                step = rng.choice([1, 7, 13, 4096, 70_000, 1 << 20])
+                raw.sendall(stream[position : position + step])
+                position += step
+            reader.join(60)
+            assert len(replies) == len(blobs)
+        for i, blob in enumerate(blobs):
+            kind, (crc, length, arrived_as) = replies[i]
+            assert kind == wire.OK and (crc, length) == (zlib.crc32(blob), len(blob))
+            # Large blobs reach the handler as views of the frame's own buffer; small ones inside the pickle.
+            assert arrived_as == ("memoryview" if len(blob) >= wire.OUT_OF_BAND_MIN_BYTES else "bytes")
+        # The client's side: a request's batch goes out uncopied (sendmsg), a reply's comes back as a view.
+        connection = Connection(address)
+        try:
+            blob = rng.randbytes(5 << 20)
+            assert connection.call(wire.PRODUCE, (pickle.PickleBuffer(blob),)).result(30) == (zlib.crc32(blob), len(blob), "memoryview")
+            got = connection.call(wire.FETCH, ("give", 2 << 20)).result(30)
+            assert isinstance(got, memoryview) and got.readonly and bytes(got) == b"g" * (2 << 20)
+        finally:
+            connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
 # --- through real replicas ----------------------------------------------------------------------
 
 
@@ -220,6 +280,32 @@ def test_a_large_batch_at_the_log_end_arrives_whole(bus, topic_name):
         assert got["value"].to_pylist() == values
         producer.send(topic_name, b"after").result(30)
         assert drain(consumer, 1)["value"].to_pylist() == [b"after"]
+    consumer.close()
+
+
+def test_a_consumer_behind_reads_over_the_channel_and_an_oversized_batch_by_actor_call(bus, topic_name):
+    """Reading from the start goes over the channel too; a batch larger than a channel frame carries comes
+    through the object store, in its place."""
+    bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 40 << 20})
+    tp = TopicPartition(topic_name, 0)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    wait_for(lambda: channels().connection(leader) is not None, timeout_s=60, message="the channel to the leader")
+    rng = random.Random(11)
+    tables = [[rng.randbytes(1000) for _ in range(1000)] for _ in range(12)]  # ~1 MB batches
+    tables.insert(6, [rng.randbytes(1 << 20) for _ in range(wire.CHANNEL_FETCH_MAX_BYTES // (1 << 20) + 1)])  # > 32 MiB
+    with logbus.Producer(bus) as producer:
+        for values in tables:
+            producer.send_table(topic_name, pa.table({"value": pa.array(values, pa.binary())})).result(60)
+    before = channel_requests(leader)
+    consumer = logbus.Consumer(bus, fetch_max_bytes=4 << 20, max_buffered_bytes=80 << 20)
+    consumer.assign([tp])
+    consumer.seek_to_beginning()
+    expected = [v for values in tables for v in values]
+    got = drain(consumer, len(expected))
+    assert got["offset"].to_pylist() == list(range(len(expected)))
+    assert got["value"].to_pylist() == expected
+    assert channel_requests(leader) - before >= 3  # ~16 MB before the large batch, ~6 MB after it, 4 MB a fetch
+    assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # nothing twice
     consumer.close()
 
 
