@@ -242,9 +242,12 @@ class Producer:
         self._refresh: set[str] = set()
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
-        self._limits: dict[str, tuple[int, int, int]] = {}  # topic -> (partitions, record limit, max.message.bytes)
+        # topic -> (partitions, record limit, max.message.bytes, batch limit for send())
+        self._limits: dict[str, tuple[int, int, int, int]] = {}
         self._channels = local_channels() if local_channel else None
-        self._condition = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        # send() takes self._lock directly: the same lock, without Condition.__enter__'s Python frame.
+        self._condition = threading.Condition(self._lock)
         self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
         self._sender.start()
 
@@ -277,12 +280,14 @@ class Producer:
         limits = self._limits.get(topic)
         if limits is None:
             metadata = self._topic(topic)
+            record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
             limits = self._limits[topic] = (
                 metadata.partition_count,
-                metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES,
+                record_limit,
                 metadata.config.max_message_bytes,
+                min(self.batch_size_bytes, record_limit),
             )
-        count, limit, max_message_bytes = limits
+        count, limit, max_message_bytes, batch_limit = limits
         if value.__class__ is not bytes and value is not None:
             value = _as_bytes(value, "value")
         if key.__class__ is not bytes and key is not None:
@@ -297,21 +302,26 @@ class Producer:
                 f"(max.message.bytes={max_message_bytes})"
             )
         if partition is None:
-            partition = murmur2(key, count) if key is not None else self._sticky_partition(topic, count)
+            if key is not None:
+                partition = murmur2(key, count)
+            else:
+                partition = self._sticky.get(topic)
+                if partition is None or partition >= count:
+                    partition = self._sticky_partition(topic, count)
         elif partition.__class__ is not int or not 0 <= partition < count:
             raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition!r}")
         if timestamp_ms is None:
             timestamp_ms = time.time_ns() // 1_000_000
         elif timestamp_ms.__class__ is not int or timestamp_ms < 0:
             raise InvalidRecordError(f"timestamp_ms must be a non-negative int, not {timestamp_ms!r}")
-        with self._condition:
+        with self._lock:
             if self._buffered_bytes + size > self.buffer_memory_bytes:
                 self._reserve(size)
             else:
                 self._buffered_bytes += size
             slot = (topic, partition)
             batch = self._open.get(slot)
-            if batch is not None and batch.size_bytes + size > self._batch_limit(limit):
+            if batch is not None and batch.size_bytes + size > batch_limit:
                 self._close_batch(slot)
                 batch = None
             new = batch is None
@@ -401,9 +411,6 @@ class Producer:
         partition = self._sticky_partition(topic, count)
         self._sticky.pop(topic, None)  # the next keyless table goes to another partition
         return np.full(rows, partition, np.int64)
-
-    def _batch_limit(self, record_limit: int) -> int:
-        return min(self.batch_size_bytes, record_limit)
 
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
