@@ -22,6 +22,7 @@ import secrets
 import socket
 import struct
 import sys
+from asyncio import selector_events
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -32,7 +33,6 @@ MAX_CONCURRENT_PER_CONNECTION = 256
 WRITE_BUFFER_HIGH_BYTES = 4 << 20  # wait for the socket to drain above this much unsent reply data
 READ_BUFFER_BYTES = 256 << 10  # a connection's reused read buffer
 LARGE_BODY_BYTES = 64 << 10  # a frame body larger than this is received into a buffer of its own
-_WRITE_COPIES = sys.version_info < (3, 12)  # see _Connection._serve
 
 Handler = Callable[[int, tuple], Awaitable[object]]
 
@@ -40,6 +40,18 @@ Handler = Callable[[int, tuple], Awaitable[object]]
 def supported() -> bool:
     """Abstract Unix sockets and SO_PEERCRED exist on Linux only; elsewhere clients use actor calls."""
     return sys.platform.startswith("linux") and hasattr(socket, "SO_PEERCRED")
+
+
+def _write_copies(transport) -> bool:
+    """Whether ``transport.write()`` is done with the buffer it was given when it returns.
+
+    A reply's out-of-band buffer may be a view of a mapped segment, valid only
+    until the reply's task yields. Python 3.11's own socket transport sends such
+    a view, or copies what it cannot send yet, before write() returns; later
+    versions, and other event loops (uvloop, which Ray uses where it is
+    installed), may keep the view: the server copies it for those.
+    """
+    return isinstance(transport, selector_events._SelectorSocketTransport) and sys.version_info < (3, 12)
 
 
 def _peer_uid(sock) -> int | None:
@@ -108,6 +120,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._tasks: set[asyncio.Task] = set()
         self._write_paused = False
         self._read_paused = False
+        self._write_copies = False
 
     # --- asyncio.BufferedProtocol ----------------------------------------------------------------
 
@@ -116,6 +129,7 @@ class _Connection(asyncio.BufferedProtocol):
             transport.close()  # only processes of this user (Ray's own workers) may talk to the replica
             return
         self._transport = transport
+        self._write_copies = _write_copies(transport)
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH_BYTES)
         self._server._connections.add(self)
 
@@ -142,9 +156,6 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             self._end += nbytes
         self._take_frames()
-
-    def eof_received(self) -> bool:
-        return False  # close the transport
 
     def connection_lost(self, exc) -> None:
         self._server._connections.discard(self)
@@ -250,8 +261,5 @@ class _Connection(asyncio.BufferedProtocol):
                 parts = wire.encode_parts(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
         transport = self._transport
         if transport is not None and not transport.is_closing():
-            # A reply's out-of-band buffer may be a view of a mapped segment, valid only until
-            # this coroutine yields: Python 3.11's transport sends it or copies what it cannot
-            # send yet before write() returns (later versions keep the view: copy it there).
             for part in parts:
-                transport.write(part if _WRITE_COPIES else bytes(part))
+                transport.write(part if self._write_copies or isinstance(part, bytes) else bytes(part))

@@ -560,8 +560,8 @@ class PartitionReplica:
         fetch ended, if that is past ``offset``: a consumer's pipelined fetches
         (sent before the earlier one's reply arrived) then continue one another.
         ``inline_cap=None`` is the local channel's read: the data is a view of
-        the mapped segment, however large, and a first batch larger than a
-        channel reply carries raises ChannelReplyTooLargeError.
+        the mapped segment (no copy), and a first batch larger than a channel
+        reply carries raises ChannelReplyTooLargeError.
         """
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
         inline_max_bytes = max(0, int(inline_max_bytes))
@@ -590,7 +590,7 @@ class PartitionReplica:
                 size = len(result.data)
                 if inline_cap is None:
                     # For the local channel: a view of the mapped segment, written to the socket
-                    # before the reply's task yields (see channel_server); never copied here.
+                    # before the reply's task yields (see channel_server._Connection).
                     data = pickle.PickleBuffer(result.data)
                 elif size <= inline_max_bytes:
                     # Small: a copy travels inside the reply, as bytes (no object-store round trip

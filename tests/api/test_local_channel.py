@@ -220,6 +220,22 @@ def test_frames_are_cut_from_any_chunking_and_large_bodies_arrive_whole(loop):
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 
+def test_replies_are_whole_where_the_transport_may_keep_what_it_is_given(loop, monkeypatch):
+    """On event loops whose transports may hold on to a written view (uvloop, Python >= 3.12), the
+    server copies out-of-band reply buffers first; the client sees the same replies."""
+    monkeypatch.setattr(channel_server, "_write_copies", lambda transport: False)
+    server, address = start(loop, Echo())
+    connection = Connection(address)
+    try:
+        assert not any(c._write_copies for c in list(server._connections))
+        replies = [connection.call(wire.FETCH, ("give", size)) for size in (10, 5000, 3 << 20)]
+        assert [bytes(r.result(30)) for r in replies] == [b"g" * 10, b"g" * 5000, b"g" * (3 << 20)]
+        assert all(not c._write_copies for c in list(server._connections))
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
 # --- through real replicas ----------------------------------------------------------------------
 
 
