@@ -136,9 +136,10 @@ class _Connection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._large is not None:
             return memoryview(self._large)[self._large_filled :]  # a uint8 array: a byte view
-        if self._end == len(self._buffer):
-            # Full: move the start of the incomplete frame to the front (it fits: larger bodies
-            # get a buffer of their own as soon as their header is in).
+        if self._start and len(self._buffer) - self._end < wire.HEADER_SIZE + LARGE_BODY_BYTES:
+            # Too little room left for a whole small frame: move the start of the incomplete
+            # frame to the front (it fits: larger bodies get a buffer of their own as soon as
+            # their header is in).
             remaining = self._end - self._start
             self._buffer[:remaining] = self._buffer[self._start : self._end]
             self._start, self._end = 0, remaining
