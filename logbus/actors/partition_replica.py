@@ -552,21 +552,19 @@ class PartitionReplica:
         verify_crc: bool = True,
         inline_max_bytes: int = 0,
         session: int | None = None,
-        inline_cap: int | None = FETCH_INLINE_MAX_BYTES,
+        channel: bool = False,
     ) -> tuple[FetchResponse, object]:
         """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
         In a fetch ``session``, the read starts where the session's last answered
         fetch ended, if that is past ``offset``: a consumer's pipelined fetches
         (sent before the earlier one's reply arrived) then continue one another.
-        ``inline_cap=None`` is the local channel's read: the data is a view of
-        the mapped segment (no copy), and a first batch larger than a channel
-        reply carries raises ChannelReplyTooLargeError.
+        For the local ``channel`` the data is a view of the mapped segment (no
+        copy) however small, and a first batch larger than a channel reply
+        carries raises ChannelReplyTooLargeError.
         """
         max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
-        inline_max_bytes = max(0, int(inline_max_bytes))
-        if inline_cap is not None:
-            inline_max_bytes = min(inline_max_bytes, inline_cap)
+        inline_max_bytes = min(max(0, int(inline_max_bytes)), FETCH_INLINE_MAX_BYTES)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
@@ -576,7 +574,7 @@ class PartitionReplica:
             start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
             result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=verify_crc)
             if result is not None:
-                if inline_cap is None and len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
+                if channel and len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
                     # One batch larger than a channel reply carries (the session stays where it was).
                     raise wire.ChannelReplyTooLargeError(
                         f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
@@ -588,7 +586,7 @@ class PartitionReplica:
                     result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
                 )
                 size = len(result.data)
-                if inline_cap is None:
+                if channel:
                     # For the local channel: a view of the mapped segment, written to the socket
                     # before the reply's task yields (see channel_server._Connection).
                     data = pickle.PickleBuffer(result.data)
@@ -659,7 +657,7 @@ class PartitionReplica:
         # up to what one frame can carry.
         return await self._read(
             int(offset), min(int(max_bytes), wire.CHANNEL_FETCH_MAX_BYTES), max_wait_ms, lambda: self.high_watermark,
-            bool(verify_crc), wire.CHANNEL_FETCH_MAX_BYTES, session, inline_cap=None,
+            bool(verify_crc), session=session, channel=True,
         )
 
     async def replica_fetch(

@@ -368,17 +368,17 @@ class Consumer:
                 # At the log end with a fetch already waiting at the leader: the records in
                 # hand go to the caller first (sending a fetch costs a fraction of a ms).
                 continue
+            buffered = sum(r.nbytes for _, r in state.buffer) if state.buffered_rows else 0
             if state.at_end:
-                # Replies at the log end are small: only a full buffer stops the fetching.
-                if state.buffered_rows and sum(r.nbytes for _, r in state.buffer) >= self.max_buffered_bytes:
-                    continue
-            elif state.in_flight or state.buffered_rows:
+                full = bool(buffered) and buffered >= self.max_buffered_bytes  # replies at the log end are small
+            else:
                 # Behind the log end, replies are up to fetch_max_bytes each: a second fetch goes
                 # out (so the leader reads the next bytes while this process decodes the last
                 # ones) only while the buffer and every reply on its way fit max_buffered_bytes.
-                buffered = sum(r.nbytes for _, r in state.buffer) if state.buffered_rows else 0
-                if buffered + (len(state.in_flight) + 1) * self.fetch_max_bytes > self.max_buffered_bytes:
-                    continue
+                on_the_way = (len(state.in_flight) + 1) * self.fetch_max_bytes
+                full = bool(state.in_flight or buffered) and buffered + on_the_way > self.max_buffered_bytes
+            if full:
+                continue
             try:
                 leader = self._leader(state.tp)
             except LogbusError as error:
