@@ -134,4 +134,37 @@ class RebalanceInProgressError(RetriableError):
     """The group is rebalancing; rejoin and retry."""
 
 
+# --- the local channel (a Unix socket to a replica on the same node) ---------------
+
+
+class FrameError(LogbusError):
+    """A local channel frame that cannot be valid: the stream is out of step or the peer misbehaves.
+
+    Raised on a header whose body length is out of bounds, a body whose parts
+    run past its end, or a payload too large to frame; the connection that
+    read such a frame is closed.
+    """
+
+
+class ChannelReplyTooLargeError(LogbusError):
+    """A batch a fetch reached is larger than a channel reply carries: fetch up to ``end_offset`` with actor calls."""
+
+    def __init__(self, message: str, end_offset: int) -> None:
+        # Both in args: the error travels pickled in an ERROR reply and is rebuilt from them.
+        super().__init__(message, end_offset)
+        self.end_offset = end_offset
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class ChannelClosedError(LeaderNotAvailableError):
+    """The local channel to a replica closed (the replica died or restarted, or the socket failed).
+
+    Requests outstanding on it fail with this error; a request refused with it
+    before it was sent may go as an actor call instead. Retriable: the next
+    request looks the replica's address up again.
+    """
+
+
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -9,14 +9,15 @@ replies waiting to be sent are bounded too: beyond either, the connection is
 not read until requests finish or the client takes its replies, so a client
 that sends faster than the replica answers is slowed by the socket, not
 queued without bound. Frames are cut from the stream in ``buffer_updated``
-(a buffered protocol rather than a stream reader: one event-loop turn less
-per request, and a large request's body is received where the request keeps
-it).
+by the protocol's ``FrameReader`` (a buffered protocol rather than a stream
+reader: one event-loop turn less per request, and a large request's body is
+received where the request keeps it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import socket
@@ -25,14 +26,13 @@ import sys
 from asyncio import selector_events
 from collections.abc import Awaitable, Callable
 
-import numpy as np
-
+from logbus.errors import FrameError, LogbusError
 from logbus.protocol import local_channel as wire
+
+logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_PER_CONNECTION = 256
 WRITE_BUFFER_HIGH_BYTES = 4 << 20  # wait for the socket to drain above this much unsent reply data
-READ_BUFFER_BYTES = 256 << 10  # a connection's reused read buffer
-LARGE_BODY_BYTES = 64 << 10  # a frame body larger than this is received into a buffer of its own
 
 Handler = Callable[[int, tuple], Awaitable[object]]
 
@@ -99,23 +99,17 @@ class _Connection(asyncio.BufferedProtocol):
     """One client connection: frames are cut from the byte stream as it arrives, each request
     runs as a task, replies are written as they finish. Reading pauses while
     MAX_CONCURRENT_PER_CONNECTION requests run or while unsent replies exceed
-    WRITE_BUFFER_HIGH_BYTES.
+    WRITE_BUFFER_HIGH_BYTES; frames received meanwhile wait in the reader.
 
-    The socket is read into a reused buffer of READ_BUFFER_BYTES; a frame whose
-    body is larger than LARGE_BODY_BYTES (a produce request with a large batch)
-    gets a buffer of its own, which the socket fills directly and the request
-    keeps: its batch is never copied in this process."""
+    The socket is read into the reader's reused buffer of wire.READ_BUFFER_BYTES;
+    a frame whose body is larger than wire.LARGE_BODY_BYTES (a produce request
+    with a large batch) gets a buffer of its own, which the socket fills
+    directly and the request keeps: its batch is never copied in this process."""
 
     def __init__(self, server: ChannelServer) -> None:
         self._server = server
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray(READ_BUFFER_BYTES)
-        self._start = 0  # first byte of _buffer not yet cut into a frame
-        self._end = 0  # end of the bytes received into _buffer
-        self._large: np.ndarray | None = None  # the body of a large frame, being received
-        self._large_filled = 0
-        self._large_frame: tuple[int, int] = (0, 0)  # its (request id, kind)
-        self._ready: tuple[int, int, object] | None = None  # a received large frame waiting for a free slot
+        self._reader = wire.FrameReader()
         self._running = 0
         self._tasks: set[asyncio.Task] = set()
         self._write_paused = False
@@ -134,28 +128,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._server._connections.add(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._large is not None:
-            return memoryview(self._large)[self._large_filled :]  # a uint8 array: a byte view
-        if self._start and len(self._buffer) - self._end < wire.HEADER_SIZE + LARGE_BODY_BYTES:
-            # Too little room left for a whole small frame: move the start of the incomplete
-            # frame to the front (it fits: larger bodies get a buffer of their own as soon as
-            # their header is in).
-            remaining = self._end - self._start
-            self._buffer[:remaining] = self._buffer[self._start : self._end]
-            self._start, self._end = 0, remaining
-        return memoryview(self._buffer)[self._end :]
+        return self._reader.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._transport is None:
             return
-        if self._large is not None:
-            self._large_filled += nbytes
-            if self._large_filled == len(self._large):
-                request_id, kind = self._large_frame
-                self._ready = (request_id, kind, self._large)
-                self._large = None
-        else:
-            self._end += nbytes
+        self._reader.buffer_updated(nbytes)
         self._take_frames()
 
     def connection_lost(self, exc) -> None:
@@ -180,43 +158,26 @@ class _Connection(asyncio.BufferedProtocol):
             self._transport.close()
 
     def _may_start(self) -> bool:
-        return self._transport is not None and self._running < MAX_CONCURRENT_PER_CONNECTION and not self._write_paused
+        return (
+            self._transport is not None
+            and not self._transport.is_closing()
+            and self._running < MAX_CONCURRENT_PER_CONNECTION
+            and not self._write_paused
+        )
 
     def _take_frames(self) -> None:
-        if self._ready is not None and self._may_start():
-            self._start_request(*self._ready)
-            self._ready = None
-        buffer = self._buffer
-        while self._ready is None and self._large is None and self._may_start():
-            if self._end - self._start < wire.HEADER_SIZE:
-                break
+        # Frames not taken here (a request limit or a full write buffer) stay in the reader and
+        # reading pauses (_update_reading) until _finished or resume_writing takes them.
+        while self._may_start():
             try:
-                length, request_id, kind = wire.decode_header(bytes(buffer[self._start : self._start + wire.HEADER_SIZE]))
-            except wire.FrameError as error:
-                print(f"logbus {self._server._label}: closing a local channel connection: {error}", file=sys.stderr)
+                frame = self._reader.next_frame()
+            except FrameError as error:
+                logger.warning("%s: closing a local channel connection: %s", self._server._label, error)
                 self._transport.close()
                 return
-            body_start = self._start + wire.HEADER_SIZE
-            if length > LARGE_BODY_BYTES:
-                # A buffer of its own, filled directly by the socket from here on (np.empty: a
-                # bytearray would be zeroed first).
-                large = np.empty(length, np.uint8)
-                received = min(self._end - body_start, length)
-                large[:received] = np.frombuffer(buffer, np.uint8, received, body_start)
-                self._start = body_start + received
-                if received == length:
-                    self._start_request(request_id, kind, large)
-                    continue
-                self._large, self._large_filled, self._large_frame = large, received, (request_id, kind)
+            if frame is None:
                 break
-            end = body_start + length
-            if end > self._end:
-                break
-            body = bytes(memoryview(buffer)[body_start:end])
-            self._start = end
-            self._start_request(request_id, kind, body)
-        if self._start == self._end:
-            self._start = self._end = 0
+            self._start_request(*frame)
         self._update_reading()
 
     def _start_request(self, request_id: int, kind: int, body) -> None:
@@ -229,7 +190,9 @@ class _Connection(asyncio.BufferedProtocol):
         transport = self._transport
         if transport is None:
             return
-        pause = self._write_paused or self._running >= MAX_CONCURRENT_PER_CONNECTION or self._ready is not None
+        # The reader holds at most one buffer of small frames and one large body: it is not read
+        # into while frames are waiting to be taken.
+        pause = self._write_paused or self._running >= MAX_CONCURRENT_PER_CONNECTION
         if pause and not self._read_paused:
             transport.pause_reading()
             self._read_paused = True
@@ -257,8 +220,6 @@ class _Connection(asyncio.BufferedProtocol):
             try:
                 parts = wire.encode_parts(request_id, wire.ERROR, error)
             except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)
-                from logbus.errors import LogbusError
-
                 parts = wire.encode_parts(request_id, wire.ERROR, LogbusError(f"{type(error).__name__}: {error}"))
         transport = self._transport
         if transport is not None and not transport.is_closing():

@@ -58,6 +58,7 @@ import ray
 
 from logbus.actors.channel_server import ChannelServer
 from logbus.errors import (
+    ChannelReplyTooLargeError,
     FencedLeaderEpochError,
     InvalidRecordError,
     LogbusError,
@@ -576,7 +577,7 @@ class PartitionReplica:
             if result is not None:
                 if channel and len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
                     # One batch larger than a channel reply carries (the session stays where it was).
-                    raise wire.ChannelReplyTooLargeError(
+                    raise ChannelReplyTooLargeError(
                         f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
                         f"for the local channel", result.next_offset,
                     )

@@ -48,9 +48,10 @@ import pyarrow as pa
 import ray
 
 from logbus.api.client import Bus, get
-from logbus.api.local_channel import ChannelClosedError
 from logbus.api.local_channel import channels as local_channels
 from logbus.errors import (
+    ChannelClosedError,
+    ChannelReplyTooLargeError,
     IllegalStateError,
     InvalidConfigError,
     InvalidGroupIdError,
@@ -59,7 +60,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     UnknownTopicError,
 )
-from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH, ChannelReplyTooLargeError
+from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name

@@ -16,6 +16,7 @@ again (Ray restarts a replica under the same actor id, with a new socket).
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import struct
@@ -25,17 +26,15 @@ from concurrent.futures import Future
 
 import ray
 
-from logbus.errors import LeaderNotAvailableError, LogbusError
+from logbus.errors import ChannelClosedError, FrameError, LogbusError
 from logbus.protocol import local_channel as wire
+
+logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 5.0  # a replica that stops reading its socket fails the send after this long
 RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this long
 SEND_PARTS_MAX = 64  # buffers per sendmsg call (Linux allows 1,024)
 LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
-
-
-class ChannelClosedError(LeaderNotAvailableError):
-    """The local channel to a replica closed with requests outstanding (the replica died or restarted)."""
 
 
 class Connection:
@@ -93,46 +92,47 @@ class Connection:
             raise ChannelClosedError(f"the local channel failed: {error}") from None
         return future
 
-    def _recv_exactly(self, size: int) -> bytes | None:
-        chunks, remaining = [], size
-        while remaining:
-            chunk = self._sock.recv(remaining, socket.MSG_WAITALL)
-            if not chunk:
-                return None
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
     def _read_replies(self) -> None:
         reason = "the replica closed the connection"
+        reader = wire.FrameReader()
         try:
             while True:
-                header = self._recv_exactly(wire.HEADER_SIZE)
-                if header is None:
+                # Into the reader's buffer: a large reply's body lands in a buffer of its own, where
+                # its batches are decoded in place. Every byte of such a body is on its way: wait for
+                # all of them in one call.
+                flags = socket.MSG_WAITALL if reader.filling_body else 0
+                received = self._sock.recv_into(reader.get_buffer(), 0, flags)
+                if not received:
+                    if reader.buffered_bytes:
+                        reason += f" in the middle of a frame ({reader.buffered_bytes} bytes received of it)"
                     break
-                length, request_id, kind = wire.decode_header(header)
-                body = self._recv_exactly(length) if length else b""
-                if body is None:
-                    break
-                with self._lock:
-                    future = self._pending.pop(request_id, None)
-                if future is None:
-                    continue
-                try:
-                    value = wire.decode_body(body)
-                except Exception as error:  # noqa: BLE001 (a reply that does not decode fails its request)
-                    future.set_exception(LogbusError(f"undecodable local channel reply: {error}"))
-                    continue
-                if kind == wire.OK:
-                    future.set_result(value)
-                elif isinstance(value, BaseException):
-                    future.set_exception(value)
-                else:
-                    future.set_exception(LogbusError(f"local channel error reply: {value!r}"))
-        except (OSError, wire.FrameError) as error:
+                reader.buffer_updated(received)
+                while (frame := reader.next_frame()) is not None:
+                    self._complete(*frame)
+        except (OSError, FrameError) as error:
             reason = f"{type(error).__name__}: {error}"
+            if isinstance(error, FrameError):
+                logger.warning("closing the local channel to a replica: %s", reason)
         with self._lock:
             self._close_locked(reason)
+
+    def _complete(self, request_id: int, kind: int, body) -> None:
+        """Complete the Future of the request a reply answers."""
+        with self._lock:
+            future = self._pending.pop(request_id, None)
+        if future is None:
+            return
+        try:
+            value = wire.decode_body(body)
+        except Exception as error:  # noqa: BLE001 (a reply that does not decode fails its request)
+            future.set_exception(LogbusError(f"undecodable local channel reply: {error}"))
+            return
+        if kind == wire.OK:
+            future.set_result(value)
+        elif isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_exception(LogbusError(f"local channel error reply: {value!r}"))
 
     def _close_locked(self, reason: str) -> None:
         if self.closed:

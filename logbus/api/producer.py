@@ -40,6 +40,7 @@ from confluent_kafka import murmur2
 from logbus.api.client import Bus, TopicMetadata, unwrap
 from logbus.errors import (
     BufferExhaustedError,
+    ChannelClosedError,
     IllegalStateError,
     InvalidConfigError,
     InvalidRecordError,
@@ -49,7 +50,6 @@ from logbus.errors import (
     RequestTimedOutError,
     UnknownTopicError,
 )
-from logbus.api.local_channel import ChannelClosedError
 from logbus.api.local_channel import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata

@@ -35,6 +35,12 @@ comes back as a read-only memoryview (smaller ones stay inside the pickle and
 come back as bytes). Buffers start at multiples of 8 bytes in the body, so
 Arrow reads a fetch reply's batches in place.
 
+Both ends cut frames from the stream with one :class:`FrameReader` (sans-IO:
+the caller receives into the buffer it offers). A body larger than
+``LARGE_BODY_BYTES`` is received straight into a buffer of its own, which the
+frame keeps: neither process copies a large produce batch or fetch reply,
+and it is decoded in place.
+
 Replies may come back in any order. The listening socket is in Linux's
 abstract namespace (no file to clean up; it vanishes with the process) and
 the server accepts only peers running as its own user. This module is
@@ -47,7 +53,9 @@ from __future__ import annotations
 import pickle
 import struct
 
-from logbus.errors import LogbusError
+import numpy as np
+
+from logbus.errors import FrameError
 
 HEADER = struct.Struct("<IQB")
 HEADER_SIZE = HEADER.size
@@ -57,6 +65,8 @@ ALIGN_BYTES = 8
 MAX_BODY_BYTES = 64 << 20  # larger frames are refused (the connection is closed)
 MAX_BUFFERS = 64  # out-of-band buffers in one frame (a request or reply has one or none)
 OUT_OF_BAND_MIN_BYTES = 4096  # smaller PickleBuffers go inside the pickle
+READ_BUFFER_BYTES = 256 << 10  # a FrameReader's reused receive buffer
+LARGE_BODY_BYTES = 64 << 10  # a frame body larger than this is received into a buffer of its own
 
 # request kinds
 PRODUCE = 1
@@ -70,25 +80,10 @@ ERROR = 1
 # Produce requests over the channel carry batches up to this size; larger ones (topics whose
 # max.message.bytes allows them) go through the object store. A fetch over the channel returns
 # at most this many bytes of whole batches; where the first batch alone is larger, the replica
-# answers ChannelReplyTooLargeError and the reader fetches it with an actor call. Half the
+# answers ChannelReplyTooLargeError and the consumer fetches it with an actor call. Half the
 # frame limit leaves ample room for the pickled arguments or metadata.
 CHANNEL_PRODUCE_MAX_BYTES = MAX_BODY_BYTES // 2
 CHANNEL_FETCH_MAX_BYTES = MAX_BODY_BYTES // 2
-
-
-class FrameError(ValueError):
-    """A frame that cannot be valid (the stream is out of step, or the peer misbehaves)."""
-
-
-class ChannelReplyTooLargeError(LogbusError):
-    """A batch a fetch reached is larger than a channel reply carries: fetch up to ``end_offset`` with actor calls."""
-
-    def __init__(self, message: str, end_offset: int) -> None:
-        super().__init__(message, end_offset)
-        self.end_offset = end_offset
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def _padding(size: int) -> int:
@@ -126,11 +121,6 @@ def encode_parts(request_id: int, kind: int, payload) -> list:
     return parts
 
 
-def encode(request_id: int, kind: int, payload) -> bytes:
-    """One frame as bytes (``encode_parts`` joined)."""
-    return b"".join(encode_parts(request_id, kind, payload))
-
-
 def decode_header(header) -> tuple[int, int, int]:
     """(body length, request id, kind) of a frame header; FrameError if the length is out of bounds."""
     if len(header) != HEADER_SIZE:
@@ -162,6 +152,125 @@ def decode_body(body) -> object:
         buffers.append(view[position : position + length].toreadonly())
         position += length + _padding(length)
     return pickle.loads(pickled, buffers=buffers)
+
+
+class FrameReader:
+    """Cuts frames from a byte stream that arrives in pieces; sans-IO (no sockets, no event loop).
+
+    The caller receives into ``get_buffer()``, reports the bytes received with
+    ``buffer_updated(nbytes)`` and takes the complete frames with
+    ``next_frame()``, one at a time and whenever it likes: frames not taken
+    stay in the reader (a server at its concurrency limit stops taking them
+    and stops reading the socket, and takes them later).
+
+    Bytes are received into a reused buffer of ``buffer_bytes``. A frame whose
+    body is larger than ``large_body_bytes`` gets a buffer of its own as soon
+    as its header is taken: ``get_buffer()`` then offers the rest of that body
+    (the socket fills it directly), and the frame comes out with that buffer
+    as its body. Smaller bodies come out as ``bytes`` (copied out of the
+    reused buffer, which is overwritten later).
+
+    ``get_buffer()`` offers at least one byte whenever every complete frame
+    has been taken; while frames wait untaken the reused buffer may be full,
+    and then it offers none.
+    """
+
+    def __init__(self, buffer_bytes: int = READ_BUFFER_BYTES, large_body_bytes: int = LARGE_BODY_BYTES) -> None:
+        if large_body_bytes < 0 or buffer_bytes < HEADER_SIZE + large_body_bytes:
+            raise ValueError(f"the read buffer must hold a whole small frame: {HEADER_SIZE} + {large_body_bytes} bytes")
+        self._buffer = bytearray(buffer_bytes)
+        self._large_body_bytes = large_body_bytes
+        self._start = 0  # first byte of _buffer not yet taken as a frame
+        self._end = 0  # end of the bytes received into _buffer
+        self._large: np.ndarray | None = None  # the body of a large frame, being received
+        self._large_filled = 0
+        self._large_frame: tuple[int, int] = (0, 0)  # its (request id, kind)
+        self._complete: tuple[int, int, np.ndarray] | None = None  # a received large frame, not yet taken
+
+    @property
+    def filling_body(self) -> bool:
+        """Whether ``get_buffer()`` is the rest of a large frame's body: every byte it offers is on its way."""
+        return self._large is not None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of frames received and not yet taken, headers included (a partial frame at the end of a stream, say)."""
+        size = self._end - self._start
+        if self._large is not None:
+            size += HEADER_SIZE + self._large_filled
+        if self._complete is not None:
+            size += HEADER_SIZE + len(self._complete[2])
+        return size
+
+    def get_buffer(self) -> memoryview:
+        """A writable view to receive the next bytes of the stream into (possibly more than arrive)."""
+        if self._large is not None:
+            return memoryview(self._large)[self._large_filled :]  # a uint8 array: a byte view
+        if self._start and len(self._buffer) - self._end < HEADER_SIZE + self._large_body_bytes:
+            # Too little room left for a whole small frame: move the bytes not yet taken to the
+            # front. An incomplete frame then fits (a larger body gets a buffer of its own as
+            # soon as its header is taken); moving only when room runs short, not after every
+            # frame, keeps the copies few.
+            remaining = self._end - self._start
+            self._buffer[:remaining] = self._buffer[self._start : self._end]
+            self._start, self._end = 0, remaining
+        return memoryview(self._buffer)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were received at the start of the last ``get_buffer()``."""
+        if self._large is not None:
+            room = len(self._large) - self._large_filled
+        else:
+            room = len(self._buffer) - self._end
+        if not 0 <= nbytes <= room:
+            raise ValueError(f"{nbytes} bytes received into a buffer of {room}")
+        if self._large is None:
+            self._end += nbytes
+            return
+        self._large_filled += nbytes
+        if self._large_filled == len(self._large):
+            self._complete = (*self._large_frame, self._large)
+            self._large = None
+
+    def next_frame(self) -> tuple[int, int, bytes | np.ndarray] | None:
+        """The next complete frame as (request id, kind, body), or None until more bytes arrive.
+
+        The body is ``bytes``, or for a body over ``large_body_bytes`` a uint8
+        ``np.ndarray`` of its own (``decode_body`` returns views into it).
+        Raises FrameError on a header whose length is out of bounds (and again
+        on every later call: the stream cannot be read past it).
+        """
+        if self._complete is not None:
+            frame, self._complete = self._complete, None
+            return frame
+        if self._large is not None or self._end - self._start < HEADER_SIZE:
+            return None
+        buffer = self._buffer
+        body_start = self._start + HEADER_SIZE
+        length, request_id, kind = decode_header(memoryview(buffer)[self._start : body_start])
+        if length > self._large_body_bytes:
+            # A buffer of its own, filled directly by the socket from here on (np.empty: a
+            # bytearray would be zeroed first).
+            large = np.empty(length, np.uint8)
+            received = min(self._end - body_start, length)
+            if received:
+                large[:received] = np.frombuffer(buffer, np.uint8, received, body_start)
+            self._taken(body_start + received)
+            if received == length:
+                return request_id, kind, large
+            self._large, self._large_filled, self._large_frame = large, received, (request_id, kind)
+            return None
+        end = body_start + length
+        if end > self._end:
+            return None
+        body = bytes(memoryview(buffer)[body_start:end])
+        self._taken(end)
+        return request_id, kind, body
+
+    def _taken(self, position: int) -> None:
+        self._start = position
+        if self._start == self._end:
+            self._start = self._end = 0  # nothing left: receive at the front again
 
 
 def abstract_address(token: str) -> str:

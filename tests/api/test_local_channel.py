@@ -9,6 +9,7 @@ import socket
 import threading
 import zlib
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import ray
@@ -17,13 +18,18 @@ import logbus
 from logbus import TopicPartition
 from logbus.actors import channel_server
 from logbus.actors.channel_server import ChannelServer
-from logbus.api.local_channel import ChannelClosedError, Connection, channels
-from logbus.errors import NotLeaderError
+from logbus.api.local_channel import Connection, channels
+from logbus.errors import ChannelClosedError, NotLeaderError
 from logbus.protocol import local_channel as wire
 from tests.api.test_broker import drain
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(not channel_server.supported(), reason="the local channel needs Linux")
+
+
+def encode(request_id, kind, payload) -> bytes:
+    """One frame as bytes: the parts a sender writes, joined."""
+    return b"".join(wire.encode_parts(request_id, kind, payload))
 
 
 @pytest.fixture
@@ -132,7 +138,7 @@ def test_a_client_that_does_not_take_its_replies_is_not_served_further(loop, mon
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
             raw.connect(address)
             raw.settimeout(60)
-            raw.sendall(b"".join(wire.encode(i, wire.FETCH, ("big",)) for i in range(40)))
+            raw.sendall(b"".join(encode(i, wire.FETCH, ("big",)) for i in range(40)))
             wait_for(lambda: any(c._read_paused for c in list(server._connections)), timeout_s=30, message="reading to pause")
             assert service.started < 40  # the rest wait until the client takes its replies
             replies = 0
@@ -178,10 +184,10 @@ def test_frames_are_cut_from_any_chunking_and_large_bodies_arrive_whole(loop):
     """Requests of every size, written in chunks cut anywhere (mid-header, mid-body), are each served once."""
     rng = random.Random(5)
     server, address = start(loop, Echo())
-    sizes = [rng.choice([10, 5000, channel_server.LARGE_BODY_BYTES + 10, channel_server.READ_BUFFER_BYTES + 99, 3 << 20])
+    sizes = [rng.choice([10, 5000, wire.LARGE_BODY_BYTES + 10, wire.READ_BUFFER_BYTES + 99, 3 << 20])
              for _ in range(60)]
     blobs = [rng.randbytes(size) for size in sizes]
-    stream = b"".join(wire.encode(i, wire.PRODUCE, (pickle.PickleBuffer(b),)) for i, b in enumerate(blobs))
+    stream = b"".join(encode(i, wire.PRODUCE, (pickle.PickleBuffer(b),)) for i, b in enumerate(blobs))
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
             raw.connect(address)
@@ -214,6 +220,7 @@ def test_frames_are_cut_from_any_chunking_and_large_bodies_arrive_whole(loop):
             assert connection.call(wire.PRODUCE, (pickle.PickleBuffer(blob),)).result(30) == (zlib.crc32(blob), len(blob), "memoryview")
             got = connection.call(wire.FETCH, ("give", 2 << 20)).result(30)
             assert isinstance(got, memoryview) and got.readonly and bytes(got) == b"g" * (2 << 20)
+            assert isinstance(got.obj, np.ndarray)  # a view of the buffer the reply was received into
         finally:
             connection.close()
     finally:
