@@ -498,7 +498,7 @@ def cmd_status(args) -> int:
     """Print the Ray nodes, then every topic with its partitions and replicas."""
     import ray
 
-    from logbus.api.client import get
+    from logbus.actors.remote import get
 
     with _connected(args) as bus:
         nodes = ray.nodes()

@@ -112,8 +112,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import logbus  # noqa: E402
 from logbus import Consumer, Producer, TopicPartition  # noqa: E402
-from logbus.actors.controller import REPLICA_NODE_RESOURCE  # noqa: E402
-from logbus.actors.factory import CONTROLLER_NAME  # noqa: E402
+from logbus.actors.placement import REPLICA_NODE_RESOURCE  # noqa: E402
+from logbus.actors.controller import CONTROLLER_NAME  # noqa: E402
 from logbus.storage import record_batch as rb  # noqa: E402
 
 VALUE_SIZE = 100

@@ -59,7 +59,7 @@ def close_bus(bus) -> None:
     """Delete the bus's topics and stop its controller, so actors do not pile up across tests."""
     import ray
 
-    from logbus.actors.factory import CONTROLLER_NAME
+    from logbus.actors.controller import CONTROLLER_NAME
 
     try:
         ray.get(bus.controller.destroy.remote(), timeout=120)

@@ -1,22 +1,28 @@
-"""Controller: the detached, named actor that holds cluster metadata and manages replica actors.
+"""Controller: the detached, named actor that holds cluster metadata and runs the replica actors' lifecycle.
 
 It owns a :class:`~logbus.protocol.cluster_metadata.ClusterMetadata`, persists
-it to ``{data_dir}/controller/metadata.json`` after every change (write to a
-temporary file, fsync, rename), and reloads it when Ray restarts the actor or
-when a new Ray cluster starts over the same data directory. On start it
-(re)creates every replica actor, pointing replicas whose node is gone at live
-nodes.
+it to ``{data_dir}/controller/metadata.json`` after every change
+(:func:`~logbus.storage.files.write_atomically`), and reloads it when Ray
+restarts the actor or when a new Ray cluster starts over the same data
+directory. On start it (re)creates every replica actor, pointing replicas
+whose node is gone at live nodes (see ``placement.py``).
+
+Failure detection does not wait for Ray's node-death detection: every replica
+heartbeats (``replica_heartbeat``); the control loop deposes a leader whose
+lease ran out (``protocol/liveness.py``) and elects a live ISR member with a
+higher epoch (the deposed leader's own lease ran out first, so it has stopped
+taking writes). A replica whose node is gone for ``replica_replacement_ms`` is
+replaced by a new replica on another live node, which copies the log from
+the leader.
+
+Consumer groups are the :class:`~logbus.actors.group_service.GroupService`'s:
+the controller forwards the group RPCs to it and serves it the small
+:class:`~logbus.actors.group_service.GroupHost` interface (partition counts,
+leaders, the internal topic).
 
 Retry contract: a call that failed may have taken effect, so clients may send
 it again; creating an existing replica actor reuses it (``get_if_exists``),
 and deleting twice reports UnknownTopicError the second time.
-
-Failure detection does not wait for Ray's node-death detection: every replica
-heartbeats (``replica_heartbeat``); a control loop deposes a leader silent for
-``LEASE_TIMEOUT_MS`` and elects a live ISR member with a higher epoch (the
-deposed leader's own lease ran out first, so it has stopped taking writes).
-A replica whose node is gone for ``replica_replacement_ms`` is replaced by a
-new replica on another live node, which copies the log from the leader.
 
 It is an async actor: methods run on one event loop and are serialised by a
 lock around every metadata change.
@@ -25,69 +31,54 @@ lock around every metadata change.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
-import time
 
 import ray
 
-from logbus.actors.group_service import OFFSETS_TOPIC, GroupService
-from logbus.errors import InvalidTopicError
+from logbus.actors import group_service as groups_module
+from logbus.actors.group_service import GroupService
+from logbus.actors.partition_replica import start_replica
+from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, replica_directory
+from logbus.clock import monotonic_ms
+from logbus.errors import InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
+from logbus.protocol.group_coordinator import OFFSETS_TOPIC
+from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription
+from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
-from logbus.storage.names import partition_dir_name, validate_topic_name
+from logbus.storage.names import validate_topic_name
 
+logger = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "logbus-controller"
+CONTROLLER_MAX_CONCURRENCY = 1000
 METADATA_FILE = "metadata.json"
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
-LEASE_TIMEOUT_MS = 700  # must exceed the replicas' LEASE_MS (see partition_replica.py)
-STALL_MS = 200  # a control-loop tick this late means the controller itself stalled (see _check_partitions)
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
-STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
-RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in
+
+if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
+    raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
 
 
-def monotonic_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
-
-
-def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:
-    return os.path.join(data_dir, f"replica-{replica_id}", partition_dir_name(topic, partition))
-
-
-REPLICA_NODE_RESOURCE = "logbus_replica"
-
-
-def live_node_ids() -> list[str]:
-    """The live Ray nodes that may host replicas.
-
-    If any node offers the custom resource ``logbus_replica``, only such nodes
-    host replicas (so a cluster can keep them off its head node); otherwise
-    every live node does.
-    """
-    nodes = [node for node in ray.nodes() if node.get("Alive")]
-    marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
-    return sorted(node["NodeID"] for node in (marked or nodes))
-
-
-class Controller(GroupService):
-    """Cluster metadata, replica lifecycle and consumer groups (see the module docstring)."""
+class Controller:
+    """Cluster metadata and replica lifecycle; consumer groups through its GroupService (see the module docstring)."""
 
     def __init__(self, data_dir: str, namespace: str, replica_replacement_ms: int = REPLICA_REPLACEMENT_MS) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.namespace = namespace
         self.replica_replacement_ms = replica_replacement_ms
-        self._last_seen_ms: dict[tuple[str, int, int], int] = {}
-        self._started_ms = monotonic_ms() + RESTART_GRACE_MS
+        self._liveness = Liveness(monotonic_ms())
         self._control_loop: asyncio.Task | None = None
-        self._last_check_ms = 0
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
         self.metadata = self._load()
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
         self._lock: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
-        self._init_groups()
+        self.groups = GroupService(self, self._metadata_dir)
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -100,13 +91,7 @@ class Controller(GroupService):
             return ClusterMetadata()
 
     def _persist(self) -> None:
-        path = os.path.join(self._metadata_dir, METADATA_FILE)
-        temporary = path + ".tmp"
-        with open(temporary, "w") as file:
-            file.write(self.metadata.to_json())
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        write_atomically(os.path.join(self._metadata_dir, METADATA_FILE), self.metadata.to_json())
 
     # --- start-up --------------------------------------------------------------------------------
 
@@ -119,6 +104,7 @@ class Controller(GroupService):
         await asyncio.shield(self._started)
         if self._control_loop is None:
             self._control_loop = asyncio.get_running_loop().create_task(self._run_control_loop())
+            self.groups.start()
 
     async def _restore(self) -> None:
         if self.metadata.reassign_dead_nodes(live_node_ids()):
@@ -133,10 +119,8 @@ class Controller(GroupService):
         key = (topic.name, partition, replica_id)
         handle = self._replicas.get(key)
         if handle is None:
-            from logbus.actors import factory  # factory imports this module
-
             state = topic.partitions[partition]
-            handle = factory.partition_replica(
+            handle = start_replica(
                 namespace=self.namespace,
                 topic=topic.name,
                 topic_id=topic.topic_id,
@@ -146,6 +130,7 @@ class Controller(GroupService):
                 directory=replica_directory(self.data_dir, topic.name, partition, replica_id),
                 config=topic.config,
                 leader_epoch=state.leader_epoch,
+                controller_name=CONTROLLER_NAME,
             )
             self._replicas[key] = handle
         return handle
@@ -171,17 +156,34 @@ class Controller(GroupService):
                 calls.append(self._replica_handle(topic, partition, r).become_follower.remote(state.leader_epoch, state.leader, leader))
         await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), REPLICA_CALL_TIMEOUT_S)
 
+    # --- GroupHost: what the group service needs -------------------------------------------------
+
+    def partition_counts(self) -> dict[str, int]:
+        return {name: len(topic.partitions) for name, topic in self.metadata.topics.items()}
+
+    def leader_handle(self, topic: str, partition: int):
+        state_topic = self.metadata.topic(topic)
+        if not 0 <= partition < len(state_topic.partitions):
+            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
+        leader = state_topic.partitions[partition].leader
+        if leader is None:
+            raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
+        return self._replica_handle(state_topic, partition, leader)
+
+    async def create_internal_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
+        await self._create_topic(name, partitions, replication_factor, config, internal=True)
+
+    def live_node_count(self) -> int:
+        return len(live_node_ids())
+
     # --- failure detection and elections --------------------------------------------------------------
 
     def _expect_heartbeats(self, topic: TopicState, partitions) -> None:
         """New replicas are alive until proven silent: their actors take a while to start."""
-        until = monotonic_ms() + STARTUP_GRACE_MS
+        now = monotonic_ms()
         for p in partitions:
             for r in topic.partitions[p].replicas:
-                self._last_seen_ms[(topic.name, p, r)] = until
-
-    def _alive(self, name: str, partition: int, replica_id: int, now: int) -> bool:
-        return now - self._last_seen_ms.get((name, partition, replica_id), self._started_ms) <= LEASE_TIMEOUT_MS
+                self._liveness.expect((topic.name, p, r), now)
 
     async def replica_heartbeat(self, topic: str, partition: int, replica_id: int, leader_epoch: int, log_end_offset: int) -> dict:
         """A replica's lease renewal; the reply carries the partition's current leadership."""
@@ -189,7 +191,7 @@ class Controller(GroupService):
         state_topic = self.metadata.topics.get(topic)
         if state_topic is None or partition >= len(state_topic.partitions) or replica_id not in state_topic.partitions[partition].replicas:
             return {"deleted": True}
-        self._last_seen_ms[(topic, partition, replica_id)] = monotonic_ms()
+        self._liveness.heard((topic, partition, replica_id), monotonic_ms())
         state = state_topic.partitions[partition]
         handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
         return {
@@ -216,27 +218,19 @@ class Controller(GroupService):
             await asyncio.sleep(CONTROL_LOOP_INTERVAL_S)
             try:
                 await self._check_partitions()
-                self._tick_groups()
-                await self._export_lag()
-            except Exception as error:  # noqa: BLE001 (the loop must survive; the next tick retries)
-                print(f"logbus controller: control loop error: {error!r}")
+            except Exception:  # noqa: BLE001 (the loop must survive; the next tick retries)
+                logger.exception("control loop error")
 
     async def _check_partitions(self) -> None:
         now = monotonic_ms()
-        late_ms = now - self._last_check_ms - int(CONTROL_LOOP_INTERVAL_S * 1000) if self._last_check_ms else 0
-        self._last_check_ms = now
-        if late_ms > STALL_MS:
-            # This tick ran late: the controller (or its machine) stalled, and replicas'
-            # heartbeats may still be queued behind the stall. The stalled time does not
-            # count against any lease; otherwise a busy controller would depose live leaders.
-            for key in self._last_seen_ms:
-                self._last_seen_ms[key] += late_ms
+        # A late tick (this process stalled) does not count the stall against any lease.
+        self._liveness.tick(now, int(CONTROL_LOOP_INTERVAL_S * 1000))
         changed: list[tuple[TopicState, int]] = []
         async with self._lock:
             for topic in list(self.metadata.topics.values()):
                 unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
                 for p, state in enumerate(topic.partitions):
-                    alive = {r for r in state.replicas if self._alive(topic.name, p, r, now)}
+                    alive = {r for r in state.replicas if self._liveness.alive((topic.name, p, r), now)}
                     if state.leader is None or state.leader not in alive:
                         if self.metadata.elect_leader(topic.name, p, alive, unclean):
                             changed.append((topic, p))
@@ -252,7 +246,7 @@ class Controller(GroupService):
         try:
             await self._announce(topic, partition)
         except Exception as error:  # noqa: BLE001 (heartbeats will carry the news instead)
-            print(f"logbus controller: announcing {topic.name}-{partition} failed: {error!r}")
+            logger.warning("announcing %s-%d failed: %r", topic.name, partition, error)
 
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
         """Replace replicas whose node is gone and that were silent for replica_replacement_ms."""
@@ -260,8 +254,7 @@ class Controller(GroupService):
         live_nodes = None
         replaced = False
         for r in list(state.replicas):
-            silent_ms = now - self._last_seen_ms.get((topic.name, partition, r), self._started_ms)
-            if silent_ms <= self.replica_replacement_ms:
+            if self._liveness.silent_ms((topic.name, partition, r), now) <= self.replica_replacement_ms:
                 continue
             if state.isr == [r]:
                 continue  # the only in-sync copy: replacing it would lose the partition's data
@@ -279,8 +272,9 @@ class Controller(GroupService):
                     ray.kill(old, no_restart=True)
                 except Exception:  # noqa: BLE001 (already gone)
                     pass
+            self._liveness.forget((topic.name, partition, r))
             new = self.metadata.replace_replica(topic.name, partition, r, free[partition % len(free)])
-            self._last_seen_ms[(topic.name, partition, new)] = now + STARTUP_GRACE_MS
+            self._liveness.expect((topic.name, partition, new), now)
             self._replica_handle(topic, partition, new)
             replaced = True
         return replaced
@@ -289,19 +283,19 @@ class Controller(GroupService):
 
     async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict | None) -> TopicDescription:
         await self._ready()
-        return await self._create_topic(name, partitions, replication_factor, config)
-
-    async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> TopicDescription:
-        if name == OFFSETS_TOPIC and not internal:
+        if name == OFFSETS_TOPIC:
             raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic; it is created on first use")
+        await self._create_topic(name, partitions, replication_factor, config)
+        return await self.describe_topic(name)
+
+    async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> None:
         async with self._lock:
             topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids())
             self._expect_heartbeats(topic, range(partitions))
             self._persist()
-            self._topics_changed()
+            self.groups.topics_changed()
         # Start every replica actor concurrently: each is a process that takes a while to boot.
         await asyncio.gather(*(self._start_partition(topic, p) for p in range(partitions)))
-        return await self.describe_topic(name)
 
     async def delete_topic(self, name: str) -> None:
         await self._ready()
@@ -319,10 +313,11 @@ class Controller(GroupService):
         async with self._lock:
             topic = self.metadata.delete_topic(name)
             self._persist()
-            self._topics_changed()
+            self.groups.topics_changed()
         handles = []
         for p, state in enumerate(topic.partitions):
             for r in state.replicas:
+                self._liveness.forget((name, p, r))
                 handle = self._replicas.pop((name, p, r), None)
                 if handle is not None:
                     handles.append(handle)
@@ -338,6 +333,7 @@ class Controller(GroupService):
     async def describe_topic(self, name: str) -> TopicDescription:
         await self._ready()
         topic = self.metadata.topic(name)
+
         async def leader_offsets(p, state):
             if state.leader is None:
                 return None
@@ -359,7 +355,7 @@ class Controller(GroupService):
             topic = self.metadata.topic(name)
             self._expect_heartbeats(topic, added)
             self._persist()
-            self._topics_changed()
+            self.groups.topics_changed()
         await asyncio.gather(*(self._start_partition(topic, p) for p in added))
         return await self.describe_topic(name)
 
@@ -395,7 +391,7 @@ class Controller(GroupService):
         return producer_id
 
     async def replica_statuses(self, name: str) -> list[list[dict]]:
-        """Every replica's own view (role, epoch, offsets): for tests and `logbus status`."""
+        """Every replica's own view (role, epoch, offsets, last recovery): for `logbus status` and tools."""
         await self._ready()
         topic = self.metadata.topic(name)
         out = []
@@ -405,22 +401,68 @@ class Controller(GroupService):
             out.append([f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)} for r, f in zip(state.replicas, found)])
         return out
 
-    async def replica_handle(self, name: str, partition: int, replica_id: int):
-        """The actor handle of one replica (for tests and tools)."""
-        await self._ready()
-        return self._replica_handle(self.metadata.topic(name), partition, replica_id)
-
-    async def replica_logs(self, name: str, partition: int, max_offset: int) -> list:
-        """Every replica's log bytes below ``max_offset`` (tests compare replicas byte for byte)."""
-        await self._ready()
-        topic = self.metadata.topic(name)
-        state = topic.partitions[partition]
-        handles = [self._replica_handle(topic, partition, r) for r in state.replicas]
-        return list(await asyncio.gather(*(h.read_all.remote(max_offset) for h in handles)))
-
     async def get_data_dir(self) -> str:
         return self.data_dir
 
     async def ping(self) -> int:
         await self._ready()
         return os.getpid()
+
+    # --- consumer groups: forwarded to the group service ---------------------------------------------
+
+    async def group_join(self, group_id: str, options: dict, wait_ms: int = 0):
+        await self._ready()
+        return await self.groups.join(group_id, options, wait_ms)
+
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+        await self._ready()
+        return await self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms, wait_ms)
+
+    async def group_leave(self, group_id: str, member_id: str) -> bool:
+        await self._ready()
+        return await self.groups.leave(group_id, member_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+        await self._ready()
+        await self.groups.commit_offsets(group_id, member_id, generation, offsets)
+
+    async def fetch_committed(self, group_id: str, partitions: list) -> dict:
+        await self._ready()
+        return await self.groups.fetch_committed(group_id, partitions)
+
+    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+        await self._ready()
+        return await self.groups.list_groups()
+
+    async def describe_group(self, group_id: str) -> dict:
+        await self._ready()
+        return await self.groups.describe_group(group_id)
+
+    async def reset_offsets(self, group_id: str, to, topics: list[str] | None = None) -> dict:
+        await self._ready()
+        return await self.groups.reset_offsets(group_id, to, topics)
+
+
+def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None):
+    """Get or create the cluster's controller: detached, named, restarted forever by Ray.
+
+    It runs on the head node, where its metadata directory lives, and where
+    Ray restarts it after a crash. It must not share a fate with a replica
+    node: the head's death ends the Ray cluster anyway (GCS lives there).
+    """
+    options = {} if replica_replacement_ms is None else {"replica_replacement_ms": replica_replacement_ms}
+    return (
+        ray.remote(Controller)
+        .options(
+            name=CONTROLLER_NAME,
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,
+            max_task_retries=0,  # callers retry; every controller method is idempotent
+            num_cpus=0,
+            resources={HEAD_NODE_RESOURCE: 0.001},
+            max_concurrency=CONTROLLER_MAX_CONCURRENCY,
+        )
+        .remote(data_dir, namespace, **options)
+    )

@@ -22,7 +22,8 @@ never merely to its own high watermark.
 Leases. Every replica heartbeats to the controller (pipelined, every 0.1 s); a leader accepts writes
 only while its lease (the time of its last acknowledged heartbeat plus
 ``LEASE_MS``) is valid, and the controller deposes a leader only after
-``LEASE_TIMEOUT_MS`` > ``LEASE_MS`` without heartbeats. So a leader that was
+``LEASE_TIMEOUT_MS`` > ``LEASE_MS`` without heartbeats (both in
+``protocol/liveness.py``). So a leader that was
 paused or cut off stops accepting writes before another replica can be
 elected: at most one replica accepts writes for a partition at any time.
 Heartbeat replies also carry the partition's current leader and epoch, so a
@@ -47,16 +48,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pickle
 import shutil
-import time
 from collections import OrderedDict
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.channel_server import ChannelServer
+from logbus.clock import monotonic_ms
 from logbus.errors import (
     ChannelReplyTooLargeError,
     FencedLeaderEpochError,
@@ -68,20 +71,29 @@ from logbus.errors import (
     RequestTimedOutError,
 )
 from logbus.protocol import local_channel as wire
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, FetchResponse, ProduceResponse
+from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS
+from logbus.protocol.messages import (
+    FETCH_INLINE_MAX_BYTES,
+    FETCH_MAX_BYTES_MAX,
+    FETCH_WAIT_MS_MAX,
+    PRODUCE_TIMEOUT_MS_DEFAULT,
+    FetchRequest,
+    FetchResponse,
+    ProduceResponse,
+)
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
+from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
 from logbus.storage.log_config import LogConfig
-from logbus.storage.partition_log import PartitionLog
+from logbus.storage.partition_log import PartitionLog, ReadResult
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "replica.json"
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
-FETCH_WAIT_MS_MAX = 30_000
-HEARTBEAT_INTERVAL_S = 0.1
+HEARTBEAT_INTERVAL_S = HEARTBEAT_INTERVAL_MS / 1000
 HEARTBEATS_IN_FLIGHT_MAX = 5
-LEASE_MS = 500  # a leader stops taking writes this long after sending its last acknowledged heartbeat
-# The controller deposes a leader silent for its LEASE_TIMEOUT_MS (controller.py), which must exceed LEASE_MS.
 ISR_CHECK_INTERVAL_S = 0.1
 REPLICA_FETCH_WAIT_MS = 500
 REPLICA_FETCH_MAX_BYTES = 16 << 20
@@ -137,10 +149,6 @@ def _expire(waiter: asyncio.Future) -> None:
         waiter.set_result(False)
 
 
-def monotonic_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
-
-
 def _same_actor(a, b) -> bool:
     """Whether two handles name the same actor (a replica re-created under its old id is another actor)."""
     return a is not None and b is not None and a._actor_id == b._actor_id
@@ -187,7 +195,8 @@ class PartitionReplica:
         self._tasks: list[asyncio.Task] = []
         self._follow_task: asyncio.Task | None = None
         self._deleted = False
-        self._channel = ChannelServer(self._channel_request, f"replica {topic}-{partition}/{replica_id}")
+        self._label = f"{topic}-{partition}/{replica_id}"
+        self._channel = ChannelServer(self._channel_request, f"replica {self._label}")
         self._channel_started: asyncio.Task | None = None
         self._save_state()
         try:
@@ -211,13 +220,7 @@ class PartitionReplica:
             return None
 
     def _save_state(self) -> None:
-        path = self._state_path()
-        temporary = path + ".tmp"
-        with open(temporary, "w") as file:
-            json.dump({"config": self.config_overrides, "leader_epoch": self.leader_epoch}, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        write_atomically(self._state_path(), json.dumps({"config": self.config_overrides, "leader_epoch": self.leader_epoch}))
 
     # --- loop-bound set-up and background work -------------------------------------------------
 
@@ -243,7 +246,7 @@ class PartitionReplica:
                 self.log.enforce_retention()
                 self.log.maybe_flush()
             except LogbusError as error:  # keep serving; the next tick tries again
-                print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: housekeeping failed: {error}")
+                logger.warning("replica %s: housekeeping failed: %s", self._label, error)
 
     async def _controller(self):
         """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
@@ -435,10 +438,10 @@ class PartitionReplica:
                 if not truncated:
                     await self._truncate_by_epoch(leader)
                     truncated = True
-                meta, data = await leader.replica_fetch.remote(
-                    self.replica_id, epoch, self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS,
-                    FETCH_INLINE_MAX_BYTES,
+                request = FetchRequest(
+                    self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS, False, FETCH_INLINE_MAX_BYTES
                 )
+                meta, data = await leader.replica_fetch.remote(self.replica_id, epoch, request)
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
                 if data is not None:
@@ -458,7 +461,7 @@ class PartitionReplica:
             except Exception as error:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
                 if repr(error) != last_error:  # say so once per kind of error, not every 100 ms
                     last_error = repr(error)
-                    print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: fetch from leader failed: {error!r}")
+                    logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
                 await asyncio.sleep(0.1)
 
     # --- data plane --------------------------------------------------------------------------------------
@@ -544,28 +547,18 @@ class PartitionReplica:
         if len(sessions) > FETCH_SESSIONS_MAX:
             sessions.popitem(last=False)
 
-    async def _read(
-        self,
-        offset: int,
-        max_bytes: int,
-        max_wait_ms: int,
-        limit,
-        verify_crc: bool = True,
-        inline_max_bytes: int = 0,
-        session: int | None = None,
-        channel: bool = False,
-    ) -> tuple[FetchResponse, object]:
-        """Whole batches from ``offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
+    async def _read(self, request: FetchRequest, limit, max_bytes_cap: int) -> ReadResult | None:
+        """Whole batches from ``request.offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
-        In a fetch ``session``, the read starts where the session's last answered
-        fetch ended, if that is past ``offset``: a consumer's pipelined fetches
-        (sent before the earlier one's reply arrived) then continue one another.
-        For the local ``channel`` the data is a view of the mapped segment (no
-        copy) however small, and a first batch larger than a channel reply
-        carries raises ChannelReplyTooLargeError.
+        None if nothing arrived in time. In a fetch ``session``, the read starts
+        where the session's last answered fetch ended, if that is past the
+        offset: a consumer's pipelined fetches (sent before the earlier one's
+        reply arrived) then continue one another. At most ``max_bytes_cap``
+        bytes are read, whatever the request asks (at least one batch).
         """
-        max_wait_ms = min(max(0, int(max_wait_ms)), FETCH_WAIT_MS_MAX)
-        inline_max_bytes = min(max(0, int(inline_max_bytes)), FETCH_INLINE_MAX_BYTES)
+        max_wait_ms = min(max(0, int(request.max_wait_ms)), FETCH_WAIT_MS_MAX)
+        max_bytes = min(max(1, int(request.max_bytes)), max_bytes_cap)
+        offset, session = int(request.offset), request.session
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
@@ -573,69 +566,70 @@ class PartitionReplica:
             if self.leader_epoch != epoch:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
             start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
-            result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=verify_crc)
+            result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=bool(request.verify_crc))
             if result is not None:
-                if channel and len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
-                    # One batch larger than a channel reply carries (the session stays where it was).
-                    raise ChannelReplyTooLargeError(
-                        f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
-                        f"for the local channel", result.next_offset,
-                    )
-                if session is not None:
-                    self._remember_session(session, result.next_offset)
-                meta = FetchResponse(
-                    result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch
-                )
-                size = len(result.data)
-                if channel:
-                    # For the local channel: a view of the mapped segment, written to the socket
-                    # before the reply's task yields (see channel_server._Connection).
-                    data = pickle.PickleBuffer(result.data)
-                elif size <= inline_max_bytes:
-                    # Small: a copy travels inside the reply, as bytes (no object-store round trip
-                    # for the reader, and bytes serialize faster than an array).
-                    data = bytes(result.data)
-                else:
-                    # One copy, from the mapped segment into the object store; readers asking for
-                    # the same batches at the same time (the followers, mostly) share it.
-                    key = (result.first_offset, result.next_offset, size, verify_crc)  # checked or not
-                    if self._shared_read is not None and self._shared_read[0] == key:
-                        data = self._shared_read[1]
-                    else:
-                        data = ray.put(np.frombuffer(result.data, dtype=np.uint8))
-                        self._shared_read = (key, data)
-                del result
-                return meta, data
+                return result
             remaining = deadline - loop.time()
             if remaining <= 0:
-                return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
+                return None
             await self._appended.wait(remaining)
 
-    async def fetch(
-        self,
-        offset: int,
-        max_bytes: int = 8 << 20,
-        max_wait_ms: int = 0,
-        verify_crc: bool = True,
-        inline_max_bytes: int = 0,
-        session: int | None = None,
-    ):
-        """For consumers: whole batches from ``offset`` below the high watermark: (FetchResponse, data).
+    def _for_actor_call(self, result: ReadResult, request: FetchRequest):
+        """A read's batches as an actor call's reply carries them: bytes when small, else an ObjectRef."""
+        size = len(result.data)
+        if size <= min(max(0, int(request.inline_max_bytes)), FETCH_INLINE_MAX_BYTES):
+            # Small: a copy travels inside the reply, as bytes (no object-store round trip for the
+            # reader, and bytes serialize faster than an array).
+            return bytes(result.data)
+        # One copy, from the mapped segment into the object store; readers asking for the same
+        # batches at the same time (the followers, mostly) share it.
+        key = (result.first_offset, result.next_offset, size, bool(request.verify_crc))  # checked or not
+        if self._shared_read is not None and self._shared_read[0] == key:
+            return self._shared_read[1]
+        ref = ray.put(np.frombuffer(result.data, dtype=np.uint8))
+        self._shared_read = (key, ref)
+        return ref
 
-        Waits up to ``max_wait_ms`` for data when there is none yet. ``data``
-        is None when nothing arrived in time; otherwise whole batches (the first
-        may start below ``offset``): bytes inside the reply when they are at
-        most ``inline_max_bytes`` (capped at FETCH_INLINE_MAX_BYTES), else an
-        ObjectRef to a uint8 array. ``verify_crc=False`` skips the CRC check here, for
-        readers that check every batch themselves. ``session`` (an id the
-        consumer picks) lets pipelined fetches continue one another (see _read);
-        the reply's ``first_offset`` says where the batches start.
+    def _for_channel(self, result: ReadResult):
+        """A read's batches for the local channel: a view of the mapped segment (no copy), however small.
+
+        The view is written to the socket before the reply's task yields (see
+        channel_server). A first batch larger than a channel reply carries
+        raises ChannelReplyTooLargeError (the reader fetches it with an actor call).
+        """
+        if len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
+            raise ChannelReplyTooLargeError(
+                f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
+                f"for the local channel", result.next_offset,
+            )
+        return pickle.PickleBuffer(result.data)
+
+    async def _serve_fetch(self, request: FetchRequest, limit, channel: bool = False) -> tuple[FetchResponse, object]:
+        """Read, then package for the transport: (FetchResponse, data or None)."""
+        result = await self._read(request, limit, wire.CHANNEL_FETCH_MAX_BYTES if channel else FETCH_MAX_BYTES_MAX)
+        if result is None:
+            offset = int(request.offset)
+            return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
+        data = self._for_channel(result) if channel else self._for_actor_call(result, request)
+        if request.session is not None:  # only once packaged: a refused reply leaves the session where it was
+            self._remember_session(request.session, result.next_offset)
+        meta = FetchResponse(result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch)
+        return meta, data
+
+    async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:
+        """For consumers: whole batches from ``request.offset`` below the high watermark: (FetchResponse, data).
+
+        Waits up to ``request.max_wait_ms`` for data when there is none yet.
+        ``data`` is None when nothing arrived in time; otherwise whole batches
+        (the first may start below the offset): bytes inside the reply when
+        they are at most ``request.inline_max_bytes`` (capped at
+        FETCH_INLINE_MAX_BYTES), else an ObjectRef to a uint8 array. See
+        :class:`~logbus.protocol.messages.FetchRequest` for the fields; the
+        reply's ``first_offset`` says where the batches start.
         """
         self._started()
         self._check_leader()
-        return await self._read(
-            offset, max_bytes, max_wait_ms, lambda: self.high_watermark, verify_crc, inline_max_bytes, session
-        )
+        return await self._serve_fetch(request, lambda: self.high_watermark)
 
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, socket address) of this replica's local channel, or None where there is none."""
@@ -643,7 +637,7 @@ class PartitionReplica:
         try:
             address = await asyncio.shield(self._channel_started)
         except Exception as error:  # noqa: BLE001 (clients fall back to actor calls)
-            print(f"logbus replica {self.topic}-{self.partition}/{self.replica_id}: no local channel: {error}")
+            logger.warning("replica %s: no local channel: %s", self._label, error)
             return None
         return None if address is None else (ray.get_runtime_context().get_node_id(), address)
 
@@ -651,30 +645,27 @@ class PartitionReplica:
         """A request that came over the local channel: the same work as the actor method."""
         if kind == wire.PRODUCE:
             return await self.produce(*args)
-        offset, max_bytes, max_wait_ms, verify_crc, session = args
+        (request,) = args
+        if not isinstance(request, FetchRequest):
+            raise InvalidRecordError(f"a local channel fetch carries a FetchRequest, not {type(request).__name__}")
         self._started()
         self._check_leader()
         # Every result travels inside the reply, however large (no object store on this path),
         # up to what one frame can carry.
-        return await self._read(
-            int(offset), min(int(max_bytes), wire.CHANNEL_FETCH_MAX_BYTES), max_wait_ms, lambda: self.high_watermark,
-            bool(verify_crc), session=session, channel=True,
-        )
+        return await self._serve_fetch(request, lambda: self.high_watermark, channel=True)
 
-    async def replica_fetch(
-        self, follower_id: int, epoch: int, offset: int, max_bytes: int, max_wait_ms: int, inline_max_bytes: int = 0
-    ):
+    async def replica_fetch(self, follower_id: int, epoch: int, request: FetchRequest) -> tuple[FetchResponse, object]:
         """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress.
 
         No CRC check here: the follower's append checks every batch it receives.
         """
         self._started()
         state = self._check_leader(epoch)
-        if offset > self.log.log_end_offset:
-            raise OffsetOutOfRangeError(f"follower offset {offset} is past the leader's log end {self.log.log_end_offset}")
-        state.on_follower_fetch(follower_id, offset, self.log.log_end_offset, monotonic_ms())
+        if request.offset > self.log.log_end_offset:
+            raise OffsetOutOfRangeError(f"follower offset {request.offset} is past the leader's log end {self.log.log_end_offset}")
+        state.on_follower_fetch(follower_id, request.offset, self.log.log_end_offset, monotonic_ms())
         self._advance_high_watermark()
-        return await self._read(offset, max_bytes, max_wait_ms, lambda: None, False, inline_max_bytes)
+        return await self._serve_fetch(request, lambda: None)
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""
@@ -718,7 +709,7 @@ class PartitionReplica:
         return os.getpid()
 
     async def status(self) -> dict:
-        """Role, epoch, offsets and (as leader) ISR: for tests, tools and the controller."""
+        """Role, epoch, offsets, (as leader) ISR, process and what recovery did on open: for `logbus status` and tools."""
         self._started()
         return {
             "replica_id": self.replica_id,
@@ -730,16 +721,46 @@ class PartitionReplica:
             "isr": sorted(self.leader_state.isr) if self.leader_state else None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
+            "recovery": {
+                "segments_scanned": self.log.recovery.segments_scanned,
+                "truncated_bytes": self.log.recovery.truncated_bytes,
+                "errors": list(self.log.recovery.errors),
+            },
         }
 
-    async def read_all(self, max_offset: int | None = None):
-        """Every batch of the log as one uint8 array (tests compare replicas byte for byte)."""
-        chunks, offset = [], self.log.log_start_offset
-        while (result := self.log.read(offset, 64 << 20, max_offset=max_offset)) is not None:
-            chunks.append(bytes(result.data))
-            offset = result.next_offset
-        return np.frombuffer(b"".join(chunks), dtype=np.uint8)
 
-    async def recovery_report(self) -> dict:
-        report = self.log.recovery
-        return {"segments_scanned": report.segments_scanned, "truncated_bytes": report.truncated_bytes, "errors": list(report.errors)}
+def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int) -> str:
+    # The topic id keeps a re-created topic's actors apart from a deleted one's.
+    return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
+
+
+def start_replica(
+    *,
+    namespace: str,
+    topic: str,
+    topic_id: str,
+    partition: int,
+    replica_id: int,
+    node_id: str,
+    directory: str,
+    config: dict,
+    leader_epoch: int,
+    controller_name: str,
+):
+    """Get or create one partition replica actor, pinned to its node (it owns a directory there)."""
+    return (
+        ray.remote(PartitionReplica)
+        .options(
+            name=replica_actor_name(topic, topic_id, partition, replica_id),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,  # rebuilt from its files by the constructor
+            max_task_retries=0,  # a produce must not be replayed behind the producer's back
+            num_cpus=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        )
+        .remote(topic, partition, replica_id, directory, config, leader_epoch, namespace, controller_name)
+    )

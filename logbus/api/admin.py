@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime
 
-from logbus.api.client import get
+from logbus.actors.remote import get
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import InvalidPartitionsError, InvalidReplicationFactorError
 from logbus.protocol.messages import TopicDescription

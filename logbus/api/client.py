@@ -8,43 +8,16 @@ import time
 from dataclasses import dataclass
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from logbus.errors import (
-    IllegalStateError,
-    LeaderNotAvailableError,
-    LogbusError,
-    RequestTimedOutError,
-)
+from logbus.actors import controller as controller_actor
+from logbus.actors.remote import CONTROL_TIMEOUT_S, get
+from logbus.api.admin import Admin
+from logbus.errors import IllegalStateError, LeaderNotAvailableError
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 
 DEFAULT_DATA_DIR = "logbus-data"
 DEFAULT_NAMESPACE = "logbus"
-CONTROL_TIMEOUT_S = 120.0  # admin calls may start many actors on a busy machine
-
-
-def unwrap(error: BaseException) -> BaseException:
-    """The logbus error behind a Ray error, so users see ours (with its own message), not Ray's wrapper."""
-    if isinstance(error, RayTaskError):
-        cause = getattr(error, "cause", None)
-        if isinstance(cause, LogbusError):
-            return cause
-    if isinstance(error, GetTimeoutError):
-        return RequestTimedOutError(str(error))
-    if isinstance(error, RayError) and not isinstance(error, RayTaskError):
-        # The actor died, is restarting, cannot be scheduled (its node is gone), or an
-        # object was lost: the request may succeed against the partition's next leader.
-        return LeaderNotAvailableError(f"the replica serving this request is unavailable: {type(error).__name__}: {error}")
-    return error
-
-
-def get(ref, timeout_s: float | None = CONTROL_TIMEOUT_S):
-    """ray.get that raises logbus errors."""
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except RayError as error:
-        raise unwrap(error) from None
 
 
 @dataclass(frozen=True)
@@ -75,8 +48,6 @@ class Bus:
         self.data_dir = data_dir
         self._metadata: dict[str, TopicMetadata] = {}
         self._lock = threading.Lock()
-        from logbus.api.admin import Admin
-
         self.admin = Admin(self)
 
     def __reduce__(self):
@@ -146,15 +117,13 @@ def connect(
         else:
             ray.init(address=address, namespace=namespace)
     requested_dir = os.path.abspath(data_dir or DEFAULT_DATA_DIR)
-    from logbus.actors import factory
-
     controller = None
     deadline = time.monotonic() + CONTROL_TIMEOUT_S
     while controller is None:
         try:
-            controller = ray.get_actor(factory.CONTROLLER_NAME, namespace=namespace)
+            controller = ray.get_actor(controller_actor.CONTROLLER_NAME, namespace=namespace)
         except ValueError:
-            controller = factory.controller(namespace, requested_dir, replica_replacement_ms)
+            controller = controller_actor.get_or_create(namespace, requested_dir, replica_replacement_ms)
         try:
             actual_dir = get(controller.get_data_dir.remote())
         except LeaderNotAvailableError:

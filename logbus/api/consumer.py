@@ -47,10 +47,11 @@ import numpy as np
 import pyarrow as pa
 import ray
 
-from logbus.api.client import Bus, get
-from logbus.api.local_channel import channels as local_channels
+from logbus.actors.remote import get
+from logbus.api.client import Bus
+from logbus.actors.channel_client import channels as local_channels
+from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.errors import (
-    ChannelClosedError,
     ChannelReplyTooLargeError,
     IllegalStateError,
     InvalidConfigError,
@@ -60,8 +61,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     UnknownTopicError,
 )
-from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, TopicPartition
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, FetchRequest, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name
 
@@ -388,29 +388,13 @@ class Consumer:
                 continue  # retriable (no leader yet): the next round asks again
             # The replica skips its CRC check when we check every batch ourselves, and sends
             # small results inside its reply (one round trip instead of two).
-            ref = self._fetch_over_channel(state, leader) if state.fetch_offset >= state.actor_fetch_until else None
-            if ref is None:
-                ref = leader.fetch.remote(
-                    state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
-                    FETCH_INLINE_MAX_BYTES, state.session,
-                )
-            state.in_flight.append((ref, state.fetch_offset, time.monotonic(), leader._actor_id, state.session))
-
-    def _fetch_over_channel(self, state: _Partition, leader) -> Future | None:
-        """The reply's Future if the fetch went over the leader's local channel, else None."""
-        if self._channels is None:
-            return None
-        connection = self._channels.connection(leader)
-        if connection is None:
-            return None
-        try:
-            return connection.call(
-                FETCH,
-                (state.fetch_offset, min(self.fetch_max_bytes, CHANNEL_FETCH_MAX_BYTES), self.fetch_max_wait_ms,
-                 not self.check_crcs, state.session),
+            request = FetchRequest(
+                state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
+                FETCH_INLINE_MAX_BYTES, state.session,
             )
-        except ChannelClosedError:
-            return None  # nothing was sent: an actor call carries the fetch
+            channels = self._channels if state.fetch_offset >= state.actor_fetch_until else None
+            ref = send_fetch(leader, request, channels)
+            state.in_flight.append((ref, state.fetch_offset, time.monotonic(), leader._actor_id, state.session))
 
     def _drop_stale_fetches(self) -> None:
         """Give up on fetches that outlived their long poll and whose leader has since been replaced.
@@ -442,16 +426,8 @@ class Consumer:
         except ValueError:
             return  # dropped meanwhile (a seek, or a reset by another reply of this round)
         ref, requested, _, _, session = fetch
-        large = False
         try:
-            if isinstance(ref, Future):
-                meta, data = ref.result()
-                large = data is not None and len(data) > FETCH_INLINE_MAX_BYTES
-            else:
-                meta, data = get(ref, timeout_s=None)
-                if isinstance(data, ray.ObjectRef):
-                    data = get(data, timeout_s=None)
-                    large = True
+            meta, data, large = wait_reply(ref)
         except ChannelReplyTooLargeError as error:
             state.actor_fetch_until = max(state.actor_fetch_until, error.end_offset)
             return
@@ -479,16 +455,7 @@ class Consumer:
             # that is still on its way): start a new session, which reads from fetch_offset again.
             state.drop_fetches()
             return
-        offset = state.fetch_offset
-        for header, records in rb.decode_batches(data, verify_crc=self.check_crcs):
-            skip = offset - header.base_offset
-            if skip >= header.record_count:
-                continue
-            if skip > 0:
-                records = records.slice(skip)
-                first = offset
-            else:
-                first = header.base_offset
+        for _, first, records in rb.slice_batches(data, state.fetch_offset, verify_crc=self.check_crcs):
             state.buffer.append((first, records))
             state.buffered_rows += records.num_rows
         state.fetch_offset = meta.next_offset

@@ -57,7 +57,9 @@ from ray.data import Dataset
 from ray.data.block import BlockAccessor, BlockMetadata
 from ray.data.datasource import Datasink, Datasource, ReadTask
 
-from logbus.api.client import Bus, connect, get
+from logbus.actors.fetcher import send_fetch, wait_reply
+from logbus.actors.remote import get
+from logbus.api.client import Bus, connect
 from logbus.api.producer import Producer
 from logbus.errors import (
     InvalidConfigError,
@@ -67,6 +69,7 @@ from logbus.errors import (
     OffsetOutOfRangeError,
     UnknownTopicError,
 )
+from logbus.protocol.messages import FetchRequest
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_topic_name
 
@@ -237,7 +240,7 @@ class _PartitionReader:
         self.fetch_max_bytes = fetch_max_bytes
 
     def _fetch(self, offset: int, max_wait_ms: int = 0):
-        return self.leader.fetch.remote(offset, self.fetch_max_bytes, max_wait_ms)
+        return send_fetch(self.leader, FetchRequest(offset, self.fetch_max_bytes, max_wait_ms))
 
     def _refresh_leader(self) -> None:
         metadata = connect(namespace=self.namespace, data_dir=self.data_dir).topic_metadata(self.topic, refresh=True)
@@ -251,8 +254,7 @@ class _PartitionReader:
         waited = False  # for records that should be there
         while pending is not None:
             try:
-                meta, data_ref = get(pending, timeout_s=None)
-                data = None if data_ref is None else get(data_ref, timeout_s=None)
+                meta, data, _ = wait_reply(pending)
             except LogbusError as error:
                 if not error.retriable:
                     raise
@@ -282,13 +284,7 @@ class _PartitionReader:
             next_offset = min(meta.next_offset, end)
             # Ask for the next range before decoding this one, so the fetch overlaps the decode.
             pending = self._fetch(next_offset) if next_offset < end else None
-            for header, records in rb.decode_batches(data, verify_crc=verify_crc):
-                first = max(offset, header.base_offset)
-                stop = min(end, header.next_offset)
-                if stop <= first:
-                    continue
-                if first != header.base_offset or stop != header.next_offset:
-                    records = records.slice(first - header.base_offset, stop - first)
+            for header, first, records in rb.slice_batches(data, offset, end, verify_crc=verify_crc):
                 yield _records_to_rows(self.topic, self.partition, header, records, first)
             offset = next_offset
 

@@ -29,7 +29,7 @@ import time
 import ray
 from ray.exceptions import RayError
 
-from logbus.api.client import get, unwrap
+from logbus.actors.remote import get, unwrap
 from logbus.errors import (
     IllegalGenerationError,
     LogbusError,
@@ -88,6 +88,9 @@ class GroupMembership:
         # the coordinator answered when the group changed) or "at once" (a heartbeat that found the
         # group rebalancing when it arrived). For tests and debugging.
         self.notices: collections.Counter[str] = collections.Counter()
+        # The heartbeat on its way or held by the coordinator: (time.monotonic() when sent, wait asked
+        # for in ms), None between heartbeats. For tests and debugging.
+        self.heartbeat_outstanding: tuple[float, int] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._heartbeat_loop, name=f"logbus-heartbeat-{group_id}", daemon=True)
@@ -234,6 +237,7 @@ class GroupMembership:
             idle_ms = int((time.monotonic() - self._last_poll_s) * 1000)
             wait_ms = int(self.heartbeat_interval_s * 1000)
             try:
+                self.heartbeat_outstanding = (last_sent_s, wait_ms)
                 ref = self._bus.controller.group_heartbeat.remote(self.group_id, member, generation, idle_ms, wait_ms)
                 result = ray.get(ref, timeout=wait_ms / 1000 + self.session_timeout_ms / 1000 * HEARTBEAT_TIMEOUT_FRACTION)
             except RayError as error:
@@ -257,6 +261,8 @@ class GroupMembership:
                 self._mark_unreachable()
                 pause_s = min(ERROR_RETRY_S, self.heartbeat_interval_s)
                 continue
+            finally:
+                self.heartbeat_outstanding = None
             self._mark_reachable()
             with self._lock:
                 if (self.member_id, self.generation) != (member, generation):

@@ -37,7 +37,8 @@ import pyarrow as pa
 import ray
 from confluent_kafka import murmur2
 
-from logbus.api.client import Bus, TopicMetadata, unwrap
+from logbus.actors.remote import get, unwrap
+from logbus.api.client import Bus, TopicMetadata
 from logbus.errors import (
     BufferExhaustedError,
     ChannelClosedError,
@@ -50,7 +51,7 @@ from logbus.errors import (
     RequestTimedOutError,
     UnknownTopicError,
 )
-from logbus.api.local_channel import channels as local_channels
+from logbus.actors.channel_client import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
 from logbus.storage import record_batch as rb
@@ -611,8 +612,6 @@ class Producer:
         frame = {"compression": self.compression}
         if self.enable_idempotence:
             if self._producer_id == rb.NO_PRODUCER_ID:
-                from logbus.api.client import get
-
                 self._producer_id = get(self._bus.controller.allocate_producer_id.remote())
                 self._producer_epoch = 0
             slot = (batch.topic, batch.partition)

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from logbus.api.client import Bus, connect, get
+from logbus.actors.remote import get
+from logbus.api.client import Bus, connect
 from logbus.errors import IllegalStateError, InvalidConfigError, LogbusError
 from logbus.protocol.group_coordinator import OffsetAndMetadata, validate_group_id
 from logbus.protocol.messages import TopicPartition

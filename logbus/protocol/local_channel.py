@@ -45,7 +45,7 @@ Replies may come back in any order. The listening socket is in Linux's
 abstract namespace (no file to clean up; it vanishes with the process) and
 the server accepts only peers running as its own user. This module is
 Ray-free; the server lives in ``logbus/actors/channel_server.py``, the client
-in ``logbus/api/local_channel.py``.
+in ``logbus/actors/channel_client.py``.
 """
 
 from __future__ import annotations

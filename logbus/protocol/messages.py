@@ -72,6 +72,34 @@ PRODUCE_INLINE_MAX_BYTES = 64 << 10
 PRODUCE_TIMEOUT_MS_DEFAULT = 30_000
 
 
+FETCH_MAX_BYTES_DEFAULT = 8 << 20
+FETCH_MAX_BYTES_MAX = 64 << 20  # a replica answers at most this much per fetch, whatever the request asks
+FETCH_WAIT_MS_MAX = 30_000  # and holds a fetch open at most this long
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """One fetch of a partition, as consumers, Ray Data read tasks, the offsets loader and followers send it.
+
+    ``offset``: the first offset wanted (the reply's batches may begin below it).
+    ``max_bytes``: bytes of whole batches to return, at least one batch (capped
+    at FETCH_MAX_BYTES_MAX by the replica). ``max_wait_ms``: how long the
+    replica holds the fetch open when there is nothing yet. ``verify_crc``:
+    whether the replica checks CRCs (readers that check every batch
+    themselves ask it not to). ``inline_max_bytes``: results up to this size
+    come back inside the reply (capped at FETCH_INLINE_MAX_BYTES); larger ones
+    as an ObjectRef. ``session``: a consumer's fetch session (see the replica's
+    read path): pipelined fetches of one session continue one another.
+    """
+
+    offset: int
+    max_bytes: int = FETCH_MAX_BYTES_DEFAULT
+    max_wait_ms: int = 0
+    verify_crc: bool = True
+    inline_max_bytes: int = 0
+    session: int | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class FetchResponse:
     """Metadata of one fetch; the batches themselves travel beside it (bytes, or a uint8 array's ObjectRef).

@@ -24,6 +24,8 @@ from __future__ import annotations
 import bisect
 import os
 
+from logbus.storage.files import write_atomically
+
 CHECKPOINT_FILE = "leader-epoch-checkpoint"
 UNDEFINED_EPOCH = -1
 UNDEFINED_OFFSET = -1
@@ -55,13 +57,8 @@ class LeaderEpochCache:
         return True
 
     def save(self) -> None:
-        temporary = self.path + ".tmp"
-        with open(temporary, "w") as file:
-            file.write(f"0\n{len(self.entries)}\n")
-            file.writelines(f"{epoch} {start}\n" for epoch, start in self.entries)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+        lines = [f"0\n{len(self.entries)}\n"] + [f"{epoch} {start}\n" for epoch, start in self.entries]
+        write_atomically(self.path, "".join(lines))
 
     @property
     def latest_epoch(self) -> int:

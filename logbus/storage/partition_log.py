@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,17 +42,15 @@ from logbus.errors import (
     RecordTooLargeError,
     StorageError,
 )
+from logbus.clock import wall_ms
 from logbus.storage import record_batch as rb
+from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LogConfig
 from logbus.storage.producer_state import ProducerStateTable
 from logbus.storage.segment import LOG_SUFFIX, LogSegment
 
 RECOVERY_POINT_FILE = "recovery-point"
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +99,7 @@ class PartitionLog:
         directory: str,
         config: LogConfig | None = None,
         *,
-        clock_ms: Callable[[], int] = wall_clock_ms,
+        clock_ms: Callable[[], int] = wall_ms,
     ) -> None:
         self.directory = directory
         self.config = config or LogConfig()
@@ -188,13 +185,7 @@ class PartitionLog:
             return None
 
     def _write_recovery_point(self, offset: int) -> None:
-        path = os.path.join(self.directory, RECOVERY_POINT_FILE)
-        temporary = path + ".tmp"
-        with open(temporary, "w") as file:
-            file.write(f"{offset}\n")
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        write_atomically(os.path.join(self.directory, RECOVERY_POINT_FILE), f"{offset}\n")
 
     def _add_segment(self, segment: LogSegment) -> None:
         self.segments.append(segment)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -55,6 +54,7 @@ import crc32c
 import numpy as np
 import pyarrow as pa
 
+from logbus.clock import wall_ms
 from logbus.errors import CorruptRecordError, InvalidRecordError
 
 MAGIC_V1 = 0x4C  # 'L'
@@ -181,10 +181,6 @@ class BatchHeader:
         return self.base_sequence + self.record_count - 1
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 # --- encoding -------------------------------------------------------------------------
 
 
@@ -245,16 +241,17 @@ def _headers_array(headers, count: int) -> pa.Array:
         if entry is None:
             rows.append(None)
         elif isinstance(entry, dict):
-            rows.append([(k, _as_bytes(v, "header value")) for k, v in entry.items()])
+            rows.append([(k, as_bytes(v, "header value")) for k, v in entry.items()])
         else:
-            rows.append([(k, _as_bytes(v, "header value")) for k, v in entry])
+            rows.append([(k, as_bytes(v, "header value")) for k, v in entry])
     try:
         return pa.array(rows, HEADERS_TYPE)
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as error:
         raise InvalidRecordError(f"headers must map str to bytes: {error}") from None
 
 
-def _as_bytes(value, what: str) -> bytes | None:
+def as_bytes(value, what: str) -> bytes | None:
+    """``value`` as bytes (str is UTF-8 encoded; None stays None); InvalidRecordError for other types."""
     if value is None or isinstance(value, bytes):
         return value
     if isinstance(value, str):
@@ -281,7 +278,7 @@ def build_record_batch(
     count = len(values)
     if keys is not None and len(keys) != count:
         raise InvalidRecordError(f"got {len(keys)} keys for {count} values")
-    default_ms = now_ms() if default_timestamp_ms is None else default_timestamp_ms
+    default_ms = wall_ms() if default_timestamp_ms is None else default_timestamp_ms
     value_array = _binary_array(values, "value")
     key_array = _null_column(_BINARY, count) if keys is None else _binary_array(keys, "key")
     return pa.RecordBatch.from_arrays(
@@ -310,7 +307,7 @@ def conform_table(table: pa.Table | pa.RecordBatch, *, default_timestamp_ms: int
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
             raise InvalidRecordError(f"column {name!r} of type {array.type} cannot be {arrow_type}: {error}") from None
 
-    default_ms = now_ms() if default_timestamp_ms is None else default_timestamp_ms
+    default_ms = wall_ms() if default_timestamp_ms is None else default_timestamp_ms
     timestamps = column("timestamp", pa.int64(), None)
     if timestamps is None:
         timestamps = pa.array(np.full(count, default_ms, np.int64))
@@ -482,6 +479,25 @@ def decode_batches(buffer, *, verify_crc: bool = True) -> list[tuple[BatchHeader
         position += header.size_bytes
     return out
 
+
+
+def slice_batches(buffer, start: int, end: int | None = None, *, verify_crc: bool = True) -> Iterator[tuple[BatchHeader, int, pa.RecordBatch]]:
+    """The records of offsets ``[start, end)`` in a buffer of whole batches: ``(header, first offset, records)``.
+
+    What every reader of a fetch reply does with it: a fetch returns whole
+    batches, the first of which may begin below the offset asked for and the
+    last of which may run past the end wanted; each batch is decoded in place
+    (no copy) and sliced to the range. Batches wholly outside the range are
+    skipped; ``end=None`` means no upper bound.
+    """
+    for header, records in decode_batches(buffer, verify_crc=verify_crc):
+        first = max(start, header.base_offset)
+        stop = header.next_offset if end is None else min(end, header.next_offset)
+        if stop <= first:
+            continue
+        if first != header.base_offset or stop != header.next_offset:
+            records = records.slice(first - header.base_offset, stop - first)
+        yield header, first, records
 
 # --- leader-side rewriting --------------------------------------------------------------
 

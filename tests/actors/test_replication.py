@@ -24,8 +24,9 @@ from ray.cluster_utils import Cluster
 
 import logbus
 from logbus import TopicPartition
-from logbus.actors.factory import CONTROLLER_NAME
+from logbus.actors.controller import CONTROLLER_NAME
 from logbus.errors import NotEnoughReplicasError
+from tests.actors.replica_files import committed_bytes
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [
@@ -208,14 +209,13 @@ def check_invariants(bus, topic, acknowledged, replication_factor):
     assert not moved, f"acknowledged records at other offsets than acknowledged: {moved[:3]}"
 
     # Every replica holds the same bytes for every committed offset.
-    controller = ray.get_actor(CONTROLLER_NAME, namespace=bus.namespace)
     described = bus.admin.describe_topic(topic).partitions[0]
     wait_for(
         lambda: all(s.get("log_end_offset") == described.log_end_offset for s in statuses(bus, topic)),
         timeout_s=90,
         message="followers caught up",
     )
-    copies = ray.get(controller.replica_logs.remote(topic, 0, described.high_watermark), timeout=120)
+    copies = [committed_bytes(bus.data_dir, topic, 0, r, described.high_watermark) for r in described.replicas]
     assert len(copies) == replication_factor
     assert all(bytes(c) == bytes(copies[0]) for c in copies[1:]), "replicas differ below the high watermark"
     return len(values)
@@ -374,15 +374,13 @@ def test_damaged_follower_segment_recovers_and_refetches(cluster, rbus, damage):
             file.seek(size - 50)
             file.write(bytes([byte[0] ^ 0x5A]))
     kill_process(follower["pid"])  # Ray restarts it: recovery cuts the damaged batch, then it refetches
-    controller = ray.get_actor(CONTROLLER_NAME, namespace=rbus.namespace)
-    wait_for(
-        lambda: any(
-            s.get("replica_id") == follower["replica_id"] and s.get("pid") not in (None, follower["pid"]) for s in statuses(rbus, topic)
+    restarted = wait_for(
+        lambda: next(
+            (s for s in statuses(rbus, topic) if s.get("replica_id") == follower["replica_id"] and s.get("pid") not in (None, follower["pid"])),
+            None,
         ),
         timeout_s=90,
         message="follower restart",
     )
-    handle = ray.get(controller.replica_handle.remote(topic, 0, follower["replica_id"]))
-    report = ray.get(handle.recovery_report.remote())
-    assert report["truncated_bytes"] > 0
+    assert restarted["recovery"]["truncated_bytes"] > 0
     check_invariants(rbus, topic, {b"d-%d" % i: i for i in range(300)}, 3)

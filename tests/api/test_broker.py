@@ -10,6 +10,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
+from logbus.protocol.messages import FetchRequest
 from logbus.errors import (
     IllegalStateError,
     InvalidPartitionsError,
@@ -281,15 +282,15 @@ def test_fetch_sessions_continue_pipelined_fetches(bus, topic_name):
             producer.send(topic_name, b"batch-%d" % i).result()  # one batch each
     leader = bus.topic_metadata(topic_name).leaders[0]
     one_batch = 1  # max_bytes: whole batches, at least one, so exactly one per fetch here
-    pipelined = ray.get([leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7) for _ in range(2)])
+    pipelined = ray.get([leader.fetch.remote(FetchRequest(0, one_batch, 0, True, 1 << 16, 7)) for _ in range(2)])
     ranges = sorted((meta.first_offset, meta.next_offset) for meta, _ in pipelined)
     assert ranges == [(0, 1), (1, 2)]  # whichever ran first, the second continued it
     assert all(isinstance(data, bytes) for _, data in pipelined)  # small results travel inside the reply
-    meta, _ = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 8))
+    meta, _ = ray.get(leader.fetch.remote(FetchRequest(0, one_batch, 0, True, 1 << 16, 8)))
     assert (meta.first_offset, meta.next_offset) == (0, 1)  # a new session reads from the offset asked for
-    meta, _ = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7))
+    meta, _ = ray.get(leader.fetch.remote(FetchRequest(0, one_batch, 0, True, 1 << 16, 7)))
     assert (meta.first_offset, meta.next_offset) == (2, 3)
-    meta, data = ray.get(leader.fetch.remote(0, one_batch, 0, True, 1 << 16, 7))
+    meta, data = ray.get(leader.fetch.remote(FetchRequest(0, one_batch, 0, True, 1 << 16, 7)))
     assert data is None and meta.first_offset == meta.next_offset  # the session is at the end
 
 
@@ -334,7 +335,7 @@ def test_consumer_recovers_when_its_fetch_session_runs_ahead(bus, topic_name):
         for i in range(100, 200):
             producer.send(topic_name, b"%d" % i).result()  # one batch each
     leader = bus.topic_metadata(topic_name).leaders[0]
-    stolen = ray.get([leader.fetch.remote(100, 1, 0, True, 1 << 16, session) for _ in range(3)])
+    stolen = ray.get([leader.fetch.remote(FetchRequest(100, 1, 0, True, 1 << 16, session)) for _ in range(3)])
     firsts = sorted(meta.first_offset for meta, _ in stolen)
     # They continued the session (its fetches waiting at the leader may have taken a batch first).
     assert firsts[0] >= 100 and firsts == list(range(firsts[0], firsts[0] + 3))

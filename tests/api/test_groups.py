@@ -12,7 +12,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
-from logbus.actors.factory import CONTROLLER_NAME
+from logbus.actors.controller import CONTROLLER_NAME
 from logbus.errors import GroupNotEmptyError, IllegalGenerationError, InvalidGroupIdError, RebalanceInProgressError
 from tests.conftest import wait_for
 
@@ -130,16 +130,19 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
         ray.get(worker.close.remote())
 
 
-def held_heartbeat(bus, group_id, member_id, spare_ms):
-    """A condition: the coordinator holds ``member_id``'s heartbeat with at least ``spare_ms`` to go."""
-    controller = ray.get_actor(CONTROLLER_NAME, namespace=bus.namespace)
+HELD_AFTER_MS = 1_000  # a heartbeat unanswered this long is held by the coordinator (it arrives in milliseconds)
+
+
+def held_heartbeat(membership, spare_ms):
+    """A condition: the member's heartbeat is held by the coordinator with at least ``spare_ms`` to go."""
 
     def check():
-        polls = ray.get(controller.group_long_polls.remote(group_id), timeout=60)
-        return any(
-            p["kind"] == "heartbeat" and p["member_id"] == member_id and p["wait_ms"] - p["waited_ms"] >= spare_ms
-            for p in polls
-        )
+        outstanding = membership.heartbeat_outstanding
+        if outstanding is None:
+            return False
+        sent_s, wait_ms = outstanding
+        age_ms = (time.monotonic() - sent_s) * 1000
+        return age_ms >= HELD_AFTER_MS and wait_ms - age_ms >= spare_ms
 
     return check
 
@@ -163,7 +166,7 @@ def test_a_clean_join_rebalances_through_the_held_heartbeat(bus, topic_name):
     wait_for(lambda: first.poll(timeout_ms=50) is not None and len(first.assignment()) == 4,
              timeout_s=60, interval_s=0, message="the first member owning every partition")
     membership = first._membership
-    wait_for(held_heartbeat(bus, "prompt", membership.member_id, spare_ms=10_000),
+    wait_for(held_heartbeat(membership, spare_ms=10_000),
              timeout_s=60, message="the first member's heartbeat held by the coordinator")
     second = logbus.Consumer(bus, group_id="prompt", **options)
     second.subscribe([topic_name])
@@ -197,7 +200,7 @@ def test_an_expired_session_wakes_the_survivor_held_heartbeat(bus, topic_name):
     doomed.subscribe([topic_name])
     wait_split(survivor, doomed)
     membership = survivor._membership
-    wait_for(held_heartbeat(bus, "expiry", membership.member_id, spare_ms=15_000),
+    wait_for(held_heartbeat(membership, spare_ms=15_000),
              timeout_s=60, message="the survivor's heartbeat held by the coordinator")
     before = collections.Counter(membership.notices)
     survivor_listener.events.clear()

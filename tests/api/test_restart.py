@@ -8,7 +8,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
-from logbus.actors.factory import CONTROLLER_NAME
+from logbus.actors.controller import CONTROLLER_NAME
 from tests.api.test_broker import drain
 from tests.conftest import RAY_INIT_ARGS, close_bus, wait_for
 

@@ -161,3 +161,24 @@ def test_encode_is_a_few_c_level_calls():
         return pstats.Stats(profiler).total_calls
 
     assert python_calls(10_000) == python_calls(10)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=1, max_size=6), st.integers(0, 50), st.data())
+def test_slice_batches_returns_exactly_the_offsets_asked_for(counts, base, data):
+    """Whole batches go in (as a fetch returns them); exactly the records of [start, end) come out, in order."""
+    buffer, offset = b"", base
+    for count in counts:
+        encoded = rb.encode_batch([b"%d" % (offset + i) for i in range(count)], default_timestamp_ms=1)
+        header, payload = rb.with_offset_and_epoch(encoded, offset, 0)
+        buffer += bytes(header) + bytes(payload)
+        offset += count
+    start = data.draw(st.integers(0, offset + 2))
+    end = data.draw(st.one_of(st.none(), st.integers(0, offset + 2)))
+    got = []
+    for header, first, records in rb.slice_batches(buffer, start, end):
+        assert header.base_offset <= first < header.next_offset
+        got += [(first + i, value) for i, value in enumerate(records.column("value").to_pylist())]
+    stop = offset if end is None else min(end, offset)
+    expected = [(o, b"%d" % o) for o in range(max(start, base), stop)]
+    assert got == expected

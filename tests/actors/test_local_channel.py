@@ -18,7 +18,7 @@ import logbus
 from logbus import TopicPartition
 from logbus.actors import channel_server
 from logbus.actors.channel_server import ChannelServer
-from logbus.api.local_channel import Connection, channels
+from logbus.actors.channel_client import Connection, channels
 from logbus.errors import ChannelClosedError, NotLeaderError
 from logbus.protocol import local_channel as wire
 from tests.api.test_broker import drain

@@ -1,0 +1,135 @@
+"""Committed offsets of consumer groups: a table in the controller, made durable in ``__consumer_offsets``.
+
+The group service owns one :class:`CommittedOffsets`. A commit is
+acknowledged only once its records were appended to the internal, replicated
+topic ``__consumer_offsets`` with acks="all"; the table in memory is updated
+after that. When the controller starts, the table is rebuilt by reading the
+topic from the start (the last record per key wins; a record without a value
+deletes the key), so commits survive the controller's restart and the loss of
+any single node (with three or more nodes the topic has three replicas).
+
+The topic is created on first use, through the host's ``create_internal_topic``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from logbus.actors.fetcher import reply_async
+from logbus.actors.remote import unwrap
+from logbus.errors import LeaderNotAvailableError, LogbusError
+from logbus.protocol.group_coordinator import (
+    OFFSETS_TOPIC,
+    OffsetAndMetadata,
+    decode_offset_commit_key,
+    decode_offset_commit_value,
+)
+from logbus.protocol.messages import FetchRequest, TopicPartition
+from logbus.storage import record_batch as rb
+
+logger = logging.getLogger(__name__)
+
+OFFSETS_TOPIC_PARTITIONS = 1
+OFFSETS_TOPIC_REPLICATION_MAX = 3
+OFFSETS_TOPIC_CONFIG = {"segment.bytes": 64 << 20, "min.insync.replicas": 1}
+LOAD_TIMEOUT_S = 60.0
+LOAD_FETCH_BYTES = 16 << 20
+COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
+RETRY_BACKOFF_S = 0.1
+
+Key = tuple[str, str, int]  # (group id, topic, partition)
+
+
+class CommittedOffsets:
+    """The committed offset of every (group, topic, partition), loaded once and kept durable."""
+
+    def __init__(self, host) -> None:
+        self._host = host  # the controller's GroupHost side (see group_service.GroupHost)
+        self.table: dict[Key, OffsetAndMetadata] = {}
+        self._loaded: asyncio.Event | None = None
+
+    def get(self, group_id: str, tp: TopicPartition) -> OffsetAndMetadata | None:
+        return self.table.get((group_id, tp.topic, tp.partition))
+
+    def partitions_of(self, group_id: str) -> set[TopicPartition]:
+        return {TopicPartition(t, p) for (g, t, p) in self.table if g == group_id}
+
+    def group_ids(self) -> set[str]:
+        return {g for g, _, _ in self.table}
+
+    async def ready(self) -> None:
+        """Make sure the table was rebuilt from ``__consumer_offsets`` once."""
+        if self._loaded is None:
+            self._loaded = asyncio.Event()
+            try:
+                await self._load()
+            finally:
+                self._loaded.set()
+        await self._loaded.wait()
+
+    async def _load(self) -> None:
+        if OFFSETS_TOPIC not in self._host.partition_counts():
+            return
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while True:
+            try:
+                self.table = await self._read_all()
+                return
+            except Exception as error:  # noqa: BLE001 (a leader moving or restarting: retry until the deadline)
+                cause = unwrap(error)
+                if time.monotonic() > deadline:
+                    logger.error("could not read %s: %r", OFFSETS_TOPIC, cause)
+                    raise LeaderNotAvailableError(f"committed offsets are not readable yet: {cause!r}") from None
+                await asyncio.sleep(0.2)
+
+    async def _read_all(self) -> dict[Key, OffsetAndMetadata]:
+        leader = self._host.leader_handle(OFFSETS_TOPIC, 0)
+        _, high_watermark, _ = await asyncio.wait_for(leader.offsets.remote(), 10)
+        offset, table = 0, {}
+        while offset < high_watermark:
+            meta, data = await asyncio.wait_for(reply_async(leader.fetch.remote(FetchRequest(offset, LOAD_FETCH_BYTES))), 30)
+            if data is None:
+                break
+            for _, _, records in rb.slice_batches(data, offset, high_watermark):
+                for key, value in zip(records.column("key").to_pylist(), records.column("value").to_pylist()):
+                    group_id, tp = decode_offset_commit_key(key)
+                    if value is None:
+                        table.pop((group_id, tp.topic, tp.partition), None)
+                    else:
+                        decoded = decode_offset_commit_value(value)
+                        table[(group_id, tp.topic, tp.partition)] = OffsetAndMetadata(decoded.offset, decoded.metadata, decoded.leader_epoch)
+            offset = meta.next_offset
+        return table
+
+    async def _ensure_topic(self) -> None:
+        if OFFSETS_TOPIC in self._host.partition_counts():
+            return
+        replication = min(OFFSETS_TOPIC_REPLICATION_MAX, max(1, self._host.live_node_count()))
+        try:
+            await self._host.create_internal_topic(OFFSETS_TOPIC, OFFSETS_TOPIC_PARTITIONS, replication, OFFSETS_TOPIC_CONFIG)
+        except LogbusError:
+            if OFFSETS_TOPIC not in self._host.partition_counts():
+                raise
+            # created concurrently: fine
+
+    async def commit(self, group_id: str, records: list[tuple[bytes, bytes]], offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
+        """Append offset-commit ``records`` with acks='all', then record ``offsets``; raise (retriable) if that fails."""
+        await self._ensure_topic()
+        batch = rb.encode_batch([v for _, v in records], [k for k, _ in records])
+        deadline = time.monotonic() + COMMIT_RETRY_S
+        while True:
+            # A fresh or moving offsets leader refuses writes until its lease is confirmed: retry briefly.
+            try:
+                leader = self._host.leader_handle(OFFSETS_TOPIC, 0)
+                await asyncio.wait_for(leader.produce.remote(batch, "all"), 30)
+                break
+            except Exception as error:  # noqa: BLE001 (Ray errors mean the offsets leader is moving)
+                cause = unwrap(error)
+                retriable = isinstance(cause, LogbusError) and cause.retriable
+                if not retriable or time.monotonic() > deadline:
+                    raise cause from None
+                await asyncio.sleep(RETRY_BACKOFF_S)
+        for tp, om in offsets.items():
+            self.table[(group_id, tp.topic, tp.partition)] = om

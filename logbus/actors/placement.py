@@ -1,0 +1,31 @@
+"""Where replicas live: the Ray nodes that may host them, and each replica's directory on its node.
+
+If any live node offers the custom resource ``logbus_replica``, only such
+nodes host replicas (so a cluster can keep them off its head node); otherwise
+every live node does. A replica's log directory is
+``{data_dir}/replica-{id}/{topic}-{partition}``: replica ids are per
+partition, and a replacement replica gets a fresh id, hence a fresh directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from logbus.storage.names import partition_dir_name
+
+REPLICA_NODE_RESOURCE = "logbus_replica"
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
+
+
+def live_node_ids() -> list[str]:
+    """The live Ray nodes that may host replicas, sorted (see the module docstring)."""
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
+    return sorted(node["NodeID"] for node in (marked or nodes))
+
+
+def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:
+    """The log directory of one replica of one partition."""
+    return os.path.join(data_dir, f"replica-{replica_id}", partition_dir_name(topic, partition))

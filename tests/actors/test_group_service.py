@@ -1,0 +1,234 @@
+"""The controller's group service without Ray: long polls, the group timer and groups.json.
+
+A small host stands in for the controller (the GroupHost interface: one topic
+``t``, no leaders); each test runs its coroutines on a fresh event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import pytest
+
+from logbus.actors import group_service, state_writer
+from logbus.actors.group_service import GroupService
+from logbus.errors import CoordinatorNotAvailableError, LeaderNotAvailableError, UnknownMemberIdError
+from logbus.protocol.group_coordinator import JoinPending, JoinResult
+
+OPTIONS = dict(topics=("t",), protocols=("range",), session_timeout_ms=6_000, rebalance_timeout_ms=10_000, max_poll_interval_ms=10_000)
+
+
+class Host:
+    """The GroupHost side of a controller with one topic of four partitions and no offsets topic."""
+
+    def partition_counts(self):
+        return {"t": 4}
+
+    def leader_handle(self, topic, partition):
+        raise LeaderNotAvailableError(f"{topic}-{partition} has no leader in these tests")
+
+    async def create_internal_topic(self, name, partitions, replication_factor, config):
+        raise LeaderNotAvailableError("no internal topics in these tests")
+
+    def live_node_count(self):
+        return 1
+
+
+def Service(directory) -> GroupService:
+    """A group service over ``directory``, its timer running (call on the test's event loop)."""
+    service = GroupService(Host(), str(directory))
+    service.start()
+    return service
+
+
+def on_disk(service) -> dict:
+    with open(service._writer.path) as file:
+        return json.load(file)
+
+
+async def join(service, member_id="", wait_ms=2_000, **options):
+    return await service.join("g", dict(OPTIONS, member_id=member_id, **options), wait_ms)
+
+
+def test_a_held_join_returns_when_the_last_member_arrives(tmp_path):
+    async def main():
+        service = Service(tmp_path)
+        a = await join(service)
+        assert isinstance(a, JoinResult) and a.generation == 1
+        # b's join is held until a rejoins, which a's held heartbeat tells it to do.
+        b_join = asyncio.ensure_future(join(service, wait_ms=5_000))
+        beat = await service.heartbeat("g", a.member_id, a.generation, 0, 5_000)
+        assert beat.rejoin and not b_join.done()
+        a2 = await join(service, member_id=a.member_id)
+        b = await b_join
+        assert isinstance(a2, JoinResult) and isinstance(b, JoinResult) and a2.generation == b.generation == 2
+        assert sorted(a2.assignment + b.assignment) == sorted(a.assignment)
+        return service
+
+    service = asyncio.run(main())
+    assert on_disk(service)["groups"][0]["generation"] == 2  # answered only once durable
+
+
+def test_a_held_heartbeat_is_woken_by_a_join_and_says_so(tmp_path):
+    async def main():
+        service = Service(tmp_path)
+        a = await join(service)
+        held = asyncio.ensure_future(service.heartbeat("g", a.member_id, a.generation, 0, 5_000))
+        await asyncio.sleep(0.05)
+        polls = service.long_polls("g")
+        assert [(p["kind"], p["member_id"]) for p in polls] == [("heartbeat", a.member_id)]
+        assert 2_900 <= polls[0]["wait_ms"] <= 3_000  # half the session timeout
+        assert not held.done()
+        pending = await join(service, wait_ms=0)  # a second member arrives (its first join gets an id)
+        assert isinstance(pending, JoinPending)
+        await join(service, member_id=pending.member_id, wait_ms=0)
+        beat = await asyncio.wait_for(held, 5)
+        assert beat.rejoin and beat.woken and beat.waited_ms < 3_000
+        assert service.long_polls("g") == []
+
+    asyncio.run(main())
+
+
+def test_a_quiet_heartbeat_waits_and_reports_it(tmp_path):
+    async def main():
+        service = Service(tmp_path)
+        a = await join(service, session_timeout_ms=400)
+        beat = await service.heartbeat("g", a.member_id, a.generation, 0, 10_000)  # held half the session
+        assert not beat.rejoin and not beat.woken and beat.waited_ms >= 100
+        group_service_cap = group_service.LONG_POLLS_MAX
+        try:
+            group_service.LONG_POLLS_MAX = 0  # too many calls held: answer at once
+            beat = await service.heartbeat("g", a.member_id, a.generation, 0, 10_000)
+            assert (beat.waited_ms, beat.woken) == (0, False)
+        finally:
+            group_service.LONG_POLLS_MAX = group_service_cap
+
+    asyncio.run(main())
+
+
+def test_a_member_dead_during_its_held_heartbeat_expires_and_the_timer_wakes_the_survivor(tmp_path):
+    """A held heartbeat shows the member alive only when it arrived; the group timer (no other
+    call) removes it when its session ends and wakes the survivor's held heartbeat."""
+
+    async def main():
+        service = Service(tmp_path)
+        survivor = await join(service)
+        dead_id = (await join(service, wait_ms=0, session_timeout_ms=300)).member_id
+        dead_join = asyncio.ensure_future(join(service, member_id=dead_id, session_timeout_ms=300))
+        while not service.long_polls("g"):  # the dead member's join is held
+            await asyncio.sleep(0.001)
+        survivor = await join(service, member_id=survivor.member_id)
+        dead = await dead_join
+        assert survivor.generation == dead.generation == 2
+        # The dead member's last heartbeat is held (its process is gone; nobody reads the reply).
+        dead_beat = asyncio.ensure_future(service.heartbeat("g", dead_id, dead.generation, 0, 10_000))
+        beat = await asyncio.wait_for(service.heartbeat("g", survivor.member_id, survivor.generation, 0, 2_900), 10)
+        assert beat.rejoin and beat.woken  # woken before its own wait ran out: the 300 ms session ended first
+        await dead_beat
+        assert [m.member_id for m in service.coordinator.describe("g").members] == [survivor.member_id]
+
+    asyncio.run(main())
+
+
+def test_groups_json_writes_stay_ordered_and_end_with_the_latest_state(tmp_path, monkeypatch):
+    """Writes run one at a time off the event loop; states queued during a write fold into the
+    next one, and the file ends with the latest state."""
+    writes = []
+    write = state_writer.write_atomically
+    gate = threading.Event()
+
+    def slow_write(path, text):
+        gate.wait(5)
+        writes.append(json.loads(text))
+        write(path, text)
+
+    monkeypatch.setattr(state_writer, "write_atomically", slow_write)
+
+    async def main():
+        service = Service(tmp_path)
+        first = asyncio.ensure_future(join(service))  # its write blocks on the gate
+        await asyncio.sleep(0.05)
+        assert not first.done()  # not answered before its state is on disk
+        others = [asyncio.ensure_future(join(service, wait_ms=0)) for _ in range(5)]  # issue member ids
+        await asyncio.sleep(0.05)
+        assert not any(o.done() for o in others)  # they saw a state that is not on disk yet
+        gate.set()
+        await first
+        ids = [(await o).member_id for o in others]
+        results = await asyncio.gather(*(join(service, member_id=i, wait_ms=0) for i in ids))
+        assert all(isinstance(r, JoinPending) for r in results)
+        await service._writer.durable()
+        return service
+
+    service = asyncio.run(main())
+    members = [len(w["groups"][0]["members"]) if w["groups"] else 0 for w in writes]
+    assert members == sorted(members)  # in order: never an older state after a newer one
+    assert on_disk(service) == json.loads(service.coordinator.to_json())
+    assert len(on_disk(service)["groups"][0]["members"]) == 6
+
+
+def test_a_failed_write_is_an_error_for_the_caller_and_is_retried(tmp_path, monkeypatch):
+    write = state_writer.write_atomically
+    failing = {"on": True}
+
+    def flaky_write(path, text):
+        if failing["on"]:
+            raise OSError(28, "No space left on device")
+        write(path, text)
+
+    monkeypatch.setattr(state_writer, "write_atomically", flaky_write)
+
+    async def main():
+        service = Service(tmp_path)
+        with pytest.raises(CoordinatorNotAvailableError):
+            await join(service)
+        failing["on"] = False
+        result = await join(service)
+        assert isinstance(result, JoinResult)
+        await service._writer.durable()
+        return service
+
+    service = asyncio.run(main())
+    assert on_disk(service) == json.loads(service.coordinator.to_json())
+
+
+def test_repeated_joins_do_not_rewrite_groups_json(tmp_path, monkeypatch):
+    writes = []
+    write = state_writer.write_atomically
+
+    def counting_write(path, text):
+        writes.append(text)
+        write(path, text)
+
+    monkeypatch.setattr(state_writer, "write_atomically", counting_write)
+
+    async def main():
+        service = Service(tmp_path)
+        a = await join(service)
+        b = await join(service, wait_ms=0)
+        b = await join(service, member_id=b.member_id, wait_ms=0)
+        count = len(writes)
+        for _ in range(20):
+            assert isinstance(await join(service, member_id=b.member_id, wait_ms=0), JoinPending)
+            await service.heartbeat("g", a.member_id, a.generation, 0, 0)
+        assert len(writes) == count
+
+    asyncio.run(main())
+
+
+def test_a_restarted_coordinator_reads_back_its_groups(tmp_path):
+    async def first_life():
+        service = Service(tmp_path)
+        return await join(service)
+
+    a = asyncio.run(first_life())
+
+    async def second_life():
+        service = Service(tmp_path)
+        beat = await service.heartbeat("g", a.member_id, a.generation, 0, 0)
+        assert not beat.rejoin
+        with pytest.raises(UnknownMemberIdError):
+            await service.heartbeat("g", "someone-else", a.generation, 0, 0)
+
+    asyncio.run(second_life())
