@@ -60,27 +60,25 @@ class CliError(Exception):
 
 @contextlib.contextmanager
 def _connected(args):
-    """A Bus for the command; starts (and afterwards stops) Ray only if it was not running here.
+    """A Bus for the command; starts or joins (and afterwards leaves) Ray only if it was not running here.
 
-    Without ``--address`` and without ``RAY_ADDRESS``, Ray is started as a fresh
-    local instance (``address="local"``), never attached to whatever cluster
-    ``/tmp/ray/ray_current_cluster`` happens to name.
+    Without ``--address`` and without ``RAY_ADDRESS``, the command does what
+    ``logbus.connect()`` does by default: it joins the cluster of the process
+    that serves the data directory (an application running beside it), or
+    starts a fresh local Ray (``address="local"``), never attaching to
+    whatever cluster ``/tmp/ray/ray_current_cluster`` happens to name.
     """
     import ray
 
     import logbus
 
     started_here = not ray.is_initialized()
-    if started_here:
-        address = args.address
-        if address is None and not os.environ.get("RAY_ADDRESS"):
-            address = "local"
-        init = dict(address=address, namespace=args.namespace, log_to_driver=False, logging_level=logging.ERROR)
-        if address == "local":
-            init["include_dashboard"] = False
-        ray.init(**init)
+    address = args.address
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
+    quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
     try:
-        yield logbus.connect(address=args.address, data_dir=args.data_dir, namespace=args.namespace)
+        yield logbus.connect(address=address, data_dir=args.data_dir, namespace=args.namespace, ray_init_options=quiet)
     finally:
         if started_here and ray.is_initialized():
             ray.shutdown()

@@ -95,6 +95,11 @@ class ProducerFencedError(LogbusError):
     """A newer producer with the same producer id has a higher epoch."""
 
 
+class DataDirectoryInUseError(LogbusError):
+    """Another live process owns this data directory (a logbus controller of another Ray cluster or
+    namespace, or another replica process); its files are never opened twice."""
+
+
 # --- cluster state: retriable ---------------------------------------------------
 
 

@@ -41,11 +41,12 @@ from logbus.actors.group_service import GroupService
 from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, replica_directory
 from logbus.clock import monotonic_ms
-from logbus.errors import InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
+from logbus.errors import DataDirectoryInUseError, InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription
+from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
@@ -55,12 +56,37 @@ logger = logging.getLogger(__name__)
 CONTROLLER_NAME = "logbus-controller"
 CONTROLLER_MAX_CONCURRENCY = 1000
 METADATA_FILE = "metadata.json"
+OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
+OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 
 if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
     raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
+
+
+def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> DirectoryLock:
+    """Hold the data directory's owner lock for this process's lifetime, and say how to reach this cluster.
+
+    A controller that Ray restarts takes the lock over from its dead
+    predecessor; one that finds it held by a live process (a controller of
+    another Ray cluster, or of another namespace, over the same files) waits
+    briefly, then raises DataDirectoryInUseError naming the holder: two
+    controllers, and their replicas, over one data directory would lose
+    acknowledged records.
+    """
+    lock = DirectoryLock(os.path.join(metadata_dir, OWNER_LOCK_FILE))
+    if not lock.acquire(OWNER_LOCK_WAIT_S):
+        note = lock.read_note() or {}
+        raise DataDirectoryInUseError(
+            f"data directory {data_dir} is in use by another logbus controller (pid {note.get('pid', '?')}, "
+            f"namespace {note.get('namespace', '?')!r}, Ray cluster at {note.get('gcs_address', '?')}); "
+            "connect to that cluster, or use another data_dir"
+        )
+    context = ray.get_runtime_context()
+    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir})
+    return lock
 
 
 class Controller:
@@ -74,6 +100,15 @@ class Controller:
         self._control_loop: asyncio.Task | None = None
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
+        # A controller that does not own its data directory touches none of its files and
+        # answers every call with the reason (raising here would leave callers only Ray's
+        # "actor died" without it).
+        self._refused: DataDirectoryInUseError | None = None
+        try:
+            self._owner_lock = take_ownership(self._metadata_dir, self.data_dir, namespace)
+        except DataDirectoryInUseError as error:
+            self._refused = error
+            return
         self.metadata = self._load()
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
         self._lock: asyncio.Lock | None = None
@@ -97,6 +132,8 @@ class Controller:
 
     async def _ready(self) -> None:
         """Bring every replica actor up once, before the first request is served."""
+        if self._refused is not None:
+            raise self._refused
         if self._lock is None:
             self._lock = asyncio.Lock()
         if self._started is None:
@@ -402,6 +439,8 @@ class Controller:
         return out
 
     async def get_data_dir(self) -> str:
+        if self._refused is not None:
+            raise self._refused
         return self.data_dir
 
     async def ping(self) -> int:

@@ -62,6 +62,7 @@ from logbus.actors.channel_server import ChannelServer
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     ChannelReplyTooLargeError,
+    DataDirectoryInUseError,
     FencedLeaderEpochError,
     InvalidRecordError,
     LogbusError,
@@ -83,6 +84,7 @@ from logbus.protocol.messages import (
 )
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
+from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
 from logbus.storage.log_config import LogConfig
@@ -91,6 +93,8 @@ from logbus.storage.partition_log import PartitionLog, ReadResult
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "replica.json"
+OWNER_LOCK_FILE = "owner.lock"  # held for the process's lifetime: one process per replica directory
+OWNER_LOCK_WAIT_S = 30.0  # a restarted replica waits this long for a predecessor still exiting
 BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
 HEARTBEAT_INTERVAL_S = HEARTBEAT_INTERVAL_MS / 1000
 HEARTBEATS_IN_FLIGHT_MAX = 5
@@ -175,6 +179,14 @@ class PartitionReplica:
         self.namespace = namespace
         self.controller_name = controller_name
         os.makedirs(directory, exist_ok=True)
+        self._owner_lock = DirectoryLock(os.path.join(directory, OWNER_LOCK_FILE))
+        if not self._owner_lock.acquire(OWNER_LOCK_WAIT_S):
+            note = self._owner_lock.read_note() or {}
+            raise DataDirectoryInUseError(
+                f"replica directory {directory} is in use by another process (pid {note.get('pid', '?')}); "
+                "a replica's files are never opened twice"
+            )
+        self._owner_lock.write_note({"replica": f"{topic}-{partition}/{replica_id}"})
         state = self._load_state() or {"config": dict(config), "leader_epoch": -1}
         self.config_overrides = state["config"]
         self.log = PartitionLog(directory, LogConfig.from_dict(self.config_overrides))
@@ -702,6 +714,7 @@ class PartitionReplica:
         await self._channel.close()
         self.log.delete()
         shutil.rmtree(self.directory, ignore_errors=True)
+        self._owner_lock.release()
 
     async def ping(self) -> int:
         """Ready check: returns the process id (fault-injection tests kill it)."""

@@ -12,12 +12,14 @@ import ray
 from logbus.actors import controller as controller_actor
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
-from logbus.errors import IllegalStateError, LeaderNotAvailableError
+from logbus.errors import DataDirectoryInUseError, IllegalStateError, LeaderNotAvailableError
+from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 
 DEFAULT_DATA_DIR = "logbus-data"
 DEFAULT_NAMESPACE = "logbus"
+START_LOCK_FILE = "start.lock"  # in the data directory: processes starting over it take turns
 
 
 @dataclass(frozen=True)
@@ -90,11 +92,17 @@ def connect(
     data_dir: str | None = None,
     namespace: str = DEFAULT_NAMESPACE,
     replica_replacement_ms: int | None = None,
+    ray_init_options: dict | None = None,
 ) -> Bus:
     """Connect to logbus, starting what is missing.
 
     - No ``address`` and Ray not running: start a local Ray in this process
       (the embedded default), with data under ``./logbus-data`` or ``data_dir``.
+      If another process already serves that data directory (an application,
+      while you run the ``logbus`` command beside it), join its Ray cluster
+      instead; if that cluster cannot be joined, raise
+      DataDirectoryInUseError naming the process that holds the directory.
+      One data directory is only ever served by one controller.
     - ``address`` given: join that Ray cluster (``ray.init(address=...)``;
       ``"auto"`` finds a cluster started on this machine with ``ray start``).
     - Inside a Ray task or actor, or after ``ray.init``: use the running Ray.
@@ -106,17 +114,66 @@ def connect(
 
     ``replica_replacement_ms`` (used only when this call creates the
     controller): how long a replica's node must be gone before a new replica
-    is placed on another node (default 60 s).
+    is placed on another node (default 60 s). ``ray_init_options``: more
+    arguments for ``ray.init`` when this call starts or joins Ray (e.g.
+    ``{"log_to_driver": False}``).
     """
     if not isinstance(namespace, str) or not namespace:
         raise IllegalStateError("namespace must be a non-empty str")
-    if not ray.is_initialized():
-        if address is None:
-            # "local": always a new embedded Ray, never some other cluster left running on the machine.
-            ray.init(address="local", namespace=namespace, include_dashboard=False, log_to_driver=True)
-        else:
-            ray.init(address=address, namespace=namespace)
     requested_dir = os.path.abspath(data_dir or DEFAULT_DATA_DIR)
+    starting = None
+    if not ray.is_initialized():
+        options = dict(ray_init_options or {})
+        if address is None:
+            starting = _start_or_join_embedded(requested_dir, namespace, options)
+        else:
+            ray.init(address=address, namespace=namespace, **options)
+    try:
+        return _connect_controller(requested_dir, data_dir is not None, namespace, replica_replacement_ms)
+    finally:
+        if starting is not None:
+            starting.release()
+
+
+def _start_or_join_embedded(data_dir: str, namespace: str, options: dict) -> DirectoryLock:
+    """Start an embedded Ray for ``data_dir``, or join the Ray cluster of the process that serves it.
+
+    Returns the start-up lock, held until the controller answers, so that
+    processes starting at the same time over one data directory take turns:
+    the first starts the cluster, the others find its controller's owner lock
+    held and join.
+    """
+    os.makedirs(data_dir, exist_ok=True)
+    starting = DirectoryLock(os.path.join(data_dir, START_LOCK_FILE))
+    if not starting.acquire(CONTROL_TIMEOUT_S):
+        raise DataDirectoryInUseError(f"another process has been starting logbus over {data_dir} for {CONTROL_TIMEOUT_S:.0f} s")
+    try:
+        owner = DirectoryLock(os.path.join(data_dir, "controller", controller_actor.OWNER_LOCK_FILE))
+        if not owner.is_held_elsewhere():
+            # "local": always a new embedded Ray, never some other cluster left running on the machine.
+            ray.init(**{"address": "local", "namespace": namespace, "include_dashboard": False, "log_to_driver": True, **options})
+            return starting
+        note = owner.read_note() or {}
+        holder = f"pid {note.get('pid', '?')}, Ray cluster at {note.get('gcs_address', '?')}, namespace {note.get('namespace', '?')!r}"
+        if note.get("namespace") != namespace:
+            raise DataDirectoryInUseError(
+                f"data directory {data_dir} is served by another logbus cluster ({holder}); "
+                f"connect with namespace={note.get('namespace')!r} to join it, or use another data_dir"
+            )
+        try:
+            ray.init(**{"log_to_driver": True, **options, "address": note["gcs_address"], "namespace": namespace})
+        except Exception as error:  # noqa: BLE001 (any failure to join is reported the same way)
+            raise DataDirectoryInUseError(
+                f"data directory {data_dir} is held by a logbus controller ({holder}) whose Ray cluster "
+                f"cannot be joined: {error}"
+            ) from None
+        return starting
+    except BaseException:
+        starting.release()
+        raise
+
+
+def _connect_controller(requested_dir: str, dir_given: bool, namespace: str, replica_replacement_ms: int | None) -> "Bus":
     controller = None
     deadline = time.monotonic() + CONTROL_TIMEOUT_S
     while controller is None:
@@ -126,12 +183,17 @@ def connect(
             controller = controller_actor.get_or_create(namespace, requested_dir, replica_replacement_ms)
         try:
             actual_dir = get(controller.get_data_dir.remote())
+        except DataDirectoryInUseError:
+            # It found the directory owned by another live controller and touched nothing: it
+            # must not linger under the controller's name.
+            ray.kill(controller, no_restart=True)
+            raise
         except LeaderNotAvailableError:
             if time.monotonic() > deadline:
                 raise
             controller = None
             time.sleep(0.2)
-    if data_dir is not None and actual_dir != requested_dir:
+    if dir_given and actual_dir != requested_dir:
         raise IllegalStateError(
             f"the logbus controller in namespace {namespace!r} serves data_dir {actual_dir}, not {requested_dir}; "
             "connect with that data_dir or another namespace"
