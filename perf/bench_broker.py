@@ -55,40 +55,59 @@ lines of the output are one JSON object per result.
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import datetime
 import inspect
 import json
 import os
-import shutil
-import signal
-import socket
-import struct
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
-import pyarrow as pa
 import ray
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# First: it puts this tree's logbus on sys.path.
+from _common import (
+    QUEUE_BATCH,
+    REDIS_PIPELINE,
+    REDIS_READ_COUNT,
+    TABLE_ROWS,
+    VALUE_SIZE,
+    LatencyConsumer,
+    PacedProducer,
+    RedisServer,
+    RedisUnavailable,
+    RunInfo,
+    Sent,
+    arg_parser,
+    best_rate,
+    delete_topics,
+    exit_on_sigterm,
+    fmt,
+    fmt_rate,
+    high_watermarks,
+    json_value,
+    latency_percentiles_ms,
+    log,
+    make_pool,
+    make_table,
+    new_namespace,
+    print_table,
+    produce_send,
+    produce_tables,
+    queue_round,
+    redis_consume,
+    redis_produce,
+    remove_dir,
+    shutdown_ray,
+    start_local_ray,
+)
 
-import logbus  # noqa: E402
-from logbus import Consumer, Producer, TopicPartition  # noqa: E402
+import logbus
+from logbus import Consumer, Producer, TopicPartition
 
-VALUE_SIZE = 100
 POOL_SIZE = 10_000  # distinct values cycled through by the send() loops
-TABLE_ROWS = 10_000
-REDIS_PIPELINE = 1_000
-REDIS_READ_COUNT = 1_000
-QUEUE_BATCH = 1_000
 LATENCY_RATE = 10_000  # records/s
-LATENCY_POLL_MS = 5
 LATENCY_WARMUP_RECORDS = 2_000  # sent and received untimed before each timed latency run
 
 PRODUCE_TARGET = 1_500_000  # records/s
@@ -130,84 +149,6 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def make_pool(count: int, seed: int = 7) -> list[bytes]:
-    data = np.random.default_rng(seed).integers(0, 256, count * VALUE_SIZE, dtype=np.uint8).tobytes()
-    return [data[i * VALUE_SIZE : (i + 1) * VALUE_SIZE] for i in range(count)]
-
-
-def make_table(pool: list[bytes], partition: int | None = None) -> pa.Table:
-    columns = {"value": pa.array(pool[:TABLE_ROWS], pa.binary())}
-    if partition is not None:
-        columns["partition"] = pa.array(np.full(TABLE_ROWS, partition, np.int32))
-    return pa.table(columns)
-
-
-PAD = b"\x00" * (VALUE_SIZE - 8)
-
-
-def stamped_value() -> bytes:
-    return struct.pack("<q", time.time_ns()) + PAD
-
-
-def stamps_of(values: pa.Array) -> np.ndarray:
-    """The int64 send times in the first 8 bytes of each value of a binary Arrow array (no per-row Python)."""
-    if isinstance(values, pa.ChunkedArray):
-        return np.concatenate([stamps_of(chunk) for chunk in values.chunks]) if values.num_chunks else np.empty(0, np.int64)
-    count = len(values)
-    if count == 0:
-        return np.empty(0, np.int64)
-    _, offsets_buffer, data_buffer = values.buffers()
-    offsets = np.frombuffer(offsets_buffer, np.int32)[values.offset : values.offset + count]
-    data = np.frombuffer(data_buffer, np.uint8)
-    index = offsets[:, None].astype(np.int64) + np.arange(8)
-    return np.ascontiguousarray(data[index]).view("<i8").ravel()
-
-
-# --- logbus: produce ----------------------------------------------------------------------------
-
-
-def produce_send(producer: Producer, topic: str, pool: list[bytes], n: int, time_cap_s: float, partition: int | None = None) -> tuple[int, float, float]:
-    """send() per record until ``n`` records or ``time_cap_s``; then flush. Returns (records, start, end) wall times."""
-    send = producer.send
-    sent = 0
-    start = time.time()
-    deadline = time.perf_counter() + time_cap_s
-    while sent < n:
-        if partition is None:
-            for value in pool:
-                send(topic, value)
-        else:
-            for value in pool:
-                send(topic, value, partition=partition)
-        sent += len(pool)
-        if time.perf_counter() > deadline:
-            break
-    producer.flush()
-    return sent, start, time.time()
-
-
-def produce_tables(producer: Producer, topic: str, table: pa.Table, n: int, time_cap_s: float) -> tuple[int, float, float]:
-    """send_table() of the same pre-built table until ``n`` records or ``time_cap_s``; then flush."""
-    futures = []
-    sent = 0
-    start = time.time()
-    deadline = time.perf_counter() + time_cap_s
-    while sent < n:
-        futures.append(producer.send_table(topic, table))
-        sent += table.num_rows
-        if time.perf_counter() > deadline:
-            break
-    producer.flush()
-    end = time.time()
-    for future in futures:
-        future.result()  # raises if any batch failed
-    return sent, start, end
-
-
 @ray.remote(num_cpus=0)
 class ProducerWorker:
     """A Producer in its own process (for the two-producer case)."""
@@ -217,20 +158,13 @@ class ProducerWorker:
         self.producer = Producer(self.bus, acks=1)
         self.pool = make_pool(POOL_SIZE, seed=os.getpid())
 
-    def run(self, topic: str, partition: int, api: str, n: int, time_cap_s: float) -> tuple[int, float, float]:
+    def run(self, topic: str, partition: int, api: str, n: int, time_cap_s: float) -> Sent:
         if api == "send":
             return produce_send(self.producer, topic, self.pool, n, time_cap_s, partition=partition)
         return produce_tables(self.producer, topic, make_table(self.pool, partition), n, time_cap_s)
 
     def close(self) -> None:
         self.producer.close()
-
-
-def high_watermarks(bus, topic: str) -> list[int]:
-    return [p.high_watermark for p in bus.admin.describe_topic(topic).partitions]
-
-
-# --- logbus: consume and latency --------------------------------------------------------------------
 
 
 def consume_all(bus, topic: str, partitions: int, time_cap_s: float) -> tuple[int, float]:
@@ -249,314 +183,19 @@ def consume_all(bus, topic: str, partitions: int, time_cap_s: float) -> tuple[in
     return got, elapsed
 
 
-def paced_send(send_one, rate: int, duration_s: float, on_tick=None) -> tuple[int, float]:
-    """Call ``send_one()`` at ``rate`` per second for ``duration_s`` (catching up in small bursts every ~0.5 ms;
-    ``on_tick()`` after each burst). Returns (records sent, seconds the sending took)."""
-    total = int(rate * duration_s)
-    sent = 0
-    start = time.perf_counter()
-    while sent < total:
-        due = min(total, int((time.perf_counter() - start) * rate) + 1)
-        while sent < due:
-            send_one()
-            sent += 1
-        if on_tick is not None:
-            on_tick()
-        time.sleep(0.0005)
-    return sent, time.perf_counter() - start
-
-
-@ray.remote(num_cpus=0)
-class PacedProducer:
-    """Sends stamped records at a fixed rate, to logbus or Redis; in its own process, so a hopelessly
-    backlogged producer can simply be killed."""
-
-    def __init__(self, namespace: str | None = None, data_dir: str | None = None, redis_port: int | None = None) -> None:
-        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace) if namespace else None
-        self.redis = None
-        if redis_port is not None:
-            import redis
-
-            self.redis = redis.Redis(host="127.0.0.1", port=redis_port)
-
-    def warm_up_logbus(self, topic: str, rate: int, options: dict) -> int:
-        """Create the producer and send WARMUP_RECORDS at ``rate`` (first-use costs stay out of the timed run)."""
-        self.producer = Producer(self.bus, acks=1, **options)
-        paced_send(lambda: self.producer.send(topic, stamped_value()), rate, LATENCY_WARMUP_RECORDS / rate)
-        self.producer.flush(timeout_s=60)
-        return LATENCY_WARMUP_RECORDS
-
-    def run_logbus(self, topic: str, rate: int, duration_s: float, flush_timeout_s: float, options: dict) -> tuple[int, float, bool]:
-        producer = self.producer
-        sent, send_s = paced_send(lambda: producer.send(topic, stamped_value()), rate, duration_s)
-        try:
-            producer.flush(timeout_s=flush_timeout_s)
-        except logbus.errors.RequestTimedOutError:
-            return sent, send_s, False  # the caller kills this actor, and the backlog with it
-        producer.close()
-        return sent, send_s, True
-
-    def run_redis(self, stream: str, rate: int, duration_s: float) -> tuple[int, float, bool]:
-        """XADD each record as it falls due; the records due at one tick (~0.5 ms) share one pipeline
-        (one round trip per record cannot keep up with 10,000/s from Python on this machine)."""
-        pipe = self.redis.pipeline(transaction=False)
-        sent, send_s = paced_send(lambda: pipe.xadd(stream, {"v": stamped_value()}), rate, duration_s, on_tick=pipe.execute)
-        return sent, send_s, True
-
-
-@ray.remote(num_cpus=0)
-class LatencyConsumer:
-    """Polls a partition (logbus) or a stream (Redis) and records send->poll latency per record."""
-
-    def __init__(self, namespace: str | None = None, data_dir: str | None = None, redis_port: int | None = None) -> None:
-        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace) if namespace else None
-        self.redis = None
-        if redis_port is not None:
-            import redis
-
-            self.redis = redis.Redis(host="127.0.0.1", port=redis_port)
-        self.consumer = None
-
-    def prepare_logbus(self, topic: str, partition: int, offset: int, options: dict | None = None) -> bool:
-        if self.consumer is not None:
-            self.consumer.close()
-        self.consumer = Consumer(self.bus, **(options or {}))
-        self.consumer.assign([TopicPartition(topic, partition)])
-        self.consumer.seek(TopicPartition(topic, partition), offset)
-        self.consumer.poll_arrow(timeout_ms=0)  # the first fetch is now in flight
-        return True
-
-    def warm_up_logbus(self, expected: int, timeout_s: float) -> int:
-        """Consume the producer's warm-up records (first-use costs of the fetch and decode path)."""
-        got, deadline = 0, time.monotonic() + timeout_s
-        while got < expected and time.monotonic() < deadline:
-            got += self.consumer.poll_arrow(timeout_ms=LATENCY_POLL_MS).num_rows
-        return got
-
-    def run_logbus(self, expected: int, timeout_s: float) -> np.ndarray:
-        out = []
-        got = 0
-        deadline = time.monotonic() + timeout_s
-        poll = self.consumer.poll_arrow
-        while got < expected and time.monotonic() < deadline:
-            table = poll(timeout_ms=LATENCY_POLL_MS)
-            now = time.time_ns()
-            if table.num_rows:
-                out.append(now - stamps_of(table.column("value")))
-                got += table.num_rows
-        return np.concatenate(out) if out else np.empty(0, np.int64)
-
-    def prepare_redis(self, stream: str, group: str) -> bool:
-        self.redis.xgroup_create(stream, group, id="$", mkstream=True)
-        return True
-
-    def run_redis(self, stream: str, group: str, expected: int, timeout_s: float) -> np.ndarray:
-        out = []
-        got = 0
-        deadline = time.monotonic() + timeout_s
-        while got < expected and time.monotonic() < deadline:
-            reply = self.redis.xreadgroup(group, "c1", {stream: ">"}, count=REDIS_READ_COUNT, block=LATENCY_POLL_MS)
-            now = time.time_ns()
-            for _, entries in reply:
-                stamps = np.fromiter((struct.unpack_from("<q", fields[b"v"])[0] for _, fields in entries), np.int64, len(entries))
-                out.append(now - stamps)
-                got += len(entries)
-        return np.concatenate(out) if out else np.empty(0, np.int64)
-
-
-def latency_percentiles_ms(latencies_ns: np.ndarray, sent: int) -> tuple[float, float, float]:
-    """p50, p99 and max in ms over every record sent; a record never received counts as infinitely late."""
-    if sent == 0:
-        return float("nan"), float("nan"), float("nan")
-    ordered = np.sort(latencies_ns.astype(np.float64) / 1e6)
-    def at(q: float) -> float:
-        rank = max(0, int(np.ceil(q * sent)) - 1)
-        return float(ordered[rank]) if rank < len(ordered) else float("inf")
-    return at(0.50), at(0.99), (float(ordered[-1]) if len(ordered) == sent else float("inf"))
-
-
-# --- Redis -------------------------------------------------------------------------------------
-
-
-class RedisUnavailable(Exception):
-    pass
-
-
-def ensure_redis_server() -> str:
-    path = shutil.which("redis-server")
-    if path:
-        return path
-    if os.geteuid() == 0 and shutil.which("apt-get"):
-        log("redis-server not found; installing Debian's redis-server with apt-get (running as root)")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        done = subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env, capture_output=True)
-        if done.returncode != 0:
-            subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
-            subprocess.run(["apt-get", "install", "-y", "-qq", "redis-server"], env=env, capture_output=True)
-        path = shutil.which("redis-server")
-        if path:
-            return path
-    raise RedisUnavailable("redis-server is not installed: run `sudo apt-get install -y redis-server`, or pass --skip-redis")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A private redis-server on a free loopback port, with its own temp dir; stop() is idempotent."""
-
-    def __init__(self) -> None:
-        import redis
-
-        binary = ensure_redis_server()
-        self.dir = tempfile.mkdtemp(prefix="logbus-bench-redis-")
-        self.port = free_port()
-        self.process = subprocess.Popen(
-            [
-                binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir,
-                "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
-                "--daemonize", "no", "--logfile", os.path.join(self.dir, "redis.log"),
-            ],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        atexit.register(self.stop)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RedisUnavailable("redis-server did not start") from None
-                time.sleep(0.05)
-        self.version = self.client.info("server")["redis_version"]
-
-    def stop(self) -> None:
-        if self.process is None:
-            return
-        process, self.process = self.process, None
-        if process.poll() is None:
-            try:
-                self.client.shutdown(nosave=True)
-            except Exception:  # noqa: BLE001 (shutdown closes the connection; it may also fail)
-                pass
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=5)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def redis_produce(client, stream: str, pool: list[bytes], n: int, time_cap_s: float) -> tuple[int, float]:
-    """XADD pipelined REDIS_PIPELINE at a time; returns (records, seconds)."""
-    sent = 0
-    chunks = [pool[i : i + REDIS_PIPELINE] for i in range(0, len(pool), REDIS_PIPELINE)]
-    start = time.perf_counter()
-    deadline = start + time_cap_s
-    while sent < n:
-        for chunk in chunks:
-            pipe = client.pipeline(transaction=False)
-            for value in chunk:
-                pipe.xadd(stream, {"v": value})
-            pipe.execute()
-            sent += len(chunk)
-        if time.perf_counter() > deadline:
-            break
-    return sent, time.perf_counter() - start
-
-
-def redis_consume(client, stream: str, group: str, time_cap_s: float) -> tuple[int, float]:
-    """XREADGROUP COUNT REDIS_READ_COUNT from the start of the stream to its end; returns (records, seconds)."""
-    expected = client.xlen(stream)
-    client.xgroup_create(stream, group, id="0")
-    got = 0
-    start = time.perf_counter()
-    deadline = start + time_cap_s
-    while got < expected and time.perf_counter() < deadline:
-        reply = client.xreadgroup(group, "c1", {stream: ">"}, count=REDIS_READ_COUNT)
-        if not reply:
-            break
-        for _, entries in reply:
-            got += len(entries)
-    return got, time.perf_counter() - start
-
-
-# --- ray.util.queue -----------------------------------------------------------------------------
-
-
-@ray.remote(num_cpus=0)
-def drain_queue(queue, batches: int) -> tuple[int, float]:
-    got = 0
-    for _ in range(batches):
-        got += len(queue.get())
-    return got, time.time()
-
-
-def queue_round(queue, batch: list[bytes], batches: int) -> tuple[int, float]:
-    start = time.time()
-    ref = drain_queue.remote(queue, batches)
-    for _ in range(batches):
-        queue.put(batch)
-    got, end = ray.get(ref)
-    return got, end - start
-
-
 # --- the run -------------------------------------------------------------------------------------
 
 
-def best(values: list[tuple[int, float]]) -> tuple[float, list[float]]:
-    rates = [count / seconds for count, seconds in values]
-    return max(rates), rates
-
-
-def fmt_rate(value: float | None) -> str:
-    if value is None:
-        return ""
-    if value >= 1e6:
-        return f"{value / 1e6:.2f} M"
-    return f"{value / 1e3:.0f} k"
-
-
-def fmt(value: float | None, digits: int = 2) -> str:
-    if value is None or value != value:
-        return ""
-    if value == float("inf"):
-        return "lost"
-    return f"{value:,.{digits}f}"
-
-
-def print_table(results: list[Result]) -> None:
+def print_results(results: list[Result]) -> None:
     headers = ("case", "records/s", "MB/s", "p50 ms", "p99 ms", "ratio", "vs", "target", "met")
-    rows = [
+    print_table(headers, [
         (
-            r.case, fmt_rate(r.records_per_s), fmt(r.mb_per_s, 0), fmt(r.p50_ms), fmt(r.p99_ms),
-            "" if r.ratio is None else f"{r.ratio:.2f}x", r.ratio_vs or "", r.target or "",
+            r.case, fmt_rate(r.records_per_s), fmt(r.mb_per_s, 0, inf="lost"), fmt(r.p50_ms, inf="lost"),
+            fmt(r.p99_ms, inf="lost"), "" if r.ratio is None else f"{r.ratio:.2f}x", r.ratio_vs or "", r.target or "",
             "" if r.meets_target is None else ("yes" if r.meets_target else "NO"),
         )
         for r in results
-    ]
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    print()
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    print()
-
-
-def json_number(value, digits: int = 3):
-    if value is None or not isinstance(value, float | int | np.floating | np.integer):
-        return value
-    value = float(value)
-    if value != value or value in (float("inf"), float("-inf")):
-        return None
-    return round(value) if abs(value) >= 1000 else round(value, digits)
+    ])
 
 
 def producer_accepts(option: str) -> bool:
@@ -564,7 +203,7 @@ def producer_accepts(option: str) -> bool:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short smoke run (< 90 s)")
     parser.add_argument("--records", type=int, default=None, help="records per repetition of a throughput case")
     parser.add_argument("--skip-redis", action="store_true", help="leave out the Redis Streams baseline")
@@ -576,36 +215,19 @@ def main() -> int:
         mode.records = args.records
         mode.warmup_records = max(POOL_SIZE, min(mode.warmup_records, args.records // 4))
 
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
+    exit_on_sigterm()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-    wall_start = time.perf_counter()
+    run = RunInfo(quick=bool(args.quick))
     data_dir = tempfile.mkdtemp(prefix="logbus-bench-broker-")
-    namespace = f"bench-broker-{uuid.uuid4().hex[:8]}"
+    namespace = new_namespace("bench-broker")
     redis_server: RedisServer | None = None
     results: list[Result] = []
     topics: list[str] = []
     bus = None
-    load_start = os.getloadavg()
     log(f"mode={'quick' if args.quick else 'full'} records/rep={mode.records:,} reps={mode.reps} "
-        f"data_dir={data_dir} namespace={namespace} load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
+        f"data_dir={data_dir} namespace={namespace} load average {run.load_start[0]:.1f} on {os.cpu_count()} CPUs")
     try:
-        # A private local Ray (address="local": never join another cluster running on this machine).
-        for attempt in (1, 2):  # on an overloaded machine the local Ray can time out while starting
-            try:
-                ray.init(
-                    address="local", num_cpus=4, include_dashboard=False, namespace=namespace,
-                    object_store_memory=2 << 30, log_to_driver=False,
-                )
-                break
-            except Exception as error:  # noqa: BLE001 (Ray raises a bare Exception for a startup timeout)
-                if attempt == 2:
-                    raise
-                log(f"ray.init failed ({error}); retrying once in 5 s")
-                ray.shutdown()
-                time.sleep(5)
+        start_local_ray(namespace, object_store_memory=2 << 30)
         bus = logbus.connect(data_dir=data_dir, namespace=namespace)
         pool = make_pool(POOL_SIZE)
         table = make_table(pool)
@@ -636,7 +258,7 @@ def main() -> int:
             topic = create(f"bench-{api.replace('_', '-')}{'-noidem' if options else ''}", 1)
             producer = Producer(bus, acks=1, **options)
 
-            def produce(n: int):
+            def produce(n: int) -> Sent:
                 if api == "send":
                     return produce_send(producer, topic, pool, n, mode.time_cap_s)
                 return produce_tables(producer, topic, table, n, mode.time_cap_s)
@@ -645,12 +267,13 @@ def main() -> int:
             runs, extra = [], {}
             for rep in range(mode.reps):
                 before = sum(high_watermarks(bus, topic))
-                count, start, end = produce(mode.records)
+                sent = produce(mode.records)
+                count, seconds = sent.records, sent.end - sent.start
                 check_landed(topic, before, count, extra)
-                runs.append((count, end - start))
-                log(f"{label:<60} rep {rep + 1}: {count:,} records in {end - start:.2f}s = {count / (end - start):,.0f}/s")
+                runs.append((count, seconds))
+                log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
             producer.close()
-            rate, reps = best(runs)
+            rate, reps = best_rate(runs)
             extra["records_per_rep"] = [c for c, _ in runs]
             extra["topic"] = topic
             results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
@@ -666,12 +289,12 @@ def main() -> int:
             for rep in range(mode.reps):
                 before = sum(high_watermarks(bus, topic))
                 done = ray.get([w.run.remote(topic, i, api, mode.records // 2, mode.time_cap_s) for i, w in enumerate(workers)])
-                count = sum(d[0] for d in done)
-                seconds = max(d[2] for d in done) - min(d[1] for d in done)
+                count = sum(d.records for d in done)
+                seconds = max(d.end for d in done) - min(d.start for d in done)
                 check_landed(topic, before, count, extra)
                 runs.append((count, seconds))
                 log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
-            rate, reps = best(runs)
+            rate, reps = best_rate(runs)
             extra["records_per_rep"] = [c for c, _ in runs]
             results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
         ray.get([w.close.remote() for w in workers])
@@ -686,7 +309,7 @@ def main() -> int:
             count, seconds = consume_all(bus, topic_table, 1, 4 * mode.time_cap_s)
             runs.append((count, seconds))
             log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
-        rate, reps = best(runs)
+        rate, reps = best_rate(runs)
         results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra={"records_per_rep": [c for c, _ in runs]}))
 
         # ---- 3. latency ------------------------------------------------------------------------------
@@ -709,20 +332,18 @@ def main() -> int:
                 # Both ends first move LATENCY_WARMUP_RECORDS untimed: a fresh producer process pays
                 # once for its producer id, metadata and first Arrow encode, a consumer for its
                 # first decode; those costs are not part of a steady stream's latency.
-                warm = paced.warm_up_logbus.remote(topic, LATENCY_RATE, options)
+                warm = paced.warm_up_logbus.remote(topic, LATENCY_RATE, {"acks": 1, **options}, LATENCY_WARMUP_RECORDS)
                 got = ray.get(latency_consumer.warm_up_logbus.remote(LATENCY_WARMUP_RECORDS, 60))
                 ray.get(warm)
                 if got != LATENCY_WARMUP_RECORDS:
                     raise RuntimeError(f"the latency consumer received {got} of {LATENCY_WARMUP_RECORDS} warm-up records")
                 ref = latency_consumer.run_logbus.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s)
                 time.sleep(0.2)
-                sent, send_s, flushed = ray.get(
-                    paced.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s, options)
-                )
+                # The producer warmed up above sends the timed stream.
+                sent, send_s, flushed = ray.get(paced.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s))
                 return ray.get(ref), sent, send_s, flushed
             finally:
                 ray.kill(paced)  # with a backlog it would keep sending; killing it drops the backlog
-
         # (options, label, is the target case); the first case also serves as the warm-up
         latency_cases = [
             ({"linger_ms": 5}, f"(info) logbus latency @ {LATENCY_RATE:,}/s, linger_ms=5 (default)", False),
@@ -786,7 +407,7 @@ def main() -> int:
                     raise RuntimeError("Redis lost records")
                 runs.append((count, seconds))
                 log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
-            rate, reps = best(runs)
+            rate, reps = best_rate(runs)
             redis_results["produce"] = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
 
             label = f"Redis XREADGROUP COUNT {REDIS_READ_COUNT:,}"
@@ -797,7 +418,7 @@ def main() -> int:
                 count, seconds = redis_consume(client, stream, f"group-{rep}", 2 * mode.time_cap_s)
                 runs.append((count, seconds))
                 log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
-            rate, reps = best(runs)
+            rate, reps = best_rate(runs)
             redis_results["consume"] = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
             client.delete(stream)
 
@@ -845,7 +466,7 @@ def main() -> int:
             count, seconds = queue_round(queue, batch, batches)
             runs.append((count, seconds))
             log(f"{label:<60} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s")
-        rate, reps = best(runs)
+        rate, reps = best_rate(runs)
         queue_result = Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps)
         queue.shutdown()
 
@@ -881,35 +502,28 @@ def main() -> int:
     finally:
         if redis_server is not None:
             redis_server.stop()
-        if bus is not None:
-            for name in topics:
-                try:
-                    bus.admin.delete_topic(name)
-                except Exception as error:  # noqa: BLE001 (best effort: the whole Ray is stopped next)
-                    log(f"could not delete topic {name}: {error}")
-        if ray.is_initialized():
-            ray.shutdown()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        delete_topics(bus, topics)
+        shutdown_ray()
+        remove_dir(data_dir)
 
-    wall = time.perf_counter() - wall_start
-    load_end = os.getloadavg()
-    print_table(results)
+    wall = run.finish()
+    print_results(results)
     log(f"done in {wall:.0f}s; every throughput figure is the best of {mode.reps} repetitions, every latency "
         f"figure the repetition with the lowest p99 of {mode.latency_reps}; 'lost' = not received within "
-        f"{mode.latency_grace_s:g}s after the sending ended; load average {load_start[0]:.1f} at the start, "
-        f"{load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
-    date = datetime.date.today().isoformat()
+        f"{mode.latency_grace_s:g}s after the sending ended; load average {run.load_start[0]:.1f} at the start, "
+        f"{run.load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
     for r in results:
         line = {
-            "bench": "broker", "case": r.case, "records_per_s": json_number(r.records_per_s),
-            "mb_per_s": json_number(r.mb_per_s, 1), "p50_ms": json_number(r.p50_ms), "p99_ms": json_number(r.p99_ms),
-            "ratio_vs": r.ratio_vs, "ratio": json_number(r.ratio), "target": r.target, "meets_target": r.meets_target,
-            "reps": [json_number(x) for x in r.reps], "quick": bool(args.quick), "date": date,
-            "loadavg_start": round(load_start[0], 1), "loadavg_end": round(load_end[0], 1),
+            "bench": "broker", "case": r.case, "records_per_s": json_value(r.records_per_s),
+            "mb_per_s": json_value(r.mb_per_s, 1), "p50_ms": json_value(r.p50_ms), "p99_ms": json_value(r.p99_ms),
+            "ratio_vs": r.ratio_vs, "ratio": json_value(r.ratio), "target": r.target, "meets_target": r.meets_target,
+            "reps": [json_value(x) for x in r.reps], "quick": run.quick, "date": run.date,
+            "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
         }
         if r.note:
             line["note"] = r.note
-        line.update({k: (json_number(v) if isinstance(v, float) else v) for k, v in r.extra.items() if k != "topic"})
+        # Only the top-level figures of ``extra`` are rounded (per-repetition lists are printed as measured).
+        line.update({k: (json_value(v) if isinstance(v, float) else v) for k, v in r.extra.items() if k != "topic"})
         print(json.dumps(line))
     return 0
 

@@ -57,11 +57,8 @@ per result ({"bench": "groups", ...}).
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
@@ -69,21 +66,35 @@ import tempfile
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 
-import numpy as np
-import pyarrow as pa
 import ray
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# First: it puts this tree's logbus on sys.path.
+from _common import (
+    TABLE_ROWS,
+    VALUE_SIZE,
+    RunInfo,
+    arg_parser,
+    delete_topics,
+    exit_on_sigterm,
+    fmt_rate,
+    json_value,
+    kill_actors,
+    log,
+    make_pool,
+    make_table,
+    new_namespace,
+    print_table,
+    remove_dir,
+    shutdown_ray,
+    start_local_ray,
+)
 
-import logbus  # noqa: E402
-from logbus import Consumer, Producer, TopicPartition  # noqa: E402
+import logbus
+from logbus import Consumer, Producer, TopicPartition
 
 PARTITIONS = 6
-VALUE_SIZE = 100
-TABLE_ROWS = 10_000
 SESSION_TIMEOUT_MS = 3000
 HEARTBEAT_MS = 1000
 FAST_HEARTBEAT_MS = 300
@@ -131,10 +142,6 @@ class Result:
         if not self.values:
             return None
         return min(self.values) if self.unit in ("s", "ms") else max(self.values)
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 # --- a group member in its own process ---------------------------------------------------------------
@@ -400,44 +407,29 @@ def fmt_value(value, unit: str) -> str:
     if value is None:
         return ""
     if unit == "records/s":
-        return f"{value / 1e6:.2f} M" if value >= 1e6 else f"{value / 1e3:.0f} k"
+        return fmt_rate(value)
     if unit == "ms":
         return f"{value:.1f}"
     return f"{value:.2f}"
 
 
-def print_table(results: list[Result]) -> None:
+def print_results(results: list[Result]) -> None:
     headers = ("case", "unit", "best", "p50", "max", "n", "target", "met")
-    rows = [
+    print_table(headers, [
         (
             r.case, r.unit, fmt_value(r.best, r.unit), fmt_value(r.p50, r.unit),
             fmt_value(r.max, r.unit) if r.unit in ("s", "ms") else "", str(len(r.values)), r.target or "",
             "" if r.meets_target is None else ("yes" if r.meets_target else "NO"),
         )
         for r in results
-    ]
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    print()
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    print()
-
-
-def rounded(value, digits: int = 3):
-    if isinstance(value, (float, np.floating)):
-        return round(float(value)) if abs(value) >= 1000 else round(float(value), digits)
-    if isinstance(value, list):
-        return [rounded(v, digits) for v in value]
-    return value
+    ])
 
 
 # --- main -------------------------------------------------------------------------------------------------
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short smoke run (< 90 s)")
     parser.add_argument("--records", type=int, default=None, help=f"records in the topic (default: {FULL.records:,}; --quick {QUICK.records:,})")
     args = parser.parse_args()
@@ -447,22 +439,18 @@ def main() -> int:
             parser.error(f"--records must be at least {PARTITIONS * TABLE_ROWS}")
         mode.records = args.records
 
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
+    exit_on_sigterm()
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-
-    wall_start = time.monotonic()
+    run = RunInfo(quick=bool(args.quick))
     data_dir = tempfile.mkdtemp(prefix="logbus-bench-groups-")
-    namespace = f"bench-groups-{uuid.uuid4().hex[:8]}"
+    namespace = new_namespace("bench-groups")
     results: list[Result] = []
     actors: list = []
     bus = None
     probe = None
     topic = "bench-groups"
-    load_start = os.getloadavg()
     log(f"mode={'quick' if args.quick else 'full'} records={mode.records:,} partitions={PARTITIONS} data_dir={data_dir} "
-        f"namespace={namespace} load average {load_start[0]:.1f} on {os.cpu_count()} CPUs")
+        f"namespace={namespace} load average {run.load_start[0]:.1f} on {os.cpu_count()} CPUs")
 
     phase_start = [time.monotonic()]
 
@@ -487,7 +475,7 @@ def main() -> int:
         return member
 
     try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, namespace=namespace, log_to_driver=False, object_store_memory=1 << 30)
+        start_local_ray(namespace, object_store_memory=1 << 30)
         bus = logbus.connect(data_dir=data_dir, namespace=namespace)
         t0 = time.monotonic()
         bus.admin.create_topic(topic, partitions=PARTITIONS)
@@ -495,9 +483,8 @@ def main() -> int:
 
         # ---- data ---------------------------------------------------------------------------------------
         t0 = time.monotonic()
-        values = np.random.default_rng(7).integers(0, 256, TABLE_ROWS * VALUE_SIZE, dtype=np.uint8).tobytes()
-        value_array = pa.array([values[i * VALUE_SIZE : (i + 1) * VALUE_SIZE] for i in range(TABLE_ROWS)], pa.binary())
-        tables = [pa.table({"value": value_array, "partition": pa.array(np.full(TABLE_ROWS, p, np.int32))}) for p in range(PARTITIONS)]
+        pool = make_pool(TABLE_ROWS)
+        tables = [make_table(pool, partition=p) for p in range(PARTITIONS)]
         per_partition = mode.records // PARTITIONS
         chunks = [TABLE_ROWS] * (per_partition // TABLE_ROWS) + ([per_partition % TABLE_ROWS] if per_partition % TABLE_ROWS else [])
         with Producer(bus, acks=1) as producer:
@@ -707,40 +694,29 @@ def main() -> int:
     finally:
         if probe is not None:
             probe.__exit__()
-        for actor in actors:
-            try:
-                ray.kill(actor)
-            except Exception:  # noqa: BLE001 (already dead: the killed victims)
-                pass
-        if bus is not None and ray.is_initialized():
-            try:
-                bus.admin.delete_topic(topic)
-            except Exception as error:  # noqa: BLE001 (best effort: the whole Ray is stopped next)
-                log(f"could not delete topic {topic}: {error}")
-        if ray.is_initialized():
-            ray.shutdown()
-        shutil.rmtree(data_dir, ignore_errors=True)
+        kill_actors(actors)  # the killed victims are already dead
+        delete_topics(bus, [topic])
+        shutdown_ray()
+        remove_dir(data_dir)
 
-    wall = time.monotonic() - wall_start
-    load_end = os.getloadavg()
-    print_table(results)
+    wall = run.finish()
+    print_results(results)
     for r in results:
         if r.note:
             print(f"{r.case.strip()}: {r.note}")
     log(f"done in {wall:.0f}s; rebalance times: best = lowest, p50 = median, max = highest of n repetitions; throughput: "
-        f"best = highest, p50 = median; load average {load_start[0]:.1f} at the start, {load_end[0]:.1f} at the end "
+        f"best = highest, p50 = median; load average {run.load_start[0]:.1f} at the start, {run.load_end[0]:.1f} at the end "
         f"(other processes share these {os.cpu_count()} CPUs)")
-    date = datetime.date.today().isoformat()
     for r in results:
         line = {
-            "bench": "groups", "case": r.case.strip(), "unit": r.unit, "best": rounded(r.best), "p50": rounded(r.p50),
-            "max": rounded(r.max) if r.unit in ("s", "ms") else None, "values": rounded(r.values) if len(r.values) <= 20 else None, "target": r.target,
-            "meets_target": r.meets_target, "quick": bool(args.quick), "records": mode.records, "date": date,
-            "loadavg_start": round(load_start[0], 1), "loadavg_end": round(load_end[0], 1),
+            "bench": "groups", "case": r.case.strip(), "unit": r.unit, "best": json_value(r.best), "p50": json_value(r.p50),
+            "max": json_value(r.max) if r.unit in ("s", "ms") else None, "values": json_value(r.values) if len(r.values) <= 20 else None, "target": r.target,
+            "meets_target": r.meets_target, "quick": run.quick, "records": mode.records, "date": run.date,
+            "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
         }
         if r.note:
             line["note"] = r.note
-        line.update({k: rounded(v) for k, v in r.extra.items()})
+        line.update({k: json_value(v) for k, v in r.extra.items()})
         print(json.dumps(line))
     return 0
 

@@ -82,11 +82,8 @@ Ray and the Cluster are always shut down at the end (also on errors and on SIGTE
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
-import shutil
 import signal
 import statistics
 import struct
@@ -94,7 +91,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -103,12 +99,40 @@ from dataclasses import dataclass, field
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# First: it puts this tree's logbus on sys.path.
+from _common import (  # noqa: E402
+    TABLE_ROWS,
+    VALUE_SIZE,
+    LatencyConsumer,
+    PacedProducer,
+    RunInfo,
+    Sink,
+    arg_parser,
+    exit_on_sigterm,
+    first_int64,
+    fmt,
+    fmt_rate,
+    high_watermarks,
+    json_value,
+    latency_percentiles_ms,
+    load_text,
+    log,
+    make_pool,
+    make_table,
+    new_namespace,
+    print_table,
+    produce_send,
+    produce_tables,
+    remove_dir,
+    shutdown_ray,
+    stamped_value,
+    transport_ceiling,
+    wait_for,
+)
 
 import logbus  # noqa: E402
 from logbus import Consumer, Producer, TopicPartition  # noqa: E402
@@ -116,11 +140,8 @@ from logbus.actors.placement import REPLICA_NODE_RESOURCE  # noqa: E402
 from logbus.actors.controller import CONTROLLER_NAME  # noqa: E402
 from logbus.storage import record_batch as rb  # noqa: E402
 
-VALUE_SIZE = 100
 POOL_SIZE = 10_000
-TABLE_ROWS = 10_000
 LATENCY_RATE = 10_000  # records/s
-LATENCY_POLL_MS = 5
 WORKLOAD_RATE = 10_000  # records/s during the kills
 REPLICA_REPLACEMENT_MS = 2_000
 FAILOVER_TIMEOUT_S = 30.0  # a kill whose failover takes longer than this is recorded as failed
@@ -192,58 +213,7 @@ class Result:
     extra: dict = field(default_factory=dict)
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def load() -> str:
-    return "load avg " + " ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
-def wait_for(condition, timeout_s: float, interval_s: float = 0.1, message: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {message}")
-        time.sleep(interval_s)
-
-
-# --- data --------------------------------------------------------------------------------------------
-
-
-def make_pool(count: int, seed: int = 7) -> list[bytes]:
-    data = np.random.default_rng(seed).integers(0, 256, count * VALUE_SIZE, dtype=np.uint8).tobytes()
-    return [data[i * VALUE_SIZE : (i + 1) * VALUE_SIZE] for i in range(count)]
-
-
-def make_table(pool: list[bytes]) -> pa.Table:
-    return pa.table({"value": pa.array(pool[:TABLE_ROWS], pa.binary())})
-
-
-PAD = b"\x00" * (VALUE_SIZE - 8)
 SEQ_PAD = b"\x00" * (VALUE_SIZE - 16)
-
-
-def stamped_value() -> bytes:
-    return struct.pack("<q", time.time_ns()) + PAD
-
-
-def first_int64(values) -> np.ndarray:
-    """The little-endian int64 in the first 8 bytes of each value of a binary Arrow array (no per-row Python)."""
-    if isinstance(values, pa.ChunkedArray):
-        parts = [first_int64(chunk) for chunk in values.chunks]
-        return np.concatenate(parts) if parts else np.empty(0, np.int64)
-    count = len(values)
-    if count == 0:
-        return np.empty(0, np.int64)
-    _, offsets_buffer, data_buffer = values.buffers()
-    offsets = np.frombuffer(offsets_buffer, np.int32)[values.offset : values.offset + count]
-    data = np.frombuffer(data_buffer, np.uint8)
-    index = offsets[:, None].astype(np.int64) + np.arange(8)
-    return np.ascontiguousarray(data[index]).view("<i8").ravel()
 
 
 # --- topics and leaders ------------------------------------------------------------------------------
@@ -285,7 +255,7 @@ def isr_full(bus, topic: str, size: int = 3) -> dict | None:
 
 
 def high_watermark(bus, topic: str) -> int:
-    return bus.admin.describe_topic(topic).partitions[0].high_watermark
+    return high_watermarks(bus, topic)[0]
 
 
 def log_end_offset(bus, topic: str) -> int:
@@ -304,41 +274,6 @@ def create_topic(bus, name: str) -> str:
 # --- produce -----------------------------------------------------------------------------------------
 
 
-def produce_tables(producer: Producer, topic: str, table: pa.Table, n: int, time_cap_s: float) -> tuple[int, float]:
-    """send_table() of the same pre-built table until ``n`` records or ``time_cap_s``; then flush. (records, seconds)"""
-    futures = []
-    sent = 0
-    start = time.perf_counter()
-    while sent < n:
-        futures.append(producer.send_table(topic, table))
-        sent += table.num_rows
-        if time.perf_counter() - start > time_cap_s:
-            break
-    producer.flush()
-    seconds = time.perf_counter() - start
-    for future in futures:
-        future.result()  # raises if any batch failed
-    return sent, seconds
-
-
-def produce_send(producer: Producer, topic: str, pool: list[bytes], n: int, time_cap_s: float) -> tuple[int, float]:
-    """send() per record until ``n`` records or ``time_cap_s``; then flush. (records, seconds)"""
-    send = producer.send
-    sent = 0
-    last = None
-    start = time.perf_counter()
-    while sent < n:
-        for value in pool:
-            last = send(topic, value)
-        sent += len(pool)
-        if time.perf_counter() - start > time_cap_s:
-            break
-    producer.flush()
-    seconds = time.perf_counter() - start
-    last.result()
-    return sent, seconds
-
-
 def throughput_case(bus, acks, topic, run_once, reps: int, label: str) -> tuple[float, list[float], list[int]]:
     """Warm-up, then ``reps`` measured runs, each checked against the leader's offsets (acks=all: the
     high watermark; acks=1: the log end, as followers may still be fetching)."""
@@ -347,122 +282,15 @@ def throughput_case(bus, acks, topic, run_once, reps: int, label: str) -> tuple[
     rates, counts = [], []
     for rep in range(reps):
         before = offset_of(bus, topic)
-        count, seconds = run_once(warmup=False)
+        sent = run_once(warmup=False)
+        count, seconds = sent.records, sent.seconds
         stored = offset_of(bus, topic) - before
         if stored != count:
             raise AssertionError(f"{label}: {count} records acknowledged but the leader's offset moved by {stored}")
         rates.append(count / seconds)
         counts.append(count)
-        log(f"{label:<34} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s  ({load()})")
+        log(f"{label:<34} rep {rep + 1}: {count:,} records in {seconds:.2f}s = {count / seconds:,.0f}/s  ({load_text()})")
     return max(rates), rates, counts
-
-
-@ray.remote(num_cpus=0)
-class Sink:
-    def take(self, array) -> int:
-        return len(array)
-
-
-def transport_ceiling(sink, mode: Mode) -> tuple[float, list[float]]:
-    """MB/s of 1 MiB arrays sent to ``sink`` with 5 calls in flight (best of ``mode.reps``, after a warm-up)."""
-    array = np.frombuffer(np.random.default_rng(3).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes(), np.uint8)
-
-    def once(seconds: float) -> float:
-        refs: deque = deque()
-        sent = 0
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            if len(refs) >= 5:
-                ray.get(refs.popleft())
-            refs.append(sink.take.remote(array))
-            sent += 1
-        ray.get(list(refs))
-        return sent * len(array) / 1e6 / (time.perf_counter() - start)
-
-    once(0.5)
-    rates = [once(mode.transport_s) for _ in range(mode.reps)]
-    return max(rates), rates
-
-
-# --- latency -----------------------------------------------------------------------------------------
-
-
-def paced_send(send_one, rate: int, duration_s: float) -> tuple[int, float]:
-    """Call ``send_one()`` at ``rate`` per second for ``duration_s`` (catching up in small bursts every ~0.5 ms)."""
-    total = int(rate * duration_s)
-    sent = 0
-    start = time.perf_counter()
-    while sent < total:
-        due = min(total, int((time.perf_counter() - start) * rate) + 1)
-        while sent < due:
-            send_one()
-            sent += 1
-        time.sleep(0.0005)
-    return sent, time.perf_counter() - start
-
-
-@ray.remote(num_cpus=0)
-class PacedProducer:
-    """Sends time-stamped records at a fixed rate, acks=all; in its own process on the head node, so that a
-    hopelessly backlogged producer can simply be killed."""
-
-    def __init__(self, namespace: str, data_dir: str) -> None:
-        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace)
-
-    def run(self, topic: str, rate: int, duration_s: float, linger_ms: float, flush_timeout_s: float) -> tuple[int, float, bool]:
-        producer = Producer(self.bus, acks="all", linger_ms=linger_ms)
-        sent, send_s = paced_send(lambda: producer.send(topic, stamped_value()), rate, duration_s)
-        try:
-            producer.flush(timeout_s=flush_timeout_s)
-        except logbus.errors.RequestTimedOutError:
-            return sent, send_s, False
-        producer.close()
-        return sent, send_s, True
-
-
-@ray.remote(num_cpus=0)
-class LatencyConsumer:
-    """Polls one partition and records send->poll latency per record (in its own process on the head node)."""
-
-    def __init__(self, namespace: str, data_dir: str) -> None:
-        self.bus = logbus.connect(data_dir=data_dir, namespace=namespace)
-        self.consumer = None
-
-    def prepare(self, topic: str, offset: int) -> bool:
-        if self.consumer is not None:
-            self.consumer.close()
-        self.consumer = Consumer(self.bus)
-        tp = TopicPartition(topic, 0)
-        self.consumer.assign([tp])
-        self.consumer.seek(tp, offset)
-        self.consumer.poll_arrow(timeout_ms=0)  # the first fetch is now in flight
-        return True
-
-    def run(self, expected: int, timeout_s: float) -> np.ndarray:
-        out = []
-        got = 0
-        deadline = time.monotonic() + timeout_s
-        poll = self.consumer.poll_arrow
-        while got < expected and time.monotonic() < deadline:
-            table = poll(timeout_ms=LATENCY_POLL_MS)
-            now = time.time_ns()
-            if table.num_rows:
-                out.append(now - first_int64(table.column("value")))
-                got += table.num_rows
-        return np.concatenate(out) if out else np.empty(0, np.int64)
-
-
-def latency_percentiles_ms(latencies_ns: np.ndarray, sent: int) -> tuple[float, float, float]:
-    """p50, p99 and max in ms over every record sent; a record never received counts as infinitely late."""
-    if sent == 0:
-        return float("nan"), float("nan"), float("nan")
-    ordered = np.sort(latencies_ns.astype(np.float64) / 1e6)
-
-    def at(q: float) -> float:
-        rank = max(0, int(np.ceil(q * sent)) - 1)
-        return float(ordered[rank]) if rank < len(ordered) else float("inf")
-
-    return at(0.50), at(0.99), (float(ordered[-1]) if len(ordered) >= sent else float("inf"))
 
 
 # --- failover workload -------------------------------------------------------------------------------
@@ -735,49 +563,21 @@ def drain_and_check(bus, topic: str, acked_seqs: np.ndarray, acked_offsets: np.n
 # --- output ------------------------------------------------------------------------------------------
 
 
-def fmt_rate(value: float | None) -> str:
-    if value is None:
-        return ""
-    return f"{value / 1e6:.2f} M" if value >= 1e6 else f"{value / 1e3:,.0f} k"
-
-
-def fmt(value: float | None, digits: int = 2) -> str:
-    if value is None or value != value:
-        return ""
-    return "inf" if value == float("inf") else f"{value:,.{digits}f}"
-
-
-def print_table(results: list[Result]) -> None:
+def print_results(results: list[Result]) -> None:
     headers = ("case", "records/s", "p50", "p99", "max", "unit", "ratio", "vs", "target", "met")
-    rows = [
+    print_table(headers, [
         (
             r.case, fmt_rate(r.records_per_s), fmt(r.p50), fmt(r.p99), fmt(r.max), r.unit,
             "" if r.ratio is None else f"{r.ratio:.2f}x", r.ratio_vs or "", r.target or "",
             "" if r.meets_target is None else ("yes" if r.meets_target else "NO"),
         )
         for r in results
-    ]
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    print()
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for row in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    print()
+    ])
 
 
-def rounded(x):
-    if x is None or isinstance(x, bool | str):
-        return x
-    if isinstance(x, float):
-        if x != x or x == float("inf"):
-            return str(x)
-        return round(x) if abs(x) >= 1000 else round(x, 3)
-    if isinstance(x, list):
-        return [rounded(v) for v in x]
-    if isinstance(x, dict):
-        return {k: rounded(v) for k, v in x.items()}
-    return x
+def rounded(value):
+    """A figure for the JSON lines ("inf" for a lost record's latency)."""
+    return json_value(value, non_finite_as_text=True)
 
 
 # --- main --------------------------------------------------------------------------------------------
@@ -817,20 +617,8 @@ def add_replica_node(cluster: Cluster):
     return cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE, object_store_memory=WORKER_OBJECT_STORE)
 
 
-def shutdown_cluster(cluster: Cluster | None) -> None:
-    if ray.is_initialized():
-        ray.shutdown()
-    if cluster is None:
-        return
-    try:
-        cluster.shutdown()
-    except ValueError:  # a stray thread re-attached to the cluster: detach and retry
-        ray.shutdown()
-        cluster.shutdown()
-
-
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short smoke run (about 1 min on a quiet machine; 2 kills unless --kills)")
     parser.add_argument("--kills", type=int, default=None, help="leader-node kills (default 10; 2 with --quick)")
     parser.add_argument("--verbose", action="store_true", help="show the replicas' and controller's output")
@@ -842,25 +630,22 @@ def main() -> int:
     if kills < 0:
         parser.error("--kills must be >= 0")
 
-    def on_sigterm(signum, frame):
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    exit_on_sigterm()
 
     if args.wait_load is not None:
         waited = time.monotonic()
         while os.getloadavg()[0] >= args.wait_load and time.monotonic() - waited < 1200:
             time.sleep(5)
-        log(f"waited {time.monotonic() - waited:.0f}s for the load to fall below {args.wait_load:g} ({load()})")
+        log(f"waited {time.monotonic() - waited:.0f}s for the load to fall below {args.wait_load:g} ({load_text()})")
 
-    wall_start = time.perf_counter()
+    run = RunInfo(quick=bool(args.quick))
     data_dir = tempfile.mkdtemp(prefix="logbus-bench-replication-")
-    namespace = f"bench-repl-{uuid.uuid4().hex[:8]}"
+    namespace = new_namespace("bench-repl")
     results: list[Result] = []
     loads: dict[str, str] = {}
     cluster: Cluster | None = None
     workload: Workload | None = None
-    log(f"mode={'quick' if args.quick else 'full'} kills={kills} data_dir={data_dir} namespace={namespace} ({load()})")
+    log(f"mode={'quick' if args.quick else 'full'} kills={kills} data_dir={data_dir} namespace={namespace} ({load_text()})")
     try:
         t0 = time.perf_counter()
         cluster = Cluster(
@@ -883,7 +668,7 @@ def main() -> int:
         encoded_bytes = len(rb.encode_batch(pool[:TABLE_ROWS])) / TABLE_ROWS  # framed, as stored and sent
 
         # ---- 1. produce throughput ---------------------------------------------------------------
-        loads["produce"] = load()
+        loads["produce"] = load_text()
         log(f"phase produce ({loads['produce']})")
         topic = create_topic(bus, "bench")  # produce and latency; deleted before the kills
         async_ref = ("LinkedIn Kafka 3x async 786,980/s", LINKEDIN_ASYNC)
@@ -902,14 +687,14 @@ def main() -> int:
             producer = Producer(bus, acks=acks, enable_idempotence=idempotence, delivery_timeout_ms=60_000)  # bounds a failing case
             trace = ProducerTrace(producer)
             if api == "table":
-                run = lambda warmup, p=producer: produce_tables(  # noqa: E731
+                run_once = lambda warmup, p=producer: produce_tables(  # noqa: E731
                     p, topic, table, mode.warmup_records if warmup else mode.records, mode.time_cap_s)
             else:
-                run = lambda warmup, p=producer: produce_send(  # noqa: E731
+                run_once = lambda warmup, p=producer: produce_send(  # noqa: E731
                     p, topic, pool, mode.warmup_records // 2 if warmup else mode.send_records, mode.time_cap_s)
             result = Result(case, ratio_vs=ratio_vs, target=None if target is None else f">= {target:,} rec/s")
             try:
-                rate, reps, counts = throughput_case(bus, acks, topic, run, reps_wanted, case)
+                rate, reps, counts = throughput_case(bus, acks, topic, run_once, reps_wanted, case)
                 result.records_per_s, result.ratio, result.reps = rate, rate / reference, reps
                 result.meets_target = None if target is None else rate >= target
                 result.extra = {"records_per_rep": counts, "payload_mb_per_s": rate * VALUE_SIZE / 1e6,
@@ -932,7 +717,7 @@ def main() -> int:
         # driver to an actor on a replica node, 5 in flight, as the producer sends them; no logbus code at all.
         sink = Sink.options(resources={REPLICA_NODE_RESOURCE: 0.01}).remote()
         ray.get(sink.take.remote(np.zeros(8, np.uint8)), timeout=60)
-        transport_mb_s, transport_reps = transport_ceiling(sink, mode)
+        transport_mb_s, transport_reps = transport_ceiling(sink, mode.reps, mode.transport_s)
         ray.kill(sink)
         results.append(Result(
             "ref: Ray transport, 1 MiB arrays driver -> actor on a replica node, 5 in flight",
@@ -945,7 +730,7 @@ def main() -> int:
             f"at {encoded_bytes:.1f} encoded bytes per record")
 
         # ---- 2. end-to-end latency, acks=all ---------------------------------------------------------
-        loads["latency"] = load()
+        loads["latency"] = load_text()
         log(f"phase latency ({loads['latency']})")
         on_head = NodeAffinitySchedulingStrategy(node_id=head_id, soft=False)
         consumer_actor = LatencyConsumer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
@@ -956,11 +741,13 @@ def main() -> int:
             if producer_actor is None:
                 producer_actor = PacedProducer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
             offset = log_end_offset(bus, topic)
-            ray.get(consumer_actor.prepare.remote(topic, offset), timeout=60)
-            ref = consumer_actor.run.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s + 0.2)
+            ray.get(consumer_actor.prepare_logbus.remote(topic, 0, offset), timeout=60)
+            ref = consumer_actor.run_logbus.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s + 0.2)
             time.sleep(0.2)
+            options = {"acks": "all", "linger_ms": linger_ms}  # a new Producer for each run
             sent, send_s, flushed = ray.get(
-                producer_actor.run.remote(topic, LATENCY_RATE, duration_s, linger_ms, mode.latency_grace_s), timeout=duration_s + 120)
+                producer_actor.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s, options),
+                timeout=duration_s + 120)
             latencies = ray.get(ref, timeout=120)
             if not flushed:  # hopelessly backlogged: kill it (and its backlog) rather than wait
                 ray.kill(producer_actor)
@@ -978,7 +765,7 @@ def main() -> int:
                 log(f"latency acks=all linger_ms={linger_ms} @{LATENCY_RATE:,}/s rep {rep + 1}: {len(latencies):,}/{sent:,} received "
                     f"within {mode.latency_grace_s:g}s of the end of sending (sent in {send_s:.2f}s), "
                     f"p50 {fmt(p50)} ms, p99 {fmt(p99)} ms, max {fmt(mx, 1)} ms; over the received ones only: "
-                    f"p50 {fmt(got50)} ms, p99 {fmt(got99)} ms  ({load()})")
+                    f"p50 {fmt(got50)} ms, p99 {fmt(got99)} ms  ({load_text()})")
             # The repetition with the lowest p99 (ties, e.g. both infinite: the one that delivered the most).
             p99, p50, mx, received, sent, send_s, flushed, got50, got99 = min(lat_runs, key=lambda r: (r[0], r[1], -r[3]))
             results.append(Result(
@@ -1000,7 +787,7 @@ def main() -> int:
             producer.close()
             trips_ms = np.array(trips) * 1e3
             p50, p99 = float(np.percentile(trips_ms, 50)), float(np.percentile(trips_ms, 99))
-            log(f"round trip of one record, acks={acks}: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {len(trips)}  ({load()})")
+            log(f"round trip of one record, acks={acks}: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {len(trips)}  ({load_text()})")
             results.append(Result(f"round trip of one record (send + result()), acks={acks} (info)", p50=p50, p99=p99,
                                   max=float(trips_ms.max()), unit="ms", extra={"records": len(trips)}))
         if producer_actor is not None:
@@ -1009,7 +796,7 @@ def main() -> int:
         bus.admin.delete_topic(topic)
 
         # ---- 3. leader failover under a steady acks=all workload ---------------------------------------
-        loads["failover"] = load()
+        loads["failover"] = load_text()
         log(f"phase failover: {kills} kills of the leader's node under {WORKLOAD_RATE:,} records/s acks=all ({loads['failover']})")
         topic = create_topic(bus, "failover")
         controller = controller_of(bus)
@@ -1087,7 +874,7 @@ def main() -> int:
             log(f"kill {k + 1}/{kills}: remove_node took {removed_s:.2f}s; controller elected at "
                 f"{fmt(elected_s) or 'n/a '}s, new leader (epoch {old_epoch}->{new_epoch}) at {fmt(leader_s) or 'n/a '}s, "
                 f"first ack at {fmt(ack_s) or 'n/a '}s; {workload.probes:,} records sent after the kill were watched; "
-                f"waited {recovered_s:.1f}s for ISR 3 and a steady workload before the kill  ({load()})")
+                f"waited {recovered_s:.1f}s for ISR 3 and a steady workload before the kill  ({load_text()})")
             log(f"  producer after the kill: {producer_steps}")
             add_replica_node(cluster)
             if leader_s is None or ack_s is None:
@@ -1133,7 +920,7 @@ def main() -> int:
         results.append(Result(
             "failover workload: acknowledged records lost", None, target="0 lost, 0 duplicates", meets_target=no_loss,
             extra={**check, "kills": kill_rows, "workload_rate": WORKLOAD_RATE}))
-        loads["end"] = load()
+        loads["end"] = load_text()
     except BaseException:
         if workload is not None:
             workload.stop()
@@ -1141,26 +928,21 @@ def main() -> int:
     finally:
         log("shutting down Ray and the cluster")
         try:
-            shutdown_cluster(cluster)
+            shutdown_ray(cluster)
         finally:
             # A replica process can outlive its killed raylet for a moment and write again: retry.
-            for _ in range(5):
-                shutil.rmtree(data_dir, ignore_errors=True)
-                if not os.path.exists(data_dir):
-                    break
-                time.sleep(1)
+            remove_dir(data_dir, attempts=5)
 
-    wall = time.perf_counter() - wall_start
-    print_table(results)
+    wall = run.finish()
+    print_results(results)
     log(f"done in {wall:.0f}s; throughput: best of {mode.reps} repetitions (send(): {mode.send_reps}); latency: lowest p99 of "
         f"{mode.latency_reps}. Machine shared with other test runs; loads: " + "; ".join(f"{k}: {v}" for k, v in loads.items()))
-    date = datetime.date.today().isoformat()
     for r in results:
         line = {"bench": "replication", "case": r.case, "records_per_s": None if r.records_per_s is None else round(r.records_per_s)}
         if r.unit:
             line.update({f"p50_{r.unit}": rounded(r.p50), f"p99_{r.unit}": rounded(r.p99), f"max_{r.unit}": rounded(r.max)})
         line.update({"ratio_vs": r.ratio_vs, "ratio": None if r.ratio is None else round(r.ratio, 3), "target": r.target,
-                     "meets_target": r.meets_target, "reps": rounded(r.reps), "quick": bool(args.quick), "date": date})
+                     "meets_target": r.meets_target, "reps": rounded(r.reps), "quick": run.quick, "date": run.date})
         line.update(rounded(r.extra))
         print(json.dumps(line))
     return 0

@@ -34,21 +34,18 @@ machine changes the figures a lot. The last lines are one JSON object per result
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
-import uuid
 
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# First: it puts this tree's logbus on sys.path.
+from _common import VALUE_SIZE, arg_parser, new_namespace, remove_dir, shutdown_ray, start_local_ray, timed
 
-VALUE_BYTES = 100
 KEYS = 1_000
 PARTITIONS = 4
 TARGET_RATIO = 0.70
@@ -59,8 +56,8 @@ WARMUP_RECORDS = 20_000
 def make_records(count: int, partitions: int, seed: int = 7) -> pa.Table:
     """key, value, timestamp and partition columns; values are random and incompressible."""
     rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, count * VALUE_BYTES, dtype=np.uint8)
-    offsets = np.arange(0, (count + 1) * VALUE_BYTES, VALUE_BYTES, dtype=np.int32)
+    data = rng.integers(0, 256, count * VALUE_SIZE, dtype=np.uint8)
+    offsets = np.arange(0, (count + 1) * VALUE_SIZE, VALUE_SIZE, dtype=np.int32)
     values = pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
     key_bytes = np.frombuffer(b"".join(b"key-%04d" % k for k in range(KEYS)), np.uint8).reshape(KEYS, 8)
     index = np.arange(count)
@@ -128,12 +125,6 @@ def count_and_group(df) -> tuple[int, dict]:
     return count, groups
 
 
-def timed(fn):
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
-
-
 def result(case: str, records: int, seconds: float, reps: int, **extra) -> dict:
     out = {"bench": "spark", "case": case, "records": records, "seconds": round(seconds, 3), "records_per_s": round(records / seconds)}
     out.update(reps=reps, **extra)
@@ -141,7 +132,7 @@ def result(case: str, records: int, seconds: float, reps: int, **extra) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="500,000 records instead of 5,000,000")
     parser.add_argument("--records", type=int, help="override the record count")
     parser.add_argument("--reps", type=int, help="repetitions per case (default 2, or 3 with --quick)")
@@ -155,16 +146,13 @@ def main(argv=None) -> int:
 
     root = tempfile.mkdtemp(prefix="bench_spark-", dir=args.dir or "/tmp")
     started = time.perf_counter()
-    ray.init(
-        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-        object_store_memory=(6 << 30) if records > 1_000_000 else (2 << 30),
-    )
+    start_local_ray(object_store_memory=(6 << 30) if records > 1_000_000 else (2 << 30))
     import logbus
     import logbus.spark
     from logbus.api.dataset import BLOCK_SIZE_BYTES
 
     print(
-        f"bench_spark: {records:,} records of {VALUE_BYTES} bytes, {PARTITIONS} partitions, best of {reps}; "
+        f"bench_spark: {records:,} records of {VALUE_SIZE} bytes, {PARTITIONS} partitions, best of {reps}; "
         f"{os.cpu_count()} CPUs, data in {root}",
         flush=True,
     )
@@ -184,13 +172,13 @@ def main(argv=None) -> int:
 
     try:
         spark = start_spark("logbus-bench-read")
-        bus = logbus.connect(data_dir=root, namespace=f"bench-spark-{uuid.uuid4().hex[:6]}")
+        bus = logbus.connect(data_dir=root, namespace=new_namespace("bench-spark"))
         topic = "bench-spark"
         bus.admin.create_topic(topic, partitions=PARTITIONS)
         table = make_records(records, PARTITIONS)
         produce_s, _ = timed(lambda: produce(bus, topic, table))
         print(f"  produced {records:,} records in {produce_s:.1f} s ({time.perf_counter() - started:.0f} s)", flush=True)
-        row_bytes = 8 + VALUE_BYTES + 8 + 8 + len(topic) + 4 + 8 + 4 + 4 * 4  # columns and offsets of one row
+        row_bytes = 8 + VALUE_SIZE + 8 + 8 + len(topic) + 4 + 8 + 4 + 4 * 4  # columns and offsets of one row
         rows_per_block = max(1, BLOCK_SIZE_BYTES // row_bytes)
         udf_blocks = as_read_blocks(table, topic, rows_per_block, pa.binary())  # pandas 3 breaks on string columns there
         ipc_blocks = as_read_blocks(table, topic, rows_per_block, pa.string())
@@ -276,8 +264,8 @@ def main(argv=None) -> int:
             logbus.spark.stop_spark()
         except Exception:  # noqa: BLE001 (best-effort cleanup)
             pass
-        ray.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+        shutdown_ray()
+        remove_dir(root)
 
     print()
     print(f"{'case':<52} {'records/s':>12} {'seconds':>8} {'ratio':>6}")

@@ -31,13 +31,10 @@ JSON lines too. The last lines of output are one JSON object per result.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
-import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -46,13 +43,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+# First: it puts this tree's logbus on sys.path.
+from _common import VALUE_SIZE, arg_parser, best_and_median, measure, round_fixed, split_values
 
-from logbus.storage import record_batch as rb  # noqa: E402
-from logbus.storage.log_config import LogConfig  # noqa: E402
-from logbus.storage.partition_log import PartitionLog  # noqa: E402
+from logbus.storage import record_batch as rb
+from logbus.storage.log_config import LogConfig
+from logbus.storage.partition_log import PartitionLog
 
-VALUE_SIZE = 100
 MIB = 1024 * 1024
 READ_MAX_BYTES = 8 * MIB
 DECODE_BUFFER_BYTES = 8 * MIB
@@ -90,67 +87,22 @@ class Result:
             {
                 "bench": "storage",
                 "case": self.case,
-                "records_per_s": _round(self.records_per_s),
-                "mb_per_s": _round(self.mb_per_s, 1),
-                "ratio": _round(self.ratio, 3),
+                "records_per_s": round_fixed(self.records_per_s),
+                "mb_per_s": round_fixed(self.mb_per_s, 1),
+                "ratio": round_fixed(self.ratio, 3),
                 "ratio_to": self.ratio_to,
                 "target": self.target,
                 "target_metric": self.target_metric,
                 "meets_target": self.meets_target,
-                "median_records_per_s": _round(self.median_records_per_s),
+                "median_records_per_s": round_fixed(self.median_records_per_s),
                 "stat": self.stat,
                 **self.extra,
             }
         )
 
 
-def _round(value, digits=0):
-    if value is None:
-        return None
-    return round(value, digits) if digits else int(round(value))
-
-
-def timed_loop(fn, min_seconds: float) -> tuple[float, int]:
-    """(seconds per call, calls) of ``fn``, called until ``min_seconds`` have passed (at least once)."""
-    calls = 0
-    start = time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / calls, calls
-
-
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
-def measure(fn, reps: int, min_seconds: float) -> tuple[list[float], float]:
-    """Seconds per call of ``fn`` in each of ``reps`` timed loops (after one unmeasured warm-up
-    loop), and the minor page faults per call over the measured loops.
-
-    The warm-up matters on this VM: the first touch of freshly allocated memory is slow,
-    and the allocator's pools only settle after a few large allocations.
-    """
-    timed_loop(fn, min_seconds)
-    faults_before = minor_faults()
-    samples, total_calls = [], 0
-    for _ in range(reps):
-        per_call, calls = timed_loop(fn, min_seconds)
-        samples.append(per_call)
-        total_calls += calls
-    return samples, (minor_faults() - faults_before) / total_calls
-
-
-def best_and_median(samples: list[float]) -> tuple[float, float]:
-    """Samples are seconds per unit of work: best = smallest."""
-    return min(samples), statistics.median(samples)
-
-
 def make_values(count: int) -> list[bytes]:
-    raw = np.random.default_rng(42).bytes(count * VALUE_SIZE)
-    return [raw[i * VALUE_SIZE : (i + 1) * VALUE_SIZE] for i in range(count)]
+    return split_values(np.random.default_rng(42).bytes(count * VALUE_SIZE))
 
 
 # --- 1. encode -------------------------------------------------------------------------------------
@@ -469,7 +421,7 @@ def print_table(results: list[Result]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short run (< 30 s)")
     parser.add_argument("--dir", help="put the data in a fresh subdirectory of DIR, removed at the end (default: under /tmp)")
     args = parser.parse_args(argv)
