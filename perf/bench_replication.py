@@ -12,7 +12,7 @@ benchmark's helper actors; num_cpus=2) plus three worker nodes (num_cpus=1) that
 custom resource ``{"logbus_replica": 1}``, so every replica is placed off the head node and
 each replica of a partition is on its own node. Ray's health checks are lowered as in the
 test (300 ms period, 1.5 s timeout, 5 failures). The controller is created by
-``logbus.connect(..., replica_replacement_ms=2000)``; the factory places it on the head
+``logbus.connect(..., replica_replacement_ms=2000)``; the controller places itself on the head
 node (checked). Every topic has one partition, replication_factor 3
 and min.insync.replicas 2. Records are 100-byte values (random, incompressible), null keys
 and headers. Cases:

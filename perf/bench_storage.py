@@ -46,6 +46,7 @@ import pyarrow as pa
 # First: it puts this tree's logbus on sys.path.
 from _common import VALUE_SIZE, arg_parser, best_and_median, measure, round_fixed, split_values
 
+from logbus.clock import wall_ms
 from logbus.storage import record_batch as rb
 from logbus.storage.log_config import LogConfig
 from logbus.storage.partition_log import PartitionLog
@@ -128,7 +129,7 @@ def pyarrow_build_and_write(values: list[bytes], now_ms: int) -> pa.Buffer:
 
 def bench_encode(values: list[bytes], reps: int, min_seconds: float) -> list[Result]:
     results = []
-    now_ms = rb.now_ms()
+    now_ms = wall_ms()
     for size in BATCH_SIZES:
         batch_values = values[:size]
         reference_samples, ref_faults = measure(lambda: pyarrow_build_and_write(batch_values, now_ms), reps, min_seconds)
