@@ -260,7 +260,9 @@ def read(
         F.col("partition"),
         F.col("offset"),
         F.timestamp_millis(F.col("timestamp")).alias("timestamp"),
-        F.col("timestamp_type").alias("timestampType"),
+        # Spark's Kafka source uses Kafka's Java codes (0 CreateTime, 1 LogAppendTime, -1 none);
+        # the Dataset has read_kafka's (1, 2, 0).
+        (F.col("timestamp_type") - 1).cast("int").alias("timestampType"),
     ]
     if include_headers:
         # map_entries gives non-null keys and entries; the Kafka source's type allows nulls.

@@ -37,9 +37,11 @@ below the log start offset (records already deleted by retention) is raised to
 it with a warning. A start past the high watermark, a start after the end,
 and negative offsets raise :class:`~logbus.errors.OffsetOutOfRangeError`.
 
-``timestamp_type`` follows Kafka's Java client and Spark: 0 for CreateTime, 1
-for LogAppendTime (records of a LogAppendTime batch carry the batch's append
-time, its max timestamp).
+``timestamp_type`` uses ``ray.data.read_kafka``'s codes (confluent-kafka's):
+1 for CreateTime, 2 for LogAppendTime (0, not available, never occurs).
+Records of a LogAppendTime batch (a topic with ``message.timestamp.type`` =
+LogAppendTime) carry the batch's append time, its max timestamp.
+``logbus.spark.read`` maps the codes to Spark's (0 CreateTime, 1 LogAppendTime).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ SCHEMA = pa.schema(
         pa.field("topic", pa.string()),
         pa.field("partition", pa.int32()),
         pa.field("timestamp", pa.int64()),  # ms since the epoch
-        pa.field("timestamp_type", pa.int32()),  # 0 CreateTime, 1 LogAppendTime
+        pa.field("timestamp_type", pa.int32()),  # 1 CreateTime, 2 LogAppendTime (read_kafka's codes)
         pa.field("headers", rb.HEADERS_TYPE),
     ]
 )
@@ -221,7 +223,7 @@ def _records_to_rows(topic: str, partition: int, header: rb.BatchHeader, records
             pa.repeat(pa.scalar(topic, pa.string()), count),
             pa.repeat(pa.scalar(partition, pa.int32()), count),
             timestamps,
-            pa.repeat(pa.scalar(header.timestamp_type, pa.int32()), count),
+            pa.repeat(pa.scalar(header.reader_timestamp_type, pa.int32()), count),
             records.column(3),
         ],
         schema=SCHEMA,

@@ -26,6 +26,14 @@ Segments are always synced when they are rolled and when the log is closed.
 After an unclean stop, recovery rescans every segment written since the last
 sync point, so a torn write is cut off, never served.
 
+Timestamps
+----------
+
+``message.timestamp.type``: ``CreateTime`` (the default) keeps the timestamp
+each producer gave its records; ``LogAppendTime`` makes the leader stamp every
+batch with the time it appended it, which readers then report for each of the
+batch's records (as Kafka does).
+
 Page cache
 ----------
 
@@ -48,6 +56,9 @@ from typing import Any, Mapping
 from logbus.errors import InvalidConfigError
 
 FLUSH_POLICIES = ("os", "interval", "batch")
+CREATE_TIME = "CreateTime"  # a record keeps the timestamp its producer gave it
+LOG_APPEND_TIME = "LogAppendTime"  # the leader stamps each batch with the time it appended it
+TIMESTAMP_TYPES = (CREATE_TIME, LOG_APPEND_TIME)
 
 MIB = 1024 * 1024
 DAY_MS = 24 * 3600 * 1000
@@ -69,6 +80,7 @@ class LogConfig:
     unclean_leader_election_enable: bool = False
     replica_lag_time_max_ms: int = 10_000
     cache_tail_bytes: int = 32 * MIB  # -1: leave every written page in the page cache
+    message_timestamp_type: str = CREATE_TIME
 
     # dotted Kafka name -> (attribute, type, lowest legal value)
     KEYS = {
@@ -84,6 +96,7 @@ class LogConfig:
         "unclean.leader.election.enable": ("unclean_leader_election_enable", bool, None),
         "replica.lag.time.max.ms": ("replica_lag_time_max_ms", int, 1),
         "cache.tail.bytes": ("cache_tail_bytes", int, -1),
+        "message.timestamp.type": ("message_timestamp_type", str, None),
     }
 
     @classmethod
@@ -102,6 +115,9 @@ class LogConfig:
             changes[attribute] = _coerce(key, raw, kind, lowest)
         if changes.get("flush_policy", base.flush_policy) not in FLUSH_POLICIES:
             raise InvalidConfigError(f"flush.policy must be one of {FLUSH_POLICIES}, not {changes['flush_policy']!r}")
+        timestamp_type = changes.get("message_timestamp_type", base.message_timestamp_type)
+        if timestamp_type not in TIMESTAMP_TYPES:
+            raise InvalidConfigError(f"message.timestamp.type must be one of {TIMESTAMP_TYPES}, not {timestamp_type!r}")
         return dataclasses.replace(base, **changes)
 
     def to_dict(self) -> dict[str, Any]:

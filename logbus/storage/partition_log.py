@@ -46,7 +46,7 @@ from logbus.clock import wall_ms
 from logbus.storage import record_batch as rb
 from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
-from logbus.storage.log_config import LogConfig
+from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.producer_state import ProducerStateTable
 from logbus.storage.segment import LOG_SUFFIX, LogSegment
 
@@ -249,8 +249,9 @@ class PartitionLog:
             last = duplicate_of + header.record_count - 1
             return AppendResult(duplicate_of, last, header.record_count, header.max_timestamp_ms, self.log_end_offset, duplicate=True)
         base_offset = self.log_end_offset
-        new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch)
-        stamped = header.stamped(base_offset, leader_epoch)
+        append_time = self.clock_ms() if self.config.message_timestamp_type == LOG_APPEND_TIME else None
+        new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch, append_time)
+        stamped = header.stamped(base_offset, leader_epoch) if append_time is None else rb.unpack_header(new_header_bytes)
         self._write(stamped, [new_header_bytes, payload])
         return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
 

@@ -95,6 +95,8 @@ _HEADER = struct.Struct("<qiibIhiqqqhi7x")
 _OFFSET_AND_EPOCH = struct.Struct("<q")
 _EPOCH = struct.Struct("<i")
 _CRC_FIELD = struct.Struct("<I")
+_ATTRIBUTES = struct.Struct("<h")
+_TIMESTAMP = struct.Struct("<q")
 assert _HEADER.size == HEADER_SIZE == 64, "frame header layout drifted"
 assert HEADER_SIZE % 8 == 0, "the payload must stay 8-byte aligned"
 
@@ -103,8 +105,14 @@ COMPRESSION_MASK = 0x07
 TIMESTAMP_TYPE_MASK = 0x08
 COMPRESSION_CODES = {None: 0, "lz4": 3, "zstd": 4}
 COMPRESSION_NAMES = {code: name for name, code in COMPRESSION_CODES.items()}
+# The timestamp type as the attribute bit stores it (Kafka's record batch bit 3).
 TIMESTAMP_CREATE_TIME = 0
 TIMESTAMP_LOG_APPEND_TIME = 1
+# The timestamp type as readers see it (ConsumerRecord.timestamp_type, Ray Data's timestamp_type
+# column): confluent-kafka's and ray.data.read_kafka's codes.
+TIMESTAMP_TYPE_NOT_AVAILABLE = 0
+TIMESTAMP_TYPE_CREATE_TIME = 1
+TIMESTAMP_TYPE_LOG_APPEND_TIME = 2
 
 NO_PRODUCER_ID = -1
 NO_PRODUCER_EPOCH = -1
@@ -172,7 +180,13 @@ class BatchHeader:
 
     @property
     def timestamp_type(self) -> int:
+        """The stored bit: TIMESTAMP_CREATE_TIME or TIMESTAMP_LOG_APPEND_TIME."""
         return (self.attributes & TIMESTAMP_TYPE_MASK) >> 3
+
+    @property
+    def reader_timestamp_type(self) -> int:
+        """The code readers see (confluent-kafka's): TIMESTAMP_TYPE_CREATE_TIME or TIMESTAMP_TYPE_LOG_APPEND_TIME."""
+        return TIMESTAMP_TYPE_LOG_APPEND_TIME if self.attributes & TIMESTAMP_TYPE_MASK else TIMESTAMP_TYPE_CREATE_TIME
 
     @property
     def last_sequence(self) -> int:
@@ -420,6 +434,11 @@ def read_header(buffer, position: int = 0) -> BatchHeader:
     return header
 
 
+def unpack_header(header_bytes) -> BatchHeader:
+    """The fields of a header this process built (``with_offset_and_epoch``); no checks."""
+    return BatchHeader(*_HEADER.unpack_from(header_bytes, 0))
+
+
 def compute_crc(buffer, position: int, header: BatchHeader) -> int:
     view = memoryview(buffer)[position + ATTRIBUTES_OFFSET : position + header.size_bytes]
     return crc32c.crc32c(view)
@@ -502,14 +521,29 @@ def slice_batches(buffer, start: int, end: int | None = None, *, verify_crc: boo
 # --- leader-side rewriting --------------------------------------------------------------
 
 
-def with_offset_and_epoch(batch, base_offset: int, leader_epoch: int) -> tuple[bytearray, memoryview]:
+def with_offset_and_epoch(
+    batch, base_offset: int, leader_epoch: int, log_append_time_ms: int | None = None
+) -> tuple[bytearray, memoryview]:
     """Return (new header, payload view) for ``batch`` with base offset and epoch assigned.
 
     The CRC stays valid because neither field is covered by it; the payload is
-    not copied. Write both parts with one ``os.writev``.
+    not copied. Write both parts with one ``os.writev``. With
+    ``log_append_time_ms`` (a topic whose ``message.timestamp.type`` is
+    LogAppendTime), the batch also becomes a LogAppendTime batch: the
+    attribute says so, its first and max timestamps are the append time (every
+    record's timestamp, for readers), and the CRC, which covers those fields,
+    is computed again over the header and the payload in place.
     """
     view = memoryview(batch)
     header = bytearray(view[:HEADER_SIZE])
     _OFFSET_AND_EPOCH.pack_into(header, BASE_OFFSET_OFFSET, base_offset)
     _EPOCH.pack_into(header, LEADER_EPOCH_OFFSET, leader_epoch)
-    return header, view[HEADER_SIZE:]
+    payload = view[HEADER_SIZE:]
+    if log_append_time_ms is not None:
+        (attributes,) = _ATTRIBUTES.unpack_from(header, ATTRIBUTES_OFFSET)
+        _ATTRIBUTES.pack_into(header, ATTRIBUTES_OFFSET, attributes | TIMESTAMP_TYPE_MASK)
+        _TIMESTAMP.pack_into(header, FIRST_TIMESTAMP_OFFSET, log_append_time_ms)
+        _TIMESTAMP.pack_into(header, MAX_TIMESTAMP_OFFSET, log_append_time_ms)
+        crc = crc32c.crc32c(payload, crc32c.crc32c(memoryview(header)[ATTRIBUTES_OFFSET:]))
+        _CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
+    return header, payload

@@ -104,7 +104,7 @@ def test_read_dataset_round_trip(module_bus, topic):
     check_partitions(table, {p: (0, counts[p]) for p in range(PARTITIONS)})
     assert rows(table) == rows(produced)
     assert set(table["topic"].to_pylist()) == {name}
-    assert set(table["timestamp_type"].to_pylist()) == {0}
+    assert set(table["timestamp_type"].to_pylist()) == {1}  # CreateTime, in read_kafka's codes
     # Blocks of about the requested 256 KiB: not one per fetched batch, not tiny ones,
     # not merged into Ray Data's default 128 MiB. Only the last block of a partition
     # may be smaller than half of it.

@@ -256,3 +256,36 @@ def test_every_flush_policy_appends_and_reopens(open_log, policy, clock):
     assert log.maybe_flush() is (policy == "interval")
     log.close()
     assert read_all(open_log({"flush.policy": policy}))[0] == list(range(12))
+
+
+def test_log_append_time_stamps_each_batch_and_keeps_it_valid(open_log, clock):
+    """message.timestamp.type=LogAppendTime: the leader stamps the append time; the CRC still checks."""
+    from logbus.storage import record_batch as rb
+
+    log = open_log({"message.timestamp.type": "LogAppendTime"})
+    log.append(encode_batch([b"a", b"b"], timestamps_ms=[5, 6]), leader_epoch=1)
+    clock.now_ms += 1_000
+    appended = log.append(encode_batch([b"c"], timestamps_ms=[7]), leader_epoch=1)
+    assert appended.max_timestamp_ms == clock.now_ms
+    batches = decode_batches(log.read(0, 1 << 20).data, verify_crc=True)  # raises if a CRC were stale
+    assert [(h.reader_timestamp_type, h.first_timestamp_ms, h.max_timestamp_ms) for h, _ in batches] == [
+        (rb.TIMESTAMP_TYPE_LOG_APPEND_TIME, clock.now_ms - 1_000, clock.now_ms - 1_000),
+        (rb.TIMESTAMP_TYPE_LOG_APPEND_TIME, clock.now_ms, clock.now_ms),
+    ]
+    assert log.offset_for_timestamp(clock.now_ms - 1) == 2  # the time index follows the append times
+    reopened_values = values_of(log.read(0, 1 << 20))
+    assert reopened_values == [b"a", b"b", b"c"]
+
+
+def test_create_time_keeps_the_producers_timestamps(open_log):
+    from logbus.storage import record_batch as rb
+
+    log = open_log()
+    log.append(encode_batch([b"a"], timestamps_ms=[5]), leader_epoch=1)
+    [(header, _)] = decode_batches(log.read(0).data)
+    assert (header.reader_timestamp_type, header.max_timestamp_ms) == (rb.TIMESTAMP_TYPE_CREATE_TIME, 5)
+
+
+def test_unknown_timestamp_type_is_refused():
+    with pytest.raises(InvalidConfigError, match="message.timestamp.type"):
+        LogConfig.from_dict({"message.timestamp.type": "BrokerTime"})
