@@ -226,3 +226,21 @@ def test_bad_input_raises_on_the_driver(module_bus, topic):
     with pytest.raises(InvalidRecordError, match="no value column"):
         no_value.write_datasink(TopicSink(target, bus=module_bus))
     assert read_dataset(target, bus=module_bus).count() == 0  # nothing was written
+
+
+def test_log_append_time_topic_reports_the_append_time(module_bus):
+    """message.timestamp.type=LogAppendTime: rows carry the leader's append time, typed 2 (read_kafka's code)."""
+    name = f"lat-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=1, config={"message.timestamp.type": "LogAppendTime"})
+    before_ms = time.time_ns() // 1_000_000
+    with logbus.Producer(module_bus, linger_ms=0) as producer:
+        for i in range(20):
+            producer.send(name, b"v%d" % i, timestamp_ms=1_000 + i).result()  # create times long past
+    after_ms = time.time_ns() // 1_000_000
+    table = read_dataset(name, bus=module_bus).to_arrow_refs()
+    table = pa.concat_tables(ray.get(table))
+    assert table.num_rows == 20
+    assert set(table["timestamp_type"].to_pylist()) == {2}
+    stamps = table["timestamp"].to_pylist()
+    assert all(before_ms <= t <= after_ms for t in stamps), (before_ms, stamps[:3], after_ms)
+    assert stamps == sorted(stamps)
