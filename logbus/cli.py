@@ -38,7 +38,7 @@ import random
 import sys
 import time
 
-from logbus.errors import LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.errors import CliError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
 from logbus.storage.names import validate_topic_name
 
 PROG = "logbus"
@@ -49,10 +49,6 @@ PROGRESS_EVERY = 100_000  # records between progress lines on stderr
 POLL_MAX_RECORDS = 5_000
 POLL_WAIT_MS = 500
 FORMATS = ("value", "kv", "json")
-
-
-class CliError(Exception):
-    """A runtime failure of the command itself (bad input data), reported like a logbus error."""
 
 
 # --- connecting -----------------------------------------------------------------------------------
@@ -308,7 +304,7 @@ def cmd_produce(args) -> int:
             try:
                 partition_count = len(producer.partitions_for(topic))
                 if args.partition is not None and args.partition >= partition_count:
-                    raise UnknownTopicError(f"topic {topic!r} has partitions 0..{partition_count - 1}, not {args.partition}")
+                    raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{partition_count - 1}, not {args.partition}")
                 interactive = args.file is None and _isatty(source)
                 started = time.monotonic()
                 futures = []
@@ -436,10 +432,13 @@ def cmd_consume(args) -> int:
         reset = "earliest" if args.from_beginning or args.offset == "earliest" else "latest"
         consumer = logbus.Consumer(bus, auto_offset_reset=reset)
         try:
+            partition_count = bus.topic_metadata(topic, refresh=True).partition_count
             if args.partition is not None:
+                if args.partition >= partition_count:
+                    raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{partition_count - 1}, not {args.partition}")
                 tps = [TopicPartition(topic, args.partition)]
             else:
-                tps = [TopicPartition(topic, p) for p in range(bus.topic_metadata(topic, refresh=True).partition_count)]
+                tps = [TopicPartition(topic, p) for p in range(partition_count)]
             consumer.assign(tps)
             if isinstance(args.offset, int):
                 (tp,) = tps
@@ -983,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 0
-    except (LogbusError, CliError) as error:
+    except LogbusError as error:
         _err(f"error: {error}")
         return 1
     except OSError as error:

@@ -47,8 +47,21 @@ class InvalidPartitionsError(LogbusError, ValueError):
     """The partition count is invalid (not positive, or lower than the current count)."""
 
 
+class InvalidPartitionError(LogbusError, ValueError):
+    """A partition number is not an int, or outside the topic's partitions 0..count-1.
+
+    Not :class:`UnknownTopicError`: that one is retriable (the topic may be being
+    created), while a partition number the caller got wrong stays wrong; Kafka's
+    Java client likewise fails such a record at once, without retrying.
+    """
+
+
 class InvalidReplicationFactorError(LogbusError, ValueError):
     """The replication factor is not positive or exceeds the number of live nodes."""
+
+
+class CliError(LogbusError):
+    """The ``logbus`` command failed on its input data (e.g. a line without the key separator)."""
 
 
 class TopicAlreadyExistsError(LogbusError):

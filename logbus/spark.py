@@ -128,6 +128,26 @@ def check_spark(spark) -> None:
         )
 
 
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
+
+
+def _check_bus(bus) -> None:
+    if bus is not None and not isinstance(bus, Bus):
+        raise InvalidConfigError(f"bus must be a Bus from logbus.connect() or None, not {type(bus).__name__}")
+
+
+@functools.cache
+def _producer_option_names() -> frozenset[str]:
+    """The keyword arguments of Producer (what ``write``'s producer options may name)."""
+    import inspect
+
+    from logbus.api.producer import Producer
+
+    return frozenset(name for name in inspect.signature(Producer).parameters if name != "bus")
+
+
 # --- offsets in Spark's spelling -----------------------------------------------------------------
 
 
@@ -240,10 +260,12 @@ def read(
     """
     from pyspark.sql import functions as F
 
-    check_spark(spark)
     validate_topic_name(topic)
+    _check_flag("include_headers", include_headers)
+    _check_bus(bus)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
+    check_spark(spark)
     source = TopicDatasource(topic, start, end, bus)
     if source.num_rows == 0:
         return spark.createDataFrame([], kafka_schema(include_headers))
@@ -333,8 +355,12 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
 
     if not isinstance(df, DataFrame):
         raise InvalidRecordError(f"write takes a Spark DataFrame, not {type(df).__name__}")
-    check_spark(df.sparkSession)
     validate_topic_name(topic)
+    _check_bus(bus)
+    unknown = sorted(set(producer_options) - _producer_option_names())
+    if unknown:
+        raise InvalidConfigError(f"unknown producer options {unknown}; known: {sorted(_producer_option_names())}")
+    check_spark(df.sparkSession)
     columns = _check_columns(df)
     sink = TopicSink(
         topic,
@@ -392,9 +418,10 @@ def stream(
     """
     from logbus.api.streaming import MicroBatchStream, _stderr_progress
 
-    check_spark(spark)
     if not callable(process_batch):
         raise InvalidConfigError("process_batch must be a callable taking (DataFrame, batch_id)")
+    _check_flag("include_headers", include_headers)
+    check_spark(spark)
 
     def run_batch(start: dict, end: dict, batch_id: int) -> None:
         df = read(spark, topic, starting_offsets=start, ending_offsets=end, include_headers=include_headers, bus=micro.bus)

@@ -6,16 +6,37 @@ import datetime
 
 from logbus.actors.remote import get
 from logbus.protocol.group_coordinator import validate_group_id
-from logbus.errors import InvalidPartitionsError, InvalidReplicationFactorError
+from logbus.errors import InvalidConfigError, InvalidPartitionsError, InvalidReplicationFactorError, OffsetOutOfRangeError
+from logbus.protocol.cluster_metadata import PARTITIONS_MAX
 from logbus.protocol.messages import TopicDescription
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 
+RESET_TARGETS = ("earliest", "latest")
 
-def _positive(what: str, value, error):
+
+def _positive(what: str, value, error, limit: int | None = None):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise error(f"{what} must be a positive int, not {value!r}")
+    if limit is not None and value > limit:
+        raise error(f"{what} must be at most {limit}, not {value}")
     return value
+
+
+def _check_reset_target(to) -> None:
+    """Raise unless ``to`` is "earliest", "latest", an offset, or {"timestamp": ms} (the controller's spellings)."""
+    if isinstance(to, dict) and set(to) == {"timestamp"}:
+        to = to["timestamp"]
+        if isinstance(to, bool) or not isinstance(to, int):
+            raise InvalidConfigError(f"reset to timestamp must be an int of ms, not {to!r}")
+    elif isinstance(to, str):
+        if to not in RESET_TARGETS:
+            raise InvalidConfigError(f"reset to must be 'earliest', 'latest', an offset or a datetime, not {to!r}")
+    elif isinstance(to, int) and not isinstance(to, bool):
+        if to < 0:
+            raise OffsetOutOfRangeError(f"reset to offset must be non-negative, not {to}")
+    else:
+        raise InvalidConfigError(f"reset to must be 'earliest', 'latest', an offset or a datetime, not {to!r}")
 
 
 class Admin:
@@ -32,7 +53,7 @@ class Admin:
         InvalidConfigError.
         """
         validate_topic_name(name)
-        _positive("partitions", partitions, InvalidPartitionsError)
+        _positive("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
         _positive("replication_factor", replication_factor, InvalidReplicationFactorError)
         LogConfig.from_dict(config)
         self._bus.forget(name)
@@ -55,7 +76,7 @@ class Admin:
     def create_partitions(self, name: str, total: int) -> TopicDescription:
         """Grow a topic to ``total`` partitions (keys may then map to other partitions, as in Kafka)."""
         validate_topic_name(name)
-        _positive("total", total, InvalidPartitionsError)
+        _positive("total", total, InvalidPartitionsError, PARTITIONS_MAX)
         self._bus.forget(name)
         return get(self._bus.controller.create_partitions.remote(name, total))
 
@@ -80,8 +101,12 @@ class Admin:
         validate_group_id(group_id)
         if isinstance(to, datetime.datetime):
             to = {"timestamp": int(to.timestamp() * 1000)}
-        for topic in topics or ():
-            validate_topic_name(topic)
+        _check_reset_target(to)
+        if topics is not None:
+            if isinstance(topics, str) or not isinstance(topics, list | tuple | set | frozenset):
+                raise InvalidConfigError(f"topics must be a list of topic names or None, not {topics!r}")
+            for topic in topics:
+                validate_topic_name(topic)
         return get(self._bus.controller.reset_offsets.remote(group_id, to, list(topics) if topics else None))
 
     def alter_config(self, name: str, config: dict) -> dict:

@@ -32,19 +32,29 @@ from ray.exceptions import RayError
 from logbus.actors.remote import get, unwrap
 from logbus.errors import (
     IllegalGenerationError,
+    InvalidConfigError,
+    InvalidPartitionError,
+    InvalidRecordError,
     LogbusError,
     RebalanceInProgressError,
     UnknownMemberIdError,
 )
 from logbus.protocol.assignors import get_assignor
-from logbus.protocol.group_coordinator import JoinResult
+from logbus.protocol.group_coordinator import JoinResult, OffsetAndMetadata, validate_group_id
 from logbus.protocol.messages import TopicPartition
+from logbus.storage.names import validate_partition, validate_topic_name
 
 HEARTBEAT_TIMEOUT_FRACTION = 0.5  # beyond its long poll, a heartbeat call may take this share of the session timeout
 JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generation to form
 MIN_HEARTBEAT_SPACING_S = 0.01
 NOT_MEMBER_RECHECK_S = 0.05
 ERROR_RETRY_S = 0.5  # after a failed heartbeat, the next one is this long (at most an interval) later
+
+
+def _checked_partition(tp) -> TopicPartition:
+    if not isinstance(tp, tuple) or len(tp) != 2:
+        raise InvalidConfigError(f"expected a TopicPartition(topic, partition), not {tp!r}")
+    return TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
 
 
 class GroupMembership:
@@ -62,8 +72,22 @@ class GroupMembership:
         heartbeat_interval_ms: int,
         max_poll_interval_ms: int,
     ) -> None:
+        # Types are checked here, on the caller's side; the coordinator checks the rest (lengths,
+        # ranges) when the member joins, and answers with the same named errors.
+        validate_group_id(group_id)
+        for what, value in (("group_instance_id", group_instance_id), ("client_id", client_id)):
+            if not (isinstance(value, str) or (value is None and what == "group_instance_id")):
+                raise InvalidConfigError(f"{what} must be a str, not {value!r}")
+        if isinstance(protocols, str) or not isinstance(protocols, tuple | list) or not protocols:
+            raise InvalidConfigError(f"protocols must be a non-empty tuple of strategy names, not {protocols!r}")
         for name in protocols:
             get_assignor(name)  # unknown strategies fail here, on the caller's side
+        for what, value in (
+            ("session_timeout_ms", session_timeout_ms), ("heartbeat_interval_ms", heartbeat_interval_ms),
+            ("max_poll_interval_ms", max_poll_interval_ms),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidConfigError(f"{what} must be a positive int, not {value!r}")
         self._bus = bus
         self.group_id = group_id
         self.group_instance_id = group_instance_id
@@ -102,6 +126,11 @@ class GroupMembership:
         self._last_poll_s = time.monotonic()
 
     def subscribe(self, topics: tuple[str, ...], pattern: str | None) -> None:
+        if isinstance(topics, str) or not isinstance(topics, tuple | list):
+            raise InvalidConfigError(f"topics must be a tuple of topic names, not {topics!r}")
+        topics = tuple(validate_topic_name(t) for t in topics)
+        if pattern is not None and not isinstance(pattern, str):
+            raise InvalidConfigError(f"pattern must be a str or None, not {pattern!r}")
         with self._lock:
             self.topics, self.pattern = topics, pattern
             self.needs_join = True
@@ -155,6 +184,7 @@ class GroupMembership:
 
     def commit(self, offsets: dict) -> None:
         """Commit with this member's generation (or as a non-member before the first join)."""
+        offsets = self._checked_offsets(offsets)
         member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
         try:
             get(self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets))
@@ -164,6 +194,10 @@ class GroupMembership:
             raise
 
     def commit_async(self, offsets: dict, callback=None) -> None:
+        """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
+        offsets = self._checked_offsets(offsets)
+        if callback is not None and not callable(callback):
+            raise InvalidConfigError(f"callback must be a callable taking (offsets, error), not {callback!r}")
         member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
         ref = self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets)
 
@@ -179,7 +213,33 @@ class GroupMembership:
         ref.future().add_done_callback(done)
 
     def committed(self, partitions: list[TopicPartition]) -> dict:
+        """The group's committed OffsetAndMetadata (or None) of each partition."""
+        partitions = [_checked_partition(tp) for tp in partitions]
         return get(self._bus.controller.fetch_committed.remote(self.group_id, list(partitions)))
+
+    def _checked_offsets(self, offsets) -> dict[TopicPartition, int | OffsetAndMetadata]:
+        """``offsets`` with each key a TopicPartition of an existing partition and each value an offset.
+
+        A partition past the topic's count is the caller's mistake (InvalidPartitionError), not the
+        retriable "unknown partition" the coordinator would answer; the cached partition count is
+        refreshed once before saying so, since the topic may have grown.
+        """
+        if not isinstance(offsets, dict):
+            raise InvalidConfigError(f"offsets must be a dict of TopicPartition -> offset, not {offsets!r}")
+        checked = {}
+        for tp, offset in offsets.items():
+            tp = _checked_partition(tp)
+            if not (isinstance(offset, OffsetAndMetadata) or (isinstance(offset, int) and not isinstance(offset, bool))):
+                raise InvalidRecordError(f"the commit for {tp} must be an offset or an OffsetAndMetadata, not {offset!r}")
+            checked[tp] = offset
+        for topic in {tp.topic for tp in checked}:
+            highest = max(tp.partition for tp in checked if tp.topic == topic)
+            count = self._bus.topic_metadata(topic).partition_count
+            if highest >= count:
+                count = self._bus.topic_metadata(topic, refresh=True).partition_count
+            if highest >= count:
+                raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{count - 1}; cannot commit partition {highest}")
+        return checked
 
     def leave(self) -> None:
         """Leave at once (dynamic members): the group rebalances without waiting for the session timeout."""

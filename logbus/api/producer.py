@@ -24,6 +24,7 @@ idempotence a retry can write a batch twice, as in Kafka.
 
 from __future__ import annotations
 
+import math
 import pickle
 import random
 import threading
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 from confluent_kafka import murmur2
 
@@ -44,17 +46,18 @@ from logbus.errors import (
     ChannelClosedError,
     IllegalStateError,
     InvalidConfigError,
+    InvalidPartitionError,
     InvalidRecordError,
     LeaderNotAvailableError,
     LogbusError,
     RecordTooLargeError,
     RequestTimedOutError,
-    UnknownTopicError,
 )
 from logbus.actors.channel_client import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
 from logbus.storage import record_batch as rb
+from logbus.storage.names import validate_topic_name
 
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
@@ -63,6 +66,13 @@ STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check wh
 STALE_CHECK_INTERVAL_S = 0.1
 ACKS = (0, 1, "all", -1)
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
+TIMESTAMP_MS_MAX = 2**63 - 1  # timestamps are int64 in the batch
+# Bounds of the settings: sizes and counts are positive ints; the others are times in ms, at most
+# about 24.8 days (Kafka's int timeouts), which keeps every wait within what threading's waits and
+# the replica's timers take.
+SIZE_SETTINGS = ("batch_size_bytes", "buffer_memory_bytes", "max_in_flight")
+MS_SETTING_MAX = 2**31 - 1
+ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0
 
 
 @dataclass(frozen=True)
@@ -146,11 +156,30 @@ class _RecordFuture(Future):
         return f"<RecordFuture {self._batch.topic}-{self._batch.partition}[{self._index}] {state}>"
 
 
+def _check_setting(name: str, value) -> None:
+    """Raise InvalidConfigError unless ``value`` is legal for the numeric producer setting ``name``."""
+    if name in SIZE_SETTINGS:
+        legal = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if not legal:
+            raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        return
+    legal = (
+        isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+        and 0 <= value <= MS_SETTING_MAX and (value > 0 or name in ZERO_ALLOWED)
+    )
+    if not legal:
+        low = "a non-negative" if name in ZERO_ALLOWED else "a positive"
+        raise InvalidConfigError(f"{name} must be {low} number of ms, at most {MS_SETTING_MAX}, not {value!r}")
+
+
 def _as_bytes(value, what: str):
     if value is None or type(value) is bytes:
         return value
     if isinstance(value, str):
-        return value.encode()
+        try:
+            return value.encode()
+        except UnicodeEncodeError as error:  # lone surrogates
+            raise InvalidRecordError(f"{what} is a str that is not valid UTF-8: {error}") from None
     if isinstance(value, bytearray | memoryview):
         return bytes(value)
     raise InvalidRecordError(f"{what} must be bytes, str or None, not {type(value).__name__}")
@@ -194,17 +223,22 @@ class Producer:
         enable_idempotence: bool | None = None,
         local_channel: bool = True,
     ) -> None:
-        if acks not in ACKS:
-            raise InvalidConfigError(f"acks must be 0, 1 or 'all', not {acks!r}")
-        if compression not in rb.COMPRESSION_CODES:
+        if not isinstance(bus, Bus):
+            raise InvalidConfigError(f"bus must be a Bus from logbus.connect(), not {type(bus).__name__}")
+        if acks.__class__ not in (int, str) or acks not in ACKS:  # not True or 1.0, which equal 1
+            raise InvalidConfigError(f"acks must be 0, 1, 'all' or -1, not {acks!r}")
+        if not (compression is None or isinstance(compression, str)) or compression not in rb.COMPRESSION_CODES:
             raise InvalidConfigError(f"compression must be None, 'lz4' or 'zstd', not {compression!r}")
-        for name, value in (
-            ("linger_ms", linger_ms), ("batch_size_bytes", batch_size_bytes), ("buffer_memory_bytes", buffer_memory_bytes),
-            ("max_in_flight", max_in_flight), ("max_block_ms", max_block_ms), ("delivery_timeout_ms", delivery_timeout_ms),
-            ("request_timeout_ms", request_timeout_ms),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or (value == 0 and name not in ("linger_ms", "max_block_ms")):
-                raise InvalidConfigError(f"{name} must be a positive number, not {value!r}")
+        settings = {
+            "linger_ms": linger_ms, "batch_size_bytes": batch_size_bytes, "buffer_memory_bytes": buffer_memory_bytes,
+            "max_in_flight": max_in_flight, "max_block_ms": max_block_ms, "delivery_timeout_ms": delivery_timeout_ms,
+            "request_timeout_ms": request_timeout_ms,
+        }
+        for name, value in settings.items():
+            _check_setting(name, value)
+        for name, value in (("enable_idempotence", enable_idempotence), ("local_channel", local_channel)):
+            if not (isinstance(value, bool) or (value is None and name == "enable_idempotence")):
+                raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
         if enable_idempotence and acks == 0:
             raise InvalidConfigError("enable_idempotence needs acks=1 or 'all': acks=0 gets no replies to retry on")
         if enable_idempotence is None:
@@ -271,14 +305,21 @@ class Producer:
         """Queue one record; returns a Future of its RecordMetadata.
 
         ``value`` and ``key`` are bytes, str (UTF-8) or None; ``headers`` a dict
-        or a list of (str, bytes) pairs. Raises at once (nothing queued) for an
-        unknown topic, a bad partition, bad types, or a record over the topic's
-        max.message.bytes; raises BufferExhaustedError if the buffer stays full.
+        or a list of (str, bytes) pairs. Raises at once (nothing queued):
+        UnknownTopicError (retriable: the topic may be being created),
+        InvalidTopicError, InvalidPartitionError (a partition the topic does not
+        have), InvalidRecordError (bad types or timestamp), RecordTooLargeError
+        (over the topic's max.message.bytes); BufferExhaustedError if the buffer
+        stays full.
         """
         if self._closed:
             raise IllegalStateError("send() after close()")
         # The per-record path: type checks, the partition, list appends. Everything else is per batch.
-        limits = self._limits.get(topic)
+        try:
+            limits = self._limits.get(topic)
+        except TypeError:  # an unhashable topic: not a name
+            validate_topic_name(topic)
+            raise
         if limits is None:
             metadata = self._topic(topic)
             record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
@@ -310,11 +351,11 @@ class Producer:
                 if partition is None or partition >= count:
                     partition = self._sticky_partition(topic, count)
         elif partition.__class__ is not int or not 0 <= partition < count:
-            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}, not {partition!r}")
+            raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{count - 1}; partition must be one of them, not {partition!r}")
         if timestamp_ms is None:
             timestamp_ms = time.time_ns() // 1_000_000
-        elif timestamp_ms.__class__ is not int or timestamp_ms < 0:
-            raise InvalidRecordError(f"timestamp_ms must be a non-negative int, not {timestamp_ms!r}")
+        elif timestamp_ms.__class__ is not int or not 0 <= timestamp_ms <= TIMESTAMP_MS_MAX:
+            raise InvalidRecordError(f"timestamp_ms must be an int in 0..{TIMESTAMP_MS_MAX}, not {timestamp_ms!r}")
         with self._lock:
             if self._buffered_bytes + size > self.buffer_memory_bytes:
                 self._reserve(size)
@@ -352,7 +393,10 @@ class Producer:
         (int64 ms), ``headers`` (map<string, binary>) and ``partition`` (int).
         Rows without a partition go by key hash, or to one sticky partition.
         Each partition's rows go as one batch, split only where they exceed the
-        topic's max.message.bytes.
+        topic's max.message.bytes. Bad input raises at once, before anything is
+        queued: InvalidRecordError (column types, null partitions, negative
+        timestamps), InvalidPartitionError (a partition the topic does not have),
+        RecordTooLargeError.
         """
         if self._closed:
             raise IllegalStateError("send_table() after close()")
@@ -365,8 +409,11 @@ class Producer:
             done: Future = Future()
             done.set_result([])
             return done
-        partitions = self._table_partitions(topic, table, count)
-        records = rb.conform_table(table)
+        records = rb.conform_table(table)  # checks the columns' types first
+        timestamps = pc.min_max(records.column(2))
+        if timestamps["min"].as_py() < 0:
+            raise InvalidRecordError(f"timestamps must be non-negative ms, not {timestamps['min'].as_py()}")
+        partitions = self._table_partitions(topic, table, records, count)
         # A table is already a batch: it is split only where it exceeds what one batch of the
         # topic may hold (max.message.bytes), not at batch_size_bytes, which governs send().
         limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
@@ -397,16 +444,23 @@ class Producer:
         _gather(batches, result)
         return result
 
-    def _table_partitions(self, topic: str, table, count: int) -> np.ndarray:
+    def _table_partitions(self, topic: str, table, records: pa.RecordBatch, count: int) -> np.ndarray:
+        """The partition of each row: the ``partition`` column, else by key, else one sticky partition."""
         names = table.schema.names
         rows = table.num_rows
         if "partition" in names:
-            partitions = table.column("partition").to_numpy(zero_copy_only=False)
+            column = table.column("partition")
+            if not pa.types.is_integer(column.type):
+                raise InvalidRecordError(f"the 'partition' column must hold ints, not {column.type}")
+            if column.null_count:
+                raise InvalidRecordError(f"the 'partition' column has {column.null_count} nulls")
+            partitions = column.to_numpy(zero_copy_only=False)
             if np.any(partitions < 0) or np.any(partitions >= count):
-                raise UnknownTopicError(f"topic {topic!r} has partitions 0..{count - 1}; the table names others")
+                bad = int(partitions[(partitions < 0) | (partitions >= count)][0])
+                raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{count - 1}; the table names partition {bad}")
             return partitions.astype(np.int64)
         if "key" in names:
-            keys = table.column("key").cast(pa.binary()).to_pylist()
+            keys = records.column(0).to_pylist()  # binary, as conform_table cast it
             sticky = self._sticky_partition(topic, count)
             return np.fromiter((sticky if k is None else murmur2(k, count) for k in keys), np.int64, rows)
         partition = self._sticky_partition(topic, count)
@@ -689,7 +743,11 @@ class Producer:
     # --- flushing and closing ------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Send everything buffered and wait until every record is acknowledged or failed."""
+        """Send everything buffered and wait until every record is acknowledged or failed.
+
+        Raises RequestTimedOutError if that takes longer than ``timeout_s`` (None: no limit).
+        """
+        _check_timeout(timeout_s)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._condition:
             self._flushing += 1
@@ -710,6 +768,7 @@ class Producer:
         the records still pending fail (their futures raise RequestTimedOutError)
         and the producer closes anyway.
         """
+        _check_timeout(timeout_s)
         if self._closed:
             return
         try:
@@ -729,14 +788,29 @@ class Producer:
         self.close()
 
 
+def _check_timeout(timeout_s) -> None:
+    if timeout_s is not None and (
+        isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= threading.TIMEOUT_MAX
+    ):
+        raise InvalidConfigError(f"timeout_s must be None or a non-negative number of seconds, not {timeout_s!r}")
+
+
 def _normalize_headers(headers) -> list[tuple[str, bytes | None]]:
     items = headers.items() if isinstance(headers, dict) else headers
     try:
-        out = [(k, _as_bytes(v, "header value")) for k, v in items]
+        out = [(k, v if v.__class__ is bytes or v is None else _as_bytes(v, f"header {k!r}")) for k, v in items]
+    except InvalidRecordError:
+        raise
     except (TypeError, ValueError):
-        raise InvalidRecordError("headers must be a dict or a list of (str, bytes) pairs") from None
-    if any(not isinstance(k, str) for k, _ in out):
-        raise InvalidRecordError("header names must be str")
+        raise InvalidRecordError(f"headers must be a dict or a list of (str, bytes) pairs, not {headers!r}") from None
+    for name, _ in out:
+        if not isinstance(name, str):
+            raise InvalidRecordError(f"header names must be str, not {type(name).__name__}")
+        if not name.isascii():
+            try:
+                name.encode()
+            except UnicodeEncodeError as error:  # lone surrogates: the whole batch could not be encoded
+                raise InvalidRecordError(f"header name {name!r} is not valid UTF-8: {error}") from None
     return out
 
 

@@ -60,6 +60,23 @@ class BatchProgress:
         )
 
 
+def _check_count(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise InvalidConfigError(f"{name} must be a positive int or None, not {value!r}")
+
+
+def _check_seconds(name: str, value) -> None:
+    # Finite and within what threading's waits take (an infinite wait raises OverflowError there).
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= threading.TIMEOUT_MAX:
+        raise InvalidConfigError(f"{name} must be a non-negative number of seconds, not {value!r}")
+
+
+def _check_run_options(max_batches: int | None = None, until_caught_up: bool = False) -> None:
+    _check_count("max_batches", max_batches)
+    if not isinstance(until_caught_up, bool):
+        raise InvalidConfigError(f"until_caught_up must be True or False, not {until_caught_up!r}")
+
+
 def _stderr_progress(progress: BatchProgress) -> None:
     print(f"logbus stream: {progress}", file=sys.stderr, flush=True)
 
@@ -81,14 +98,16 @@ class MicroBatchStream:
     ) -> None:
         validate_topic_name(topic)
         validate_group_id(group_id)
-        if max_offsets_per_trigger is not None and (
-            isinstance(max_offsets_per_trigger, bool) or not isinstance(max_offsets_per_trigger, int) or max_offsets_per_trigger < 1
-        ):
-            raise InvalidConfigError(f"max_offsets_per_trigger must be a positive int or None, not {max_offsets_per_trigger!r}")
-        if isinstance(trigger_interval_s, bool) or not isinstance(trigger_interval_s, int | float) or trigger_interval_s < 0:
-            raise InvalidConfigError(f"trigger_interval_s must be a non-negative number, not {trigger_interval_s!r}")
-        if starting_offsets not in STARTS:
+        _check_count("max_offsets_per_trigger", max_offsets_per_trigger)
+        _check_seconds("trigger_interval_s", trigger_interval_s)
+        if not isinstance(starting_offsets, str) or starting_offsets not in STARTS:
             raise InvalidConfigError(f"starting_offsets must be one of {STARTS}, not {starting_offsets!r}")
+        if not callable(run_batch):
+            raise InvalidConfigError(f"run_batch must be a callable taking (start, end, batch_id), not {run_batch!r}")
+        if progress is not None and not callable(progress):
+            raise InvalidConfigError(f"progress must be a callable taking a BatchProgress, or None, not {progress!r}")
+        if bus is not None and not isinstance(bus, Bus):
+            raise InvalidConfigError(f"bus must be a Bus from logbus.connect() or None, not {type(bus).__name__}")
         self.bus = bus or connect()
         self.topic = topic
         self.group_id = group_id
@@ -184,6 +203,7 @@ class MicroBatchStream:
 
     def run(self, max_batches: int | None = None, until_caught_up: bool = False) -> None:
         """Run in this thread until stop(), ``max_batches`` batches, or (``until_caught_up``) an idle trigger."""
+        _check_run_options(max_batches, until_caught_up)
         done = 0
         while not self._stop.is_set():
             triggered = time.monotonic()
@@ -200,6 +220,10 @@ class MicroBatchStream:
         """Run in a background thread; see :meth:`await_termination` and :meth:`stop`."""
         if self._thread is not None:
             raise IllegalStateError("this stream was already started")
+        unknown = sorted(set(run_options) - {"max_batches", "until_caught_up"})
+        if unknown:
+            raise InvalidConfigError(f"start() takes the options of run() (max_batches, until_caught_up), not {unknown}")
+        _check_run_options(**run_options)  # here, not in the thread: bad options fail the caller
 
         def target():
             try:
@@ -219,6 +243,8 @@ class MicroBatchStream:
         """Wait for the stream to end; re-raise the error that ended it. False on timeout."""
         if self._thread is None:
             raise IllegalStateError("the stream was not started")
+        if timeout_s is not None:
+            _check_seconds("timeout_s", timeout_s)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False

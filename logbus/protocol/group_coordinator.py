@@ -544,7 +544,7 @@ class GroupCoordinator:
                 member's session then still runs from the call's arrival.
 
         Raises:
-            InvalidGroupIdError, InvalidConfigError, InvalidTopicError: bad arguments.
+            InvalidGroupIdError, InvalidConfigError, InvalidTopicError, InvalidPartitionError: bad arguments.
             UnknownMemberIdError: ``member_id`` is not (or no longer) a member, or was fenced by
                 a newer instance with the same ``group_instance_id``: join again with "".
             IllegalStateError: the group or the coordinator is full.
@@ -742,7 +742,7 @@ class GroupCoordinator:
             UnknownMemberIdError: not a member (or a generation -1 commit while the group has members).
             IllegalGenerationError: the generation is not the group's current one.
             RebalanceInProgressError: the member has not collected the current generation.
-            InvalidGroupIdError, InvalidTopicError, InvalidConfigError, InvalidRecordError: bad arguments.
+            InvalidGroupIdError, InvalidTopicError, InvalidPartitionError, InvalidConfigError, InvalidRecordError: bad arguments.
         """
         validate_group_id(group_id)
         now_ms = _check_now(now_ms)

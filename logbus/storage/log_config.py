@@ -50,6 +50,7 @@ kernel, as Kafka does. No setting changes what is durable.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -62,6 +63,8 @@ TIMESTAMP_TYPES = (CREATE_TIME, LOG_APPEND_TIME)
 
 MIB = 1024 * 1024
 DAY_MS = 24 * 3600 * 1000
+INT_MAX = 2**31 - 1  # Kafka's int configs
+LONG_MAX = 2**63 - 1  # Kafka's long configs
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,27 +85,32 @@ class LogConfig:
     cache_tail_bytes: int = 32 * MIB  # -1: leave every written page in the page cache
     message_timestamp_type: str = CREATE_TIME
 
-    # dotted Kafka name -> (attribute, type, lowest legal value)
+    # dotted Kafka name -> (attribute, type, lowest legal value, highest legal value). The highest
+    # is the range of Kafka's type for the key (int or long): values must fit the int32 / int64
+    # fields and system calls they reach.
     KEYS = {
-        "segment.bytes": ("segment_bytes", int, 1024),
-        "segment.ms": ("segment_ms", int, 1),
-        "retention.ms": ("retention_ms", int, -1),
-        "retention.bytes": ("retention_bytes", int, -1),
-        "max.message.bytes": ("max_message_bytes", int, 128),
-        "index.interval.bytes": ("index_interval_bytes", int, 0),
-        "flush.policy": ("flush_policy", str, None),
-        "flush.ms": ("flush_ms", int, 0),
-        "min.insync.replicas": ("min_insync_replicas", int, 1),
-        "unclean.leader.election.enable": ("unclean_leader_election_enable", bool, None),
-        "replica.lag.time.max.ms": ("replica_lag_time_max_ms", int, 1),
-        "cache.tail.bytes": ("cache_tail_bytes", int, -1),
-        "message.timestamp.type": ("message_timestamp_type", str, None),
+        "segment.bytes": ("segment_bytes", int, 1024, INT_MAX),
+        "segment.ms": ("segment_ms", int, 1, LONG_MAX),
+        "retention.ms": ("retention_ms", int, -1, LONG_MAX),
+        "retention.bytes": ("retention_bytes", int, -1, LONG_MAX),
+        "max.message.bytes": ("max_message_bytes", int, 128, INT_MAX),
+        "index.interval.bytes": ("index_interval_bytes", int, 0, INT_MAX),
+        "flush.policy": ("flush_policy", str, None, None),
+        "flush.ms": ("flush_ms", int, 0, LONG_MAX),
+        "min.insync.replicas": ("min_insync_replicas", int, 1, INT_MAX),
+        "unclean.leader.election.enable": ("unclean_leader_election_enable", bool, None, None),
+        "replica.lag.time.max.ms": ("replica_lag_time_max_ms", int, 1, LONG_MAX),
+        "cache.tail.bytes": ("cache_tail_bytes", int, -1, LONG_MAX),
+        "message.timestamp.type": ("message_timestamp_type", str, None, None),
     }
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | None = None, base: "LogConfig | None" = None) -> "LogConfig":
         """Validate ``config`` (Kafka dotted names) and overlay it on ``base`` (or the defaults)."""
-        base = base or cls()
+        if base is None:
+            base = cls()
+        elif not isinstance(base, LogConfig):
+            raise InvalidConfigError(f"base must be a LogConfig, not {type(base).__name__}")
         if config is None:
             return base
         if not isinstance(config, Mapping):
@@ -111,10 +119,11 @@ class LogConfig:
         for key, raw in config.items():
             if key not in cls.KEYS:
                 raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(cls.KEYS))}")
-            attribute, kind, lowest = cls.KEYS[key]
-            changes[attribute] = _coerce(key, raw, kind, lowest)
-        if changes.get("flush_policy", base.flush_policy) not in FLUSH_POLICIES:
-            raise InvalidConfigError(f"flush.policy must be one of {FLUSH_POLICIES}, not {changes['flush_policy']!r}")
+            attribute, kind, lowest, highest = cls.KEYS[key]
+            changes[attribute] = _coerce(key, raw, kind, lowest, highest)
+        policy = changes.get("flush_policy", base.flush_policy)
+        if policy not in FLUSH_POLICIES:
+            raise InvalidConfigError(f"flush.policy must be one of {FLUSH_POLICIES}, not {policy!r}")
         timestamp_type = changes.get("message_timestamp_type", base.message_timestamp_type)
         if timestamp_type not in TIMESTAMP_TYPES:
             raise InvalidConfigError(f"message.timestamp.type must be one of {TIMESTAMP_TYPES}, not {timestamp_type!r}")
@@ -122,10 +131,10 @@ class LogConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config under Kafka's dotted names."""
-        return {key: getattr(self, attribute) for key, (attribute, _, _) in self.KEYS.items()}
+        return {key: getattr(self, attribute) for key, (attribute, *_) in self.KEYS.items()}
 
 
-def _coerce(key: str, raw: Any, kind: type, lowest: int | None) -> Any:
+def _coerce(key: str, raw: Any, kind: type, lowest: int | None, highest: int | None) -> Any:
     if kind is bool:
         if isinstance(raw, bool):
             return raw
@@ -136,14 +145,16 @@ def _coerce(key: str, raw: Any, kind: type, lowest: int | None) -> Any:
         if not isinstance(raw, str):
             raise InvalidConfigError(f"{key} must be a string, not {raw!r}")
         return raw
-    if isinstance(raw, bool):
+    if isinstance(raw, bool) or not isinstance(raw, str | numbers.Real):  # int() would take b"5" too
         raise InvalidConfigError(f"{key} must be an integer, not {raw!r}")
     try:
         value = int(raw)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an infinite float
         raise InvalidConfigError(f"{key} must be an integer, not {raw!r}") from None
     if isinstance(raw, float) and raw != value:
         raise InvalidConfigError(f"{key} must be an integer, not {raw!r}")
     if lowest is not None and value < lowest:
         raise InvalidConfigError(f"{key} must be at least {lowest}, not {value}")
+    if highest is not None and value > highest:
+        raise InvalidConfigError(f"{key} must be at most {highest}, not {value}")
     return value

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 
-from logbus.errors import InvalidTopicError
+from logbus.errors import InvalidPartitionError, InvalidTopicError
 
 TOPIC_NAME_LENGTH_MAX = 249  # Kafka's limit: leaves room for "-{partition}" in a 255-byte file name
 _TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]+")
 INTERNAL_TOPIC_PREFIX = "__"
+PARTITION_MAX = 2**31 - 1  # partition numbers are int32, as in Kafka and the consumer's Arrow columns
 
 
 def validate_topic_name(name: object) -> str:
@@ -31,8 +32,12 @@ def validate_topic_name(name: object) -> str:
 
 
 def validate_partition(partition: object) -> int:
-    if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
-        raise InvalidTopicError(f"partition must be a non-negative int, not {partition!r}")
+    """Return ``partition`` if it can be a partition number (an int in 0..2**31-1), else raise InvalidPartitionError.
+
+    Whether the topic has that partition is checked where its partition count is known.
+    """
+    if isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition <= PARTITION_MAX:
+        raise InvalidPartitionError(f"partition must be an int in 0..{PARTITION_MAX}, not {partition!r}")
     return partition
 
 

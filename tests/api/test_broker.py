@@ -13,7 +13,10 @@ from logbus import TopicPartition
 from logbus.protocol.messages import FetchRequest
 from logbus.errors import (
     IllegalStateError,
+    InvalidConfigError,
+    InvalidPartitionError,
     InvalidPartitionsError,
+    InvalidRecordError,
     InvalidReplicationFactorError,
     InvalidTopicError,
     OffsetOutOfRangeError,
@@ -193,7 +196,7 @@ def test_bad_inputs_get_named_errors(bus, topic_name):
     producer = logbus.Producer(bus)
     with pytest.raises(UnknownTopicError):
         producer.send("no-such-topic", b"x")
-    with pytest.raises(UnknownTopicError):
+    with pytest.raises(InvalidPartitionError):
         producer.send(topic_name, b"x", partition=3)
     with pytest.raises(RecordTooLargeError):
         producer.send(topic_name, b"x" * 10_000)
@@ -212,6 +215,100 @@ def test_bad_inputs_get_named_errors(bus, topic_name):
     with pytest.raises(IllegalStateError):
         consumer.poll()
     assert bus.admin.describe_topic(topic_name).partitions[0].log_end_offset == 0
+
+
+def test_producer_refuses_bad_input_with_named_errors_and_sends_nothing(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    producer = logbus.Producer(bus, linger_ms=0)
+    refused = [
+        # A partition number outside the topic is the caller's mistake: not the retriable UnknownTopicError.
+        (InvalidPartitionError, "partitions 0..1", dict(partition=2)),
+        (InvalidPartitionError, "partitions 0..1", dict(partition=99)),
+        (InvalidPartitionError, "partitions 0..1", dict(partition=-1)),
+        (InvalidPartitionError, "partitions 0..1", dict(partition=True)),
+        (InvalidPartitionError, "partitions 0..1", dict(partition=1.0)),
+        (InvalidPartitionError, "partitions 0..1", dict(partition="0")),
+        (InvalidRecordError, "timestamp_ms", dict(timestamp_ms=2**63)),
+        (InvalidRecordError, "timestamp_ms", dict(timestamp_ms=-1)),
+        (InvalidRecordError, "value is a str that is not valid UTF-8", dict(value="\ud800")),
+        (InvalidRecordError, "key is a str that is not valid UTF-8", dict(key="\ud800")),
+        (InvalidRecordError, "header name", dict(headers={"\ud800": b"x"})),
+        (InvalidRecordError, "header 'h' must be bytes", dict(headers={"h": 5})),
+        (InvalidRecordError, "headers must be a dict or a list", dict(headers=[("h",)])),
+    ]
+    for error, message, arguments in refused:
+        arguments = {"value": b"x", **arguments}
+        with pytest.raises(error, match=message) as caught:
+            producer.send(topic_name, **arguments)
+        assert not caught.value.retriable, arguments
+    with pytest.raises(InvalidTopicError):
+        producer.send([topic_name], b"x")  # unhashable: still a topic-name error
+    tables = [
+        (InvalidPartitionError, "partition 5", pa.table({"value": [b"x"], "partition": [5]})),
+        (InvalidRecordError, "must hold ints", pa.table({"value": [b"x"], "partition": [1.0]})),
+        (InvalidRecordError, "must hold ints", pa.table({"value": [b"x"], "partition": ["0"]})),
+        (InvalidRecordError, "nulls", pa.table({"value": [b"x", b"y"], "partition": pa.array([0, None], pa.int32())})),
+        (InvalidRecordError, "column 'key'", pa.table({"value": [b"x"], "key": [7]})),
+        (InvalidRecordError, "non-negative", pa.table({"value": [b"x"], "timestamp": [-5]})),
+    ]
+    for error, message, table in tables:
+        with pytest.raises(error, match=message) as caught:
+            producer.send_table(topic_name, table)
+        assert not caught.value.retriable
+    for timeout_s in (-1, "soon", float("nan"), True):
+        with pytest.raises(InvalidConfigError, match="timeout_s"):
+            producer.flush(timeout_s)
+        with pytest.raises(InvalidConfigError, match="timeout_s"):
+            producer.close(timeout_s)
+    # Nothing was queued by the refused calls: the next record is the first of its partition.
+    assert producer.send(topic_name, b"good", partition=1).result(timeout=60).offset == 0
+    producer.close()
+    assert [p.log_end_offset for p in bus.admin.describe_topic(topic_name).partitions] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(acks=True), "acks"),
+        (dict(acks=1.0), "acks"),
+        (dict(compression=["lz4"]), "compression"),
+        (dict(linger_ms=float("nan")), "linger_ms"),
+        (dict(request_timeout_ms=float("inf")), "request_timeout_ms"),
+        (dict(max_block_ms=10**30), "max_block_ms"),
+        (dict(batch_size_bytes=1.5), "batch_size_bytes"),
+        (dict(buffer_memory_bytes=float("inf")), "buffer_memory_bytes"),
+        (dict(max_in_flight=True), "max_in_flight"),
+        (dict(enable_idempotence="false"), "enable_idempotence"),
+        (dict(local_channel=None), "local_channel"),
+    ],
+)
+def test_producer_settings_are_checked(bus, options, message):
+    with pytest.raises(InvalidConfigError, match=message):
+        logbus.Producer(bus, **options)
+
+
+def test_producer_needs_a_bus():
+    with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+        logbus.Producer(None)
+
+
+def test_admin_refuses_bad_arguments_before_the_controller(bus, topic_name):
+    with pytest.raises(InvalidPartitionsError, match="at most"):
+        bus.admin.create_topic(topic_name, partitions=10**30)
+    with pytest.raises(InvalidConfigError, match="segment.bytes must be at most"):
+        bus.admin.create_topic(topic_name, config={"segment.bytes": 2**31})
+    with pytest.raises(InvalidConfigError, match="retention.ms must be an integer"):
+        bus.admin.create_topic(topic_name, config={"retention.ms": float("inf")})
+    assert bus.admin.list_topics() == []
+    bus.admin.create_topic(topic_name)
+    for to in ("soon", 1.5, True, None, {"timestamp": "x"}):
+        with pytest.raises(InvalidConfigError, match="reset to"):
+            bus.admin.reset_offsets("g", to, topics=[topic_name])
+    with pytest.raises(OffsetOutOfRangeError):
+        bus.admin.reset_offsets("g", -1, topics=[topic_name])
+    with pytest.raises(InvalidConfigError, match="topics must be a list"):
+        bus.admin.reset_offsets("g", "earliest", topics=topic_name)  # a str would be read as one-letter topics
+    assert bus.admin.list_groups() == []  # nothing was reset
 
 
 def test_producer_and_consumer_inside_ray_tasks(bus, topic_name):

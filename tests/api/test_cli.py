@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
+import logbus.cli
 from logbus.cli import DESCRIBE_HEADERS, main
+from logbus.errors import CliError, LogbusError
 from tests.api.murmur2_reference import kafka_partition
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +111,12 @@ def test_usage_errors_exit_2_without_connecting(capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "usage: logbus" in err and "error:" in err, argv
+
+
+def test_the_cli_error_is_part_of_the_error_tree():
+    # main() reports every LogbusError as "error: <message>" with exit code 1; CliError is one.
+    assert logbus.cli.CliError is CliError
+    assert issubclass(CliError, LogbusError) and not CliError.retriable
 
 
 # --- against the bus fixture's cluster ---------------------------------------------------------------
@@ -270,8 +278,9 @@ def test_partition_and_offset_selection_and_status(cli, bus, topic_name):
     assert out_of_range.code == 1
     assert out_of_range.err == f"error: offset 99 is out of range for {topic_name}-1 (log start 0, high watermark {3 + len(expected[1])})\n"
     no_partition = cli("consume", topic_name, "--partition", "5", "--max-messages", "1")
-    assert no_partition.code == 1 and "partitions 0..1" in no_partition.err
-    assert cli("produce", topic_name, "--partition", "7", stdin="x\n").code == 1
+    assert (no_partition.code, no_partition.err) == (1, f"error: topic {topic_name!r} has partitions 0..1, not 5\n")
+    produce_to_none = cli("produce", topic_name, "--partition", "7", stdin="x\n")
+    assert (produce_to_none.code, produce_to_none.err) == (1, f"error: topic {topic_name!r} has partitions 0..1, not 7\n")
 
     status = cli("status")
     assert status.code == 0

@@ -13,7 +13,15 @@ import ray
 import logbus
 from logbus import TopicPartition
 from logbus.actors.controller import CONTROLLER_NAME
-from logbus.errors import GroupNotEmptyError, IllegalGenerationError, InvalidGroupIdError, RebalanceInProgressError
+from logbus.api.group_membership import GroupMembership
+from logbus.errors import (
+    GroupNotEmptyError,
+    IllegalGenerationError,
+    InvalidConfigError,
+    InvalidGroupIdError,
+    InvalidPartitionError,
+    RebalanceInProgressError,
+)
 from tests.conftest import wait_for
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
@@ -342,6 +350,51 @@ def test_group_errors_are_clear(bus, topic_name):
         logbus.Consumer(bus).subscribe([topic_name])
     first.close()
     second.close()
+
+
+def test_commits_of_partitions_the_topic_lacks_are_caller_errors(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    consumer = logbus.Consumer(bus, group_id="bad-commits", **FAST_GROUP)
+    consumer.assign([TopicPartition(topic_name, 0)])
+    beyond = TopicPartition(topic_name, 2)
+    with pytest.raises(InvalidPartitionError, match=r"partitions 0\.\.1") as caught:
+        consumer.commit({beyond: 5})  # not the retriable "unknown partition": retrying cannot help
+    assert not caught.value.retriable
+    assert consumer.committed([TopicPartition(topic_name, 0)]) == {TopicPartition(topic_name, 0): None}
+    # Grown through another connection: this bus's cached count is stale, and is refreshed before refusing.
+    other = logbus.connect(namespace=bus.namespace, data_dir=bus.data_dir)
+    other.admin.create_partitions(topic_name, 3)
+    consumer.commit({beyond: 5})
+    assert consumer.committed([beyond]) == {beyond: 5}
+    consumer.close()
+    with pytest.raises(InvalidConfigError, match="client_id"):
+        logbus.Consumer(bus, group_id="bad-client", client_id=5).subscribe([topic_name])
+
+
+MEMBERSHIP = dict(
+    group_instance_id=None, client_id="c", protocols=("range",), session_timeout_ms=3000, heartbeat_interval_ms=300,
+    max_poll_interval_ms=4000,
+)
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(group_id=""), InvalidGroupIdError, "group id"),
+        (dict(client_id=None), InvalidConfigError, "client_id"),
+        (dict(group_instance_id=7), InvalidConfigError, "group_instance_id"),
+        (dict(protocols="range"), InvalidConfigError, "protocols"),
+        (dict(protocols=()), InvalidConfigError, "protocols"),
+        (dict(protocols=("sticky",)), InvalidConfigError, "strategy"),
+        (dict(session_timeout_ms="3000"), InvalidConfigError, "session_timeout_ms"),
+        (dict(heartbeat_interval_ms=0.5), InvalidConfigError, "heartbeat_interval_ms"),
+        (dict(max_poll_interval_ms=True), InvalidConfigError, "max_poll_interval_ms"),
+    ],
+)
+def test_membership_arguments_are_checked_on_the_callers_side(options, error, message):
+    arguments = {"group_id": "g", **MEMBERSHIP, **options}
+    with pytest.raises(error, match=message):
+        GroupMembership(None, arguments.pop("group_id"), **arguments)  # fails before any use of the bus
 
 
 def test_reset_offsets_of_an_inactive_group_and_describe_lag(bus, topic_name):

@@ -241,3 +241,22 @@ def test_bad_input_raises_clear_errors(spark, module_bus, topic):
     with pytest.raises(IllegalStateError, match="stopped"):
         logbus.spark.write(stopped_df, target, bus=module_bus)
     assert logbus.api.dataset.read_dataset(target, bus=module_bus).count() == 0  # nothing was written
+
+
+def test_bad_arguments_are_named_before_spark_or_ray_is_touched():
+    """Argument mistakes raise InvalidConfigError before the session is checked or anything connects."""
+    from pyspark.sql import DataFrame
+
+    df = object.__new__(DataFrame)  # never evaluated: the arguments fail first
+    with pytest.raises(InvalidConfigError, match=r"unknown producer options \['lingerms'\]"):
+        logbus.spark.write(df, "events", lingerms=5)  # Producer(**options) would raise a bare TypeError in every task
+    with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+        logbus.spark.write(df, "events", bus="localhost")
+    with pytest.raises(InvalidConfigError, match="include_headers"):
+        logbus.spark.read(None, "events", include_headers="yes")
+    with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+        logbus.spark.read(None, "events", bus=object())
+    with pytest.raises(InvalidConfigError, match="process_batch"):
+        logbus.spark.stream(None, "events", "g", process_batch=None)
+    with pytest.raises(InvalidConfigError, match="include_headers"):
+        logbus.spark.stream(None, "events", "g", lambda df, batch_id: None, include_headers=1)

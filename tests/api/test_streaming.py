@@ -75,3 +75,39 @@ def test_stream_bad_input(bus, topic_name):
         MicroBatchStream(topic_name, "g", lambda *a: None, max_offsets_per_trigger=0, bus=bus)
     with pytest.raises(logbus.InvalidGroupIdError):
         MicroBatchStream(topic_name, "", lambda *a: None, bus=bus)
+    stream = MicroBatchStream(topic_name, "g", lambda *a: None, trigger_interval_s=0, bus=bus, progress=None)
+    # Bad run options fail the caller, not the stream's thread.
+    for options, message in (
+        (dict(max_batches=0), "max_batches"),
+        (dict(max_batches=1.5), "max_batches"),
+        (dict(until_caught_up="yes"), "until_caught_up"),
+        (dict(batches=1), "options of run"),
+    ):
+        with pytest.raises(InvalidConfigError, match=message):
+            stream.start(**options)
+        assert not stream.is_active
+    with pytest.raises(InvalidConfigError, match="max_batches"):
+        stream.run(max_batches=-1)
+    stream.start(until_caught_up=True)
+    with pytest.raises(InvalidConfigError, match="timeout_s"):
+        stream.await_termination(timeout_s=-1)
+    assert stream.await_termination(timeout_s=60) and stream.exception is None
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(run_batch=None), "run_batch must be a callable"),
+        (dict(progress="stderr"), "progress must be a callable"),
+        (dict(trigger_interval_s=float("inf")), "trigger_interval_s"),
+        (dict(trigger_interval_s=float("nan")), "trigger_interval_s"),
+        (dict(trigger_interval_s=True), "trigger_interval_s"),
+        (dict(max_offsets_per_trigger=2.0), "max_offsets_per_trigger"),
+        (dict(starting_offsets=["earliest"]), "starting_offsets"),
+        (dict(bus="localhost"), "bus must be a Bus"),
+    ],
+)
+def test_stream_arguments_are_checked_before_connecting(arguments, message):
+    arguments = {"run_batch": lambda *a: None, **arguments}
+    with pytest.raises(InvalidConfigError, match=message):
+        MicroBatchStream("events", "g", **arguments)

@@ -24,6 +24,7 @@ from logbus.errors import (
     IllegalStateError,
     InvalidConfigError,
     InvalidGroupIdError,
+    InvalidPartitionError,
     InvalidRecordError,
     InvalidTopicError,
     RebalanceInProgressError,
@@ -201,7 +202,7 @@ def test_join_argument_validation():
             gc.join("g", now_ms=0, **kwargs)
     with pytest.raises(InvalidTopicError):
         gc.join("g", topics=["bad topic"], now_ms=0)
-    with pytest.raises(InvalidTopicError):
+    with pytest.raises(InvalidPartitionError):
         gc.join("g", topics=["t"], owned=[("t", -1)], now_ms=0)
 
 
