@@ -57,6 +57,7 @@ from logbus.errors import (
     GroupNotEmptyError,
     InvalidConfigError,
     InvalidGroupIdError,
+    InvalidPartitionError,
     UnknownTopicError,
 )
 from logbus.protocol.group_coordinator import (
@@ -69,6 +70,7 @@ from logbus.protocol.group_coordinator import (
     validate_group_id,
 )
 from logbus.protocol.messages import TopicPartition
+from logbus.storage.names import validate_partition, validate_topic_name
 
 logger = logging.getLogger(__name__)
 
@@ -320,11 +322,21 @@ class GroupService:
         await self.offsets.ready()
         counts = self._host.partition_counts()
         checked = {}
+        if not isinstance(offsets, dict):
+            raise InvalidConfigError(f"offsets must be a dict of {{TopicPartition: offset}}, not {type(offsets).__name__}")
         for tp, om in offsets.items():
-            tp = TopicPartition(*tp)
-            if tp.partition >= counts.get(tp.topic, 0):
-                raise UnknownTopicError(f"cannot commit an offset for {tp}: no such partition")
-            checked[tp] = om if isinstance(om, OffsetAndMetadata) else OffsetAndMetadata(int(om))
+            if not isinstance(tp, tuple) or len(tp) != 2:
+                raise InvalidConfigError(f"expected a TopicPartition(topic, partition), not {tp!r}")
+            tp = TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
+            if tp.topic not in counts:
+                raise UnknownTopicError(f"cannot commit an offset for {tp}: topic {tp.topic!r} does not exist")
+            if tp.partition >= counts[tp.topic]:
+                raise InvalidPartitionError(f"cannot commit an offset for {tp}: the topic has partitions 0..{counts[tp.topic] - 1}")
+            if not isinstance(om, OffsetAndMetadata):
+                if isinstance(om, bool) or not isinstance(om, int) or om < 0:
+                    raise InvalidConfigError(f"the offset to commit for {tp} must be an int >= 0 or an OffsetAndMetadata, not {om!r}")
+                om = OffsetAndMetadata(om)
+            checked[tp] = om
         if not checked:
             return
         try:
@@ -385,6 +397,9 @@ class GroupService:
         group has members.
         """
         validate_group_id(group_id)
+        if not (to in ("earliest", "latest") or (isinstance(to, int) and not isinstance(to, bool) and to >= 0)
+                or (isinstance(to, dict) and isinstance(to.get("timestamp"), int) and not isinstance(to.get("timestamp"), bool))):
+            raise InvalidConfigError(f"reset to must be 'earliest', 'latest', an offset >= 0 or {{'timestamp': ms}}, not {to!r}")
         await self.offsets.ready()
         if self.coordinator.describe(group_id).members:
             raise GroupNotEmptyError(f"group {group_id!r} has active members; stop them before resetting its offsets")

@@ -12,7 +12,7 @@ import ray
 from logbus.actors import controller as controller_actor
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
-from logbus.errors import DataDirectoryInUseError, IllegalStateError, LeaderNotAvailableError
+from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
@@ -119,8 +119,18 @@ def connect(
     ``{"log_to_driver": False}``).
     """
     if not isinstance(namespace, str) or not namespace:
-        raise IllegalStateError("namespace must be a non-empty str")
-    requested_dir = os.path.abspath(data_dir or DEFAULT_DATA_DIR)
+        raise InvalidConfigError(f"namespace must be a non-empty str, not {namespace!r}")
+    if data_dir is not None and (not isinstance(data_dir, str | os.PathLike) or not str(data_dir)):
+        raise InvalidConfigError(f"data_dir must be a path (str), not {data_dir!r}")
+    if address is not None and (not isinstance(address, str) or not address):
+        raise InvalidConfigError(f"address must be a Ray address (str) or None, not {address!r}")
+    if replica_replacement_ms is not None and (
+        isinstance(replica_replacement_ms, bool) or not isinstance(replica_replacement_ms, int) or replica_replacement_ms <= 0
+    ):
+        raise InvalidConfigError(f"replica_replacement_ms must be a positive int (ms), not {replica_replacement_ms!r}")
+    if ray_init_options is not None and not isinstance(ray_init_options, dict):
+        raise InvalidConfigError(f"ray_init_options must be a dict of ray.init arguments, not {ray_init_options!r}")
+    requested_dir = os.path.abspath(os.fspath(data_dir) if data_dir is not None else DEFAULT_DATA_DIR)
     starting = None
     if not ray.is_initialized():
         options = dict(ray_init_options or {})
