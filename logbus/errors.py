@@ -35,6 +35,11 @@ class InvalidConfigError(LogbusError, ValueError):
     """A topic, producer or consumer setting is unknown or out of range."""
 
 
+class SerializationError(LogbusError, ValueError):
+    """A key or value serializer (producer) or deserializer (consumer) failed; the message names the
+    record (topic, partition, offset where known) and the cause."""
+
+
 class InvalidRecordError(LogbusError, ValueError):
     """A record or batch is malformed (wrong column types, bad timestamps, ...)."""
 

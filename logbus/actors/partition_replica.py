@@ -87,7 +87,7 @@ from logbus.storage import record_batch as rb
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
-from logbus.storage.log_config import LogConfig
+from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.partition_log import PartitionLog, ReadResult
 
 logger = logging.getLogger(__name__)
@@ -508,7 +508,8 @@ class PartitionReplica:
         self._advance_high_watermark()
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
-        return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms)
+        append_time = result.max_timestamp_ms if self.log.config.message_timestamp_type == LOG_APPEND_TIME else -1
+        return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms, append_time)
 
     async def _wait_for_earlier_batches(self, batch) -> None:
         """Let an idempotent producer's batch that arrived ahead of its predecessors wait for them.

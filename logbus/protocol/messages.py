@@ -61,7 +61,8 @@ class ProduceResponse:
     base_offset: int
     log_end_offset: int
     log_start_offset: int
-    timestamp_ms: int  # max timestamp of the batch (create time)
+    timestamp_ms: int  # max timestamp of the batch as stored (the append time on a LogAppendTime topic)
+    log_append_time_ms: int = -1  # the leader's append time on a LogAppendTime topic, else -1 (as Kafka)
 
 
 # Batches up to this size travel as bytes inside a produce request or a fetch reply (Ray inlines
