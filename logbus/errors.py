@@ -190,4 +190,15 @@ class ChannelClosedError(LeaderNotAvailableError):
     """
 
 
+# --- internal errors: a bug in logbus, never retriable ----------------------------
+
+
+class InternalStateError(LogbusError, RuntimeError):
+    """logbus was asked to break a rule its own state relies on (a bug in logbus, not bad input).
+
+    For example, a log segment refuses a batch whose base offset does not
+    continue it. The call is refused before anything changes.
+    """
+
+
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

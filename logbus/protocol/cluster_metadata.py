@@ -9,6 +9,19 @@ Replica ids are per partition: replica ``r`` of a partition has the id ``r``
 ``{data_dir}/replica-{r}/{topic}-{partition}``; placement maps a replica id to
 the Ray node that runs it.
 
+Invariants of every partition, checked after each change (a violation is a
+bug and raises AssertionError, not an ``assert``, which -O removes):
+
+- the replica ids are distinct, and the node map has exactly them;
+- the ISR is a non-empty subset of the replicas, also while the partition
+  has no leader (it keeps the last in-sync members, so a returning one can
+  lead without loss);
+- a leader is one of the replicas and in the ISR;
+- the leader epoch grows by one on every change of leader (to none
+  included), and never otherwise;
+- a replacement replica gets an id larger than any the partition had, so
+  ids are never reused.
+
 This class is not thread-safe; the controller serialises access.
 """
 
@@ -18,6 +31,7 @@ import json
 import uuid
 from dataclasses import asdict, dataclass, field
 
+from logbus.invariant import check as _check
 from logbus.errors import (
     InvalidPartitionsError,
     InvalidReplicationFactorError,
@@ -92,7 +106,9 @@ class ClusterMetadata:
         count = len(live_nodes)
         replicas = list(range(replication_factor))
         nodes = {str(r): live_nodes[(partition + r) % count] for r in replicas}
-        return PartitionState(replicas, nodes, leader=0, leader_epoch=0, isr=list(replicas))
+        state = PartitionState(replicas, nodes, leader=0, leader_epoch=0, isr=list(replicas))
+        _check_partition(state)
+        return state
 
     def create_partitions(self, name: str, total: int, live_nodes: list[str]) -> list[int]:
         """Grow a topic to ``total`` partitions; return the new partition numbers."""
@@ -169,6 +185,7 @@ class ClusterMetadata:
                 return False
             state.leader = None
             state.leader_epoch += 1
+            _check_partition(state, f"{name}-{partition}")
             return True
         new = candidates[0]
         if new == old:
@@ -179,20 +196,36 @@ class ClusterMetadata:
             state.isr = [new]
         elif old is not None and old in state.isr and len(state.isr) > 1:
             state.isr = [r for r in state.isr if r != old]
+        _check_partition(state, f"{name}-{partition}")
         return True
 
     def alter_isr(self, name: str, partition: int, leader: int, leader_epoch: int, isr: list[int]) -> list[int] | None:
-        """Accept a leader's ISR change if it comes from the current leader and epoch; return the ISR in force."""
+        """Accept a leader's ISR change if it comes from the current leader and epoch; return the ISR in force.
+
+        The ISR in force keeps only ids that are replicas, and always the leader.
+        A leaderless partition accepts no change: it keeps its last ISR.
+        """
         state = self.topic(name).partitions[partition]
-        if state.leader != leader or state.leader_epoch != leader_epoch:
+        if state.leader is None or state.leader != leader or state.leader_epoch != leader_epoch:
             return None
         members = sorted(set(isr) & set(state.replicas) | {leader})
         state.isr = members
-        return members
+        _check_partition(state, f"{name}-{partition}")
+        return list(members)
 
     def replace_replica(self, name: str, partition: int, dead: int, node: str) -> int:
-        """Put a new replica (a fresh id, so a fresh directory) on ``node`` in place of ``dead``."""
+        """Put a new replica (a fresh id, so a fresh directory) on ``node`` in place of ``dead``; return its id.
+
+        The new id is larger than any the partition had (the largest only
+        grows), so no id is ever reused. ``dead`` leaves the ISR; if it led,
+        the partition becomes leaderless and the epoch moves on, as for any
+        change of leader. The caller must not replace the only in-sync
+        replica (that would lose the committed records; AssertionError).
+        """
         state = self.topic(name).partitions[partition]
+        where = f"{name}-{partition}"
+        _check(dead in state.replicas, f"{where}: replica {dead} to replace is not one of {state.replicas}")
+        _check(state.isr != [dead], f"{where}: replica {dead} is the only in-sync replica; replacing it loses the partition's data")
         new = max(state.replicas) + 1
         state.replicas = [new if r == dead else r for r in state.replicas]
         state.nodes.pop(str(dead), None)
@@ -200,6 +233,8 @@ class ClusterMetadata:
         state.isr = [r for r in state.isr if r != dead]
         if state.leader == dead:
             state.leader = None
+            state.leader_epoch += 1
+        _check_partition(state, where)
         return new
 
     def allocate_producer_id(self) -> int:
@@ -231,6 +266,17 @@ class ClusterMetadata:
             partitions = [PartitionState(**p) for p in topic["partitions"]]
             metadata.topics[name] = TopicState(topic["name"], topic["topic_id"], partitions, topic["config"])
         return metadata
+
+
+def _check_partition(state: PartitionState, where: str = "new partition") -> None:
+    """The invariants of one partition's state (see the module docstring)."""
+    replicas = set(state.replicas)
+    _check(len(replicas) == len(state.replicas), f"{where}: duplicate replica ids in {state.replicas}")
+    _check(set(state.nodes) == {str(r) for r in replicas}, f"{where}: nodes {sorted(state.nodes)} do not match replicas {state.replicas}")
+    isr = set(state.isr)
+    _check(bool(isr) and len(isr) == len(state.isr), f"{where}: ISR {state.isr} is empty or has duplicates")
+    _check(isr <= replicas, f"{where}: ISR {state.isr} is not a subset of the replicas {state.replicas}")
+    _check(state.leader is None or state.leader in isr, f"{where}: leader {state.leader} is not in the ISR {state.isr}")
 
 
 def _check_count(what: str, value: object, error: type[Exception], limit: int | None) -> None:

@@ -158,6 +158,7 @@ from logbus.protocol.assignors import (
 )
 from logbus.protocol.messages import TopicPartition
 from logbus.storage.names import INTERNAL_TOPIC_PREFIX, validate_partition, validate_topic_name
+from logbus.invariant import check as _check
 
 # --- limits ------------------------------------------------------------------------------------
 
@@ -355,12 +356,6 @@ def _to_partition(tp: object) -> TopicPartition:
     if not isinstance(tp, (tuple, list)) or len(tp) != 2:
         raise InvalidConfigError(f"a partition must be a (topic, partition) pair, not {tp!r}")
     return TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
-
-
-def _check(condition: bool, message: str) -> None:
-    """A broken invariant is a bug in logbus: crash loudly (not an assert, which -O removes)."""
-    if not condition:
-        raise AssertionError(message)
 
 
 # --- state -------------------------------------------------------------------------------------

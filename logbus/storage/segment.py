@@ -7,7 +7,8 @@ Files, in the partition's directory, named by the segment's base offset::
     {base_offset:020d}.timeindex  sparse time index (see time_index.py)
 
 Writes append to the log file with ``pwritev`` at the logical end (header and payload as two
-buffers, so the leader's rewritten header costs no payload copy). Reads map
+buffers, so the leader's rewritten header costs no payload copy). Each appended batch must
+start at the segment's next offset: offsets within a segment are contiguous. Reads map
 the file with ``mmap`` and return memoryviews of whole batches: no copy. The
 map is widened lazily when a read reaches bytes appended since it was made.
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logbus.errors import CorruptRecordError, StorageError
+from logbus.errors import CorruptRecordError, InternalStateError, StorageError
 from logbus.storage import record_batch as rb
 from logbus.storage.offset_index import OffsetIndex
 from logbus.storage.time_index import TimeIndex
@@ -195,8 +196,17 @@ class LogSegment:
     def append(self, header: rb.BatchHeader, parts: list) -> int:
         """Append one batch given as buffers (e.g. rewritten header and payload); return its position.
 
+        The batch must continue the segment: its base offset is the segment's
+        next offset (InternalStateError otherwise, before anything is written;
+        the partition log assigns or checks offsets first, so this is a bug).
         On an I/O error nothing is left behind: the file is cut back to its old size.
         """
+        if header.base_offset != self.next_offset:
+            # Written anyway, a gap or an overlap would be served to readers, and the next recovery
+            # (which requires contiguous offsets) would cut the log there.
+            raise InternalStateError(
+                f"batch at offset {header.base_offset} does not continue segment {self.log_path} at offset {self.next_offset}"
+            )
         position = self.size_bytes
         size = header.size_bytes
         try:

@@ -1,10 +1,11 @@
-"""ClusterMetadata rules: placement, elections, ISR changes, replacement, restart placement."""
+"""ClusterMetadata rules: placement, elections, ISR changes, replacement, restart placement; random sequences of them."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from logbus.errors import InvalidReplicationFactorError, TopicAlreadyExistsError
 from logbus.protocol.cluster_metadata import ClusterMetadata
@@ -96,3 +97,131 @@ def test_json_round_trip_keeps_everything():
     again = ClusterMetadata.from_json(metadata.to_json())
     assert again.to_json() == metadata.to_json()
     assert again.next_producer_id == 1
+
+
+def test_replacing_the_leader_leaves_the_partition_leaderless_at_a_new_epoch():
+    metadata = metadata_with()
+    state = metadata.topics["t"].partitions[0]
+    new = metadata.replace_replica("t", 0, dead=0, node="n3")
+    assert (new, state.leader, state.leader_epoch, state.isr, state.replicas) == (3, None, 1, [1, 2], [3, 1, 2])
+    assert metadata.elect_leader("t", 0, alive={1, 2, 3}, unclean_allowed=False)
+    assert (state.leader, state.leader_epoch) == (1, 2)
+
+
+def test_the_only_in_sync_replica_is_never_replaced():
+    metadata = metadata_with()
+    state = metadata.topics["t"].partitions[0]
+    assert metadata.alter_isr("t", 0, leader=0, leader_epoch=0, isr=[0]) == [0]
+    assert metadata.elect_leader("t", 0, alive={1, 2}, unclean_allowed=False)  # leaderless, ISR [0]
+    before = metadata.to_json()
+    with pytest.raises(AssertionError, match="only in-sync replica"):
+        metadata.replace_replica("t", 0, dead=0, node="n3")
+    with pytest.raises(AssertionError, match="not one of"):
+        metadata.replace_replica("t", 0, dead=7, node="n3")
+    assert metadata.to_json() == before and state.isr == [0]
+
+
+def test_a_leaderless_partition_accepts_no_isr_change():
+    metadata = metadata_with()
+    state = metadata.topics["t"].partitions[0]
+    assert metadata.elect_leader("t", 0, alive=set(), unclean_allowed=False)
+    assert metadata.alter_isr("t", 0, leader=None, leader_epoch=state.leader_epoch, isr=[1]) is None
+    assert (state.leader, state.isr) == (None, [0, 1, 2])
+
+
+class ElectionMachine(RuleBasedStateMachine):
+    """Elections (any live set, clean or unclean), ISR changes from the current or a stale leader and
+    epoch, and replacements, on one partition of 1 to 5 replicas; every rule checks its own outcome and
+    the invariants hold after every step."""
+
+    @initialize(replication_factor=st.integers(1, 5))
+    def start(self, replication_factor):
+        self.metadata = ClusterMetadata()
+        self.metadata.create_topic("t", 1, replication_factor, None, [f"n{i}" for i in range(replication_factor)])
+        self.ever = set(range(replication_factor))  # every replica id the partition ever had
+        self.last = self.snapshot()
+        self.nodes = replication_factor
+
+    def state(self):
+        return self.metadata.topics["t"].partitions[0]
+
+    def snapshot(self):
+        s = self.state()
+        return s.leader, s.leader_epoch, list(s.isr), list(s.replicas)
+
+    def ids(self):
+        """Replica ids to draw from: current ones, replaced ones, and one never used."""
+        return sorted(self.ever | {max(self.ever) + 1})
+
+    @rule(data=st.data(), unclean=st.booleans())
+    def elect(self, data, unclean):
+        alive = data.draw(st.sets(st.sampled_from(self.ids())))
+        leader, epoch, isr, replicas = self.snapshot()
+        changed = self.metadata.elect_leader("t", 0, alive, unclean)
+        s = self.state()
+        assert changed == (s.leader != leader) and s.replicas == replicas
+        clean = [r for r in replicas if r in isr and r in alive]
+        if clean:  # a clean election: the first live ISR member in replica order (the old leader if that is it)
+            assert s.leader == clean[0]
+            deposed = leader if changed and leader is not None and len(isr) > 1 else None
+            assert s.isr == [r for r in isr if r != deposed]  # a deposed leader leaves the ISR
+        elif unclean and any(r in alive for r in replicas):  # unclean: a live out-of-sync replica, alone in the ISR
+            assert s.leader == next(r for r in replicas if r in alive) and s.isr == [s.leader]
+        else:  # nobody may lead: leaderless, keeping the last ISR
+            assert s.leader is None and s.isr == isr
+        if not unclean:
+            assert s.leader is None or s.leader in isr  # an out-of-sync replica never leads
+
+    @rule(data=st.data(), epoch_delta=st.integers(-1, 1))
+    def alter_isr(self, data, epoch_delta):
+        leader, epoch, isr, replicas = self.snapshot()
+        who = data.draw(st.sampled_from(self.ids() + [None]) | st.just(leader))
+        proposal = data.draw(st.lists(st.sampled_from(self.ids()), max_size=6))
+        accepted = self.metadata.alter_isr("t", 0, who, epoch + epoch_delta, proposal)
+        s = self.state()
+        if leader is not None and who == leader and epoch_delta == 0:
+            assert accepted == s.isr == sorted(set(proposal) & set(replicas) | {leader})
+        else:
+            assert accepted is None and s.isr == isr
+        assert (s.leader, s.leader_epoch, s.replicas) == (leader, epoch, replicas)
+
+    @rule(data=st.data())
+    def replace(self, data):
+        leader, epoch, isr, replicas = self.snapshot()
+        candidates = [r for r in replicas if isr != [r]]  # the controller never replaces the only in-sync copy
+        if not candidates:
+            return
+        dead = data.draw(st.sampled_from(candidates))
+        self.nodes += 1
+        new = self.metadata.replace_replica("t", 0, dead, f"n{self.nodes}")
+        s = self.state()
+        assert new not in self.ever  # never reused
+        self.ever.add(new)
+        assert s.replicas == [new if r == dead else r for r in replicas] and s.nodes[str(new)] == f"n{self.nodes}"
+        assert s.isr == [r for r in isr if r != dead]
+        if dead == leader:
+            assert (s.leader, s.leader_epoch) == (None, epoch + 1)
+        else:
+            assert (s.leader, s.leader_epoch) == (leader, epoch)
+
+    @invariant()
+    def epoch_moves_exactly_with_the_leader(self):
+        leader, epoch, _, _ = self.last
+        s = self.state()
+        assert s.leader_epoch == (epoch + 1 if s.leader != leader else epoch)
+        self.last = self.snapshot()
+
+    @invariant()
+    def partition_is_consistent(self):
+        s = self.state()
+        assert len(set(s.replicas)) == len(s.replicas) and set(s.replicas) <= self.ever
+        assert set(s.nodes) == {str(r) for r in s.replicas}
+        assert s.isr and len(set(s.isr)) == len(s.isr) and set(s.isr) <= set(s.replicas)
+        if s.leader is not None:
+            assert s.leader in s.replicas and s.leader in s.isr
+        again = ClusterMetadata.from_json(self.metadata.to_json()).topics["t"].partitions[0]
+        assert again == s
+
+
+ElectionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+test_election_machine = ElectionMachine.TestCase
