@@ -156,9 +156,9 @@ from logbus.protocol.assignors import (
     Subscription,
     get_assignor,
 )
+from logbus.invariant import check as _check
 from logbus.protocol.messages import TopicPartition
 from logbus.storage.names import INTERNAL_TOPIC_PREFIX, validate_partition, validate_topic_name
-from logbus.invariant import check as _check
 
 # --- limits ------------------------------------------------------------------------------------
 

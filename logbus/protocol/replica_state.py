@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
 from logbus.invariant import check as _check
 
 logger = logging.getLogger(__name__)
