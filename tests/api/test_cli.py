@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,46 +21,10 @@ import pytest
 import logbus.cli
 from logbus.cli import DESCRIBE_HEADERS, main
 from logbus.errors import CliError, LogbusError
+from tests.api.cli_helpers import cli, table_rows  # noqa: F401 (cli is a fixture)
 from tests.api.murmur2_reference import kafka_partition
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.splitlines()
-
-
-@pytest.fixture
-def cli(bus, capsys, monkeypatch):
-    """Run ``logbus ARGS`` in-process against the bus fixture's cluster; optional stdin text."""
-
-    def run(*argv: str, stdin: str | None = None) -> Result:
-        if stdin is not None:
-            monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
-        code = main(["--namespace", bus.namespace, "--data-dir", bus.data_dir, *argv])
-        out, err = capsys.readouterr()
-        assert "Traceback" not in err, err
-        return Result(code, out, err)
-
-    return run
-
-
-def table_rows(lines: list[str], header_first: str) -> list[list[str]]:
-    """The rows of the whitespace-aligned table whose header starts with ``header_first``."""
-    start = next(i for i, line in enumerate(lines) if line.split()[:1] == [header_first])
-    rows = []
-    for line in lines[start + 1 :]:
-        if not line.strip() or line.endswith(":"):
-            break
-        rows.append(line.split())
-    return rows
 
 
 # --- no Ray needed --------------------------------------------------------------------------------

@@ -12,41 +12,17 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 
 import logbus
 from logbus import TopicPartition
 from logbus.cli import GROUPS_DESCRIBE_HEADERS, GROUPS_MEMBERS_HEADERS, GROUPS_PLAN_HEADERS, GROUPS_RESET_HEADERS, main
+from tests.api.cli_helpers import Result, cli  # noqa: F401 (cli is a fixture)
 from tests.conftest import wait_for
 
 PER_PARTITION = 50
 DRY_RUN_NOTE = "Dry run: nothing was changed. Add --execute to set these offsets.\n"
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def lines(self) -> list[str]:
-        return self.out.splitlines()
-
-
-@pytest.fixture
-def cli(bus, capsys):
-    """Run ``logbus ARGS`` in-process against the bus fixture's cluster."""
-
-    def run(*argv: str) -> Result:
-        code = main(["--namespace", bus.namespace, "--data-dir", bus.data_dir, *argv])
-        out, err = capsys.readouterr()
-        assert "Traceback" not in err, err
-        return Result(code, out, err)
-
-    return run
 
 
 def rows(result: Result, headers: list[str]) -> list[list[str]]:
