@@ -499,6 +499,7 @@ def cmd_status(args) -> int:
 
     with _connected(args) as bus:
         nodes = ray.nodes()
+        replica_nodes = get(bus.controller.nodes.remote())
         names = bus.admin.list_topics()
         descriptions = []
         statuses = {}
@@ -521,6 +522,13 @@ def cmd_status(args) -> int:
         )
     )
     out.append(f"\nlogbus: namespace {bus.namespace}, data dir {bus.data_dir}\n")
+    out.append("Replica nodes (MaxReplicas: max.replicas.per.node, from the node's memory unless set):\n")
+    out.append(
+        _table(
+            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "ReplicasDown"],
+            [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]), n["replicas_down"]] for n in replica_nodes],
+        )
+    )
     out.append(f"Topics: {len(descriptions)}\n")
     if descriptions:
         out.append(

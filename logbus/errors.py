@@ -69,6 +69,11 @@ class CliError(LogbusError):
     """The ``logbus`` command failed on its input data (e.g. a line without the key separator)."""
 
 
+class NodeCapacityError(LogbusError):
+    """Placing the replicas asked for would put more on some node than its max.replicas.per.node allows;
+    nothing was created (add nodes, raise the limit, or ask for fewer partitions)."""
+
+
 class TopicAlreadyExistsError(LogbusError):
     """A topic with this name already exists."""
 

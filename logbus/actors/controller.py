@@ -7,13 +7,18 @@ restarts the actor or when a new Ray cluster starts over the same data
 directory. On start it (re)creates every replica actor, pointing replicas
 whose node is gone at live nodes (see ``placement.py``).
 
-Failure detection does not wait for Ray's node-death detection: every replica
-heartbeats (``replica_heartbeat``); the control loop deposes a leader whose
-lease ran out (``protocol/liveness.py``) and elects a live ISR member with a
-higher epoch (the deposed leader's own lease ran out first, so it has stopped
-taking writes). A replica whose node is gone for ``replica_replacement_ms`` is
-replaced by a new replica on another live node, which copies the log from
-the leader.
+Failure detection does not wait for Ray's node-death detection, and costs
+what the cluster has nodes, not replicas: one agent per node
+(``node_agent.py``) heartbeats ``node_heartbeat`` for every replica on its
+node, reports replica processes that exit or are stopped, and is told each
+partition's current leader epoch. The control loop checks only the nodes'
+leases (``protocol/liveness.py``); elections happen when a node's lease runs
+out or an agent reports a replica down, and a new leader is announced only
+once every live node hosting the partition has applied the new epoch
+(``_fenced``), so a deposed leader has stopped taking writes (a dead node's
+leaders stopped when its lease ran out). A replica whose node is gone for
+``replica_replacement_ms`` is replaced by a new replica on another live node,
+which copies the log from the leader.
 
 Consumer groups are the :class:`~logbus.actors.group_service.GroupService`'s:
 the controller forwards the group RPCs to it and serves it the small
@@ -31,15 +36,19 @@ lock around every metadata change.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
+import uuid
 
 import ray
 
 from logbus.actors import group_service as groups_module
 from logbus.actors.group_service import GroupService
+from logbus.actors.lease_files import replica_file_name
+from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
-from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, replica_directory
+from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, node_limits, replica_directory
 from logbus.clock import monotonic_ms
 from logbus.errors import DataDirectoryInUseError, InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
@@ -61,6 +70,9 @@ OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predece
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
+REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
+FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
+FENCE_POLL_S = 0.01
 
 if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
     raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
@@ -89,14 +101,39 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
     return lock
 
 
+class _Node:
+    """What the controller knows of one node that hosts replicas (see the module docstring)."""
+
+    __slots__ = ("node_id", "agent", "incarnation", "down", "epochs", "version", "acked", "dead_since_ms", "next_replace_ms")
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.agent = None  # the node agent's handle, once started
+        self.incarnation: str | None = None  # of the agent process last heard
+        self.down: set[str] = set()  # replica file names the agent reports down (exited or stopped)
+        self.epochs: dict[str, int] = {}  # replica file name -> its partition's current leader epoch
+        self.version: list = ["", 0]  # [controller incarnation, counter] of ``epochs``
+        self.acked: list | None = None  # the version the agent last said it applied
+        self.dead_since_ms: int | None = None  # when its lease ran out (None while alive)
+        self.next_replace_ms = 0  # replacing its replicas elsewhere is tried again no sooner
+
+
 class Controller:
     """Cluster metadata and replica lifecycle; consumer groups through its GroupService (see the module docstring)."""
 
-    def __init__(self, data_dir: str, namespace: str, replica_replacement_ms: int = REPLICA_REPLACEMENT_MS) -> None:
+    def __init__(
+        self,
+        data_dir: str,
+        namespace: str,
+        replica_replacement_ms: int = REPLICA_REPLACEMENT_MS,
+        max_replicas_per_node: int | None = None,
+    ) -> None:
         self.data_dir = os.path.abspath(data_dir)
         self.namespace = namespace
         self.replica_replacement_ms = replica_replacement_ms
-        self._liveness = Liveness(monotonic_ms())
+        self.max_replicas_per_node = max_replicas_per_node
+        self._incarnation = uuid.uuid4().hex
+        self._liveness = Liveness(monotonic_ms())  # keyed by node id
         self._control_loop: asyncio.Task | None = None
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
@@ -111,8 +148,13 @@ class Controller:
             return
         self.metadata = self._load()
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
-        self._lock: asyncio.Lock | None = None
+        self._nodes: dict[str, _Node] = {}
+        self._by_name: dict[str, tuple[str, int, int]] = {}  # replica file name -> (topic, partition, replica id)
+        self._lock_: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
+        self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
+        self._versions = 0  # counter of epoch table versions
+        self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
 
     # --- persistence ---------------------------------------------------------------------------
@@ -130,12 +172,19 @@ class Controller:
 
     # --- start-up --------------------------------------------------------------------------------
 
-    async def _ready(self) -> None:
-        """Bring every replica actor up once, before the first request is served."""
+    @property
+    def _lock(self) -> asyncio.Lock:
+        if self._lock_ is None:
+            self._lock_ = asyncio.Lock()
+        return self._lock_
+
+    def _check_owner(self) -> None:
         if self._refused is not None:
             raise self._refused
-        if self._lock is None:
-            self._lock = asyncio.Lock()
+
+    async def _ready(self) -> None:
+        """Bring every replica actor up once, before the first request is served."""
+        self._check_owner()
         if self._started is None:
             self._started = asyncio.get_running_loop().create_task(self._restore())
         await asyncio.shield(self._started)
@@ -146,6 +195,10 @@ class Controller:
     async def _restore(self) -> None:
         if self.metadata.reassign_dead_nodes(live_node_ids()):
             self._persist()
+            self._reindex()
+        for node in list(self._nodes.values()):
+            self._agent(node)
+            self._push_epochs(node)
         starts = []
         for topic in self.metadata.topics.values():
             for p in range(len(topic.partitions)):
@@ -173,16 +226,22 @@ class Controller:
         return handle
 
     async def _start_partition(self, topic: TopicState, partition: int) -> None:
-        """Start a partition's replica actors (concurrently) and tell each its role."""
+        """Start a partition's replica actors (concurrently), fence its epoch, and tell each its role."""
         state = topic.partitions[partition]
         handles = {r: self._replica_handle(topic, partition, r) for r in state.replicas}
         pings = await asyncio.gather(*(h.ping.remote() for h in handles.values()), return_exceptions=True)
         if all(isinstance(p, Exception) for p in pings):
             raise pings[0]
+        await self._fenced(topic, partition)
         await self._announce(topic, partition)
 
     async def _announce(self, topic: TopicState, partition: int) -> None:
-        """Tell every replica of a partition the current leader and epoch (best effort; heartbeats repair misses)."""
+        """Tell every replica of a partition the current leader and epoch.
+
+        Called only once every live node hosting the partition applied its
+        epoch (``_fenced``). A replica that misses it (restarting) asks for
+        its role when it starts (``replica_started``).
+        """
         state = topic.partitions[partition]
         if state.leader is None:
             return
@@ -192,6 +251,145 @@ class Controller:
             if r != state.leader:
                 calls.append(self._replica_handle(topic, partition, r).become_follower.remote(state.leader_epoch, state.leader, leader))
         await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), REPLICA_CALL_TIMEOUT_S)
+
+    # --- nodes: agents, leases, epochs ---------------------------------------------------------------
+
+    def _reindex(self) -> list[_Node]:
+        """Rebuild the replica index and every node's epoch table from the metadata (after any change);
+        returns the nodes whose table changed (push them)."""
+        by_name: dict[str, tuple[str, int, int]] = {}
+        tables: dict[str, dict[str, int]] = {}
+        for topic in self.metadata.topics.values():
+            for p, state in enumerate(topic.partitions):
+                for r in state.replicas:
+                    name = replica_file_name(topic.topic_id, p, r)
+                    by_name[name] = (topic.name, p, r)
+                    tables.setdefault(state.nodes[str(r)], {})[name] = state.leader_epoch
+        self._by_name = by_name
+        changed = []
+        for node_id, epochs in tables.items():
+            node = self._nodes.get(node_id)
+            if node is None:
+                node = self._nodes[node_id] = _Node(node_id)
+            if node.epochs != epochs:
+                node.epochs = epochs
+                self._versions += 1
+                node.version = [self._incarnation, self._versions]
+                changed.append(node)
+        for node_id, node in self._nodes.items():
+            if node_id not in tables and node.epochs:
+                node.epochs = {}
+                self._versions += 1
+                node.version = [self._incarnation, self._versions]
+                changed.append(node)
+        return changed
+
+    def _agent(self, node: _Node):
+        if node.agent is None:
+            node.agent = start_agent(self.namespace, node.node_id, CONTROLLER_NAME)
+            if node.incarnation is None:
+                self._liveness.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
+        return node.agent
+
+    def _push_epochs(self, node: _Node) -> None:
+        """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
+        version, epochs = list(node.version), dict(node.epochs)
+
+        async def push() -> None:
+            try:
+                applied = await asyncio.wait_for(self._agent(node).set_epochs.remote(version, epochs), REPLICA_CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (the agent is away: its heartbeats, or its lease, settle it)
+                return
+            self._acked(node, applied)
+
+        asyncio.get_running_loop().create_task(push())
+
+    @staticmethod
+    def _acked(node: _Node, applied: list | None) -> None:
+        if applied is not None and applied[0] == node.version[0] and (node.acked is None or node.acked[0] != applied[0] or applied[1] > node.acked[1]):
+            node.acked = list(applied)
+
+    def _node_alive(self, node_id: str, now: int) -> bool:
+        return self._liveness.alive(node_id, now)
+
+    def _replica_alive(self, topic: TopicState, partition: int, replica_id: int, now: int) -> bool:
+        node = self._nodes.get(topic.partitions[partition].nodes.get(str(replica_id)))
+        if node is None or not self._node_alive(node.node_id, now):
+            return False
+        return replica_file_name(topic.topic_id, partition, replica_id) not in node.down
+
+    async def _fenced(self, topic: TopicState, partition: int) -> None:
+        """Wait until every live node hosting the partition has applied its current epoch.
+
+        Only then may a new leader take writes: a deposed leader (alive,
+        perhaps paused) finds the newer epoch in its fence file first. A node
+        that does not answer is dead within LEASE_TIMEOUT_MS, and its leaders
+        stopped when their lease ran out.
+        """
+        state = topic.partitions[partition]
+        needed = {}
+        for r in state.replicas:
+            node = self._nodes.get(state.nodes[str(r)])
+            if node is not None:
+                needed[node.node_id] = node.version[1]
+        deadline = monotonic_ms() + FENCE_TIMEOUT_MS
+        while True:
+            now = monotonic_ms()
+            waiting = [
+                n for n, counter in needed.items()
+                if self._node_alive(n, now)
+                and not (self._nodes[n].acked and self._nodes[n].acked[0] == self._incarnation and self._nodes[n].acked[1] >= counter)
+            ]
+            if not waiting:
+                return
+            if now > deadline:
+                logger.warning("%s-%d: nodes %s have not applied the new epoch; announcing anyway", topic.name, partition, waiting)
+                return
+            await asyncio.sleep(FENCE_POLL_S)
+
+    async def node_heartbeat(self, node_id: str, incarnation: str, down: list[str], version: list | None) -> dict:
+        """A node agent's lease renewal: the replicas it reports down, and the epoch table version it applied.
+
+        The reply carries the node's epoch table whenever the agent is behind
+        (a new agent, a restarted controller, a change not yet pushed); the
+        agent applies it before it extends the node's lease.
+        """
+        self._check_owner()
+        self._calls["node_heartbeat"] += 1
+        now = monotonic_ms()
+        node = self._nodes.get(node_id)
+        if node is None:
+            node = self._nodes[node_id] = _Node(node_id)
+        self._liveness.heard(node_id, now)
+        node.incarnation = incarnation
+        revived = node.dead_since_ms is not None
+        node.dead_since_ms = None
+        down_now = set(down)
+        changed = down_now ^ node.down
+        node.down = down_now
+        self._acked(node, version)
+        if revived or changed:
+            names = set(node.epochs) if revived else changed
+            asyncio.get_running_loop().create_task(self._check_replicas(names))
+        current = version is not None and list(version) == node.version
+        return {"version": node.version, "epochs": None if current else dict(node.epochs)}
+
+    async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
+        """A replica process started (or Ray restarted it): its partition's current leadership."""
+        self._check_owner()
+        self._calls["replica_started"] += 1
+        state_topic = self.metadata.topics.get(topic)
+        if state_topic is None or partition >= len(state_topic.partitions) or replica_id not in state_topic.partitions[partition].replicas:
+            return {"deleted": True}
+        state = state_topic.partitions[partition]
+        handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
+        return {
+            "leader": state.leader,
+            "leader_epoch": state.leader_epoch,
+            "replicas": list(state.replicas),
+            "isr": list(state.isr),
+            "leader_handle": handle,
+        }
 
     # --- GroupHost: what the group service needs -------------------------------------------------
 
@@ -213,35 +411,12 @@ class Controller:
     def live_node_count(self) -> int:
         return len(live_node_ids())
 
-    # --- failure detection and elections --------------------------------------------------------------
-
-    def _expect_heartbeats(self, topic: TopicState, partitions) -> None:
-        """New replicas are alive until proven silent: their actors take a while to start."""
-        now = monotonic_ms()
-        for p in partitions:
-            for r in topic.partitions[p].replicas:
-                self._liveness.expect((topic.name, p, r), now)
-
-    async def replica_heartbeat(self, topic: str, partition: int, replica_id: int, leader_epoch: int, log_end_offset: int) -> dict:
-        """A replica's lease renewal; the reply carries the partition's current leadership."""
-        await self._ready()
-        state_topic = self.metadata.topics.get(topic)
-        if state_topic is None or partition >= len(state_topic.partitions) or replica_id not in state_topic.partitions[partition].replicas:
-            return {"deleted": True}
-        self._liveness.heard((topic, partition, replica_id), monotonic_ms())
-        state = state_topic.partitions[partition]
-        handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
-        return {
-            "leader": state.leader,
-            "leader_epoch": state.leader_epoch,
-            "replicas": list(state.replicas),
-            "isr": list(state.isr),
-            "leader_handle": handle,
-        }
+    # --- failure detection and elections: driven by nodes and events, not by replicas --------------
 
     async def alter_isr(self, topic: str, partition: int, leader: int, leader_epoch: int, isr: list[int]) -> list[int] | None:
         """A leader's ISR change; accepted only from the current leader and epoch, and persisted first."""
         await self._ready()
+        self._calls["alter_isr"] += 1
         async with self._lock:
             if topic not in self.metadata.topics:
                 return None
@@ -254,51 +429,78 @@ class Controller:
         while True:
             await asyncio.sleep(CONTROL_LOOP_INTERVAL_S)
             try:
-                await self._check_partitions()
+                await self._check_nodes()
             except Exception:  # noqa: BLE001 (the loop must survive; the next tick retries)
                 logger.exception("control loop error")
 
-    async def _check_partitions(self) -> None:
+    async def _check_nodes(self) -> None:
+        """Each tick: which nodes' leases ran out (work per node, not per replica)."""
         now = monotonic_ms()
         # A late tick (this process stalled) does not count the stall against any lease.
         self._liveness.tick(now, int(CONTROL_LOOP_INTERVAL_S * 1000))
+        names: set[str] = set()
+        for node in self._nodes.values():
+            if not node.epochs:
+                continue
+            if node.dead_since_ms is None:
+                if not self._node_alive(node.node_id, now):
+                    node.dead_since_ms = now
+                    node.next_replace_ms = now + self.replica_replacement_ms
+                    logger.warning("node %s: lease expired; its leaders are deposed", node.node_id[:8])
+                    names |= set(node.epochs)
+            elif now >= node.next_replace_ms:
+                node.next_replace_ms = now + REPLACE_RETRY_MS
+                names |= set(node.epochs)
+        if names:
+            await self._check_replicas(names)
+
+    async def _check_replicas(self, names: set[str]) -> None:
+        """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
+        partitions = sorted({self._by_name[n][:2] for n in names if n in self._by_name})
         changed: list[tuple[TopicState, int]] = []
+        now = monotonic_ms()
         async with self._lock:
-            for topic in list(self.metadata.topics.values()):
-                unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
-                for p, state in enumerate(topic.partitions):
-                    alive = {r for r in state.replicas if self._liveness.alive((topic.name, p, r), now)}
-                    if state.leader is None or state.leader not in alive:
-                        if self.metadata.elect_leader(topic.name, p, alive, unclean):
-                            changed.append((topic, p))
-                    replaced = self._replace_lost(topic, p, now)
-                    if replaced and (topic, p) not in changed:
-                        changed.append((topic, p))
+            for topic_name, p in partitions:
+                topic = self.metadata.topics.get(topic_name)
+                if topic is None or p >= len(topic.partitions):
+                    continue
+                state = topic.partitions[p]
+                alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
+                elected = False
+                if state.leader is None or state.leader not in alive:
+                    unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
+                    elected = self.metadata.elect_leader(topic.name, p, alive, unclean)
+                if self._replace_lost(topic, p, now) or elected:
+                    changed.append((topic, p))
             if changed:
                 self._persist()
+                for node in self._reindex():
+                    self._push_epochs(node)
         for topic, p in changed:
             asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
 
     async def _announce_safely(self, topic: TopicState, partition: int) -> None:
         try:
+            await self._fenced(topic, partition)
             await self._announce(topic, partition)
-        except Exception as error:  # noqa: BLE001 (heartbeats will carry the news instead)
+        except Exception as error:  # noqa: BLE001 (replicas that missed it ask when they start)
             logger.warning("announcing %s-%d failed: %r", topic.name, partition, error)
 
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
-        """Replace replicas whose node is gone and that were silent for replica_replacement_ms."""
+        """Replace replicas whose node has been dead for replica_replacement_ms."""
         state = topic.partitions[partition]
         live_nodes = None
         replaced = False
         for r in list(state.replicas):
-            if self._liveness.silent_ms((topic.name, partition, r), now) <= self.replica_replacement_ms:
+            node = self._nodes.get(state.nodes.get(str(r)))
+            if node is None or node.dead_since_ms is None or now - node.dead_since_ms <= self.replica_replacement_ms:
                 continue
             if state.isr == [r]:
                 continue  # the only in-sync copy: replacing it would lose the partition's data
             if live_nodes is None:
                 live_nodes = live_node_ids()
-            if state.nodes.get(str(r)) in live_nodes:
-                continue  # its node is alive: Ray restarts the actor there
+            if node.node_id in live_nodes:
+                continue  # Ray still counts the node alive: Ray restarts the actor there
             used = {state.nodes[str(x)] for x in state.replicas if x != r}
             free = [n for n in live_nodes if n not in used]
             if not free:
@@ -309,12 +511,17 @@ class Controller:
                     ray.kill(old, no_restart=True)
                 except Exception:  # noqa: BLE001 (already gone)
                     pass
-            self._liveness.forget((topic.name, partition, r))
             new = self.metadata.replace_replica(topic.name, partition, r, free[partition % len(free)])
-            self._liveness.expect((topic.name, partition, new), now)
+            self._agent(self._node_entry(state.nodes[str(new)]))
             self._replica_handle(topic, partition, new)
             replaced = True
         return replaced
+
+    def _node_entry(self, node_id: str) -> _Node:
+        node = self._nodes.get(node_id)
+        if node is None:
+            node = self._nodes[node_id] = _Node(node_id)
+        return node
 
     # --- admin -------------------------------------------------------------------------------------
 
@@ -327,9 +534,12 @@ class Controller:
 
     async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> None:
         async with self._lock:
-            topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids())
-            self._expect_heartbeats(topic, range(partitions))
+            topic = self.metadata.create_topic(
+                name, partitions, replication_factor, config, live_node_ids(), node_limits(self.max_replicas_per_node)
+            )
             self._persist()
+            for node in self._reindex():
+                self._push_epochs(node)
             self.groups.topics_changed()
         # Start every replica actor concurrently: each is a process that takes a while to boot.
         await asyncio.gather(*(self._start_partition(topic, p) for p in range(partitions)))
@@ -350,11 +560,14 @@ class Controller:
         async with self._lock:
             topic = self.metadata.delete_topic(name)
             self._persist()
+            for node in self._reindex():
+                self._push_epochs(node)
             self.groups.topics_changed()
         handles = []
+        gone: dict[str, list[str]] = {}
         for p, state in enumerate(topic.partitions):
             for r in state.replicas:
-                self._liveness.forget((name, p, r))
+                gone.setdefault(state.nodes[str(r)], []).append(replica_file_name(topic.topic_id, p, r))
                 handle = self._replicas.pop((name, p, r), None)
                 if handle is not None:
                     handles.append(handle)
@@ -362,6 +575,13 @@ class Controller:
             await asyncio.gather(*(h.delete.remote() for h in handles), return_exceptions=True)
         for handle in handles:
             ray.kill(handle, no_restart=True)
+        for node_id, names in gone.items():
+            node = self._nodes.get(node_id)
+            if node is not None and node.agent is not None:
+                try:
+                    await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
+                    pass
 
     async def list_topics(self, include_internal: bool = False) -> list[str]:
         await self._ready()
@@ -388,10 +608,11 @@ class Controller:
     async def create_partitions(self, name: str, total: int) -> TopicDescription:
         await self._ready()
         async with self._lock:
-            added = self.metadata.create_partitions(name, total, live_node_ids())
+            added = self.metadata.create_partitions(name, total, live_node_ids(), node_limits(self.max_replicas_per_node))
             topic = self.metadata.topic(name)
-            self._expect_heartbeats(topic, added)
             self._persist()
+            for node in self._reindex():
+                self._push_epochs(node)
             self.groups.topics_changed()
         await asyncio.gather(*(self._start_partition(topic, p) for p in added))
         return await self.describe_topic(name)
@@ -438,6 +659,37 @@ class Controller:
             out.append([f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)} for r, f in zip(state.replicas, found)])
         return out
 
+    async def nodes(self) -> list[dict]:
+        """Every node that may host replicas: its replicas, leaders, replica limit, lease state (`logbus status`)."""
+        await self._ready()
+        counts: dict[str, int] = collections.Counter()
+        leaders: dict[str, int] = collections.Counter()
+        for topic in self.metadata.topics.values():
+            for state in topic.partitions:
+                for r in state.replicas:
+                    counts[state.nodes[str(r)]] += 1
+                if state.leader is not None:
+                    leaders[state.nodes[str(state.leader)]] += 1
+        limits = node_limits(self.max_replicas_per_node)
+        now = monotonic_ms()
+        out = []
+        for node_id in sorted(set(limits) | set(counts)):
+            node = self._nodes.get(node_id)
+            out.append({
+                "node_id": node_id,
+                "replicas": counts.get(node_id, 0),
+                "leaders": leaders.get(node_id, 0),
+                "max_replicas": limits.get(node_id),
+                "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
+                "replicas_down": len(node.down) if node is not None else 0,
+            })
+        return out
+
+    async def call_counts(self) -> dict[str, int]:
+        """How many calls of each kind this controller served since it started (for `logbus status`)."""
+        self._check_owner()
+        return dict(self._calls)
+
     async def get_data_dir(self) -> str:
         if self._refused is not None:
             raise self._refused
@@ -482,7 +734,7 @@ class Controller:
         return await self.groups.reset_offsets(group_id, to, topics)
 
 
-def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None):
+def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None, max_replicas_per_node: int | None = None):
     """Get or create the cluster's controller: detached, named, restarted forever by Ray.
 
     It runs on the head node, where its metadata directory lives, and where
@@ -490,6 +742,8 @@ def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | N
     node: the head's death ends the Ray cluster anyway (GCS lives there).
     """
     options = {} if replica_replacement_ms is None else {"replica_replacement_ms": replica_replacement_ms}
+    if max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = max_replicas_per_node
     return (
         ray.remote(Controller)
         .options(

@@ -19,15 +19,24 @@ Before it follows a new leader it truncates by leader epoch (KIP-101/279):
 it asks the leader where its own latest epoch ended and cuts its log there,
 never merely to its own high watermark.
 
-Leases. Every replica heartbeats to the controller (pipelined, every 0.1 s); a leader accepts writes
-only while its lease (the time of its last acknowledged heartbeat plus
-``LEASE_MS``) is valid, and the controller deposes a leader only after
-``LEASE_TIMEOUT_MS`` > ``LEASE_MS`` without heartbeats (both in
-``protocol/liveness.py``). So a leader that was
-paused or cut off stops accepting writes before another replica can be
-elected: at most one replica accepts writes for a partition at any time.
-Heartbeat replies also carry the partition's current leader and epoch, so a
-replica that restarted, or missed a role change, corrects itself.
+Leases and fences, with no call. A replica holds no lease of its own: its
+node's agent holds one for the whole node (``node_agent.py``) and writes it,
+with the partition's current leader epoch, into small shared-memory files the
+replica maps (``lease_files.py``). A leader takes a write only while the
+node's lease holds and its own epoch is the current one: two 8-byte reads. So
+a leader that was cut off stops before the controller may elect another
+(``LEASE_TIMEOUT_MS`` > ``LEASE_MS``, ``protocol/liveness.py``), and one that
+was deposed while paused refuses once it runs again: at most one replica
+accepts writes for a partition at any time.
+
+Nothing runs on a timer while a replica is idle. A replica that starts (or
+that Ray restarted) tells its node agent its pid and asks the controller for
+its role once (``replica_started``); role changes come as calls. The leader
+checks its ISR when something happens (a follower's fetch, a produce) and
+arms one timer only while an in-sync follower is behind; retention arms one
+timer for when its oldest data expires, and interval flushes one after an
+append. A follower long-polls its leader with a long wait, so an idle
+follower costs one call per ``REPLICA_FETCH_WAIT_MS``.
 
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
@@ -59,7 +68,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.channel_server import ChannelServer
-from logbus.clock import monotonic_ms
+from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write, node_directory, replica_file_name
+from logbus.actors.node_agent import agent_actor_name
+from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
     ChannelReplyTooLargeError,
     DataDirectoryInUseError,
@@ -72,7 +83,6 @@ from logbus.errors import (
     RequestTimedOutError,
 )
 from logbus.protocol import local_channel as wire
-from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS
 from logbus.protocol.messages import (
     FETCH_INLINE_MAX_BYTES,
     FETCH_MAX_BYTES_MAX,
@@ -95,11 +105,10 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "replica.json"
 OWNER_LOCK_FILE = "owner.lock"  # held for the process's lifetime: one process per replica directory
 OWNER_LOCK_WAIT_S = 30.0  # a restarted replica waits this long for a predecessor still exiting
-BACKGROUND_INTERVAL_S = 1.0  # retention and interval flushes are checked this often
-HEARTBEAT_INTERVAL_S = HEARTBEAT_INTERVAL_MS / 1000
-HEARTBEATS_IN_FLIGHT_MAX = 5
-ISR_CHECK_INTERVAL_S = 0.1
-REPLICA_FETCH_WAIT_MS = 500
+REPLICA_FETCH_WAIT_MS = 10_000  # a parked follower fetch returns at once on an append; idle, one call per 10 s
+ALTER_ISR_TIMEOUT_S = 5.0
+START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
+MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 PRODUCE_TIMEOUT_MS_MAX = 120_000
 FETCH_SESSIONS_MAX = 1024  # consumers' fetch sessions remembered (least recently used ones are forgotten)
@@ -171,8 +180,10 @@ class PartitionReplica:
         leader_epoch: int,
         namespace: str | None = None,
         controller_name: str | None = None,
+        topic_id: str = "",
     ) -> None:
         self.topic = topic
+        self.topic_id = topic_id
         self.partition = partition
         self.replica_id = replica_id
         self.directory = directory
@@ -196,9 +207,13 @@ class PartitionReplica:
         self.leader_handle = None
         self.leader_id: int | None = None
         self.follower_high_watermark = 0
-        self._lease_expires_ms = 0
+        self._lease: NodeLease | None = None  # the node's lease (None standalone: no controller)
+        self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
-        self._heartbeat_applied = 0  # sequence number of the newest heartbeat reply acted on
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush"
+        self._parked: dict[int, int] = {}  # followers whose fetch waits here at the log end: id -> offset
+        self._isr_proposal: asyncio.Task | None = None
+        self._segments_seen = 0
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
         # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
         self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
@@ -215,8 +230,8 @@ class PartitionReplica:
             asyncio.get_running_loop()
         except RuntimeError:
             return  # no loop yet: the first call starts the background work
-        # Ray runs an async actor's constructor on its event loop: start heartbeating at once,
-        # so a replica that Ray restarted rejoins without waiting for a call.
+        # Ray runs an async actor's constructor on its event loop: say so at once, so a replica
+        # that Ray restarted is watched again and relearns its role without waiting for a call.
         self._started()
 
     # --- state file --------------------------------------------------------------------------
@@ -243,22 +258,14 @@ class PartitionReplica:
         self._appended = Wakeup()
         self._hw_moved = Wakeup()
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._housekeeping_loop()))
         if self.controller_name is not None:
-            self._tasks.append(loop.create_task(self._heartbeat_loop()))
-        self._tasks.append(loop.create_task(self._isr_loop()))
+            directory = node_directory(self.namespace, ray.get_runtime_context().get_node_id())
+            self._lease = NodeLease(directory)
+            self._fence = ReplicaFence.of(directory, self.topic_id, self.partition, self.replica_id)
+            self._fence.pid = os.getpid()
+            self._tasks.append(loop.create_task(self._say_started()))
         self._channel_started = loop.create_task(self._channel.start())
-
-    async def _housekeeping_loop(self) -> None:
-        while not self._deleted:
-            await asyncio.sleep(BACKGROUND_INTERVAL_S)
-            if self._deleted:
-                return
-            try:
-                self.log.enforce_retention()
-                self.log.maybe_flush()
-            except LogbusError as error:  # keep serving; the next tick tries again
-                logger.warning("replica %s: housekeeping failed: %s", self._label, error)
+        self._arm_retention()
 
     async def _controller(self):
         """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
@@ -266,47 +273,128 @@ class PartitionReplica:
             self._controller_handle = await asyncio.to_thread(ray.get_actor, self.controller_name, namespace=self.namespace)
         return self._controller_handle
 
-    async def _heartbeat_loop(self) -> None:
-        """Send a heartbeat every HEARTBEAT_INTERVAL_S without waiting for the previous reply.
+    async def _say_started(self) -> None:
+        """Once per process: the node agent watches this pid, and the controller says what our role is."""
+        name = replica_file_name(self.topic_id, self.partition, self.replica_id)
+        agent_name = agent_actor_name(ray.get_runtime_context().get_node_id())
+        registered = answered = False
+        while not (registered and answered) and not self._deleted:
+            try:
+                if not registered:
+                    agent = await asyncio.to_thread(ray.get_actor, agent_name, namespace=self.namespace)
+                    await agent.register.remote(name, os.getpid())
+                    registered = True
+                if not answered:
+                    controller = await self._controller()
+                    reply = await controller.replica_started.remote(self.topic, self.partition, self.replica_id)
+                    answered = True
+                    if reply.get("deleted"):
+                        self._deleted = True
+                        return
+                    await self._reconcile(reply)
+            except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
+                self._controller_handle = None
+                await asyncio.sleep(START_RETRY_S)
 
-        Heartbeats are pipelined so that one slow reply (a busy controller) does not
-        hold back the next renewals: the lease stays valid as long as replies take
-        less than LEASE_MS minus one interval, not half of that.
-        """
-        sequence = 0
-        outstanding: set[asyncio.Task] = set()
-        loop = asyncio.get_running_loop()
-        while not self._deleted:
-            if len(outstanding) < HEARTBEATS_IN_FLIGHT_MAX:
-                sequence += 1
-                task = loop.create_task(self._heartbeat_once(sequence))
-                outstanding.add(task)
-                task.add_done_callback(outstanding.discard)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+    def _may_write(self) -> bool:
+        """The node's lease holds and this leader's epoch is the partition's current one (no call)."""
+        if self.controller_name is None:
+            return True  # standalone (tests): no controller to hold a lease with
+        return may_write(self._lease, self._fence, self.leader_epoch, monotonic_ms())
 
-    async def _heartbeat_once(self, sequence: int) -> None:
-        sent_ms = monotonic_ms()
+    # --- one-shot timers instead of periodic work ----------------------------------------------
+
+    def _arm(self, name: str, delay_s: float, callback) -> None:
+        old = self._timers.pop(name, None)
+        if old is not None:
+            old.cancel()
+        delay_s = min(max(0.0, delay_s), MAX_TIMER_S)
+        self._timers[name] = asyncio.get_running_loop().call_later(delay_s, self._fire, name, callback)
+
+    def _fire(self, name: str, callback) -> None:
+        self._timers.pop(name, None)
+        if not self._deleted:
+            callback()
+
+    def _disarm(self, name: str) -> None:
+        timer = self._timers.pop(name, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _arm_retention(self) -> None:
+        """One timer for the moment the oldest data expires (nothing in between)."""
+        due_ms = self.log.next_retention_ms()
+        if due_ms is None:
+            self._disarm("retention")
+        else:
+            self._arm("retention", (due_ms - wall_ms()) / 1000, self._retention_due)
+
+    def _retention_due(self) -> None:
         try:
-            controller = await self._controller()
-            reply = await asyncio.wait_for(
-                controller.replica_heartbeat.remote(
-                    self.topic, self.partition, self.replica_id, self.leader_epoch, self.log.log_end_offset
-                ),
-                timeout=LEASE_MS / 1000,
+            self.log.enforce_retention()
+        except LogbusError as error:  # keep serving; try again in a while
+            logger.warning("replica %s: retention failed: %s", self._label, error)
+            self._arm("retention", 60.0, self._retention_due)
+            return
+        self._arm_retention()
+
+    def _after_append(self) -> None:
+        """Timers an append may need: the retention deadline of new data, an interval flush."""
+        if "retention" not in self._timers:
+            self._arm_retention()
+        config = self.log.config
+        if config.retention_bytes >= 0 and len(self.log.segments) != self._segments_seen:
+            self._segments_seen = len(self.log.segments)
+            self._retention_due()  # size-bounded topics: check when a segment rolls
+        if config.flush_policy == "interval" and "flush" not in self._timers:
+            self._arm("flush", config.flush_ms / 1000, self._flush_due)
+
+    def _flush_due(self) -> None:
+        try:
+            self.log.maybe_flush()
+        except LogbusError as error:
+            logger.warning("replica %s: interval flush failed: %s", self._label, error)
+
+    # --- the ISR, checked when something happens ---------------------------------------------------
+
+    def _check_isr(self) -> None:
+        """As leader: propose an ISR change if one is due now; arm one timer for the next one that may be."""
+        state = self.leader_state
+        if self.role != LEADER or state is None or self.controller_name is None:
+            return
+        now = monotonic_ms()
+        end = self.log.log_end_offset
+        for follower, offset in self._parked.items():
+            if offset >= end:
+                state.on_follower_fetch(follower, offset, end, now)  # waiting at the end: caught up now
+        lag_ms = self.log.config.replica_lag_time_max_ms
+        if self._isr_proposal is None or self._isr_proposal.done():
+            proposal = state.proposed_isr(end, now, lag_ms)
+            if proposal is not None:
+                self._isr_proposal = asyncio.get_running_loop().create_task(self._propose_isr(state, proposal))
+        due = state.next_isr_check_ms(end, lag_ms)
+        if due is None:
+            self._disarm("isr")
+        else:
+            self._arm("isr", (due - now) / 1000, self._check_isr)
+
+    async def _propose_isr(self, state: LeaderState, proposal: list[int]) -> None:
+        try:
+            accepted = await asyncio.wait_for(
+                (await self._controller()).alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
+                timeout=ALTER_ISR_TIMEOUT_S,
             )
-        except asyncio.TimeoutError:
-            return  # a slow controller: no renewal from this one; the next ones are already on their way
-        except Exception:  # noqa: BLE001 (controller restarting: look it up again)
+        except Exception:  # noqa: BLE001 (not answered: asked again below)
             self._controller_handle = None
+            accepted = None
+        if self.leader_state is not state:
             return
-        if sequence <= self._heartbeat_applied:
-            return  # overtaken by a later heartbeat's reply, which already renewed the lease further
-        self._heartbeat_applied = sequence
-        if reply.get("deleted"):
-            self._deleted = True
-            return
-        self._lease_expires_ms = max(self._lease_expires_ms, sent_ms + LEASE_MS)
-        await self._reconcile(reply)
+        state.isr_change_done(accepted)
+        self._advance_high_watermark()
+        if accepted is None:
+            self._arm("isr", 0.5, self._check_isr)  # refused or unanswered: look again shortly
+        else:
+            self._check_isr()
 
     async def _reconcile(self, reply: dict) -> None:
         """Adopt the controller's view of the partition if ours is stale."""
@@ -326,27 +414,6 @@ class PartitionReplica:
                 await self.become_follower(epoch, leader, reply["leader_handle"])
         elif self.role == LEADER and epoch > self.leader_epoch:
             self._step_down(epoch)
-
-    async def _isr_loop(self) -> None:
-        """As leader: propose ISR changes to the controller when followers fall behind or catch up."""
-        while not self._deleted:
-            await asyncio.sleep(ISR_CHECK_INTERVAL_S)
-            state = self.leader_state
-            if self.role != LEADER or state is None or self.controller_name is None:
-                continue
-            proposal = state.proposed_isr(self.log.log_end_offset, monotonic_ms(), self.log.config.replica_lag_time_max_ms)
-            if proposal is None:
-                continue
-            try:
-                accepted = await asyncio.wait_for(
-                    (await self._controller()).alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
-                    timeout=5,
-                )
-            except Exception:  # noqa: BLE001 (retried on the next tick)
-                accepted = None
-            if self.leader_state is state:
-                state.isr_change_done(accepted)
-                self._advance_high_watermark()
 
     # --- roles --------------------------------------------------------------------------------------------
 
@@ -372,8 +439,14 @@ class PartitionReplica:
     async def become_leader(self, epoch: int, replicas: list[int], isr: list[int]) -> bool:
         """Lead the partition from ``epoch`` on (called by the controller; idempotent)."""
         self._started()
-        if epoch < self.leader_epoch or (epoch == self.leader_epoch and self.role == LEADER):
-            return self.role == LEADER and epoch == self.leader_epoch
+        if epoch == self.leader_epoch and self.role == LEADER and self.leader_state is not None:
+            if list(replicas) != self.leader_state.replicas:
+                self.leader_state.replicas = list(replicas)  # a replaced follower: the same leadership
+                self._advance_high_watermark()
+                self._check_isr()
+            return True
+        if epoch < self.leader_epoch:
+            return False
         self._stop_following()
         self._set_epoch(epoch)
         self._shared_read = None  # a read cached under an earlier leadership may predate a truncation
@@ -386,10 +459,10 @@ class PartitionReplica:
         self.role = LEADER
         self.leader_id = self.replica_id
         self.leader_handle = None
-        if self.controller_name is None:
-            self._lease_expires_ms = 2**62  # standalone (tests): no controller to hold a lease with
+        self._parked.clear()
         self._advance_high_watermark()
         self._signal("_hw_moved")
+        self._check_isr()
         return True
 
     def _step_down(self, epoch: int) -> None:
@@ -492,8 +565,11 @@ class PartitionReplica:
         """Append one encoded batch as leader; with acks='all' wait until every ISR member has it."""
         self._started()
         state = self._check_leader(leader_epoch)
-        if monotonic_ms() > self._lease_expires_ms:
-            raise NotLeaderError(f"{self.topic}-{self.partition}: leader lease expired (controller unreachable)")
+        if not self._may_write():
+            raise NotLeaderError(
+                f"{self.topic}-{self.partition}: this leader may not take writes (its node's lease ran out, or "
+                f"epoch {self.leader_epoch} is no longer the partition's current one)"
+            )
         if not isinstance(batch, np.ndarray | bytes | bytearray | memoryview):
             raise InvalidRecordError(f"produce takes an encoded batch (uint8 array or bytes), not {type(batch).__name__}")
         min_isr = self.log.config.min_insync_replicas
@@ -502,10 +578,16 @@ class PartitionReplica:
                 f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
             )
         await self._wait_for_earlier_batches(batch)
+        if self.leader_state is not state or not self._may_write():
+            raise NotLeaderError(f"{self.topic}-{self.partition}: leadership moved while the batch waited")
+        if self._parked:
+            self._check_isr()  # followers waiting at the end were in sync up to now
         result = self.log.append(batch, leader_epoch=self.leader_epoch)
         if not result.duplicate:
             self._signal("_appended")
+            self._after_append()
         self._advance_high_watermark()
+        self._check_isr()
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         append_time = result.max_timestamp_ms if self.log.config.message_timestamp_type == LOG_APPEND_TIME else -1
@@ -678,7 +760,16 @@ class PartitionReplica:
             raise OffsetOutOfRangeError(f"follower offset {request.offset} is past the leader's log end {self.log.log_end_offset}")
         state.on_follower_fetch(follower_id, request.offset, self.log.log_end_offset, monotonic_ms())
         self._advance_high_watermark()
-        return await self._serve_fetch(request, lambda: None)
+        self._check_isr()
+        if request.offset < self.log.log_end_offset:
+            return await self._serve_fetch(request, lambda: None)
+        # At the end: the fetch waits here for the next append; while it waits, this follower is in sync.
+        self._parked[follower_id] = request.offset
+        try:
+            return await self._serve_fetch(request, lambda: None)
+        finally:
+            if self._parked.get(follower_id) == request.offset:
+                del self._parked[follower_id]
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""
@@ -704,14 +795,18 @@ class PartitionReplica:
         self.config_overrides = dict(config)
         self.log.config = LogConfig.from_dict(self.config_overrides)
         self._save_state()
-
-    async def enforce_retention(self) -> int:
-        return self.log.enforce_retention()
+        self._started()
+        self._arm_retention()
 
     async def delete(self) -> None:
         """Close and remove this replica's files; the actor is killed by the controller afterwards."""
         self._deleted = True
         self._stop_following()
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        if self._fence is not None:
+            self._fence.remove()
         await self._channel.close()
         self.log.delete()
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -776,5 +871,5 @@ def start_replica(
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )
-        .remote(topic, partition, replica_id, directory, config, leader_epoch, namespace, controller_name)
+        .remote(topic, partition, replica_id, directory, config, leader_epoch, namespace, controller_name, topic_id)
     )

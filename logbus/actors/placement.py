@@ -16,6 +16,10 @@ import ray
 from logbus.storage.names import partition_dir_name
 
 REPLICA_NODE_RESOURCE = "logbus_replica"
+# What one replica may take of a node's memory, for the default max.replicas.per.node: a replica
+# process's own memory measured about 60-70 MiB (USS) here, plus room for its page cache share
+# and growth (perf/bench_scale.py measures it).
+REPLICA_MEMORY_BYTES = 96 << 20
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
 
 
@@ -24,6 +28,21 @@ def live_node_ids() -> list[str]:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
     return sorted(node["NodeID"] for node in (marked or nodes))
+
+
+def replica_limit(node: dict, max_replicas_per_node: int | None = None) -> int:
+    """How many replicas one node (an entry of ``ray.nodes()``) may hold: ``max_replicas_per_node``
+    when set, else what its schedulable memory (Ray's ``memory`` resource) holds at
+    REPLICA_MEMORY_BYTES per replica (at least one)."""
+    if max_replicas_per_node is not None:
+        return max_replicas_per_node
+    return max(1, int(node.get("Resources", {}).get("memory", 0) // REPLICA_MEMORY_BYTES))
+
+
+def node_limits(max_replicas_per_node: int | None = None) -> dict[str, int]:
+    """The replica limit of every live node that may host replicas."""
+    live = set(live_node_ids())
+    return {node["NodeID"]: replica_limit(node, max_replicas_per_node) for node in ray.nodes() if node["NodeID"] in live}
 
 
 def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:

@@ -93,6 +93,7 @@ def connect(
     namespace: str = DEFAULT_NAMESPACE,
     replica_replacement_ms: int | None = None,
     ray_init_options: dict | None = None,
+    max_replicas_per_node: int | None = None,
 ) -> Bus:
     """Connect to logbus, starting what is missing.
 
@@ -116,7 +117,11 @@ def connect(
     controller): how long a replica's node must be gone before a new replica
     is placed on another node (default 60 s). ``ray_init_options``: more
     arguments for ``ray.init`` when this call starts or joins Ray (e.g.
-    ``{"log_to_driver": False}``).
+    ``{"log_to_driver": False}``). ``max_replicas_per_node`` (used only when
+    this call creates the controller): how many partition replicas one node
+    may hold; by default what the node's memory holds (Ray's ``memory``
+    resource at 96 MiB per replica). A topic that would exceed it on some
+    node fails with NodeCapacityError and creates nothing.
     """
     if not isinstance(namespace, str) or not namespace:
         raise InvalidConfigError(f"namespace must be a non-empty str, not {namespace!r}")
@@ -128,6 +133,10 @@ def connect(
         isinstance(replica_replacement_ms, bool) or not isinstance(replica_replacement_ms, int) or replica_replacement_ms <= 0
     ):
         raise InvalidConfigError(f"replica_replacement_ms must be a positive int (ms), not {replica_replacement_ms!r}")
+    if max_replicas_per_node is not None and (
+        isinstance(max_replicas_per_node, bool) or not isinstance(max_replicas_per_node, int) or max_replicas_per_node <= 0
+    ):
+        raise InvalidConfigError(f"max_replicas_per_node must be a positive int, not {max_replicas_per_node!r}")
     if ray_init_options is not None and not isinstance(ray_init_options, dict):
         raise InvalidConfigError(f"ray_init_options must be a dict of ray.init arguments, not {ray_init_options!r}")
     requested_dir = os.path.abspath(os.fspath(data_dir) if data_dir is not None else DEFAULT_DATA_DIR)
@@ -139,7 +148,7 @@ def connect(
         else:
             ray.init(address=address, namespace=namespace, **options)
     try:
-        return _connect_controller(requested_dir, data_dir is not None, namespace, replica_replacement_ms)
+        return _connect_controller(requested_dir, data_dir is not None, namespace, replica_replacement_ms, max_replicas_per_node)
     finally:
         if starting is not None:
             starting.release()
@@ -183,14 +192,16 @@ def _start_or_join_embedded(data_dir: str, namespace: str, options: dict) -> Dir
         raise
 
 
-def _connect_controller(requested_dir: str, dir_given: bool, namespace: str, replica_replacement_ms: int | None) -> "Bus":
+def _connect_controller(
+    requested_dir: str, dir_given: bool, namespace: str, replica_replacement_ms: int | None, max_replicas_per_node: int | None
+) -> "Bus":
     controller = None
     deadline = time.monotonic() + CONTROL_TIMEOUT_S
     while controller is None:
         try:
             controller = ray.get_actor(controller_actor.CONTROLLER_NAME, namespace=namespace)
         except ValueError:
-            controller = controller_actor.get_or_create(namespace, requested_dir, replica_replacement_ms)
+            controller = controller_actor.get_or_create(namespace, requested_dir, replica_replacement_ms, max_replicas_per_node)
         try:
             actual_dir = get(controller.get_data_dir.remote())
         except DataDirectoryInUseError:

@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 
 from logbus.invariant import check as _check
 from logbus.errors import (
+    NodeCapacityError,
     InvalidPartitionsError,
     InvalidReplicationFactorError,
     TopicAlreadyExistsError,
@@ -83,9 +84,19 @@ class ClusterMetadata:
             raise UnknownTopicError(f"topic {name!r} does not exist") from None
 
     def create_topic(
-        self, name: str, partitions: int, replication_factor: int, config: dict | None, live_nodes: list[str]
+        self,
+        name: str,
+        partitions: int,
+        replication_factor: int,
+        config: dict | None,
+        live_nodes: list[str],
+        node_limits: dict[str, int] | None = None,
     ) -> TopicState:
-        """Add a topic, placing its replicas on distinct live nodes; validates everything first."""
+        """Add a topic, placing its replicas on distinct live nodes; validates everything first.
+
+        ``node_limits`` (node id -> replicas it may hold): NodeCapacityError,
+        and nothing added, if the placement would put more on a node.
+        """
         validate_topic_name(name)
         _check_count("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
         _check_count("replication_factor", replication_factor, InvalidReplicationFactorError, None)
@@ -98,9 +109,35 @@ class ClusterMetadata:
             )
         overrides = {key: normalized[key] for key in (config or {})}
         topic = TopicState(name, uuid.uuid4().hex, [], overrides)
-        topic.partitions = [self._place(p, replication_factor, live_nodes) for p in range(partitions)]
+        placed = [self._place(p, replication_factor, live_nodes) for p in range(partitions)]
+        self._check_limits(placed, node_limits)
+        topic.partitions = placed
         self.topics[name] = topic
         return topic
+
+    def replicas_per_node(self) -> dict[str, int]:
+        """How many replicas each node holds now."""
+        counts: dict[str, int] = {}
+        for topic in self.topics.values():
+            for state in topic.partitions:
+                for node in state.nodes.values():
+                    counts[node] = counts.get(node, 0) + 1
+        return counts
+
+    def _check_limits(self, placed: list[PartitionState], node_limits: dict[str, int] | None) -> None:
+        if node_limits is None:
+            return
+        counts = self.replicas_per_node()
+        for state in placed:
+            for node in state.nodes.values():
+                counts[node] = counts.get(node, 0) + 1
+        over = {node: count for node, count in counts.items() if node in node_limits and count > node_limits[node]}
+        if over:
+            details = ", ".join(f"node {node[:12]}: {count} > {node_limits[node]}" for node, count in sorted(over.items()))
+            raise NodeCapacityError(
+                f"placing {sum(len(s.replicas) for s in placed)} more replicas would exceed max.replicas.per.node ({details}); "
+                "add nodes, raise the limit, or use fewer partitions"
+            )
 
     def _place(self, partition: int, replication_factor: int, live_nodes: list[str]) -> PartitionState:
         count = len(live_nodes)
@@ -110,7 +147,7 @@ class ClusterMetadata:
         _check_partition(state)
         return state
 
-    def create_partitions(self, name: str, total: int, live_nodes: list[str]) -> list[int]:
+    def create_partitions(self, name: str, total: int, live_nodes: list[str], node_limits: dict[str, int] | None = None) -> list[int]:
         """Grow a topic to ``total`` partitions; return the new partition numbers."""
         topic = self.topic(name)
         _check_count("total", total, InvalidPartitionsError, PARTITIONS_MAX)
@@ -122,7 +159,9 @@ class ClusterMetadata:
                 f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
             )
         added = list(range(current, total))
-        topic.partitions += [self._place(p, topic.replication_factor, live_nodes) for p in added]
+        placed = [self._place(p, topic.replication_factor, live_nodes) for p in added]
+        self._check_limits(placed, node_limits)
+        topic.partitions += placed
         return added
 
     def alter_config(self, name: str, config: dict) -> dict:

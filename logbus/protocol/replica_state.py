@@ -213,6 +213,18 @@ class LeaderState:
         self._check_membership()
         return sorted(new)
 
+    def next_isr_check_ms(self, leader_end_offset: int, lag_time_max_ms: int) -> int | None:
+        """When :meth:`proposed_isr` could next drop a member that does nothing: the earliest time an
+        in-sync follower that is behind the leader's end runs out of lag time, or None if none is
+        behind. Its owner arms one timer for it (no periodic checks); fetches, which are what
+        brings followers back, are checked as they arrive."""
+        deadline = None
+        for r, progress in self.followers.items():
+            if r in self.isr and r in self.replicas and progress.log_end_offset < leader_end_offset:
+                due = progress.last_caught_up_ms + lag_time_max_ms + 1
+                deadline = due if deadline is None else min(deadline, due)
+        return deadline
+
     def isr_change_done(self, accepted: list[int] | None) -> None:
         """The controller answered a proposal: ``accepted`` is the ISR now in force (None: refused).
 

@@ -441,6 +441,18 @@ class PartitionLog:
                 deleted += 1
         return deleted
 
+    def next_retention_ms(self) -> int | None:
+        """The clock time (ms) at which :meth:`enforce_retention` will next have something to delete
+        by ``retention.ms``, or None (time retention off, or nothing written). Owners arm one timer
+        for it instead of checking periodically."""
+        if self._closed or self.config.retention_ms < 0:
+            return None
+        if len(self.segments) > 1:
+            return self.segments[0].max_timestamp_ms + self.config.retention_ms + 1
+        if not self.active_segment.is_empty:
+            return self.active_segment.max_timestamp_ms + self.config.retention_ms + 1
+        return None
+
     def _delete_oldest(self) -> None:
         segment = self.segments.pop(0)
         self._bases.pop(0)

@@ -225,3 +225,19 @@ class ElectionMachine(RuleBasedStateMachine):
 
 ElectionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_election_machine = ElectionMachine.TestCase
+
+
+def test_a_placement_over_a_nodes_limit_fails_and_adds_nothing():
+    from logbus.errors import NodeCapacityError
+
+    metadata = ClusterMetadata()
+    metadata.create_topic("a", 3, 1, None, ["n1", "n2"], node_limits={"n1": 2, "n2": 2})
+    assert metadata.replicas_per_node() == {"n1": 2, "n2": 1}
+    before = metadata.to_json()
+    with pytest.raises(NodeCapacityError, match="max.replicas.per.node"):
+        metadata.create_topic("b", 2, 1, None, ["n1", "n2"], node_limits={"n1": 2, "n2": 2})
+    with pytest.raises(NodeCapacityError):
+        metadata.create_partitions("a", 5, ["n1", "n2"], node_limits={"n1": 2, "n2": 2})
+    assert metadata.to_json() == before  # nothing created, nothing grown
+    metadata.create_partitions("a", 4, ["n1", "n2"], node_limits={"n1": 2, "n2": 2})
+    assert metadata.replicas_per_node() == {"n1": 2, "n2": 2}

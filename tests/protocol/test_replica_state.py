@@ -352,3 +352,18 @@ class LeaderStateMachine(RuleBasedStateMachine):
 
 LeaderStateMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_leader_state_machine = LeaderStateMachine.TestCase
+
+
+def test_the_next_isr_check_is_when_a_lagging_member_runs_out_of_time():
+    from logbus.protocol.replica_state import LeaderState
+
+    state = LeaderState(0, [0, 1, 2], [0, 1, 2], 1, 0, 0, now_ms=1_000)
+    assert state.next_isr_check_ms(0, 10_000) is None  # nobody behind: no timer at all
+    state.on_follower_fetch(1, 0, 0, 2_000)
+    state.on_follower_fetch(2, 0, 0, 3_000)
+    # The leader appends up to 5: both followers are behind; follower 1 caught up last at 2 s.
+    assert state.next_isr_check_ms(5, 10_000) == 12_001
+    state.on_follower_fetch(1, 5, 5, 4_000)  # follower 1 catches up
+    assert state.next_isr_check_ms(5, 10_000) == 13_001
+    assert state.proposed_isr(5, 13_000, 10_000) is None
+    assert state.proposed_isr(5, 13_001, 10_000) == [0, 1]

@@ -289,3 +289,17 @@ def test_create_time_keeps_the_producers_timestamps(open_log):
 def test_unknown_timestamp_type_is_refused():
     with pytest.raises(InvalidConfigError, match="message.timestamp.type"):
         LogConfig.from_dict({"message.timestamp.type": "BrokerTime"})
+
+
+def test_next_retention_time_says_when_the_oldest_data_expires(open_log, clock):
+    log = open_log({"retention.ms": 10_000, "segment.bytes": 1024})
+    assert log.next_retention_ms() is None  # nothing written
+    fill(log, batches=1, per_batch=2, timestamp_ms=clock.now_ms)
+    assert log.next_retention_ms() == clock.now_ms + 10_001
+    fill(log, batches=20, per_batch=5, timestamp_ms=clock.now_ms + 5_000)  # rolls segments
+    first_deadline = log.next_retention_ms()
+    assert first_deadline == clock.now_ms + 10_001
+    clock.now_ms = first_deadline
+    assert log.enforce_retention() >= 1
+    assert log.next_retention_ms() > first_deadline
+    assert open_log({"retention.ms": -1}, directory=log.directory + "-forever").next_retention_ms() is None

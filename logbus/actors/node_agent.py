@@ -1,0 +1,269 @@
+"""NodeAgent: one actor per node of a logbus cluster, holding the node's lease and watching its replica processes.
+
+Liveness costs what the cluster has nodes, not what it has replicas: the
+agent heartbeats the controller (``node_heartbeat``, every 100 ms,
+pipelined) on behalf of every replica on its node, and writes the lease it
+gets into the node's lease file, which the node's leaders read before each
+write (``lease_files.py``). A node whose agent falls silent is dead to the
+controller after ``LEASE_TIMEOUT_MS``, by which time its leaders' leases have
+run out (``LEASE_MS``).
+
+The agent also watches the replica processes of its node, at no cost while
+they run: a replica announces its pid in its fence file when it starts
+(``register``), and the agent waits on a pidfd for its exit. A process that
+exits, or that is stopped (SIGSTOP: a scan of the watched processes' states
+in ``/proc`` per tick, one timer for the node), is reported down at once in
+an extra heartbeat, and reported up again when it runs (Ray restarts a dead
+replica; a stopped one may be continued).
+
+Epochs. The controller tells the agent each partition's current leader
+epoch for every replica on the node (``set_epochs``, and in heartbeat
+replies whenever the agent is behind); the agent writes them into the
+replicas' fence files *before* it extends the lease. A deposed leader, even
+one paused while it was deposed, finds a newer epoch there and takes no more
+writes; the controller announces a new leader only once every live agent
+hosting the partition has applied the new epoch.
+
+After a restart (Ray restarts the agent like any actor) the agent starts
+with no lease, finds its node's replicas from their fence files, and is
+brought up to date by the controller's first reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
+from logbus.clock import monotonic_ms
+from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS
+
+logger = logging.getLogger(__name__)
+
+HEARTBEATS_IN_FLIGHT_MAX = 5
+REPLICA_FILE_PREFIX = "r-"
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process (``R``, ``S``, ``T`` for stopped, ...), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            data = file.read()
+    except OSError:
+        return None
+    # "pid (comm) state ...": comm may hold spaces and parentheses; the state follows the last ')'.
+    end = data.rfind(b")")
+    return data[end + 2 : end + 3].decode() if end >= 0 else None
+
+
+class _Watched:
+    __slots__ = ("fence", "pid", "pidfd")
+
+    def __init__(self, fence: ReplicaFence) -> None:
+        self.fence = fence
+        self.pid = 0
+        self.pidfd: int | None = None
+
+
+class NodeAgent:
+    """The node's lease holder and replica watcher (see the module docstring)."""
+
+    def __init__(self, namespace: str, node_id: str, controller_name: str) -> None:
+        self.namespace = namespace
+        self.node_id = node_id
+        self.controller_name = controller_name
+        self.directory = node_directory(namespace, node_id)
+        os.makedirs(self.directory, exist_ok=True)
+        self.lease = NodeLease(self.directory)
+        self.lease.revoke()  # a new agent holds no lease until the controller answers it
+        self.incarnation = uuid.uuid4().hex
+        self.epochs_version: list | None = None  # the controller's epoch table version applied here
+        self._replicas: dict[str, _Watched] = {}  # replica file name -> what is watched
+        self._down: set[str] = set()  # replicas whose process exited or is stopped
+        self._controller_handle = None
+        self._heartbeat_applied = 0
+        self._urgent: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        for name in sorted(os.listdir(self.directory)):
+            if name.startswith(REPLICA_FILE_PREFIX):
+                self._track(name)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._start()
+
+    # --- replicas ----------------------------------------------------------------------------------
+
+    def _track(self, name: str) -> _Watched:
+        watched = self._replicas.get(name)
+        if watched is None:
+            watched = self._replicas[name] = _Watched(ReplicaFence.at(os.path.join(self.directory, name)))
+        pid = watched.fence.pid
+        if pid and pid != watched.pid:
+            self._watch(name, watched, pid)
+        return watched
+
+    def _watch(self, name: str, watched: _Watched, pid: int) -> None:
+        self._unwatch(watched)
+        watched.pid = pid
+        try:
+            watched.pidfd = os.pidfd_open(pid)
+        except (ProcessLookupError, OSError):
+            self._set_down(name, True)
+            return
+        self._set_down(name, _process_state(pid) in (None, "T", "t", "Z", "X"))
+        try:
+            asyncio.get_running_loop().add_reader(watched.pidfd, self._exited, name, pid)
+        except RuntimeError:
+            pass  # no loop yet (constructor): _start() adds the readers
+
+    def _unwatch(self, watched: _Watched) -> None:
+        if watched.pidfd is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(watched.pidfd)
+            except RuntimeError:
+                pass
+            os.close(watched.pidfd)
+            watched.pidfd = None
+
+    def _exited(self, name: str, pid: int) -> None:
+        watched = self._replicas.get(name)
+        if watched is None or watched.pid != pid:
+            return
+        self._unwatch(watched)
+        self._set_down(name, True)
+
+    def _set_down(self, name: str, down: bool) -> None:
+        if down == (name in self._down):
+            return
+        if down:
+            self._down.add(name)
+        else:
+            self._down.discard(name)
+        logger.info("node %s: replica %s %s", self.node_id[:8], name, "down" if down else "up")
+        if self._urgent is not None:
+            self._urgent.set()  # tell the controller now, not at the next tick
+
+    async def register(self, name: str, pid: int) -> None:
+        """A replica process started (or restarted) on this node: watch it."""
+        self._start()
+        self._watch(name, self._track(name), pid)
+
+    async def forget(self, names: list[str]) -> None:
+        """Replicas deleted with their topic: stop watching them and remove their fence files."""
+        for name in names:
+            watched = self._replicas.pop(name, None)
+            self._down.discard(name)
+            if watched is not None:
+                self._unwatch(watched)
+                watched.fence.remove()
+
+    async def set_epochs(self, version: list, epochs: dict[str, int]) -> list:
+        """The controller's current leader epochs for replicas on this node; returns the version applied."""
+        self._start()
+        self._apply_epochs(version, epochs)
+        return self.epochs_version
+
+    def _apply_epochs(self, version: list, epochs: dict[str, int]) -> None:
+        for name, epoch in epochs.items():
+            watched = self._track(name)
+            if watched.fence.current_epoch != epoch:
+                watched.fence.current_epoch = epoch
+        self.epochs_version = list(version)
+
+    async def ping(self) -> int:
+        self._start()
+        return os.getpid()
+
+    # --- the one timer of the node -----------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._task is not None:
+            return
+        self._urgent = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for name, watched in self._replicas.items():
+            if watched.pidfd is not None:
+                loop.add_reader(watched.pidfd, self._exited, name, watched.pid)
+        self._task = loop.create_task(self._run())
+
+    async def _controller(self):
+        if self._controller_handle is None:
+            self._controller_handle = await asyncio.to_thread(ray.get_actor, self.controller_name, namespace=self.namespace)
+        return self._controller_handle
+
+    async def _run(self) -> None:
+        sequence = 0
+        outstanding: set[asyncio.Task] = set()
+        loop = asyncio.get_running_loop()
+        while True:
+            self._scan_states()
+            if len(outstanding) < HEARTBEATS_IN_FLIGHT_MAX:
+                sequence += 1
+                task = loop.create_task(self._heartbeat(sequence))
+                outstanding.add(task)
+                task.add_done_callback(outstanding.discard)
+            self._urgent.clear()
+            try:
+                await asyncio.wait_for(self._urgent.wait(), HEARTBEAT_INTERVAL_MS / 1000)
+            except asyncio.TimeoutError:
+                pass
+
+    def _scan_states(self) -> None:
+        """Stopped (or continued) replica processes: SIGSTOP leaves no other trace."""
+        for name, watched in self._replicas.items():
+            if watched.pidfd is None:
+                continue
+            state = _process_state(watched.pid)
+            if state is not None:
+                self._set_down(name, state in ("T", "t"))
+
+    async def _heartbeat(self, sequence: int) -> None:
+        sent_ms = monotonic_ms()
+        try:
+            controller = await self._controller()
+            reply = await asyncio.wait_for(
+                controller.node_heartbeat.remote(self.node_id, self.incarnation, sorted(self._down), self.epochs_version),
+                timeout=LEASE_MS / 1000,
+            )
+        except asyncio.TimeoutError:
+            return  # a slow controller: no renewal from this one; the next ones are on their way
+        except Exception:  # noqa: BLE001 (the controller is restarting: look it up again)
+            self._controller_handle = None
+            return
+        if reply.get("epochs") is not None:
+            self._apply_epochs(reply["version"], reply["epochs"])  # before the lease: fences first
+        if sequence <= self._heartbeat_applied:
+            return  # overtaken by a later heartbeat's reply, which renewed the lease further
+        self._heartbeat_applied = sequence
+        if reply.get("version") == self.epochs_version:
+            self.lease.extend(sent_ms + LEASE_MS)
+
+
+def agent_actor_name(node_id: str) -> str:
+    return f"logbus-node-agent:{node_id}"
+
+
+def start_agent(namespace: str, node_id: str, controller_name: str):
+    """Get or create the agent of ``node_id``, pinned there."""
+    return (
+        ray.remote(NodeAgent)
+        .options(
+            name=agent_actor_name(node_id),
+            namespace=namespace,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=-1,
+            max_task_retries=0,
+            num_cpus=0,
+            max_concurrency=1000,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        )
+        .remote(namespace, node_id, controller_name)
+    )

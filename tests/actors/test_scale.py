@@ -1,0 +1,65 @@
+"""Costs that must not grow with replicas: the controller's steady-state calls, and a node's replica limit.
+
+Real Ray actors on the test session's single node.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import ray
+
+import logbus
+from logbus.errors import NodeCapacityError
+from tests.conftest import close_bus, wait_for
+
+WINDOW_S = 3.0
+
+
+def calls_in_window(bus) -> dict[str, int]:
+    before = ray.get(bus.controller.call_counts.remote(), timeout=60)
+    time.sleep(WINDOW_S)  # a measurement window, not a wait for a condition
+    after = ray.get(bus.controller.call_counts.remote(), timeout=60)
+    return {name: after.get(name, 0) - before.get(name, 0) for name in after}
+
+
+def test_an_idle_topic_of_32_partitions_does_not_raise_the_controllers_call_rate(bus, topic_name):
+    bus.admin.create_topic(topic_name + "-one", partitions=1)
+    one = calls_in_window(bus)
+    bus.admin.create_topic(topic_name + "-many", partitions=32)
+    wait_for(lambda: ray.get(bus.controller.call_counts.remote()).get("replica_started", 0) >= 33, timeout_s=120,
+             message="every replica said it started")
+    many = calls_in_window(bus)
+    # Steady state: the node agent's heartbeats (about 10 a second for the node), nothing per replica.
+    assert sum(one.values()) <= 15 * WINDOW_S, one
+    assert sum(many.values()) <= sum(one.values()) + 5, (one, many)
+    assert all(count == 0 for name, count in many.items() if name != "node_heartbeat"), many
+
+
+def test_a_topic_over_a_nodes_replica_limit_fails_and_leaves_nothing_behind(ray_session, tmp_path):
+    namespace = f"cap-{uuid.uuid4().hex[:8]}"
+    data_dir = str(tmp_path / "data")
+    bus = logbus.connect(data_dir=data_dir, namespace=namespace, max_replicas_per_node=4)
+    try:
+        bus.admin.create_topic("fits", partitions=3)
+        with pytest.raises(NodeCapacityError, match="max.replicas.per.node"):
+            bus.admin.create_topic("too-big", partitions=2)
+        with pytest.raises(NodeCapacityError):
+            bus.admin.create_partitions("fits", 5)
+        assert bus.admin.list_topics() == ["fits"]
+        assert len(bus.admin.describe_topic("fits").partitions) == 3
+        actors = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == namespace]
+        assert not [name for name in actors if "too-big" in name]
+        assert sorted(name for name in actors if name.startswith("logbus-replica:")) == sorted(
+            f for f in actors if ":fits:" in f
+        )
+        replica_dirs = [d for root in os.listdir(data_dir) if root.startswith("replica-") for d in os.listdir(os.path.join(data_dir, root))]
+        assert sorted(replica_dirs) == ["fits-0", "fits-1", "fits-2"]
+        nodes = ray.get(bus.controller.nodes.remote(), timeout=60)
+        assert [(n["replicas"], n["max_replicas"]) for n in nodes] == [(3, 4)]
+        bus.admin.create_partitions("fits", 4)  # exactly the limit
+    finally:
+        close_bus(bus)
