@@ -35,8 +35,9 @@ its role once (``replica_started``); role changes come as calls. The leader
 checks its ISR when something happens (a follower's fetch, a produce) and
 arms one timer only while an in-sync follower is behind; retention arms one
 timer for when its oldest data expires, and interval flushes one after an
-append. A follower long-polls its leader with a long wait, so an idle
-follower costs one call per ``REPLICA_FETCH_WAIT_MS``.
+append. A follower long-polls its leader with a long wait (half the lag
+time), so an idle follower costs one call per few seconds, and a follower
+whose fetch waits at the leader's end counts as in sync for that long.
 
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
@@ -105,7 +106,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "replica.json"
 OWNER_LOCK_FILE = "owner.lock"  # held for the process's lifetime: one process per replica directory
 OWNER_LOCK_WAIT_S = 30.0  # a restarted replica waits this long for a predecessor still exiting
-REPLICA_FETCH_WAIT_MS = 10_000  # a parked follower fetch returns at once on an append; idle, one call per 10 s
+REPLICA_FETCH_WAIT_MS = 10_000  # at most (and at most half the lag time): an append answers a waiting fetch at once
 ALTER_ISR_TIMEOUT_S = 5.0
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
@@ -211,7 +212,7 @@ class PartitionReplica:
         self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
         self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush"
-        self._parked: dict[int, int] = {}  # followers whose fetch waits here at the log end: id -> offset
+        self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
         self._isr_proposal: asyncio.Task | None = None
         self._segments_seen = 0
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
@@ -364,15 +365,22 @@ class PartitionReplica:
             return
         now = monotonic_ms()
         end = self.log.log_end_offset
-        for follower, offset in self._parked.items():
-            if offset >= end:
-                state.on_follower_fetch(follower, offset, end, now)  # waiting at the end: caught up now
         lag_ms = self.log.config.replica_lag_time_max_ms
+        # A follower whose fetch waits here at the end is in sync, for as long as such a fetch can
+        # wait (a live follower sends the next one at half the lag time; a paused one does not).
+        waiting, expiry = set(), None
+        for follower, (offset, since) in self._parked.items():
+            if offset >= end and now - since <= lag_ms:
+                state.on_follower_fetch(follower, offset, end, now)
+                waiting.add(follower)
+                expiry = since + lag_ms + 1 if expiry is None else min(expiry, since + lag_ms + 1)
         if self._isr_proposal is None or self._isr_proposal.done():
             proposal = state.proposed_isr(end, now, lag_ms)
             if proposal is not None:
                 self._isr_proposal = asyncio.get_running_loop().create_task(self._propose_isr(state, proposal))
-        due = state.next_isr_check_ms(end, lag_ms)
+        due = state.next_isr_check_ms(end, lag_ms, waiting)
+        if expiry is not None:
+            due = expiry if due is None else min(due, expiry)
         if due is None:
             self._disarm("isr")
         else:
@@ -523,9 +531,10 @@ class PartitionReplica:
                 if not truncated:
                     await self._truncate_by_epoch(leader)
                     truncated = True
-                request = FetchRequest(
-                    self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, REPLICA_FETCH_WAIT_MS, False, FETCH_INLINE_MAX_BYTES
-                )
+                # Wait at most half the lag time: a fetch waiting at the leader counts as in sync only
+                # that long, so an idle follower renews it before it stops counting.
+                wait_ms = min(REPLICA_FETCH_WAIT_MS, self.log.config.replica_lag_time_max_ms // 2)
+                request = FetchRequest(self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, wait_ms, False, FETCH_INLINE_MAX_BYTES)
                 meta, data = await leader.replica_fetch.remote(self.replica_id, epoch, request)
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
@@ -764,11 +773,12 @@ class PartitionReplica:
         if request.offset < self.log.log_end_offset:
             return await self._serve_fetch(request, lambda: None)
         # At the end: the fetch waits here for the next append; while it waits, this follower is in sync.
-        self._parked[follower_id] = request.offset
+        parked = (request.offset, monotonic_ms())
+        self._parked[follower_id] = parked
         try:
             return await self._serve_fetch(request, lambda: None)
         finally:
-            if self._parked.get(follower_id) == request.offset:
+            if self._parked.get(follower_id) is parked:
                 del self._parked[follower_id]
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:

@@ -213,14 +213,15 @@ class LeaderState:
         self._check_membership()
         return sorted(new)
 
-    def next_isr_check_ms(self, leader_end_offset: int, lag_time_max_ms: int) -> int | None:
+    def next_isr_check_ms(self, leader_end_offset: int, lag_time_max_ms: int, waiting: set[int] = frozenset()) -> int | None:
         """When :meth:`proposed_isr` could next drop a member that does nothing: the earliest time an
-        in-sync follower that is behind the leader's end runs out of lag time, or None if none is
-        behind. Its owner arms one timer for it (no periodic checks); fetches, which are what
-        brings followers back, are checked as they arrive."""
+        in-sync follower runs out of lag time, or None if none can. Followers in ``waiting`` have a
+        fetch waiting at the leader's end (their owner counts them caught up while it waits), so
+        only the others count. Its owner arms one timer for it (no periodic checks); fetches,
+        which are what brings followers back, are checked as they arrive."""
         deadline = None
         for r, progress in self.followers.items():
-            if r in self.isr and r in self.replicas and progress.log_end_offset < leader_end_offset:
+            if r in self.isr and r in self.replicas and (r not in waiting or progress.log_end_offset < leader_end_offset):
                 due = progress.last_caught_up_ms + lag_time_max_ms + 1
                 deadline = due if deadline is None else min(deadline, due)
         return deadline
