@@ -358,12 +358,15 @@ def test_the_next_isr_check_is_when_a_lagging_member_runs_out_of_time():
     from logbus.protocol.replica_state import LeaderState
 
     state = LeaderState(0, [0, 1, 2], [0, 1, 2], 1, 0, 0, now_ms=1_000)
-    assert state.next_isr_check_ms(0, 10_000) is None  # nobody behind: no timer at all
+    # Both followers have a fetch waiting at the end: no timer at all.
+    assert state.next_isr_check_ms(0, 10_000, waiting={1, 2}) is None
+    # One is between fetches: it must fetch again within the lag time.
+    assert state.next_isr_check_ms(0, 10_000, waiting={2}) == 11_001
     state.on_follower_fetch(1, 0, 0, 2_000)
     state.on_follower_fetch(2, 0, 0, 3_000)
     # The leader appends up to 5: both followers are behind; follower 1 caught up last at 2 s.
-    assert state.next_isr_check_ms(5, 10_000) == 12_001
-    state.on_follower_fetch(1, 5, 5, 4_000)  # follower 1 catches up
-    assert state.next_isr_check_ms(5, 10_000) == 13_001
+    assert state.next_isr_check_ms(5, 10_000, waiting={1, 2}) == 12_001
+    state.on_follower_fetch(1, 5, 5, 4_000)  # follower 1 catches up, its next fetch waits at the end
+    assert state.next_isr_check_ms(5, 10_000, waiting={1}) == 13_001
     assert state.proposed_isr(5, 13_000, 10_000) is None
     assert state.proposed_isr(5, 13_001, 10_000) == [0, 1]
