@@ -388,6 +388,19 @@ def test_damaged_follower_segment_recovers_and_refetches(cluster, rbus, damage):
     check_invariants(rbus, topic, {b"d-%d" % i: i for i in range(300)}, 3)
 
 
+def epoch_moved_after(bus, topic, old_epoch, timeout_s=60) -> float:
+    """Seconds until the controller's metadata names a leader with a higher epoch (asks no replica:
+    a paused one would hold up the measurement)."""
+    started = time.monotonic()
+
+    def moved():
+        metadata = bus.topic_metadata(topic, refresh=True)
+        return metadata.leader_epochs[0] > old_epoch and metadata.leaders[0] is not None
+
+    wait_for(moved, timeout_s=timeout_s, interval_s=0.02, message="a new leader in the metadata")
+    return time.monotonic() - started
+
+
 def test_a_paused_leader_is_replaced_and_refuses_writes_when_it_runs_again(cluster, rbus):
     """SIGSTOP on a live node: the agent reports the leader down, a new leader is elected once the
     paused one's fence holds the new epoch, and the writes queued to the paused one are refused when
@@ -404,7 +417,8 @@ def test_a_paused_leader_is_replaced_and_refuses_writes_when_it_runs_again(clust
     deposed = rbus.topic_metadata(topic, refresh=True).leaders[0]
     os.kill(status["pid"], signal.SIGSTOP)
     try:
-        failover_s = wait_new_leader(rbus, topic, described.leader_epoch, timeout_s=60)
+        failover_s = epoch_moved_after(rbus, topic, described.leader_epoch)
+        wait_new_leader(rbus, topic, described.leader_epoch, timeout_s=60)
         # Produce requests straight to the paused leader wait in its mailbox until it runs again.
         queued = [deposed.produce.remote(encode_batch([b"deposed-%d" % i]), "all") for i in range(5)]
         queued += [deposed.produce.remote(encode_batch([b"deposed-one-%d" % i]), 1) for i in range(5)]
@@ -417,7 +431,7 @@ def test_a_paused_leader_is_replaced_and_refuses_writes_when_it_runs_again(clust
     for ref in queued:
         with pytest.raises(logbus.NotLeaderError):
             get(ref, timeout_s=60)
-    assert failover_s < 10, failover_s  # measured against the 1 s / 2 s bounds in perf/bench_replication.py
+    assert failover_s < 5, failover_s  # a scan per 100 ms finds the stop; the benchmark measures the figure
     acknowledged = {value: future.result().offset for value, future in acknowledged.items()}
     check_invariants(rbus, topic, acknowledged, 3)
     tp = TopicPartition(topic, 0)
@@ -436,7 +450,8 @@ def test_a_killed_leader_process_on_a_live_node_fails_over_within_seconds(cluste
     wait_isr(rbus, topic, 3)
     described, status = leader_status(rbus, topic)
     kill_process(status["pid"])
-    failover_s = wait_new_leader(rbus, topic, described.leader_epoch, timeout_s=60)
-    assert failover_s < 10, failover_s  # the agent sees the exit at once; the benchmark measures the figure
+    failover_s = epoch_moved_after(rbus, topic, described.leader_epoch)
+    wait_new_leader(rbus, topic, described.leader_epoch, timeout_s=60)
+    assert failover_s < 5, failover_s  # the agent sees the exit at once; the benchmark measures the figure
     with logbus.Producer(rbus, acks="all") as producer:
         assert producer.send(topic, b"after").result(timeout=60).offset >= 0
