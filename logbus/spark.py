@@ -27,9 +27,17 @@ Spark reads them from there each time the DataFrame is evaluated, so the
 DataFrame always holds the same records. As with ``Dataset.to_spark``, the
 blocks stay in the object store until the Spark session stops.
 
-``write`` goes DataFrame -> ``ray.data.from_spark`` (RayDP) -> :class:`~logbus.api.dataset.TopicSink`,
-with Spark's Kafka sink columns: ``value`` (required, string or binary) and
-optional ``key``, ``headers`` and ``partition``; other columns are ignored.
+``write`` goes DataFrame -> RayDP's recoverable conversion (what
+``ray.data.from_spark`` runs: Arrow batches cached in the executors) -> one
+Ray task per Spark partition sending it through a
+:class:`~logbus.api.dataset.TopicSink`, with Spark's Kafka sink columns:
+``value`` (required, string or binary) and optional ``key``, ``headers`` and
+``partition``; other columns are ignored.
+
+Spark's executors hold their CPUs for the session's life, so every Ray task
+these functions start (read, Arrow stream, fetch and write tasks) asks for
+no CPU: with ``init_spark(executor_cores=...)`` as large as Ray's CPU count,
+one-CPU tasks would wait forever.
 
 Environment (RayDP 1.6.5 on Java 17): :func:`init_spark` adds the JVM options
 Spark needs on Java 17 to the driver, executor and RayDP app master options
@@ -44,13 +52,21 @@ import json
 import os
 import sys
 import uuid
-import warnings
 from datetime import datetime
 
+from logbus.actors.remote import unwrap
 from logbus.api.client import Bus
-from logbus.api.dataset import EARLIEST, LATEST, TopicDatasource, TopicSink
+from logbus.api.dataset import (
+    EARLIEST,
+    LATEST,
+    TopicDatasource,
+    TopicSink,
+    check_bus,
+    check_producer_options,
+    task_slots,
+)
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
-from logbus.errors import IllegalStateError, InvalidConfigError, InvalidRecordError
+from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
 
 # Packages of java.base that Spark 3.5 and RayDP open by reflection (Java 17 refuses without these).
@@ -90,9 +106,10 @@ def init_spark(
     """Start Spark on Ray with RayDP (``raydp.init_spark``) and return the SparkSession.
 
     Starts a local Ray first if none is running (as RayDP does). Spark's
-    executors are Ray actors of ``executor_cores`` CPUs each: leave Ray enough
-    CPUs for them and for the read tasks. ``raydp_options`` go to
-    ``raydp.init_spark`` (e.g. ``placement_group_strategy``).
+    executors are Ray actors of ``executor_cores`` CPUs each, held for the
+    session's life; :func:`read`, :func:`write` and :func:`stream` start only
+    zero-CPU Ray tasks, so the executors may take every CPU of the cluster.
+    ``raydp_options`` go to ``raydp.init_spark`` (e.g. ``placement_group_strategy``).
     """
     import raydp
 
@@ -133,21 +150,6 @@ def _check_flag(name: str, value) -> None:
         raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
 
 
-def _check_bus(bus) -> None:
-    if bus is not None and not isinstance(bus, Bus):
-        raise InvalidConfigError(f"bus must be a Bus from logbus.connect() or None, not {type(bus).__name__}")
-
-
-@functools.cache
-def _producer_option_names() -> frozenset[str]:
-    """The keyword arguments of Producer (what ``write``'s producer options may name)."""
-    import inspect
-
-    from logbus.api.producer import Producer
-
-    return frozenset(name for name in inspect.signature(Producer).parameters if name != "bus")
-
-
 # --- offsets in Spark's spelling -----------------------------------------------------------------
 
 
@@ -179,7 +181,7 @@ def _offsets(spec, topic: str, what: str, forbidden: str):
         try:
             number = int(partition)
         except (TypeError, ValueError):
-            raise InvalidConfigError(f"{what}[{topic!r}] has a partition {partition!r} that is not a number") from None
+            raise InvalidPartitionError(f"{what}[{topic!r}] has a partition {partition!r} that is not a number") from None
         if isinstance(offset, bool) or not isinstance(offset, int | datetime | str):
             raise InvalidConfigError(f"{what}[{topic!r}][{partition!r}] must be an offset, not {offset!r}")
         if offset == SPARK_EARLIEST:
@@ -202,11 +204,13 @@ def _offsets(spec, topic: str, what: str, forbidden: str):
 def _arrow_stream_task():
     import ray
 
-    @ray.remote
-    def arrow_stream(table) -> bytes:
-        """One block as an Arrow IPC stream in a bytes object, the form RayDP's JVM reads directly."""
+    # Zero CPUs, as the read and write tasks: Spark's executors may hold every CPU of the cluster.
+    @ray.remote(num_cpus=0)
+    def arrow_stream(table, columns: list[str]) -> bytes:
+        """One block's ``columns`` as an Arrow IPC stream in a bytes object, the form RayDP's JVM reads directly."""
         import pyarrow as pa
 
+        table = table.select(columns)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
@@ -223,15 +227,23 @@ def to_spark(spark, dataset, schema):
     Python object, and with pandas 3 neither string nor map columns survive).
     RayDP's same entry point, given blocks that are IPC stream bytes, reads
     them in the executors' JVM with Arrow's Java reader instead: no Python
-    worker, no per-row Python, every Arrow type Spark knows. One Ray task per
-    block writes the stream (one copy).
+    worker, no per-row Python, every Arrow type Spark knows. One zero-CPU Ray
+    task per block writes the stream of ``schema``'s columns (one copy); at
+    most :func:`~logbus.api.dataset.task_slots` of them run at once.
     """
     import ray
     from raydp.spark.dataset import ray_dataset_to_spark_dataframe
     from raydp.spark.ray_cluster_master import RAYDP_SPARK_MASTER_SUFFIX
 
     arrow_stream = _arrow_stream_task()
-    refs = [arrow_stream.remote(block) for block in dataset.to_arrow_refs()]
+    columns = list(schema.names)
+    slots = task_slots()
+    refs, running = [], []
+    for block in dataset.to_arrow_refs():
+        if len(running) >= slots:
+            _, running = ray.wait(running, num_returns=len(running) - slots + 1)
+        refs.append(arrow_stream.remote(block, columns))
+        running.append(refs[-1])
     if not refs:
         raise IllegalStateError("to_spark needs a Dataset with at least one block")
     # The JVM gets only the objects' ids, so something must hold the references
@@ -256,23 +268,31 @@ def read(
     ``{"topic": {"0": 23, "1": -2}}``, -2 earliest, -1 latest; partitions not
     named take earliest / latest), or what :func:`logbus.api.dataset.read_dataset`
     takes. Bad arguments raise before any task starts: IllegalStateError
-    (Spark not started), UnknownTopicError, InvalidConfigError, OffsetOutOfRangeError.
+    (Spark not started), UnknownTopicError, InvalidConfigError,
+    InvalidPartitionError (a partition the topic does not have), OffsetOutOfRangeError.
+
+    The read tasks take no CPU (they mostly wait on the replicas' fetches), so
+    a read runs even while Spark's executors hold every CPU of the cluster
+    (``init_spark(executor_cores=...)`` as large as Ray's CPU count).
     """
     from pyspark.sql import functions as F
 
     validate_topic_name(topic)
     _check_flag("include_headers", include_headers)
-    _check_bus(bus)
+    check_bus(bus)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
     check_spark(spark)
     source = TopicDatasource(topic, start, end, bus)
     if source.num_rows == 0:
         return spark.createDataFrame([], kafka_schema(include_headers))
-    dataset = source.to_dataset()
+    # Zero-CPU read tasks: Spark's executors (Ray actors of executor_cores CPUs each) keep
+    # their CPUs for the session's life, and one-CPU read tasks waited forever for them
+    # when they held all of Ray's CPUs. The executors sit idle while the read runs.
+    dataset = source.to_dataset(num_cpus=0)
     schema = DATASET_SCHEMA
     if not include_headers:
-        dataset = dataset.drop_columns(["headers"])
+        # Dropped in the stream-writing tasks, not by a Ray Data projection (another stage of tasks).
         schema = schema.remove(schema.get_field_index("headers"))
     df = to_spark(spark, dataset, schema)
     columns = [
@@ -339,6 +359,62 @@ def _check_columns(df) -> list[str]:
     return [name for name in ("value", "key", "headers", "partition") if name in types]
 
 
+@functools.cache
+def _write_block_task():
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def write_block(sink: TopicSink, table) -> int:
+        """Send one Spark partition's Arrow table through ``sink`` (flushed: every record acknowledged)."""
+        return sink.write([table], None)
+
+    return write_block
+
+
+def _write_partitions(df, sink: TopicSink) -> int:
+    """Send every partition of ``df`` through ``sink``, one zero-CPU Ray task each; returns the records written.
+
+    RayDP's recoverable conversion, as ``ray.data.from_spark`` runs it: Spark
+    caches each partition's rows as Arrow in its executor, and a Ray task
+    fetches them from the executor actor. ``ray.data.from_spark`` ends with
+    ``ray.data.from_arrow_refs``, whose metadata tasks take one CPU each and
+    so wait forever while Spark's executors hold every CPU of the cluster;
+    here the fetch (RayDP's own task function) and the write tasks take none,
+    and at most :func:`~logbus.api.dataset.task_slots` partitions are in
+    flight. The cached partitions are released at the end, as
+    ``release_spark_recoverable`` does.
+    """
+    import ray
+    from pyspark.storagelevel import StorageLevel
+    from ray.exceptions import RayTaskError
+    from raydp.spark.dataset import _fetch_arrow_table_from_executor
+
+    context = df.sparkSession.sparkContext
+    writer = context._jvm.org.apache.spark.sql.raydp.ObjectStoreWriter
+    info = writer.prepareRecoverableRDD(df._jdf, context._getJavaStorageLevel(StorageLevel.MEMORY_AND_DISK))
+    rdd_id = info.rddId()
+    try:
+        locations, schema_json, agent_url = info.locations(), info.schemaJson(), info.driverAgentUrl()
+        fetch = _fetch_arrow_table_from_executor.options(num_cpus=0)
+        write_block = _write_block_task()
+        sink_ref = ray.put(sink)
+        slots = task_slots()
+        running, written = [], 0
+        try:
+            for partition in range(info.numPartitions()):
+                if len(running) >= slots:
+                    done, running = ray.wait(running, num_returns=1)
+                    written += ray.get(done[0])
+                table = fetch.remote(f"raydp-executor-{locations[partition]}", rdd_id, partition, schema_json, agent_url)
+                running.append(write_block.remote(sink_ref, table))
+            written += sum(ray.get(running))
+        except RayTaskError as error:
+            raise unwrap(error) from None  # the sink's own error (InvalidPartitionError, ...), not Ray's wrapper
+    finally:
+        writer.releaseRecoverableRDD(rdd_id)
+    return written
+
+
 def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     """Write the rows of ``df`` into ``topic``; returns the number of records written.
 
@@ -348,18 +424,20 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     ignored. Rows without a partition go by key hash (Kafka's murmur2), or to a
     sticky partition when keyless. ``producer_options`` go to each write task's
     :class:`~logbus.api.producer.Producer`. Bad arguments raise before any Spark
-    job: IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError.
+    job: IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError,
+    InvalidConfigError.
+
+    One Ray task per Spark partition sends it (see :func:`_write_partitions`);
+    like :func:`read`'s tasks they take no CPU, so a write runs even while
+    Spark's executors hold every CPU of the cluster.
     """
-    import ray
     from pyspark.sql import DataFrame
 
     if not isinstance(df, DataFrame):
         raise InvalidRecordError(f"write takes a Spark DataFrame, not {type(df).__name__}")
     validate_topic_name(topic)
-    _check_bus(bus)
-    unknown = sorted(set(producer_options) - _producer_option_names())
-    if unknown:
-        raise InvalidConfigError(f"unknown producer options {unknown}; known: {sorted(_producer_option_names())}")
+    check_bus(bus)
+    producer_options = check_producer_options(producer_options)
     check_spark(df.sparkSession)
     columns = _check_columns(df)
     sink = TopicSink(
@@ -372,18 +450,7 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
         partition_column="partition",
         producer_options=producer_options,
     )
-    from raydp.spark.dataset import release_spark_recoverable
-
-    selected = df.select(*columns)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="DataFrame.sql_ctx is an internal property")  # RayDP's, not the caller's
-        # RayDP caches the DataFrame's Arrow batches in Spark and builds one block per Spark partition.
-        dataset = ray.data.from_spark(selected)
-        try:
-            dataset.write_datasink(sink)
-        finally:
-            release_spark_recoverable(selected)
-    return sink.records_written
+    return _write_partitions(df.select(*columns), sink)
 
 
 # --- stream -----------------------------------------------------------------------------------------
@@ -405,11 +472,13 @@ def stream(
 ):
     """Micro-batches of ``topic`` as DataFrames, in the ``foreachBatch`` style; returns the running stream.
 
-    Each trigger reads the group's next offset range as a DataFrame (the Kafka
-    source's schema), calls ``process_batch(df, batch_id)``, and commits the
-    group's offsets only after it returned: a failure leaves them
-    uncommitted, so a restarted stream runs that batch again with the same
-    batch id (at least once; exactly once for a sink keyed by batch id).
+    Each trigger plans the group's next offset range and records the plan in
+    the group's commits, reads the range as a DataFrame (the Kafka source's
+    schema), calls ``process_batch(df, batch_id)``, and commits the group's
+    offsets only after it returned: a failure leaves them uncommitted, so a
+    restarted stream runs that batch again with the same batch id over the
+    same offsets, whatever arrived meanwhile (at least once; exactly once for
+    a sink that skips a batch id it already wrote).
     Progress (records, rate, lag) is reported per batch to ``progress``
     (default: a line on stderr). Stop it with ``.stop()``; wait with
     ``.await_termination()``, which re-raises the error that ended it.

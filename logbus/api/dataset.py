@@ -15,6 +15,12 @@ it decodes the current one, decodes whole batches with Arrow without copying
 downstream consumers (Spark through RayDP above all) get a few large Arrow
 blocks rather than many small ones.
 
+Read tasks ask Ray for what ``num_cpus`` / ``ray_remote_args`` say (Ray Data's
+default: one CPU each). They mostly wait on the replicas' fetches, so
+``num_cpus=0`` is safe, and needed where something else holds every CPU of
+the cluster for long (Spark's executors: :mod:`logbus.spark` reads with it);
+at most :func:`task_slots` zero-CPU tasks run at once.
+
 ``TopicSink`` is a :class:`ray.data.Datasink`: ``ds.write_datasink(TopicSink(...))``
 sends every block with one :class:`~logbus.api.producer.Producer` per write
 task (``send_table``, then ``flush``), so no per-row Python runs on the path
@@ -46,7 +52,10 @@ LogAppendTime) carry the batch's append time, its max timestamp.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
+import math
 import time
 from datetime import datetime, timezone
 from typing import Iterator
@@ -65,11 +74,11 @@ from logbus.api.client import Bus, connect
 from logbus.api.producer import Producer
 from logbus.errors import (
     InvalidConfigError,
+    InvalidPartitionError,
     InvalidRecordError,
     LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
-    UnknownTopicError,
 )
 from logbus.protocol.messages import FetchRequest
 from logbus.storage import record_batch as rb
@@ -106,6 +115,80 @@ RETRY_BACKOFF_S = 0.2
 MISSING_RECORDS_WAIT_MS = 2_000
 
 
+# --- argument checks (driver side) -------------------------------------------------------------
+
+
+def check_bus(bus, *, optional: bool = True) -> None:
+    """Raise InvalidConfigError unless ``bus`` is a Bus from :func:`logbus.connect` (or None when ``optional``)."""
+    if (bus is None and optional) or isinstance(bus, Bus):
+        return
+    raise InvalidConfigError(f"bus must be a Bus from logbus.connect(){' or None' if optional else ''}, not {type(bus).__name__}")
+
+
+@functools.cache
+def producer_option_names() -> frozenset[str]:
+    """The keyword arguments of :class:`~logbus.api.producer.Producer` (what producer options may name)."""
+    return frozenset(name for name in inspect.signature(Producer).parameters if name != "bus")
+
+
+def check_producer_options(options) -> dict:
+    """``options`` (None or a dict of Producer keyword arguments) as a new dict; InvalidConfigError otherwise.
+
+    Only the names are checked here; the Producer checks the values when it is built.
+    """
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidConfigError(f"producer options must be a dict of Producer arguments, not {type(options).__name__}")
+    unknown = sorted(repr(name) if not isinstance(name, str) else name for name in options if name not in producer_option_names())
+    if unknown:
+        raise InvalidConfigError(f"unknown producer options {unknown}; known: {sorted(producer_option_names())}")
+    return dict(options)
+
+
+@functools.cache
+def _options_probe():
+    """A remote function never called: its ``.options()`` checks task options the way Ray will."""
+
+    def probe() -> None:  # pragma: no cover (never runs)
+        return None
+
+    return ray.remote(probe)
+
+
+def check_task_options(num_cpus=None, ray_remote_args=None) -> None:
+    """Raise InvalidConfigError unless ``num_cpus`` and ``ray_remote_args`` are options Ray takes for a task.
+
+    Checked on the driver: Ray would otherwise refuse them only when the
+    Dataset executes, with a bare ValueError or TypeError.
+    """
+    if num_cpus is not None and (
+        isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or not math.isfinite(num_cpus) or num_cpus < 0
+    ):
+        raise InvalidConfigError(f"num_cpus must be a number >= 0 or None, not {num_cpus!r}")
+    if ray_remote_args is None:
+        options = {}
+    elif isinstance(ray_remote_args, dict) and all(isinstance(name, str) for name in ray_remote_args):
+        options = dict(ray_remote_args)
+    else:
+        raise InvalidConfigError(f"ray_remote_args must be a dict of ray.remote options or None, not {ray_remote_args!r}")
+    if num_cpus is not None:
+        options["num_cpus"] = num_cpus
+    try:
+        _options_probe().options(**options)
+    except (ValueError, TypeError, OverflowError) as error:
+        raise InvalidConfigError(f"bad Ray task options {options!r}: {error}") from None
+
+
+def task_slots() -> int:
+    """How many zero-CPU tasks to run at once: the cluster's CPUs (what it would run at one CPU each).
+
+    Ray does not count zero-CPU tasks against its CPUs, so nothing else
+    bounds how many run at once (each in a worker process of its own).
+    """
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
 # --- offset resolution (driver side) ----------------------------------------------------------
 
 
@@ -139,9 +222,10 @@ def _per_partition(spec, what: str, default: str, forbidden: str, partition_coun
         specs = [default] * partition_count
         for partition, offset in spec.items():
             if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
-                raise InvalidConfigError(f"{what} keys must be partition numbers (int >= 0), not {partition!r}")
+                raise InvalidPartitionError(f"{what} keys must be partition numbers (int >= 0), not {partition!r}")
             if partition >= partition_count:
-                raise UnknownTopicError(f"{what} names partition {partition}; the topic has partitions 0..{partition_count - 1}")
+                # Not UnknownTopicError: that one is retriable, and a partition number the caller got wrong stays wrong.
+                raise InvalidPartitionError(f"{what} names partition {partition}; the topic has partitions 0..{partition_count - 1}")
             _check_spec(offset, f"{what}[{partition}]", forbidden)
             specs[partition] = offset
         return specs
@@ -154,6 +238,7 @@ def resolve_offsets(bus: Bus, topic: str, start="earliest", end="latest") -> lis
 
     See the module docstring for the accepted specifications and the errors.
     """
+    check_bus(bus, optional=False)
     validate_topic_name(topic)
     metadata = bus.topic_metadata(topic, refresh=True)
     count = metadata.partition_count
@@ -338,6 +423,7 @@ class TopicDatasource(Datasource):
         for name, value in (("fetch_max_bytes", fetch_max_bytes), ("block_size_bytes", block_size_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        check_bus(bus)
         bus = connect() if bus is None else bus
         self.topic = validate_topic_name(topic)
         self.ranges = resolve_offsets(bus, topic, start, end)
@@ -358,14 +444,27 @@ class TopicDatasource(Datasource):
     def estimate_inmemory_data_size(self) -> int | None:
         return None
 
-    def to_dataset(self, num_cpus: float | None = None, ray_remote_args: dict | None = None) -> Dataset:
-        """The Dataset of this range (an empty one with SCHEMA when the range holds no record)."""
-        tasks = sum(1 for start, end in self.ranges if start < end)
-        if tasks == 0:
-            return ray.data.from_arrow(SCHEMA.empty_table())
+    def to_dataset(
+        self, num_cpus: float | None = None, ray_remote_args: dict | None = None, concurrency: int | None = None
+    ) -> Dataset:
+        """The Dataset of this range (an empty one with SCHEMA when the range holds no record).
+
+        ``num_cpus`` per read task (None: Ray Data's default, one CPU);
+        ``concurrency``: at most this many read tasks at once (None: as many as
+        the CPUs allow, or :func:`task_slots` for zero-CPU tasks).
+        """
+        check_task_options(num_cpus, ray_remote_args)
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
+            raise InvalidConfigError(f"concurrency must be a positive int or None, not {concurrency!r}")
+        tasks = max(1, sum(1 for start, end in self.ranges if start < end))  # an empty range: one empty task
+        if concurrency is None and (num_cpus == 0 or (ray_remote_args or {}).get("num_cpus") == 0):
+            concurrency = task_slots()
         # One output stream per read task: without this Ray Data splits each task's
         # blocks into many small ones to reach its default minimum block count.
-        dataset = ray.data.read_datasource(self, num_cpus=num_cpus, ray_remote_args=ray_remote_args, override_num_blocks=tasks)
+        dataset = ray.data.read_datasource(
+            self, num_cpus=num_cpus, ray_remote_args=ray_remote_args, override_num_blocks=tasks,
+            concurrency=None if concurrency is None else min(concurrency, tasks),
+        )
         # And without this it merges them (copying) up to its own target of 128 MiB.
         # The Dataset has its own copy of the DataContext: nothing else changes.
         dataset.context.target_max_block_size = self._block_size_bytes
@@ -375,7 +474,7 @@ class TopicDatasource(Datasource):
         tasks = []
         for partition, (start, end) in enumerate(self.ranges):
             if start >= end:
-                continue  # nothing to read: no task, no empty block
+                continue  # nothing to read: no task, no empty block (unless no partition has records)
 
             def read_fn(
                 partition=partition, start=start, end=end, topic=self.topic, leader=self._leaders[partition],
@@ -393,6 +492,11 @@ class TopicDatasource(Datasource):
                 exec_stats=None,
             )
             tasks.append(ReadTask(read_fn, metadata, schema=SCHEMA, per_task_row_limit=per_task_row_limit))
+        if not tasks:
+            # One task of one empty block, not ray.data.from_arrow: its metadata task takes a
+            # CPU whatever num_cpus says, and so would wait while Spark holds every CPU.
+            metadata = BlockMetadata(num_rows=0, size_bytes=0, input_files=[f"logbus://{self.topic}"], exec_stats=None)
+            tasks.append(ReadTask(lambda: [SCHEMA.empty_table()], metadata, schema=SCHEMA, per_task_row_limit=per_task_row_limit))
         return tasks
 
 
@@ -417,8 +521,14 @@ def read_dataset(
     The offsets are resolved now (see the module docstring); the records are
     read when the Dataset executes, in blocks of about ``block_size_bytes``
     (the Dataset's ``context.target_max_block_size`` is set to it). Raises UnknownTopicError, InvalidTopicError,
-    InvalidConfigError or OffsetOutOfRangeError here, before any task starts.
+    InvalidConfigError, InvalidPartitionError or OffsetOutOfRangeError here, before any task starts.
+
+    ``num_cpus`` and ``ray_remote_args`` go to each read task (checked here).
+    Read tasks mostly wait on the replicas' fetches: ``num_cpus=0`` lets them
+    run while other work (Spark's executors, say) holds every CPU of the
+    cluster, where one-CPU tasks would wait for a CPU that never frees up.
     """
+    check_task_options(num_cpus, ray_remote_args)
     datasource = TopicDatasource(
         topic, start, end, bus, fetch_max_bytes=fetch_max_bytes, block_size_bytes=block_size_bytes, verify_crc=verify_crc
     )
@@ -466,12 +576,23 @@ def headers_to_map(array) -> pa.Array:
     raise InvalidRecordError(f"headers must be map<string, binary> or list<struct<key, value>>, not {array.type}")
 
 
-def _timestamps_ms(array) -> pa.Array:
+def _is_timestamp_like(arrow_type: pa.DataType) -> bool:
+    """What a timestamp column may hold: int ms since the epoch, an Arrow timestamp, or nulls only."""
+    return pa.types.is_integer(arrow_type) or pa.types.is_timestamp(arrow_type) or pa.types.is_null(arrow_type)
+
+
+def _timestamps_ms(array, column: str = "timestamp") -> pa.Array:
+    """Timestamps as int64 ms; InvalidRecordError for other types and for values int64 cannot hold."""
     if isinstance(array, pa.ChunkedArray):
         array = array.combine_chunks()
-    if pa.types.is_timestamp(array.type):
-        return array.cast(pa.timestamp("ms", array.type.tz), safe=False).cast(pa.int64())  # truncates to ms
-    return array.cast(pa.int64())
+    if not _is_timestamp_like(array.type):
+        raise InvalidRecordError(f"timestamp column {column!r} must hold int ms or Arrow timestamps, not {array.type}")
+    try:
+        if pa.types.is_timestamp(array.type):
+            return array.cast(pa.timestamp("ms", array.type.tz), safe=False).cast(pa.int64())  # truncates to ms
+        return array.cast(pa.int64())
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:  # e.g. a uint64 beyond int64
+        raise InvalidRecordError(f"timestamp column {column!r} of type {array.type} cannot be int64 ms: {error}") from None
 
 
 class TopicSink(Datasink):
@@ -487,7 +608,8 @@ class TopicSink(Datasink):
             list<struct<key, value>> (Spark's spelling); timestamps are int64 ms or an
             Arrow timestamp; partitions are ints in range. Rows without a partition go
             by key hash, or to one sticky partition per block.
-        producer_options: keyword arguments for each write task's :class:`Producer`.
+        producer_options: keyword arguments for each write task's :class:`Producer`
+            (names and values checked now: InvalidConfigError).
 
     Delivery: every write task flushes its producer and fails if any record
     failed, so a successful write means every record was acknowledged. A
@@ -513,6 +635,8 @@ class TopicSink(Datasink):
                              ("timestamp_column", timestamp_column), ("partition_column", partition_column)):
             if column is not None and (not isinstance(column, str) or not column):
                 raise InvalidConfigError(f"{name} must be a column name or None, not {column!r}")
+        check_bus(bus)
+        self.producer_options = check_producer_options(producer_options)
         self.bus = connect() if bus is None else bus
         self.topic = validate_topic_name(topic)
         self.bus.topic_metadata(topic, refresh=True)  # UnknownTopicError now, not in a task
@@ -521,8 +645,7 @@ class TopicSink(Datasink):
         self.headers_column = headers_column
         self.timestamp_column = timestamp_column
         self.partition_column = partition_column
-        self.producer_options = dict(producer_options or {})
-        Producer(self.bus, **self.producer_options).close()  # bad producer options fail now
+        Producer(self.bus, **self.producer_options).close()  # bad producer option values fail now
         self.records_written = 0
 
     def get_name(self) -> str:
@@ -552,6 +675,10 @@ class TopicSink(Datasink):
             kind = schema.field(self.headers_column).type
             if not (pa.types.is_map(kind) or _is_entry_list(kind) or pa.types.is_null(kind)):
                 raise InvalidRecordError(f"headers column {self.headers_column!r} must be map<string, binary> or list<struct<key, value>>, not {kind}")
+        if self.timestamp_column in names and not _is_timestamp_like(schema.field(self.timestamp_column).type):
+            raise InvalidRecordError(
+                f"timestamp column {self.timestamp_column!r} must hold int ms or Arrow timestamps, not {schema.field(self.timestamp_column).type}"
+            )
         if self.partition_column in names and not pa.types.is_integer(schema.field(self.partition_column).type):
             raise InvalidRecordError(f"partition column {self.partition_column!r} must hold ints, not {schema.field(self.partition_column).type}")
 
@@ -567,7 +694,7 @@ class TopicSink(Datasink):
         if self.headers_column in names:
             columns["headers"] = headers_to_map(table.column(self.headers_column))
         if self.timestamp_column in names:
-            columns["timestamp"] = _timestamps_ms(table.column(self.timestamp_column))
+            columns["timestamp"] = _timestamps_ms(table.column(self.timestamp_column), self.timestamp_column)
         if self.partition_column in names:
             column = table.column(self.partition_column)
             if column.null_count:

@@ -2,21 +2,28 @@
 
 Each trigger:
 
-1. reads the group's committed offsets (where the previous batch ended) and
-   the batch id stored with them;
-2. takes the partitions' high watermarks as the batch's end (at most
-   ``max_offsets_per_trigger`` records in all, split across partitions in
-   proportion to what each has waiting);
-3. hands the offset range ``[start, end)`` and the batch id to
+1. reads the group's committed offsets (where the previous batch ended), the
+   id of the last committed batch, and a batch planned but not committed, if
+   any (see 3);
+2. plans the next batch: the planned one, over exactly its planned offsets,
+   if there is one; else from the committed offsets up to the partitions'
+   high watermarks (at most ``max_offsets_per_trigger`` records in all, split
+   across partitions in proportion to what each has waiting), with the next
+   batch id;
+3. records a new plan durably before running it (the offset log of Spark's
+   micro-batches): one commit that leaves every partition's offset where it
+   is and puts the batch id and the partition's planned end in its metadata;
+4. hands the offset range ``[start, end)`` and the batch id to
    ``run_batch`` (which reads it: as a Spark DataFrame in
    :func:`logbus.spark.stream`, as a Ray Dataset here);
-4. commits ``end`` for every partition, with the batch id in the commit's
+5. commits ``end`` for every partition, with the batch id in the commit's
    metadata, only after ``run_batch`` returned.
 
-So a batch that fails is not committed and a restarted stream runs it again
-with the same batch id and the same offsets: at least once, and exactly once
-for a sink that writes idempotently by batch id. Committed offsets never pass
-a record that was not processed.
+So a batch that fails is not committed, and a restarted stream runs it again
+with the same batch id over the same offsets, however many records arrived
+meanwhile: at least once, and exactly once for a sink that writes
+idempotently by batch id (one that skips a batch id it already wrote).
+Committed offsets never pass a record that was not processed.
 
 The stream commits as a group without members (generation -1): a group used
 by a stream must not also have subscribed consumers.
@@ -24,12 +31,14 @@ by a stream must not also have subscribed consumers.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
@@ -38,7 +47,12 @@ from logbus.protocol.group_coordinator import OffsetAndMetadata, validate_group_
 from logbus.protocol.messages import TopicPartition
 from logbus.storage.names import validate_topic_name
 
+logger = logging.getLogger(__name__)
+
 STARTS = ("earliest", "latest")
+# The commit metadata of a planned batch: {"planned_batch": <id>, "end": <the partition's planned end>}.
+# A committed batch's metadata is its id alone, in decimal digits.
+PLANNED_BATCH = "planned_batch"
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,79 @@ class BatchProgress:
             f"batch {self.batch_id}: {self.records:,} records in {self.duration_s:.2f}s "
             f"({self.records_per_s:,.0f}/s), lag {self.lag_after:,}"
         )
+
+
+def planned_metadata(batch_id: int, end: int) -> str:
+    """The commit metadata that records batch ``batch_id`` as planned to end at ``end`` in one partition."""
+    return json.dumps({PLANNED_BATCH: batch_id, "end": end}, separators=(",", ":"))
+
+
+def _parse_planned(metadata: str) -> tuple[int, int] | None:
+    """(batch id, end) from :func:`planned_metadata`'s text; None for any other metadata."""
+    if not metadata.startswith("{"):
+        return None
+    try:
+        found = json.loads(metadata)
+    except ValueError:
+        return None
+    if not isinstance(found, dict) or set(found) != {PLANNED_BATCH, "end"}:
+        return None
+    batch_id, end = found[PLANNED_BATCH], found["end"]
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (batch_id, end)):
+        return None
+    return batch_id, end
+
+
+def _parse_committed(metadata: str) -> int | None:
+    """The batch id of a committed batch's metadata; None for any other metadata."""
+    return int(metadata) if metadata.isascii() and metadata.isdigit() else None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a stream's group has committed: where the next batch starts, and its id.
+
+    ``planned_end`` is the end per partition of batch ``next_batch_id`` when that
+    batch was planned (its plan recorded) but not committed: it must run again
+    over exactly those offsets. None when the next batch is still to be planned.
+    """
+
+    offsets: dict[int, int]  # the committed offset of each partition that has one
+    next_batch_id: int
+    planned_end: dict[int, int] | None
+
+    @classmethod
+    def from_commits(cls, commits: Mapping[int, OffsetAndMetadata | None]) -> "Checkpoint":
+        """Read the group's commits (partition -> OffsetAndMetadata, or None where nothing was committed)."""
+        offsets: dict[int, int] = {}
+        last_committed = -1
+        planned_id, planned_end = -1, {}
+        for partition, om in commits.items():
+            if om is None:
+                continue
+            offsets[partition] = om.offset
+            batch_id = _parse_committed(om.metadata)
+            if batch_id is not None:
+                last_committed = max(last_committed, batch_id)
+                continue
+            plan = _parse_planned(om.metadata)
+            if plan is not None:
+                if plan[0] > planned_id:
+                    planned_id, planned_end = plan[0], {}
+                if plan[0] == planned_id:
+                    planned_end[partition] = plan[1]
+                last_committed = max(last_committed, plan[0] - 1)  # a plan is written after its predecessor's commit
+        if planned_id > last_committed:
+            return cls(offsets, planned_id, planned_end)
+        return cls(offsets, last_committed + 1, None)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    start: dict[int, int]
+    end: dict[int, int]
+    batch_id: int
+    recorded: bool  # the plan is already in the group's commits (a batch that failed runs again)
 
 
 def _check_count(name: str, value) -> None:
@@ -138,30 +225,37 @@ class MicroBatchStream:
                 return {}
             raise
 
-    def _committed(self) -> tuple[dict[int, int], int]:
-        """(partition -> committed offset, the next batch id)."""
+    def _checkpoint(self) -> Checkpoint:
         tps = [TopicPartition(self.topic, p) for p in range(self._partition_count)]
         found = get(self.bus.controller.fetch_committed.remote(self.group_id, tps))
-        offsets, last_batch = {}, -1
-        for tp, om in found.items():
-            if om is not None:
-                offsets[tp.partition] = om.offset
-                if om.metadata.isdigit():
-                    last_batch = max(last_batch, int(om.metadata))
-        return offsets, last_batch + 1
+        return Checkpoint.from_commits({tp.partition: om for tp, om in found.items()})
 
-    def _plan(self) -> tuple[dict[int, int], dict[int, int], int] | None:
-        """The next batch's (start, end, batch id), or None when nothing is waiting."""
+    def _plan(self) -> _Plan | None:
+        """The next batch, or None when nothing is waiting."""
         positions = self._partition_offsets()
         if not positions:
             return None
-        committed, batch_id = self._committed()
+        checkpoint = self._checkpoint()
         start = {}
         for p, (log_start, high_watermark, _) in positions.items():
-            if p in committed:
-                start[p] = min(max(committed[p], log_start), high_watermark)
+            if p in checkpoint.offsets:
+                start[p] = min(max(checkpoint.offsets[p], log_start), high_watermark)
             else:
                 start[p] = log_start if self.starting_offsets == "earliest" else high_watermark
+        if checkpoint.planned_end is not None:
+            # A batch that was planned but not committed runs again over its planned offsets,
+            # with its id, whatever arrived since (partitions it did not name take nothing).
+            end = {p: max(start[p], checkpoint.planned_end.get(p, start[p])) for p in positions}
+            short = {p: positions[p][1] for p in positions if end[p] > positions[p][1]}
+            if short:
+                logger.warning(
+                    "stream %s/%s: batch %d was planned up to %s, past the high watermarks %s now; waiting for them",
+                    self.topic, self.group_id, checkpoint.next_batch_id, end, short,
+                )
+                return None
+            logger.info("stream %s/%s: batch %d runs again over its planned offsets %s..%s",
+                        self.topic, self.group_id, checkpoint.next_batch_id, start, end)
+            return _Plan(start, end, checkpoint.next_batch_id, recorded=True)
         waiting = {p: positions[p][1] - start[p] for p in positions}
         total = sum(waiting.values())
         if total <= 0:
@@ -174,11 +268,12 @@ class MicroBatchStream:
                 end[busiest] = start[busiest] + 1
         else:
             end = {p: positions[p][1] for p in positions}
-        return start, end, batch_id
+        return _Plan(start, end, checkpoint.next_batch_id, recorded=False)
 
-    def _commit(self, end: dict[int, int], batch_id: int) -> None:
-        offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, str(batch_id)) for p, o in end.items()}
-        get(self.bus.controller.commit_offsets.remote(self.group_id, "", -1, offsets))
+    def _commit(self, offsets: dict[int, int], metadata: Callable[[int], str]) -> None:
+        """One commit of every partition's offset, atomic (one batch in ``__consumer_offsets``)."""
+        commits = {TopicPartition(self.topic, p): OffsetAndMetadata(o, metadata(p)) for p, o in offsets.items()}
+        get(self.bus.controller.commit_offsets.remote(self.group_id, "", -1, commits))
 
     # --- running -------------------------------------------------------------------------------------
 
@@ -187,10 +282,14 @@ class MicroBatchStream:
         plan = self._plan()
         if plan is None:
             return None
-        start, end, batch_id = plan
+        start, end, batch_id = plan.start, plan.end, plan.batch_id
         started = time.monotonic()
+        if not plan.recorded:
+            # The offset log: the plan is durable before the batch runs, so a restart after a
+            # failure runs this batch id over these offsets again, not up to a later high watermark.
+            self._commit(start, lambda p: planned_metadata(batch_id, end[p]))
         self.run_batch(dict(start), dict(end), batch_id)  # an exception leaves the batch uncommitted
-        self._commit(end, batch_id)
+        self._commit(end, lambda p: str(batch_id))
         duration = time.monotonic() - started
         records = sum(end[p] - start[p] for p in end)
         positions = self._partition_offsets()

@@ -14,9 +14,10 @@ import ray
 
 import logbus
 from logbus import TopicPartition
-from logbus.api.dataset import SCHEMA, TopicSink, read_dataset, write_dataset
+from logbus.api.dataset import SCHEMA, TopicDatasource, TopicSink, read_dataset, resolve_offsets, write_dataset
 from logbus.errors import (
     InvalidConfigError,
+    InvalidPartitionError,
     InvalidRecordError,
     InvalidTopicError,
     OffsetOutOfRangeError,
@@ -211,8 +212,11 @@ def test_bad_input_raises_on_the_driver(module_bus, topic):
         read_dataset(name, end="earliest", bus=module_bus)
     with pytest.raises(InvalidConfigError):
         read_dataset(name, "start", bus=module_bus)
-    with pytest.raises(UnknownTopicError):
+    with pytest.raises(InvalidPartitionError, match=r"partitions 0\.\.3") as caught:
         read_dataset(name, {PARTITIONS: 0}, bus=module_bus)
+    assert not caught.value.retriable  # a partition the topic does not have stays missing
+    with pytest.raises(InvalidPartitionError):
+        read_dataset(name, end={-1: 5}, bus=module_bus)
 
     with pytest.raises(UnknownTopicError):
         TopicSink("no-such-topic", bus=module_bus)
@@ -244,3 +248,70 @@ def test_log_append_time_topic_reports_the_append_time(module_bus):
     stamps = table["timestamp"].to_pylist()
     assert all(before_ms <= t <= after_ms for t in stamps), (before_ms, stamps[:3], after_ms)
     assert stamps == sorted(stamps)
+
+
+@pytest.mark.timeout(180)
+def test_bad_arguments_are_named_errors_before_any_task(module_bus, topic):
+    """Bad input fails on the driver with a named, non-retriable error, never a bare Python or Ray one."""
+    name, _, _ = topic
+    for bus in ("localhost", object()):
+        with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+            read_dataset(name, bus=bus)
+        with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+            TopicSink(name, bus=bus)
+        with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+            write_dataset(ray.data.from_items([{"value": b"x"}]), name, bus)
+    with pytest.raises(InvalidConfigError, match="bus must be a Bus"):
+        resolve_offsets(None, name)
+
+    # Read tasks' Ray options: checked here, not refused by Ray once the Dataset executes.
+    for num_cpus in (-1, float("inf"), float("nan"), "1", True):
+        with pytest.raises(InvalidConfigError, match="num_cpus"):
+            read_dataset(name, bus=module_bus, num_cpus=num_cpus)
+    for options in ([("num_cpus", 1)], {"no_such_option": 1}, {"num_cpus": -1}, {"num_cpus": "1"}, {1: 2}, {"resources": {"CPU": 1}}):
+        with pytest.raises(InvalidConfigError):
+            read_dataset(name, bus=module_bus, ray_remote_args=options)
+    with pytest.raises(InvalidConfigError, match="concurrency"):
+        TopicDatasource(name, bus=module_bus).to_dataset(concurrency=0)
+    # Zero-CPU read tasks (what logbus.spark.read runs) read the same records.
+    assert read_dataset(name, 0, 10, bus=module_bus, num_cpus=0).count() == 10 * PARTITIONS
+    assert read_dataset(name, 0, 10, bus=module_bus, ray_remote_args={"num_cpus": 0, "max_retries": 1}).count() == 10 * PARTITIONS
+
+    # Producer options: names against Producer's own arguments, values by the Producer.
+    with pytest.raises(InvalidConfigError, match="producer options must be a dict"):
+        TopicSink(name, bus=module_bus, producer_options=[("acks", "all")])
+    with pytest.raises(InvalidConfigError, match=r"unknown producer options \['lingerms'\]"):
+        TopicSink(name, bus=module_bus, producer_options={"lingerms": 5})
+    with pytest.raises(InvalidConfigError, match=r"unknown producer options \['bus'\]"):
+        TopicSink(name, bus=module_bus, producer_options={"bus": module_bus})
+    with pytest.raises(InvalidConfigError, match="acks"):
+        TopicSink(name, bus=module_bus, producer_options={"acks": 7})
+
+
+@pytest.mark.timeout(180)
+def test_timestamp_column_of_the_wrong_type_is_an_invalid_record(module_bus):
+    target = f"ts-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(target, partitions=1)
+    values = pa.array([b"a", b"b"])
+    strings = ray.data.from_arrow(pa.table({"value": values, "timestamp": pa.array(["yesterday", "today"])}))
+    with pytest.raises(InvalidRecordError, match="timestamp column 'timestamp' must hold int ms or Arrow timestamps, not string"):
+        write_dataset(strings, target, module_bus)  # on the driver, before any task
+    floats = ray.data.from_arrow(pa.table({"value": values, "sent": pa.array([1.5, 2.5])}))
+    with pytest.raises(InvalidRecordError, match="'sent' must hold int ms"):
+        floats.write_datasink(TopicSink(target, bus=module_bus, timestamp_column="sent"))
+    # An int type whose values int64 cannot hold fails in the write task, named.
+    huge = ray.data.from_arrow(pa.table({"value": values, "timestamp": pa.array([2**63, 1], pa.uint64())}))
+    with pytest.raises(InvalidRecordError, match="cannot be int64 ms"):
+        write_dataset(huge, target, module_bus)
+    assert read_dataset(target, bus=module_bus).count() == 0  # nothing was written
+
+    # The types it takes: int ms, Arrow timestamps (truncated to ms), nulls (the send time).
+    sent = pa.table({
+        "value": pa.array([b"i", b"t", b"n"]),
+        "timestamp": pa.array([1_000, None, None], pa.int64()),
+    })
+    stamped = pa.table({"value": pa.array([b"t"]), "timestamp": pa.array([2_000_999_999], pa.timestamp("ns"))})
+    assert write_dataset(ray.data.from_arrow(sent), target, module_bus) == 3
+    assert write_dataset(ray.data.from_arrow(stamped), target, module_bus) == 1
+    back = read_all(read_dataset(target, bus=module_bus))
+    assert back["timestamp"].to_pylist()[0] == 1_000 and back["timestamp"].to_pylist()[3] == 2_000

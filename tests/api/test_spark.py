@@ -6,10 +6,16 @@ start); it runs on the shared Ray session of tests/conftest.py.
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 import zlib
 from collections import Counter
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -21,6 +27,7 @@ from logbus import TopicPartition
 from logbus.errors import (
     IllegalStateError,
     InvalidConfigError,
+    InvalidPartitionError,
     InvalidRecordError,
     OffsetOutOfRangeError,
     UnknownTopicError,
@@ -225,6 +232,11 @@ def test_bad_input_raises_clear_errors(spark, module_bus, topic):
         logbus.spark.read(spark, name, '{"other-topic": {"0": 1}}', bus=module_bus)
     with pytest.raises(InvalidConfigError):
         logbus.spark.read(spark, name, "{not json", bus=module_bus)
+    # A partition the topic does not have is the caller's mistake, not a retriable UnknownTopicError.
+    with pytest.raises(InvalidPartitionError, match="partitions 0..3"):
+        logbus.spark.read(spark, name, '{"%s": {"%d": 0}}' % (name, PARTITIONS), bus=module_bus)
+    with pytest.raises(InvalidPartitionError, match="not a number"):
+        logbus.spark.read(spark, name, '{"%s": {"first": 0}}' % name, bus=module_bus)
 
     target = f"sp-bad-{uuid.uuid4().hex[:8]}"
     module_bus.admin.create_topic(target, partitions=1)
@@ -260,3 +272,118 @@ def test_bad_arguments_are_named_before_spark_or_ray_is_touched():
         logbus.spark.stream(None, "events", "g", process_batch=None)
     with pytest.raises(InvalidConfigError, match="include_headers"):
         logbus.spark.stream(None, "events", "g", lambda df, batch_id: None, include_headers=1)
+
+
+@pytest.mark.timeout(300)
+def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(spark, module_bus):
+    """Spark's Kafka source codes: LogAppendTime is 1; the timestamps are the leader's append times."""
+    from pyspark.sql import functions as F
+
+    name = f"sp-lat-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=2, config={"message.timestamp.type": "LogAppendTime"})
+    before_ms = time.time_ns() // 1_000_000
+    with logbus.Producer(module_bus, linger_ms=0) as producer:
+        for i in range(40):
+            producer.send(name, b"v%d" % i, partition=i % 2, timestamp_ms=1_000 + i).result()  # create times long past
+    after_ms = time.time_ns() // 1_000_000
+    rows = (
+        logbus.spark.read(spark, name, bus=module_bus)
+        .select("partition", "offset", "timestampType", F.unix_millis("timestamp").alias("ms"))
+        .collect()
+    )
+    assert len(rows) == 40
+    assert {row["timestampType"] for row in rows} == {1}
+    assert all(before_ms <= row["ms"] <= after_ms for row in rows), (before_ms, [row["ms"] for row in rows[:3]], after_ms)
+    # The very append times the replicas stamped, as read_dataset gives them.
+    table = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(name, bus=module_bus).to_arrow_refs()))
+    appended = dict(zip(zip(table["partition"].to_pylist(), table["offset"].to_pylist()), table["timestamp"].to_pylist()))
+    assert {(row["partition"], row["offset"]): row["ms"] for row in rows} == appended
+
+
+# --- Spark holding every CPU of its Ray cluster ------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+ALL_CPUS_APP = r"""
+import json, sys
+import ray
+import pyarrow as pa
+import logbus, logbus.spark
+from logbus.api.dataset import read_dataset
+
+data_dir, records = sys.argv[1], int(sys.argv[2])
+ray.init(address="local", num_cpus=2, object_store_memory=300 << 20, include_dashboard=False, log_to_driver=False)
+bus = logbus.connect(data_dir=data_dir)
+bus.admin.create_topic("events", partitions=3)
+with logbus.Producer(bus) as producer:
+    for i in range(records):
+        producer.send("events", b"%d" % i, key=b"k%d" % (i % 50))
+spark = logbus.spark.init_spark("all-cpus", num_executors=1, executor_cores=2, configs={"spark.ui.showConsoleProgress": "false"})
+report = {"cpus": ray.cluster_resources().get("CPU"), "free_cpus": ray.available_resources().get("CPU", 0.0)}
+
+df = logbus.spark.read(spark, "events", bus=bus)
+rows = df.select("partition", "offset", "value").collect()
+report["read"] = [int(bytes(row["value"])) for row in rows]
+report["positions"] = len({(row["partition"], row["offset"]) for row in rows})
+
+bus.admin.create_topic("copy", partitions=2)
+report["written"] = logbus.spark.write(df.select("key", "value"), "copy", bus=bus)
+copied = pa.concat_tables(ray.get(read_dataset("copy", bus=bus, num_cpus=0).to_arrow_refs()))
+report["copied"] = [int(v) for v in copied["value"].to_pylist()]
+
+batches = []
+stream = logbus.spark.stream(
+    spark, "events", "all-cpus", lambda batch, batch_id: batches.append(batch.count()), max_offsets_per_trigger=records // 2,
+    trigger_interval_s=0, bus=bus, until_caught_up=True, progress=lambda progress: None,
+)
+stream.await_termination(timeout_s=300)
+report["streamed"] = batches
+print("REPORT " + json.dumps(report), flush=True)
+logbus.spark.stop_spark()
+ray.shutdown()
+"""
+
+
+def stop_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_read_write_and_stream_while_spark_holds_every_cpu(tmp_path):
+    """init_spark(executor_cores=2) on a Ray of 2 CPUs: read, write and stream still finish.
+
+    The executors hold both CPUs for the session's life; read tasks of one CPU
+    each used to wait for them forever (Ray Data: "backpressured:
+    tasks(ResourceBudget)"), and so did ray.data.from_spark's metadata tasks
+    in write. A process of its own: its own Ray of 2 CPUs and its own Spark
+    (the suite's share one Ray of 4 CPUs and one Spark of 1 core).
+    """
+    records, deadline_s = 3_000, 420
+    env = dict(os.environ, RAY_ENABLE_AUTO_CONNECT="0", PYTHONPATH=str(REPO_ROOT))
+    env.pop("RAY_ADDRESS", None)
+    process = subprocess.Popen(
+        [sys.executable, "-c", ALL_CPUS_APP, str(tmp_path / "data"), str(records)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO_ROOT), env=env,
+        start_new_session=True,  # its Ray and Spark processes too, to end them all if it hangs
+    )
+    try:
+        output, _ = process.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        stop_group(process.pid, signal.SIGTERM)  # the driver shuts its Ray down on SIGTERM
+        try:
+            output, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_group(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+        pytest.fail(f"read/write/stream with Spark holding every CPU did not finish in {deadline_s} s:\n{output[-5000:]}")
+    reports = [line[len("REPORT "):] for line in output.splitlines() if line.startswith("REPORT ")]
+    assert process.returncode == 0 and reports, output[-5000:]
+    report = json.loads(reports[0])
+    assert report["cpus"] == 2 and report["free_cpus"] == 0  # Spark's executor holds both
+    assert sorted(report["read"]) == list(range(records)) and report["positions"] == records
+    assert report["written"] == records and sorted(report["copied"]) == list(range(records))
+    assert sum(report["streamed"]) == records and len(report["streamed"]) >= 2
