@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import time
 
@@ -32,6 +33,9 @@ def produce_events(bus, topic: str, count: int) -> None:
 
 
 def main() -> None:
+    # logbus's own progress lines (one per micro-batch); Ray Data's and Spark's INFO chatter stays hidden.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("logbus").setLevel(logging.INFO)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data-dir", default="logbus-data")
     parser.add_argument("--events", type=int, default=200_000)

@@ -485,7 +485,7 @@ def stream(
     ``until_caught_up`` ends the stream at the first trigger with nothing to do.
     See :mod:`logbus.api.streaming`.
     """
-    from logbus.api.streaming import MicroBatchStream, _stderr_progress
+    from logbus.api.streaming import MicroBatchStream, log_progress
 
     if not callable(process_batch):
         raise InvalidConfigError("process_batch must be a callable taking (DataFrame, batch_id)")
@@ -504,6 +504,6 @@ def stream(
         trigger_interval_s=trigger_interval_s,
         starting_offsets=starting_offsets,
         bus=bus,
-        progress=progress or _stderr_progress,
+        progress=progress or log_progress,
     )
     return micro.start(until_caught_up=until_caught_up, max_batches=max_batches)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -164,8 +163,9 @@ def _check_run_options(max_batches: int | None = None, until_caught_up: bool = F
         raise InvalidConfigError(f"until_caught_up must be True or False, not {until_caught_up!r}")
 
 
-def _stderr_progress(progress: BatchProgress) -> None:
-    print(f"logbus stream: {progress}", file=sys.stderr, flush=True)
+def log_progress(progress: BatchProgress) -> None:
+    """The default progress callback: one INFO line per batch on the ``logbus.api.streaming`` logger."""
+    logger.info("stream: %s", progress)
 
 
 class MicroBatchStream:
@@ -181,7 +181,7 @@ class MicroBatchStream:
         trigger_interval_s: float = 5.0,
         starting_offsets: str = "earliest",
         bus: Bus | None = None,
-        progress: Callable[[BatchProgress], None] | None = _stderr_progress,
+        progress: Callable[[BatchProgress], None] | None = log_progress,
     ) -> None:
         validate_topic_name(topic)
         validate_group_id(group_id)
