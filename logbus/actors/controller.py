@@ -48,13 +48,14 @@ from logbus.actors.group_service import GroupService
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
-from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, node_limits, replica_directory
+from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, node_limits, node_racks, replica_directory
 from logbus.clock import monotonic_ms
 from logbus.errors import DataDirectoryInUseError, InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription
+from logbus.protocol.placement import NodeLoad
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
@@ -391,6 +392,16 @@ class Controller:
             "leader_handle": handle,
         }
 
+    def _loads(self) -> list[NodeLoad]:
+        """What placement knows of the live nodes: replicas and leaders from the metadata, racks from
+        Ray's node labels, and each node's replica limit."""
+        limits = node_limits(self.max_replicas_per_node)
+        loads = self.metadata.node_loads(sorted(limits), limits)
+        racks = node_racks()
+        for load in loads:
+            load.rack = racks.get(load.node_id, "")
+        return loads
+
     # --- GroupHost: what the group service needs -------------------------------------------------
 
     def partition_counts(self) -> dict[str, int]:
@@ -534,9 +545,7 @@ class Controller:
 
     async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> None:
         async with self._lock:
-            topic = self.metadata.create_topic(
-                name, partitions, replication_factor, config, live_node_ids(), node_limits(self.max_replicas_per_node)
-            )
+            topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids(), loads=self._loads())
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
@@ -608,7 +617,7 @@ class Controller:
     async def create_partitions(self, name: str, total: int) -> TopicDescription:
         await self._ready()
         async with self._lock:
-            added = self.metadata.create_partitions(name, total, live_node_ids(), node_limits(self.max_replicas_per_node))
+            added = self.metadata.create_partitions(name, total, live_node_ids(), loads=self._loads())
             topic = self.metadata.topic(name)
             self._persist()
             for node in self._reindex():

@@ -39,6 +39,20 @@ def replica_limit(node: dict, max_replicas_per_node: int | None = None) -> int:
     return max(1, int(node.get("Resources", {}).get("memory", 0) // REPLICA_MEMORY_BYTES))
 
 
+RACK_LABELS = ("logbus.rack", "ray.io/availability-zone", "zone")  # the first a node has names its rack
+
+
+def node_racks() -> dict[str, str]:
+    """The rack of every live node that may host replicas, from its Ray labels ("" where it has none)."""
+    live = set(live_node_ids())
+    racks = {}
+    for node in ray.nodes():
+        if node["NodeID"] in live:
+            labels = node.get("Labels") or {}
+            racks[node["NodeID"]] = next((labels[k] for k in RACK_LABELS if labels.get(k)), "")
+    return racks
+
+
 def node_limits(max_replicas_per_node: int | None = None) -> dict[str, int]:
     """The replica limit of every live node that may host replicas."""
     live = set(live_node_ids())

@@ -32,8 +32,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from logbus.invariant import check as _check
+from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
-    NodeCapacityError,
     InvalidPartitionsError,
     InvalidReplicationFactorError,
     TopicAlreadyExistsError,
@@ -91,11 +91,14 @@ class ClusterMetadata:
         config: dict | None,
         live_nodes: list[str],
         node_limits: dict[str, int] | None = None,
+        loads: list[NodeLoad] | None = None,
     ) -> TopicState:
-        """Add a topic, placing its replicas on distinct live nodes; validates everything first.
+        """Add a topic, placing its replicas on distinct live nodes by load; validates everything first.
 
         ``node_limits`` (node id -> replicas it may hold): NodeCapacityError,
         and nothing added, if the placement would put more on a node.
+        ``loads`` (instead of the two): what placement knows of each node
+        (racks, bytes, limits; see ``protocol/placement.py``).
         """
         validate_topic_name(name)
         _check_count("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
@@ -109,9 +112,8 @@ class ClusterMetadata:
             )
         overrides = {key: normalized[key] for key in (config or {})}
         topic = TopicState(name, uuid.uuid4().hex, [], overrides)
-        placed = [self._place(p, replication_factor, live_nodes) for p in range(partitions)]
-        self._check_limits(placed, node_limits)
-        topic.partitions = placed
+        placements = self._placer(live_nodes, node_limits, loads).place_all(partitions, replication_factor)
+        topic.partitions = [self._partition_on(nodes) for nodes in placements]
         self.topics[name] = topic
         return topic
 
@@ -124,30 +126,41 @@ class ClusterMetadata:
                     counts[node] = counts.get(node, 0) + 1
         return counts
 
-    def _check_limits(self, placed: list[PartitionState], node_limits: dict[str, int] | None) -> None:
-        if node_limits is None:
-            return
-        counts = self.replicas_per_node()
-        for state in placed:
-            for node in state.nodes.values():
-                counts[node] = counts.get(node, 0) + 1
-        over = {node: count for node, count in counts.items() if node in node_limits and count > node_limits[node]}
-        if over:
-            details = ", ".join(f"node {node[:12]}: {count} > {node_limits[node]}" for node, count in sorted(over.items()))
-            raise NodeCapacityError(
-                f"placing {sum(len(s.replicas) for s in placed)} more replicas would exceed max.replicas.per.node ({details}); "
-                "add nodes, raise the limit, or use fewer partitions"
-            )
+    def leaders_per_node(self) -> dict[str, int]:
+        """How many partitions each node leads now."""
+        counts: dict[str, int] = {}
+        for topic in self.topics.values():
+            for state in topic.partitions:
+                if state.leader is not None:
+                    node = state.nodes[str(state.leader)]
+                    counts[node] = counts.get(node, 0) + 1
+        return counts
 
-    def _place(self, partition: int, replication_factor: int, live_nodes: list[str]) -> PartitionState:
-        count = len(live_nodes)
-        replicas = list(range(replication_factor))
-        nodes = {str(r): live_nodes[(partition + r) % count] for r in replicas}
-        state = PartitionState(replicas, nodes, leader=0, leader_epoch=0, isr=list(replicas))
+    def node_loads(self, live_nodes: list[str], node_limits: dict[str, int] | None = None) -> list[NodeLoad]:
+        """What placement knows of ``live_nodes`` from the metadata alone: replicas and leaders each holds."""
+        replicas, leaders = self.replicas_per_node(), self.leaders_per_node()
+        limits = node_limits or {}
+        return [NodeLoad(n, replicas=replicas.get(n, 0), leaders=leaders.get(n, 0), limit=limits.get(n)) for n in live_nodes]
+
+    def _placer(self, live_nodes: list[str], node_limits: dict[str, int] | None, loads: list[NodeLoad] | None) -> Placer:
+        return Placer(loads if loads is not None else self.node_loads(live_nodes, node_limits))
+
+    @staticmethod
+    def _partition_on(nodes: list[str]) -> PartitionState:
+        """A new partition with replica ``r`` on ``nodes[r]`` (replica 0, the preferred leader, leads)."""
+        replicas = list(range(len(nodes)))
+        state = PartitionState(replicas, {str(r): node for r, node in zip(replicas, nodes)}, leader=0, leader_epoch=0, isr=list(replicas))
         _check_partition(state)
         return state
 
-    def create_partitions(self, name: str, total: int, live_nodes: list[str], node_limits: dict[str, int] | None = None) -> list[int]:
+    def create_partitions(
+        self,
+        name: str,
+        total: int,
+        live_nodes: list[str],
+        node_limits: dict[str, int] | None = None,
+        loads: list[NodeLoad] | None = None,
+    ) -> list[int]:
         """Grow a topic to ``total`` partitions; return the new partition numbers."""
         topic = self.topic(name)
         _check_count("total", total, InvalidPartitionsError, PARTITIONS_MAX)
@@ -159,9 +172,8 @@ class ClusterMetadata:
                 f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
             )
         added = list(range(current, total))
-        placed = [self._place(p, topic.replication_factor, live_nodes) for p in added]
-        self._check_limits(placed, node_limits)
-        topic.partitions += placed
+        placements = self._placer(live_nodes, node_limits, loads).place_all(len(added), topic.replication_factor)
+        topic.partitions += [self._partition_on(nodes) for nodes in placements]
         return added
 
     def alter_config(self, name: str, config: dict) -> dict:
