@@ -114,6 +114,17 @@ class OutOfOrderSequenceError(RetriableError):
     """An idempotent producer's batch does not continue its sequence (an earlier batch is still being retried)."""
 
 
+class DuplicateSequenceError(LogbusError):
+    """An idempotent producer's batch starts below the sequence numbers the leader remembers for it.
+
+    The leader keeps the last 5 batches of each producer; a batch older than
+    those (a retry that arrived after newer batches were written) was written
+    before, at offsets the leader no longer knows. Not retriable: writing it
+    again would duplicate its records, so no retry can succeed (Kafka's
+    DUPLICATE_SEQUENCE_NUMBER).
+    """
+
+
 class ProducerFencedError(LogbusError):
     """A newer producer with the same producer id has a higher epoch."""
 

@@ -14,12 +14,28 @@ class TopicPartition(NamedTuple):
 
 
 class RecordMetadata(NamedTuple):
-    """Where an acknowledged record landed."""
+    """Where an acknowledged record landed.
+
+    ``timestamp_ms`` is the record's timestamp as stored: the leader's append
+    time on a LogAppendTime topic, else the record's create time. ``offset``
+    is -1 with acks=0 (no reply). ``timestamp`` and ``topic_partition`` are
+    kafka-python's names.
+    """
 
     topic: str
     partition: int
     offset: int
     timestamp_ms: int
+
+    @property
+    def timestamp(self) -> int:
+        """The record's timestamp in ms (kafka-python's name for ``timestamp_ms``)."""
+        return self.timestamp_ms
+
+    @property
+    def topic_partition(self) -> TopicPartition:
+        """The record's topic and partition as a TopicPartition."""
+        return TopicPartition(self.topic, self.partition)
 
 
 class ConsumerRecord(NamedTuple):

@@ -246,8 +246,10 @@ class PartitionLog:
             raise InvalidRecordError(f"expected one batch of {header.size_bytes} bytes, got {len(view)} bytes")
         duplicate_of = self.producer_state.check(header)
         if duplicate_of is not None:
-            last = duplicate_of + header.record_count - 1
-            return AppendResult(duplicate_of, last, header.record_count, header.max_timestamp_ms, self.log_end_offset, duplicate=True)
+            # The timestamp as stored: on a LogAppendTime topic the append time of the original.
+            base, max_timestamp_ms = duplicate_of
+            last = base + header.record_count - 1
+            return AppendResult(base, last, header.record_count, max_timestamp_ms, self.log_end_offset, duplicate=True)
         base_offset = self.log_end_offset
         append_time = self.clock_ms() if self.config.message_timestamp_type == LOG_APPEND_TIME else None
         new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch, append_time)

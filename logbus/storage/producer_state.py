@@ -4,12 +4,22 @@ The leader checks every batch that carries a producer id before writing it:
 
 - a batch whose sequence range equals one of the producer's last
   ``BATCHES_KEPT`` batches is a duplicate (a retry of a batch that was
-  written): the original offsets are returned and nothing is written;
+  written): the original offsets and timestamp are returned and nothing is
+  written;
+- a batch that starts below the oldest of those batches is
+  DuplicateSequenceError, at once and not retriable: its sequence numbers
+  were written before the window's (the leader only accepts a producer's
+  sequence numbers in order), so writing it would duplicate its records, and
+  no retry can make it the next batch (Kafka's DUPLICATE_SEQUENCE_NUMBER);
 - a batch must otherwise continue the producer's sequence exactly
   (``base_sequence == last_sequence + 1``), or start at 0 for a new producer
-  or a new epoch; anything else is OutOfOrderSequenceError (a gap would mean
-  lost records);
+  or a new epoch; anything else is OutOfOrderSequenceError, retriable (a
+  gap would mean lost records, and the batch that fills it may still be on
+  its way);
 - a batch from an older producer epoch is ProducerFencedError.
+
+A producer starts a new epoch, at sequence 0, after one of its batches to a
+partition failed for good (KIP-360; see logbus/api/producer.py).
 
 Every replica (leader or follower) updates the table from the batch headers
 it appends, so a new leader knows every producer's sequence. On open the
@@ -23,7 +33,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from logbus.errors import OutOfOrderSequenceError, ProducerFencedError
+from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError
 from logbus.storage.record_batch import NO_PRODUCER_ID, BatchHeader
 
 BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition with idempotence on
@@ -32,7 +42,8 @@ BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition 
 @dataclass(slots=True)
 class _Producer:
     epoch: int
-    batches: deque = field(default_factory=lambda: deque(maxlen=BATCHES_KEPT))  # (first_seq, last_seq, base_offset)
+    # (first_seq, last_seq, base_offset, max_timestamp_ms) of the last batches, oldest first
+    batches: deque = field(default_factory=lambda: deque(maxlen=BATCHES_KEPT))
 
     @property
     def last_sequence(self) -> int:
@@ -45,12 +56,13 @@ class ProducerStateTable:
     def __init__(self) -> None:
         self.producers: dict[int, _Producer] = {}
 
-    def check(self, header: BatchHeader) -> int | None:
+    def check(self, header: BatchHeader) -> tuple[int, int] | None:
         """Validate a batch about to be appended by the leader.
 
-        Returns the base offset it was written at before if it is a duplicate,
-        None if it may be appended; raises OutOfOrderSequenceError or
-        ProducerFencedError otherwise.
+        Returns (base offset, max timestamp) of the batch as written before if
+        it is a duplicate, None if it may be appended; raises
+        DuplicateSequenceError, OutOfOrderSequenceError or ProducerFencedError
+        otherwise.
         """
         if header.producer_id == NO_PRODUCER_ID:
             return None
@@ -67,9 +79,16 @@ class ProducerStateTable:
             if header.base_sequence != 0:
                 raise OutOfOrderSequenceError(f"a new producer epoch must start at sequence 0, not {header.base_sequence}")
             return None
-        for first, last, base_offset in state.batches:
+        for first, last, base_offset, max_timestamp_ms in state.batches:
             if first == header.base_sequence and last == header.last_sequence:
-                return base_offset
+                return base_offset, max_timestamp_ms
+        oldest = state.batches[0][0]
+        if header.base_sequence < oldest:
+            raise DuplicateSequenceError(
+                f"producer {header.producer_id}: batch starts at sequence {header.base_sequence}, below the last "
+                f"{len(state.batches)} batches this leader remembers (from sequence {oldest}): it was written "
+                f"before, at offsets no longer known"
+            )
         expected = state.last_sequence + 1
         if header.base_sequence != expected:
             raise OutOfOrderSequenceError(
@@ -84,7 +103,7 @@ class ProducerStateTable:
         state = self.producers.get(header.producer_id)
         if state is None or header.producer_epoch > state.epoch:
             state = self.producers[header.producer_id] = _Producer(header.producer_epoch)
-        state.batches.append((header.base_sequence, header.last_sequence, header.base_offset))
+        state.batches.append((header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms))
 
     def clear(self) -> None:
         self.producers.clear()

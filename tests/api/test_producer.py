@@ -1,0 +1,269 @@
+"""The producer's contract with its callers, end to end: real Ray actors, real files.
+
+Record futures as concurrent.futures and asyncio see them, kafka-python's
+spellings, serializers, record timestamps, and idempotence after a batch that
+failed for good (KIP-360).
+"""
+
+import asyncio
+import concurrent.futures
+import json
+import time
+
+import pyarrow as pa
+import pytest
+
+import logbus
+from logbus import TopicPartition
+from logbus.actors.remote import get
+from logbus.errors import (
+    DuplicateSequenceError,
+    IllegalStateError,
+    InvalidConfigError,
+    InvalidRecordError,
+    NotEnoughReplicasError,
+    RecordTooLargeError,
+    SerializationError,
+)
+from logbus.protocol.messages import FetchRequest
+from logbus.storage import encode_batch
+from logbus.storage import record_batch as rb
+from tests.conftest import wait_for
+
+LONG_LINGER_MS = 5_000  # records stay pending this long unless flushed: time to look at pending futures
+
+
+def read_all(bus, topic, partition=0, timeout_s=60):
+    """Every record of one partition, from offset 0 to its end, as ConsumerRecords."""
+    tp = TopicPartition(topic, partition)
+    consumer = logbus.Consumer(bus)
+    consumer.assign([tp])
+    end = consumer.end_offsets([tp])[tp]
+    records = []
+
+    def more():
+        records.extend(consumer.poll(timeout_ms=200).get(tp, []))
+        return len(records) >= end
+
+    wait_for(more, timeout_s=timeout_s, interval_s=0, message=f"{end} records of {topic}-{partition}")
+    consumer.close()
+    return records
+
+
+def test_record_futures_work_with_wait_and_as_completed(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=3)
+    producer = logbus.Producer(bus, linger_ms=LONG_LINGER_MS)
+    futures = [producer.send(topic_name, b"v%d" % i, key=b"k%d" % (i % 11)) for i in range(300)]
+    assert isinstance(futures[0], concurrent.futures.Future)
+    # Pending: wait() and as_completed() look at (and wait on) the futures' own state.
+    done, not_done = concurrent.futures.wait(futures, timeout=0)
+    assert not done and len(not_done) == 300
+    with pytest.raises(concurrent.futures.TimeoutError):
+        next(concurrent.futures.as_completed(futures, timeout=0.01))
+    # Still pending here: as_completed yields them as their batches complete, after the linger.
+    yielded = list(concurrent.futures.as_completed(futures, timeout=60))
+    assert sorted(map(id, yielded)) == sorted(map(id, futures))  # each future once, itself (not its batch)
+    done, not_done = concurrent.futures.wait(futures, timeout=60)
+    assert len(done) == 300 and not not_done
+    first = concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION, timeout=60)
+    assert len(first.done) == 300
+    producer.close()
+    metadata = [f.result() for f in futures]
+    by_partition = {}
+    for m in metadata:
+        by_partition.setdefault(m.partition, []).append(m.offset)
+    assert all(offsets == list(range(len(offsets))) for offsets in by_partition.values())
+    stored = {(r.partition, r.offset): r.value for p in range(3) for r in read_all(bus, topic_name, p)}
+    assert {(m.partition, m.offset): b"v%d" % i for i, m in enumerate(metadata)} == stored
+
+
+def test_record_futures_work_with_asyncio(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    producer = logbus.Producer(bus, linger_ms=5)
+
+    async def main():
+        futures = [asyncio.wrap_future(producer.send(topic_name, b"a%d" % i, partition=i % 2)) for i in range(50)]
+        return await asyncio.wait_for(asyncio.gather(*futures), 60)
+
+    metadata = asyncio.run(main())
+    producer.close()
+    assert sorted((m.partition, m.offset) for m in metadata) == sorted((p, o) for p in range(2) for o in range(25))
+
+
+def test_result_exception_and_cancel_behave_as_a_kafka_future(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    producer = logbus.Producer(bus, linger_ms=LONG_LINGER_MS)
+    future = producer.send(topic_name, b"pending")
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.result(timeout=0.01)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.get(timeout=0)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.exception(timeout=0)
+    assert not future.done() and future.running() and not future.cancelled()
+    assert future.cancel() is False and not future.cancelled()  # a record handed over is on its way
+    seen = []
+    future.add_done_callback(seen.append)
+    with pytest.raises(IllegalStateError):
+        future.set_result(None)
+    producer.flush(timeout=60)
+    assert future.done() and not future.running() and not future.cancelled()
+    assert future.exception(timeout=0) is None
+    assert future.get() == future.result(timeout=0) and future.result().offset == 0
+    assert seen == [future]
+    late = []
+    future.add_done_callback(late.append)  # already done: called at once
+    assert late == [future]
+    producer.close()
+
+
+def test_kafka_python_callbacks_errbacks_and_timestamps(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    old_ms = int(time.time() * 1000) - 60_000  # recent enough for retention
+    producer = logbus.Producer(bus, linger_ms=LONG_LINGER_MS)
+    calls = []
+    future = producer.send(topic_name, b"one", partition=1, timestamp_ms=old_ms)
+    chained = future.add_callback(lambda m, tag, n=0: calls.append(("ok", m, tag, n)), "first", n=7).add_errback(
+        lambda e, tag: calls.append(("err", e, tag)), "first"
+    )
+    assert chained is future and calls == []
+    producer.flush(timeout=60)
+    metadata = future.result()
+    assert calls == [("ok", metadata, "first", 7)]
+    assert metadata.topic_partition == TopicPartition(topic_name, 1)
+    assert metadata.timestamp == metadata.timestamp_ms == old_ms  # CreateTime: the record's own
+    future.add_callback(lambda m: calls.append(("late", m)))  # already done: called at once
+    assert calls[-1] == ("late", metadata)
+    producer.close()
+
+
+def test_log_append_time_topic_reports_the_leaders_append_time(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1, config={"message.timestamp.type": "LogAppendTime"})
+    old_ms = int(time.time() * 1000) - 60_000
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        before_ms = time.time_ns() // 1_000_000
+        metadata = producer.send(topic_name, b"stamped", timestamp_ms=old_ms).result(timeout=60)
+        after_ms = time.time_ns() // 1_000_000
+    assert metadata.timestamp == metadata.timestamp_ms and before_ms <= metadata.timestamp <= after_ms
+    # The batch as the leader stored it carries that same time.
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    _, data = get(leader.fetch.remote(FetchRequest(0, inline_max_bytes=1 << 16)))
+    stored = rb.read_header(data)
+    assert stored.reader_timestamp_type == rb.TIMESTAMP_TYPE_LOG_APPEND_TIME
+    assert stored.max_timestamp_ms == metadata.timestamp
+
+
+def test_serializers_apply_to_keys_and_values_but_not_to_none(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    seen = []
+
+    def value_serializer(value):
+        seen.append(value)
+        return json.dumps(value)  # a str: sent as UTF-8
+
+    producer = logbus.Producer(
+        bus, linger_ms=0, value_serializer=value_serializer, key_serializer=lambda k: b"key-%d" % k
+    )
+    producer.send(topic_name, {"n": 1}, key=7)
+    producer.send(topic_name, None, key=8)  # a tombstone: None is not serialized
+    producer.send(topic_name, [2], key=None)
+    producer.flush(timeout=60)
+    producer.close()
+    assert seen == [{"n": 1}, [2]]
+    stored = read_all(bus, topic_name)
+    assert [(r.key, r.value) for r in stored] == [(b"key-7", b'{"n": 1}'), (b"key-8", None), (None, b"[2]")]
+
+
+def test_failing_serializers_raise_serialization_error_and_queue_nothing(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+
+    def value_serializer(value):
+        if value == "boom":
+            raise ValueError("cannot serialize boom")
+        if value == "number":
+            return 42
+        return value.encode()
+
+    producer = logbus.Producer(bus, linger_ms=0, value_serializer=value_serializer)
+    with pytest.raises(SerializationError) as raised:
+        producer.send(topic_name, "boom")
+    assert topic_name in str(raised.value) and "cannot serialize boom" in str(raised.value)
+    assert isinstance(raised.value.__cause__, ValueError) and not raised.value.retriable
+    with pytest.raises(SerializationError, match="returned int"):
+        producer.send(topic_name, "number")
+    with pytest.raises(InvalidRecordError):  # the serializer's output still meets send()'s own checks
+        producer.send(topic_name, "ok", headers=[("h", 5)])
+    producer.send(topic_name, "ok").result(timeout=60)
+    producer.close()
+    assert [r.value for r in read_all(bus, topic_name)] == [b"ok"]
+    with pytest.raises(InvalidConfigError, match="value_serializer"):
+        logbus.Producer(bus, value_serializer="json")
+
+
+def test_flush_takes_kafka_pythons_timeout(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    producer = logbus.Producer(bus, linger_ms=LONG_LINGER_MS)
+    future = producer.send(topic_name, b"x")
+    producer.flush(timeout=60)
+    assert future.done()
+    with pytest.raises(InvalidConfigError):
+        producer.flush(timeout=-1)
+    with pytest.raises(InvalidConfigError, match="not both"):
+        producer.flush(5, timeout=5)
+    producer.close()
+
+
+def test_idempotent_producer_recovers_after_a_batch_failed_for_good(bus, topic_name):
+    """KIP-360: a batch that exhausted its delivery timeout must not poison its partition's sequence."""
+    bus.admin.create_topic(topic_name, partitions=1, config={"min.insync.replicas": 2})  # one replica: never enough
+    producer = logbus.Producer(bus, acks="all", linger_ms=0, delivery_timeout_ms=1500)
+    assert producer.enable_idempotence
+    failed = []
+    lost = producer.send(topic_name, b"lost").add_errback(failed.append)
+    with pytest.raises(NotEnoughReplicasError):
+        lost.result(timeout=60)
+    assert len(failed) == 1 and isinstance(failed[0], NotEnoughReplicasError)
+    bus.admin.alter_config(topic_name, {"min.insync.replicas": 1})
+    futures = [producer.send(topic_name, b"after-%d" % i) for i in range(5)]
+    producer.flush(timeout=60)
+    assert [f.exception() for f in futures] == [None] * 5
+    assert [f.result().offset for f in futures] == [0, 1, 2, 3, 4]
+    more = [producer.send(topic_name, b"more-%d" % i) for i in range(3)]  # the new sequence carries on
+    assert [f.result(timeout=60).offset for f in more] == [5, 6, 7]
+    producer.close()
+    stored = read_all(bus, topic_name)
+    assert [r.value for r in stored] == [b"after-%d" % i for i in range(5)] + [b"more-%d" % i for i in range(3)]
+
+
+def test_a_batch_numbered_after_a_refused_one_fails_at_once_and_the_partition_recovers(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 65536})
+    producer = logbus.Producer(bus, linger_ms=0)  # idempotent; the default delivery timeout, 120 s
+    assert producer.send(topic_name, b"first").result(timeout=60).offset == 0  # the producer caches the limit
+    bus.admin.alter_config(topic_name, {"max.message.bytes": 16384})
+    # One table, split at the limit the producer knew: a large batch the leader now refuses for good,
+    # then a small one whose sequence follows it, so it can never be in order: it must fail at once,
+    # not be retried until its delivery timeout (which result(timeout=60) would not wait for).
+    table = pa.table({"value": [b"x" * 1000] * 61})
+    with pytest.raises(RecordTooLargeError):
+        producer.send_table(topic_name, table).result(timeout=60)
+    after = [producer.send(topic_name, b"after-%d" % i) for i in range(3)]
+    assert [f.result(timeout=60).offset for f in after] == [1, 2, 3]
+    producer.close()
+    assert [r.value for r in read_all(bus, topic_name)] == [b"first", b"after-0", b"after-1", b"after-2"]
+
+
+def test_a_retry_older_than_the_leaders_window_is_refused_for_good(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    producer_id = 1 << 40  # outside what the controller hands out
+
+    def batch(sequence):
+        return encode_batch([b"s%d" % sequence], producer_id=producer_id, producer_epoch=0, base_sequence=sequence)
+
+    offsets = [get(leader.produce.remote(batch(s))).base_offset for s in range(6)]
+    assert offsets == list(range(6))
+    assert get(leader.produce.remote(batch(1))).base_offset == 1  # in the window of 5: a duplicate, answered
+    with pytest.raises(DuplicateSequenceError) as raised:
+        get(leader.produce.remote(batch(0)))  # older than the window: never retriable
+    assert not raised.value.retriable
+    assert [r.value for r in read_all(bus, topic_name)] == [b"s%d" % s for s in range(6)]
