@@ -9,7 +9,7 @@ the number of leader-node kills (default 10; 2 with ``--quick``); ``--wait-load 
 The cluster is built on this one machine with ``ray.cluster_utils.Cluster``, as in
 tests/actors/test_replication.py: a head node (the driver, the controller and the
 benchmark's helper actors; num_cpus=2) plus three worker nodes (num_cpus=1) that carry the
-custom resource ``{"logbus_replica": 1}``, so every replica is placed off the head node and
+custom resource ``{"logbus_replica": 16}`` (replica slots), so every replica is placed off the head node and
 each replica of a partition is on its own node. Ray's health checks are lowered as in the
 test (300 ms period, 1.5 s timeout, 5 failures). The controller is created by
 ``logbus.connect(..., replica_replacement_ms=2000)``; the controller places itself on the head
@@ -155,7 +155,7 @@ PRODUCE_ALL_TARGET = 500_000
 FAILOVER_MAX_TARGET_S = 2.0
 FAILOVER_P50_TARGET_S = 1.0
 
-REPLICA_RESOURCE = {"logbus_replica": 1}
+REPLICA_RESOURCE = {"logbus_replica": 16}  # replica slots per node
 SYSTEM_CONFIG = {  # as in tests/actors/test_replication.py
     "health_check_initial_delay_ms": 0,
     # A removed node's raylet refuses connections at once, so it is declared dead after 5 quick

@@ -48,7 +48,15 @@ from logbus.actors.group_service import GroupService
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
-from logbus.actors.placement import HEAD_NODE_RESOURCE, live_node_ids, node_limits, node_racks, replica_directory
+from logbus.actors.placement import (
+    HEAD_NODE_RESOURCE,
+    REPLICA_NODE_RESOURCE,
+    live_node_ids,
+    node_limits,
+    node_racks,
+    replica_directory,
+    uses_replica_slots,
+)
 from logbus.clock import monotonic_ms
 from logbus.errors import DataDirectoryInUseError, InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
@@ -155,6 +163,7 @@ class Controller:
         self._started: asyncio.Task | None = None
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
         self._versions = 0  # counter of epoch table versions
+        self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
 
@@ -222,6 +231,7 @@ class Controller:
                 config=topic.config,
                 leader_epoch=state.leader_epoch,
                 controller_name=CONTROLLER_NAME,
+                resources={REPLICA_NODE_RESOURCE: 1} if self._use_slots else None,
             )
             self._replicas[key] = handle
         return handle
@@ -396,6 +406,7 @@ class Controller:
         """What placement knows of the live nodes: replicas and leaders from the metadata, racks from
         Ray's node labels, and each node's replica limit."""
         limits = node_limits(self.max_replicas_per_node)
+        self._use_slots = uses_replica_slots()
         loads = self.metadata.node_loads(sorted(limits), limits)
         racks = node_racks()
         for load in loads:

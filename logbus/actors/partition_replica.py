@@ -111,6 +111,8 @@ ALTER_ISR_TIMEOUT_S = 5.0
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 REPLICA_FETCH_MAX_BYTES = 16 << 20
+THROTTLE_SLICE_S = 0.2  # a throttled follower fetches about this many seconds' worth of bytes at a time
+THROTTLED_FETCH_MIN_BYTES = 64 << 10
 PRODUCE_TIMEOUT_MS_MAX = 120_000
 FETCH_SESSIONS_MAX = 1024  # consumers' fetch sessions remembered (least recently used ones are forgotten)
 REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
@@ -214,6 +216,8 @@ class PartitionReplica:
         self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush"
         self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
         self._isr_proposal: asyncio.Task | None = None
+        self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
+        self._throttle_until = 0.0
         self._segments_seen = 0
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
         # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
@@ -534,7 +538,11 @@ class PartitionReplica:
                 # Wait at most half the lag time: a fetch waiting at the leader counts as in sync only
                 # that long, so an idle follower renews it before it stops counting.
                 wait_ms = min(REPLICA_FETCH_WAIT_MS, self.log.config.replica_lag_time_max_ms // 2)
-                request = FetchRequest(self.log.log_end_offset, REPLICA_FETCH_MAX_BYTES, wait_ms, False, FETCH_INLINE_MAX_BYTES)
+                max_bytes = REPLICA_FETCH_MAX_BYTES
+                if self.throttle_bytes_per_s:
+                    # A throttled copy (a reassignment) asks for small slices, so its pace stays smooth.
+                    max_bytes = max(THROTTLED_FETCH_MIN_BYTES, min(max_bytes, int(self.throttle_bytes_per_s * THROTTLE_SLICE_S)))
+                request = FetchRequest(self.log.log_end_offset, max_bytes, wait_ms, False, FETCH_INLINE_MAX_BYTES)
                 meta, data = await leader.replica_fetch.remote(self.replica_id, epoch, request)
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
@@ -542,7 +550,9 @@ class PartitionReplica:
                     if isinstance(data, ray.ObjectRef):
                         data = await data
                     self.log.append_as_follower(data)
+                    copied = len(data)
                     del data
+                    await self._pace(copied)
                 self.follower_high_watermark = meta.high_watermark
             except asyncio.CancelledError:
                 raise
@@ -557,6 +567,22 @@ class PartitionReplica:
                     last_error = repr(error)
                     logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
                 await asyncio.sleep(0.1)
+
+    async def _pace(self, copied: int) -> None:
+        """With a throttle (bytes/s), wait until the bytes copied so far are within the rate."""
+        rate = self.throttle_bytes_per_s
+        if not rate:
+            self._throttle_until = 0.0
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        self._throttle_until = max(self._throttle_until, now) + copied / rate
+        if self._throttle_until > now:
+            await asyncio.sleep(self._throttle_until - now)
+
+    async def set_throttle(self, bytes_per_s: int | None) -> None:
+        """Limit how fast this replica copies from its leader (a reassignment's new replica); None: no limit."""
+        self.throttle_bytes_per_s = int(bytes_per_s) if bytes_per_s else None
 
     # --- data plane --------------------------------------------------------------------------------------
 
@@ -866,8 +892,13 @@ def start_replica(
     config: dict,
     leader_epoch: int,
     controller_name: str,
+    resources: dict | None = None,
 ):
-    """Get or create one partition replica actor, pinned to its node (it owns a directory there)."""
+    """Get or create one partition replica actor, pinned to its node (it owns a directory there).
+
+    ``resources``: what it declares it needs of the node (one ``logbus_replica`` slot where nodes
+    advertise them; see ``placement.uses_replica_slots``).
+    """
     return (
         ray.remote(PartitionReplica)
         .options(
@@ -878,6 +909,7 @@ def start_replica(
             max_restarts=-1,  # rebuilt from its files by the constructor
             max_task_retries=0,  # a produce must not be replayed behind the producer's back
             num_cpus=0,
+            resources=resources or {},
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )

@@ -30,13 +30,33 @@ def live_node_ids() -> list[str]:
     return sorted(node["NodeID"] for node in (marked or nodes))
 
 
+EMBEDDED_MEMORY_SHARE = 0.6  # of the machine's memory, what an embedded cluster's replicas may use
+
+
 def replica_limit(node: dict, max_replicas_per_node: int | None = None) -> int:
-    """How many replicas one node (an entry of ``ray.nodes()``) may hold: ``max_replicas_per_node``
-    when set, else what its schedulable memory (Ray's ``memory`` resource) holds at
-    REPLICA_MEMORY_BYTES per replica (at least one)."""
-    if max_replicas_per_node is not None:
-        return max_replicas_per_node
-    return max(1, int(node.get("Resources", {}).get("memory", 0) // REPLICA_MEMORY_BYTES))
+    """How many replicas one node (an entry of ``ray.nodes()``) may hold.
+
+    A node that advertises replica slots (the custom resource ``logbus_replica``)
+    holds at most that many; otherwise what its schedulable memory (Ray's
+    ``memory`` resource) holds at REPLICA_MEMORY_BYTES per replica (at least
+    one). ``max_replicas_per_node`` lowers either.
+    """
+    resources = node.get("Resources", {})
+    slots = int(resources.get(REPLICA_NODE_RESOURCE, 0))
+    limit = slots if slots > 0 else max(1, int(resources.get("memory", 0) // REPLICA_MEMORY_BYTES))
+    return limit if max_replicas_per_node is None else min(limit, max_replicas_per_node)
+
+
+def uses_replica_slots() -> bool:
+    """Whether replicas declare their demand: some node advertises ``logbus_replica`` slots. Each replica
+    then asks for one slot, so Ray (and its autoscaler) sees what replicas need; a cluster whose
+    nodes advertise none places replicas by node only, as Ray's CPUs do not count them."""
+    return any(node.get("Alive") and node.get("Resources", {}).get(REPLICA_NODE_RESOURCE) for node in ray.nodes())
+
+
+def embedded_slots(total_memory_bytes: int) -> int:
+    """Replica slots for the one node of an embedded cluster, from the machine's memory."""
+    return max(1, int(total_memory_bytes * EMBEDDED_MEMORY_SHARE // REPLICA_MEMORY_BYTES))
 
 
 RACK_LABELS = ("logbus.rack", "ray.io/availability-zone", "zone")  # the first a node has names its rack

@@ -7,9 +7,11 @@ import threading
 import time
 from dataclasses import dataclass
 
+import psutil
 import ray
 
 from logbus.actors import controller as controller_actor
+from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
@@ -170,7 +172,10 @@ def _start_or_join_embedded(data_dir: str, namespace: str, options: dict) -> Dir
         owner = DirectoryLock(os.path.join(data_dir, "controller", controller_actor.OWNER_LOCK_FILE))
         if not owner.is_held_elsewhere():
             # "local": always a new embedded Ray, never some other cluster left running on the machine.
-            ray.init(**{"address": "local", "namespace": namespace, "include_dashboard": False, "log_to_driver": True, **options})
+            # Its one node advertises replica slots from the machine's memory (max.replicas.per.node).
+            slots = {REPLICA_NODE_RESOURCE: embedded_slots(psutil.virtual_memory().total)}
+            ray.init(**{"address": "local", "namespace": namespace, "include_dashboard": False, "log_to_driver": True,
+                        "resources": slots, **options})
             return starting
         note = owner.read_note() or {}
         holder = f"pid {note.get('pid', '?')}, Ray cluster at {note.get('gcs_address', '?')}, namespace {note.get('namespace', '?')!r}"

@@ -36,7 +36,7 @@ pytestmark = [
     pytest.mark.timeout(600),
 ]
 
-REPLICA_RESOURCE = {"logbus_replica": 1}
+REPLICA_RESOURCE = {"logbus_replica": 16}  # replica slots per node
 SYSTEM_CONFIG = {
     "health_check_initial_delay_ms": 0,
     # A removed node's raylet refuses connections at once, so it is declared dead after 5 quick
