@@ -42,6 +42,7 @@ import os
 import uuid
 
 import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
 from logbus.actors.group_service import GroupService
@@ -51,6 +52,7 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
+    autoscaler_replica_capacity,
     live_node_ids,
     node_limits,
     node_racks,
@@ -58,7 +60,14 @@ from logbus.actors.placement import (
     uses_replica_slots,
 )
 from logbus.clock import monotonic_ms
-from logbus.errors import DataDirectoryInUseError, InvalidTopicError, LeaderNotAvailableError, UnknownTopicError
+from logbus.errors import (
+    DataDirectoryInUseError,
+    InvalidReplicationFactorError,
+    InvalidTopicError,
+    LeaderNotAvailableError,
+    NodeCapacityError,
+    UnknownTopicError,
+)
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
@@ -79,6 +88,7 @@ OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predece
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
+CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
 REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
@@ -108,6 +118,22 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
     context = ray.get_runtime_context()
     lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir})
     return lock
+
+
+class Reservation:
+    """Placement groups holding replica slots until the replicas' actors take them over."""
+
+    def __init__(self, groups: list) -> None:
+        self.groups = groups
+        self.placements: list[list[str]] = []
+
+    def release(self) -> None:
+        groups, self.groups = self.groups, []
+        for group in groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
 
 
 class _Node:
@@ -547,22 +573,95 @@ class Controller:
 
     # --- admin -------------------------------------------------------------------------------------
 
-    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict | None) -> TopicDescription:
+    async def create_topic(
+        self, name: str, partitions: int, replication_factor: int, config: dict | None, timeout_s: float = CREATE_TIMEOUT_S
+    ) -> TopicDescription:
+        """Create a topic and start its replicas; returns once every replica serves.
+
+        When the cluster's nodes cannot hold it (too few nodes for the
+        replication factor, or no replica slots left) and an autoscaler may
+        add nodes with slots, the replicas become pending demand (placement
+        groups) that the autoscaler answers; ``timeout_s`` bounds the wait.
+        Without such an autoscaler it fails at once.
+        """
         await self._ready()
         if name == OFFSETS_TOPIC:
             raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic; it is created on first use")
-        await self._create_topic(name, partitions, replication_factor, config)
+        await self._create_topic(name, partitions, replication_factor, config, timeout_s=timeout_s)
         return await self.describe_topic(name)
 
-    async def _create_topic(self, name, partitions, replication_factor, config, internal: bool = False) -> None:
+    async def _create_topic(
+        self, name, partitions, replication_factor, config, internal: bool = False, timeout_s: float = CREATE_TIMEOUT_S
+    ) -> None:
+        reserved = None
         async with self._lock:
-            topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids(), loads=self._loads())
-            self._persist()
-            for node in self._reindex():
-                self._push_epochs(node)
-            self.groups.topics_changed()
-        # Start every replica actor concurrently: each is a process that takes a while to boot.
-        await asyncio.gather(*(self._start_partition(topic, p) for p in range(partitions)))
+            try:
+                topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids(), loads=self._loads())
+            except (NodeCapacityError, InvalidReplicationFactorError):
+                if internal or autoscaler_replica_capacity() == 0:
+                    raise
+                self.metadata.check_new_topic(name, partitions, replication_factor, config)
+                topic = None
+        if topic is None:
+            # More nodes are needed: ask the autoscaler for them (the lock is not held meanwhile).
+            reserved = await self._reserve_nodes(f"topic {name!r}", partitions, replication_factor, timeout_s)
+            async with self._lock:
+                try:
+                    topic = self.metadata.create_topic(
+                        name, partitions, replication_factor, config, live_node_ids(), placements=reserved.placements
+                    )
+                except BaseException:
+                    reserved.release()
+                    raise
+        try:
+            async with self._lock:
+                self._persist()
+                for node in self._reindex():
+                    self._push_epochs(node)
+                self.groups.topics_changed()
+            # Start every replica actor concurrently: each is a process that takes a while to boot.
+            starts = [self._start_partition(topic, p) for p in range(partitions)]
+            if reserved is not None:
+                for p in range(partitions):  # the actors exist (pending on their slots): free the slots for them
+                    for r in topic.partitions[p].replicas:
+                        self._replica_handle(topic, p, r)
+                reserved.release()
+            await asyncio.gather(*starts)
+        finally:
+            if reserved is not None:
+                reserved.release()
+
+    async def _reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> "Reservation":
+        """Pending demand the autoscaler answers: one placement group per partition, each of
+        ``replication_factor`` replica slots on distinct nodes (STRICT_SPREAD). Returns the nodes
+        the slots were reserved on, once all are; NodeCapacityError naming what is missing if the
+        autoscaler does not provide them within ``timeout_s``."""
+        groups = [
+            placement_group([{REPLICA_NODE_RESOURCE: 1}] * replication_factor, strategy="STRICT_SPREAD", name=f"logbus:{uuid.uuid4().hex[:12]}")
+            for _ in range(partitions)
+        ]
+        reservation = Reservation(groups)
+        logger.info("%s needs %d replicas on %d distinct nodes each: waiting up to %.0f s for the autoscaler",
+                    what, partitions * replication_factor, replication_factor, timeout_s)
+        ready = [asyncio.wrap_future(g.ready().future()) for g in groups]
+        try:
+            await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
+        except asyncio.TimeoutError:
+            reservation.release()
+            done = sum(1 for f in ready if f.done() and not f.cancelled() and f.exception() is None)
+            raise NodeCapacityError(
+                f"{what}: the autoscaler did not provide {partitions * replication_factor} replica slots "
+                f"({REPLICA_NODE_RESOURCE}) on {replication_factor} distinct nodes per partition within {timeout_s:.0f} s "
+                f"({done} of {partitions} partitions placed); add nodes with replica slots or raise the autoscaler's max_workers"
+            ) from None
+        except BaseException:
+            reservation.release()
+            raise
+        self._use_slots = True
+        reservation.placements = [
+            [placement_group_table(g)["bundles_to_node_id"][i] for i in range(replication_factor)] for g in groups
+        ]
+        return reservation
 
     async def delete_topic(self, name: str) -> None:
         await self._ready()

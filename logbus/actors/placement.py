@@ -82,3 +82,46 @@ def node_limits(max_replicas_per_node: int | None = None) -> dict[str, int]:
 def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:
     """The log directory of one replica of one partition."""
     return os.path.join(data_dir, f"replica-{replica_id}", partition_dir_name(topic, partition))
+
+
+# --- the autoscaler: can the cluster grow to hold more replicas? -------------------------------------
+
+
+def autoscaler_replica_capacity() -> int:
+    """How many nodes with replica slots the cluster's autoscaler may run (0: none, or no autoscaler).
+
+    Ray has no public query for "is an autoscaler running, and what can it
+    add". Every head node runs a monitor; only a monitor started with an
+    autoscaling config can add nodes, and it says so on its command line
+    (``--autoscaling-config=PATH``, Ray's v1 monitor, which the status in
+    GCS names by pid). Its node types say which nodes offer
+    ``logbus_replica`` slots and how many of each it may start. The config
+    is read on the head's host, where the controller runs. Anything that
+    cannot be read counts as no autoscaler: a request that needs more nodes
+    then fails at once instead of waiting for nodes that will not come.
+    """
+    import json  # noqa: PLC0415 (rarely needed)
+
+    import yaml  # noqa: PLC0415 (Ray's own dependency; only for the autoscaler's config)
+    from ray.experimental.internal_kv import _internal_kv_get  # noqa: PLC0415
+
+    try:
+        raw = _internal_kv_get("__autoscaling_status")
+        if not raw:
+            return 0
+        pid = json.loads(raw)["monitor_pid"]
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            args = file.read().split(b"\0")
+        flag = b"--autoscaling-config="
+        path = next(a[len(flag):] for a in args if a.startswith(flag))
+        with open(path) as file:
+            config = yaml.safe_load(file)
+    except (OSError, ValueError, KeyError, StopIteration, TypeError, yaml.YAMLError):
+        return 0
+    # An upper bound: the node types' max_workers, whether or not some run already (nodes do not
+    # say which type started them); placement groups then find out what really fits.
+    return sum(
+        max(0, int(node_type.get("max_workers", 0)))
+        for node_type in (config.get("available_node_types") or {}).values()
+        if (node_type.get("resources") or {}).get(REPLICA_NODE_RESOURCE, 0) >= 1
+    )

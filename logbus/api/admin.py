@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime
 
-from logbus.actors.remote import get
+import math
+
+from logbus.actors.controller import CREATE_TIMEOUT_S
+from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import InvalidConfigError, InvalidPartitionsError, InvalidReplicationFactorError, OffsetOutOfRangeError
 from logbus.protocol.cluster_metadata import PARTITIONS_MAX
@@ -13,6 +16,12 @@ from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 
 RESET_TARGETS = ("earliest", "latest")
+
+
+def _seconds(what: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise InvalidConfigError(f"{what} must be a positive number of seconds, not {value!r}")
+    return float(value)
 
 
 def _positive(what: str, value, error, limit: int | None = None):
@@ -45,19 +54,34 @@ class Admin:
     def __init__(self, bus) -> None:
         self._bus = bus
 
-    def create_topic(self, name: str, partitions: int = 1, replication_factor: int = 1, config: dict | None = None) -> TopicDescription:
-        """Create a topic; its replica actors are started before this returns.
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 1,
+        replication_factor: int = 1,
+        config: dict | None = None,
+        timeout_s: float = CREATE_TIMEOUT_S,
+    ) -> TopicDescription:
+        """Create a topic; its replica actors are started, and serve, before this returns.
+
+        Replicas go to the least loaded nodes, one per rack while racks last.
+        When the nodes cannot hold the topic and a Ray autoscaler may add nodes
+        with replica slots (``logbus_replica``), the replicas become pending
+        demand it answers, and this waits up to ``timeout_s`` for them.
 
         Raises InvalidTopicError, TopicAlreadyExistsError, InvalidPartitionsError,
-        InvalidReplicationFactorError (e.g. more replicas than Ray nodes) or
-        InvalidConfigError.
+        InvalidReplicationFactorError (more replicas than nodes, no autoscaler),
+        NodeCapacityError (no replica slots left, no autoscaler; or it did not
+        add nodes in time) or InvalidConfigError.
         """
         validate_topic_name(name)
         _positive("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
         _positive("replication_factor", replication_factor, InvalidReplicationFactorError)
+        _seconds("timeout_s", timeout_s)
         LogConfig.from_dict(config)
         self._bus.forget(name)
-        return get(self._bus.controller.create_topic.remote(name, partitions, replication_factor, config))
+        reply = self._bus.controller.create_topic.remote(name, partitions, replication_factor, config, float(timeout_s))
+        return get(reply, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
 
     def delete_topic(self, name: str) -> None:
         """Delete a topic: its replica actors stop and its files are removed."""

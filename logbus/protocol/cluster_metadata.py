@@ -92,20 +92,25 @@ class ClusterMetadata:
         live_nodes: list[str],
         node_limits: dict[str, int] | None = None,
         loads: list[NodeLoad] | None = None,
+        placements: list[list[str]] | None = None,
     ) -> TopicState:
         """Add a topic, placing its replicas on distinct live nodes by load; validates everything first.
 
         ``node_limits`` (node id -> replicas it may hold): NodeCapacityError,
         and nothing added, if the placement would put more on a node.
         ``loads`` (instead of the two): what placement knows of each node
-        (racks, bytes, limits; see ``protocol/placement.py``).
+        (racks, bytes, limits; see ``protocol/placement.py``). ``placements``
+        (instead of placing): the nodes of each partition, decided elsewhere
+        (slots the autoscaler provided).
         """
-        validate_topic_name(name)
-        _check_count("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
-        _check_count("replication_factor", replication_factor, InvalidReplicationFactorError, None)
-        normalized = LogConfig.from_dict(config).to_dict() if config else {}
-        if name in self.topics:
-            raise TopicAlreadyExistsError(f"topic {name!r} already exists")
+        normalized = self.check_new_topic(name, partitions, replication_factor, config)
+        if placements is not None:
+            _check(len(placements) == partitions and all(len(set(p)) == len(p) == replication_factor for p in placements),
+                   f"placements for {name!r} must give {replication_factor} distinct nodes for each of {partitions} partitions")
+            topic = TopicState(name, uuid.uuid4().hex, [], {key: normalized[key] for key in (config or {})})
+            topic.partitions = [self._partition_on(nodes) for nodes in placements]
+            self.topics[name] = topic
+            return topic
         if replication_factor > len(live_nodes):
             raise InvalidReplicationFactorError(
                 f"replication factor {replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
@@ -116,6 +121,16 @@ class ClusterMetadata:
         topic.partitions = [self._partition_on(nodes) for nodes in placements]
         self.topics[name] = topic
         return topic
+
+    def check_new_topic(self, name: str, partitions: int, replication_factor: int, config: dict | None) -> dict:
+        """Validate a new topic's name, counts and config, before any placement; returns the config normalized."""
+        validate_topic_name(name)
+        _check_count("partitions", partitions, InvalidPartitionsError, PARTITIONS_MAX)
+        _check_count("replication_factor", replication_factor, InvalidReplicationFactorError, None)
+        normalized = LogConfig.from_dict(config).to_dict() if config else {}
+        if name in self.topics:
+            raise TopicAlreadyExistsError(f"topic {name!r} already exists")
+        return normalized
 
     def replicas_per_node(self) -> dict[str, int]:
         """How many replicas each node holds now."""
