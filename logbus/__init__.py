@@ -10,7 +10,15 @@
 from logbus import errors
 from logbus.api import Admin, BatchMetadata, Bus, Consumer, Producer, connect
 from logbus.errors import *  # noqa: F401,F403  (the error tree is part of the public API)
-from logbus.protocol.messages import ConsumerRecord, PartitionInfo, RecordMetadata, TopicDescription, TopicPartition
+from logbus.protocol.group_coordinator import OffsetAndMetadata
+from logbus.protocol.messages import (
+    ConsumerRecord,
+    OffsetAndTimestamp,
+    PartitionInfo,
+    RecordMetadata,
+    TopicDescription,
+    TopicPartition,
+)
 
 __version__ = "0.1.0"
 

@@ -704,7 +704,7 @@ def _reset_plan(bus, group: str, to, topics: list[str] | None) -> tuple[dict, li
         if isinstance(to, datetime.datetime):
             ms = int(to.timestamp() * 1000)
             found = consumer.offsets_for_times({tp: ms for tp in tps})
-            plan = [(tp, end[tp] if found[tp] is None else found[tp]) for tp in tps]
+            plan = [(tp, end[tp] if found[tp] is None else found[tp].offset) for tp in tps]
         elif to == "earliest":
             plan = [(tp, start[tp]) for tp in tps]
         elif to == "latest":

@@ -217,4 +217,25 @@ class InternalStateError(LogbusError, RuntimeError):
     """
 
 
+# --- the consumer's deserializers ----------------------------------------------------
+
+
+class RecordDeserializationError(SerializationError):
+    """A consumer's key or value deserializer failed on one record (Kafka's RecordDeserializationException).
+
+    ``topic_partition`` and ``offset`` name the record. The consumer's position
+    stays at it, so every later poll() raises again until the caller moves
+    past it: ``consumer.seek(error.topic_partition, error.offset + 1)``.
+    """
+
+    def __init__(self, message: str, topic_partition: tuple | None = None, offset: int = -1) -> None:
+        # All in args, so the error pickles and unpickles whole.
+        super().__init__(message, topic_partition, offset)
+        self.topic_partition = topic_partition
+        self.offset = offset
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -18,17 +18,29 @@ from the mapped segment into the socket and from the socket into one buffer
 here. From a leader on another node, large results travel as an ObjectRef to
 whole batches in Ray's object store, small ones inside the reply. Either way
 they are decoded in place with Arrow (no copy, no per-row work) and sliced to
-the consumer's position.
+the consumer's position. Each buffered batch keeps the one thing of its
+header readers need: the append time of a LogAppendTime batch, which is every
+one of its records' timestamp.
 
 ``poll()`` turns records into ConsumerRecord tuples (per-row Python, as any
-poll API must); ``poll_arrow()`` returns one pyarrow Table and does no per-row
-Python work.
+poll API must), through the key and value deserializers if there are any;
+iterating over the consumer (kafka-python's ``for record in consumer``) hands
+them out one at a time. ``poll_arrow()`` returns one pyarrow Table and does
+no per-row Python work.
 
-Group management: with a ``group_id``, ``subscribe()`` lets the group
-coordinator (in the controller) assign partitions across the group's members;
-positions start from the group's committed offsets (or ``auto_offset_reset``);
-``commit()`` stores positions durably. Rebalance listeners and auto-commit run
-inside ``poll()``, on the caller's thread.
+Retriable errors (a leader election, a replica or the controller
+restarting) stay inside the consumer, as in Kafka's clients: ``poll()``
+retries them (after a metadata refresh) until its timeout and returns what it
+has; ``commit()``, ``committed()`` and the offset lookups retry them until
+their timeout (``default_api_timeout_ms`` unless given), then raise
+RequestTimedOutError. Only non-retriable errors reach the caller otherwise.
+
+Group management: with a ``group_id``, ``subscribe()`` (or topics given to
+the constructor) lets the group coordinator (in the controller) assign
+partitions across the group's members; positions start from the group's
+committed offsets (or ``auto_offset_reset``); ``commit()`` stores positions
+durably. Rebalance listeners and auto-commit run inside ``poll()``, on the
+caller's thread.
 
 Not thread-safe (like Kafka's consumer): use one consumer per thread.
 """
@@ -36,38 +48,58 @@ Not thread-safe (like Kafka's consumer): use one consumer per thread.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import math
+import numbers
 import random
 import re
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Iterable
+from itertools import repeat
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
 import ray
 
-from logbus.actors.remote import get
-from logbus.api.client import Bus
 from logbus.actors.channel_client import channels as local_channels
 from logbus.actors.fetcher import send_fetch, wait_reply
+from logbus.actors.remote import get
+from logbus.api.client import Bus
+from logbus.api.group_membership import GroupMembership, checked_offsets, retry_until
 from logbus.errors import (
     ChannelReplyTooLargeError,
     IllegalStateError,
     InvalidConfigError,
     InvalidGroupIdError,
+    InvalidPartitionError,
     LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
-    UnknownTopicError,
+    RecordDeserializationError,
 )
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, FetchRequest, TopicPartition
+from logbus.protocol.assignors import get_assignor
+from logbus.protocol.group_coordinator import OffsetAndMetadata
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, FetchRequest, OffsetAndTimestamp, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_partition, validate_topic_name
+
+logger = logging.getLogger(__name__)
 
 OFFSET_RESETS = ("earliest", "latest", "none")
 STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch this late makes the consumer check for a new leader
 FETCHES_IN_FLIGHT = 2  # per partition at the log end: one waits at the leader while the other's reply travels
+DEFAULT_API_TIMEOUT_MS = 60_000  # Kafka's default.api.timeout.ms: how long commit() and the lookups retry
+# A call made inside poll() (a position lookup, the commit before partitions are revoked) waits at least
+# this long for its answer, whatever poll()'s timeout: a poll(timeout_ms=0) loop must still get answers
+# on a busy machine. Only a call that hangs (a stopped process) makes poll() last longer than asked.
+CALL_TIMEOUT_MIN_S = 5.0
+ITERATOR_MAX_RECORDS = 500  # iterating over the consumer converts this many records at a time
+ITERATOR_POLL_S = 1.0  # and polls in slices this long, so the group sees it polling
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -77,8 +109,11 @@ ARROW_SCHEMA = pa.schema(
         pa.field("key", pa.binary()),
         pa.field("value", pa.binary()),
         pa.field("headers", rb.HEADERS_TYPE),
+        # Last, as in ConsumerRecord: the columns before it keep their places.
+        pa.field("timestamp_type", pa.int32()),  # 1 CreateTime, 2 LogAppendTime (confluent-kafka's codes)
     ]
 )
+CREATE_TIME = -1  # a buffered batch's append time when it has none (a CreateTime batch)
 
 
 class _Partition:
@@ -86,10 +121,10 @@ class _Partition:
 
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
-        "arrow_scalars", "actor_fetch_until",
+        "arrow_scalars", "actor_fetch_until", "needs_committed", "resets",
     )
 
-    def __init__(self, tp: TopicPartition) -> None:
+    def __init__(self, tp: TopicPartition, needs_committed: bool = False) -> None:
         self.tp = tp
         self.position: int | None = None  # next offset to hand to the caller
         self.fetch_offset: int | None = None  # next offset to fetch
@@ -98,18 +133,26 @@ class _Partition:
         # sent at, leader actor id, session).
         self.in_flight: deque[tuple] = deque()
         self.session = _new_session()  # replies to fetches of an older session are dropped
-        self.buffer: deque[tuple[int, pa.RecordBatch]] = deque()  # (offset of row 0, records)
+        # (offset of row 0, records, the batch's append time or CREATE_TIME): a LogAppendTime batch's
+        # records all carry its append time, which only its header holds.
+        self.buffer: deque[tuple[int, pa.RecordBatch, int]] = deque()
         self.buffered_rows = 0
         self.error: LogbusError | None = None
         self.at_end = False  # the last fetch was small (came inline): we are at the log end
         self.actor_fetch_until = 0  # below this offset, fetch with actor calls (a batch too large for the channel)
         self.arrow_scalars = (pa.scalar(tp.topic, pa.string()), pa.scalar(tp.partition, pa.int32()))  # for poll_arrow
+        # Assigned by the group: the position comes from the group's committed offset, if there is one.
+        self.needs_committed = needs_committed
+        self.resets = 0  # counts reset_to(): records handed out one at a time check it (see Consumer.__next__)
 
-    def reset_to(self, offset: int) -> None:
+    def reset_to(self, offset: int | None) -> None:
+        """Make ``offset`` the position and fetch from there (None: find a position again, by auto_offset_reset)."""
         self.position = self.fetch_offset = offset
         self.buffer.clear()
         self.buffered_rows = 0
         self.error = None
+        self.needs_committed = False
+        self.resets += 1
         self.drop_fetches()
 
     def drop_fetches(self) -> None:
@@ -157,14 +200,113 @@ def _check_tp(tp) -> TopicPartition:
     return TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
 
 
+def _is_one_partition(value) -> bool:
+    """Whether ``value`` is one TopicPartition (or a (topic, partition) pair), not a collection of them."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
+
+
+def _check_tps(partitions, what: str) -> list[TopicPartition]:
+    """``partitions``, an iterable of TopicPartitions (not a str, not one TopicPartition), checked."""
+    if isinstance(partitions, str | bytes) or _is_one_partition(partitions) or not isinstance(partitions, Iterable):
+        raise InvalidConfigError(f"{what} takes a list of TopicPartitions, not {partitions!r}")
+    return [_check_tp(tp) for tp in partitions]
+
+
+def _partitions_arg(partitions: tuple, what: str) -> list[TopicPartition] | None:
+    """The partitions of a call that takes them as arguments or as one iterable, as kafka-python's
+    ``seek_to_beginning(*partitions)`` and Kafka's ``seekToBeginning(collection)`` do; None if none were given."""
+    if not partitions:
+        return None
+    if len(partitions) == 1 and not _is_one_partition(partitions[0]):
+        return _check_tps(partitions[0], what)
+    return [_check_tp(tp) for tp in partitions]
+
+
+def _int_setting(name: str, value, minimum: int, maximum: int) -> int:
+    """``value`` if it is an int (not a bool) within [minimum, maximum]; else InvalidConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidConfigError(f"{name} must be an int from {minimum} to {maximum}, not {value!r}")
+    return value
+
+
+def _bool_setting(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
+    return value
+
+
+def _ms_to_s(name: str, value, *, forever: bool = False) -> float | None:
+    """A duration in ms, as seconds: a finite number >= 0 (not a bool). With ``forever``, None and
+    infinity mean no limit (returned as None)."""
+    if forever and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0:
+        raise InvalidConfigError(f"{name} must be a number of ms >= 0, not {value!r}")
+    if math.isinf(value):
+        if forever:
+            return None
+        raise InvalidConfigError(f"{name} must be a finite number of ms, not {value!r}")
+    return float(value) / 1000
+
+
+def _max_records(value) -> int | None:
+    return None if value is None else _int_setting("max_records", value, 1, INT64_MAX)
+
+
+def _strategies(value) -> tuple[str, ...]:
+    """partition_assignment_strategy: one strategy name, or a non-empty list or tuple of them."""
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, list | tuple) or not names or not all(isinstance(name, str) for name in names):
+        raise InvalidConfigError(
+            f"partition_assignment_strategy must be a strategy name or a list of them, preferred first, not {value!r}"
+        )
+    for name in names:
+        get_assignor(name)  # unknown names are InvalidConfigError
+    return tuple(names)
+
+
+def _deserializer(name: str, value) -> Callable | None:
+    if value is not None and not callable(value):
+        raise InvalidConfigError(f"{name} must be a callable taking bytes (or None), not {value!r}")
+    return value
+
+
+def _deserialized(function: Callable, items: list, what: str, tp: TopicPartition, first: int):
+    """``function`` applied to each item but None: (results, None), or (results before the failure,
+    RecordDeserializationError naming the record it failed on)."""
+    out: list = []
+    append = out.append
+    try:
+        for item in items:
+            append(None if item is None else function(item))
+    except Exception as error:  # noqa: BLE001 (whatever the caller's function raises, named with the record)
+        offset = first + len(out)
+        failure = RecordDeserializationError(
+            f"the {what} deserializer failed on the record at offset {offset} of {tp.topic}-{tp.partition}: "
+            f"{type(error).__name__}: {error}; seek past it to go on",
+            tp,
+            offset,
+        )
+        failure.__cause__ = error
+        return out, failure
+    return out, None
+
+
 class Consumer:
     """Reads records from assigned partitions.
 
+    kafka-python's habits work: ``Consumer(bus, "events", group_id="g")``
+    subscribes to the topics given after the bus, ``for record in consumer:``
+    hands out records one at a time, and the methods taking partitions accept
+    them as arguments or as one list. The README's "Coming from kafka-python"
+    section lists where logbus's defaults differ.
+
     Args:
         bus: from :func:`logbus.connect`.
+        *topics: topic names to subscribe to (as ``subscribe(topics)``; needs a ``group_id``).
         group_id: the consumer group (used for committed offsets by group consumers).
-        auto_offset_reset: where to start without a valid position: "earliest",
-            "latest", or "none" (raise OffsetOutOfRangeError).
+        auto_offset_reset: where to start without a valid position: "earliest" (logbus's default;
+            Kafka's is "latest"), "latest", or "none" (raise OffsetOutOfRangeError).
         fetch_max_bytes: bytes one fetch may return per partition (whole batches; at least one).
         fetch_max_wait_ms: how long a replica holds a fetch open waiting for new data.
         max_buffered_bytes: per partition, stop prefetching while this much is buffered.
@@ -181,11 +323,21 @@ class Consumer:
         local_channel: fetch from a leader on this node over its local channel (a Unix socket;
             a tenth of an actor call's latency, and no copy into the object store) rather than
             with actor calls.
+        key_deserializer, value_deserializer: callables turning a record's key / value bytes into
+            what poll() and iteration hand out (a null key or value stays None, the function is
+            not called). poll_arrow() returns the bytes. A failure raises
+            RecordDeserializationError (a SerializationError) naming the record, whose offset
+            stays the position: seek past it to go on.
+        consumer_timeout_ms: iterating over the consumer stops after this long without a record
+            (None, the default, or infinity: iterate forever, as kafka-python).
+        default_api_timeout_ms: how long commit(), committed() and the offset lookups retry
+            retriable errors when no timeout is given (Kafka's default.api.timeout.ms).
     """
 
     def __init__(
         self,
         bus: Bus,
+        *topics: str,
         group_id: str | None = None,
         auto_offset_reset: str = "earliest",
         fetch_max_bytes: int = 8 << 20,
@@ -201,26 +353,36 @@ class Consumer:
         group_instance_id: str | None = None,
         client_id: str = "logbus-consumer",
         local_channel: bool = True,
+        key_deserializer: Callable | None = None,
+        value_deserializer: Callable | None = None,
+        consumer_timeout_ms: float | None = None,
+        default_api_timeout_ms: int = DEFAULT_API_TIMEOUT_MS,
     ) -> None:
         if auto_offset_reset not in OFFSET_RESETS:
             raise InvalidConfigError(f"auto_offset_reset must be one of {OFFSET_RESETS}, not {auto_offset_reset!r}")
         if group_id is not None and (not isinstance(group_id, str) or not group_id):
             raise InvalidGroupIdError(f"group_id must be a non-empty str or None, not {group_id!r}")
+        for topic in topics:
+            if not isinstance(topic, str):
+                raise InvalidConfigError(
+                    f"topics go after the bus one by one (Consumer(bus, 'a', 'b', group_id=...)), not {topic!r}"
+                )
+        if topics and group_id is None:
+            raise InvalidGroupIdError("Consumer(bus, *topics) subscribes to the topics, which needs a group_id")
         self._bus = bus
         self.group_id = group_id
         self.auto_offset_reset = auto_offset_reset
-        self.fetch_max_bytes = int(fetch_max_bytes)
-        self.fetch_max_wait_ms = int(fetch_max_wait_ms)
-        self.max_buffered_bytes = int(max_buffered_bytes)
-        self.check_crcs = check_crcs
-        self._partitions: dict[TopicPartition, _Partition] = {}
-        self._channels = local_channels() if local_channel else None
-        self._closed = False
-        if isinstance(partition_assignment_strategy, str):
-            partition_assignment_strategy = (partition_assignment_strategy,)
+        self.fetch_max_bytes = _int_setting("fetch_max_bytes", fetch_max_bytes, 1, INT32_MAX)
+        self.fetch_max_wait_ms = _int_setting("fetch_max_wait_ms", fetch_max_wait_ms, 0, INT32_MAX)
+        self.max_buffered_bytes = _int_setting("max_buffered_bytes", max_buffered_bytes, 1, INT64_MAX)
+        self.check_crcs = _bool_setting("check_crcs", check_crcs)
+        enable_auto_commit = _bool_setting("enable_auto_commit", enable_auto_commit)
+        local_channel = _bool_setting("local_channel", local_channel)
+        strategies = _strategies(partition_assignment_strategy)
         for name, value in (
             ("session_timeout_ms", session_timeout_ms), ("heartbeat_interval_ms", heartbeat_interval_ms),
             ("max_poll_interval_ms", max_poll_interval_ms), ("auto_commit_interval_ms", auto_commit_interval_ms),
+            ("default_api_timeout_ms", default_api_timeout_ms),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
@@ -228,24 +390,33 @@ class Consumer:
             raise InvalidConfigError("heartbeat_interval_ms must be lower than session_timeout_ms")
         if group_instance_id is not None and group_id is None:
             raise InvalidConfigError("group_instance_id needs a group_id")
+        self._key_deserializer = _deserializer("key_deserializer", key_deserializer)
+        self._value_deserializer = _deserializer("value_deserializer", value_deserializer)
+        self._consumer_timeout_s = _ms_to_s("consumer_timeout_ms", consumer_timeout_ms, forever=True)
+        self._api_timeout_s = default_api_timeout_ms / 1000
+        self._partitions: dict[TopicPartition, _Partition] = {}
+        self._channels = local_channels() if local_channel else None
+        self._closed = False
         self._group_options = dict(
             group_instance_id=group_instance_id,
             client_id=client_id,
-            protocols=tuple(partition_assignment_strategy),
+            protocols=strategies,
             session_timeout_ms=session_timeout_ms,
             heartbeat_interval_ms=heartbeat_interval_ms,
             max_poll_interval_ms=max_poll_interval_ms,
         )
-        from logbus.protocol.assignors import get_assignor
-
-        for name in partition_assignment_strategy:
-            get_assignor(name)
-        self.enable_auto_commit = bool(enable_auto_commit) and group_id is not None
+        self.enable_auto_commit = enable_auto_commit and group_id is not None
         self.auto_commit_interval_s = auto_commit_interval_ms / 1000
         self._last_auto_commit_s = time.monotonic()
-        self._membership = None  # GroupMembership once subscribe() is called
+        self._membership: GroupMembership | None = None  # once subscribe() is called, or the first commit
         self._listener = None
         self._subscribed = False
+        # Records converted for iteration and not handed out yet: (partition state, its resets then, record).
+        # Positions count only records handed out (see __next__).
+        self._pending: deque[tuple[_Partition, int, ConsumerRecord]] = deque()
+        self._timestamp_type_columns: dict[int, pa.Array] = {}  # for poll_arrow
+        if topics:
+            self.subscribe(list(topics))
 
     # --- assignment and positions ---------------------------------------------------------------
 
@@ -253,10 +424,30 @@ class Consumer:
         if self._closed:
             raise IllegalStateError("the consumer is closed")
 
+    def _deadline(self, timeout_ms) -> float:
+        """The ``time.monotonic()`` deadline of a call given ``timeout_ms`` (None: default_api_timeout_ms)."""
+        timeout_s = self._api_timeout_s if timeout_ms is None else _ms_to_s("timeout_ms", timeout_ms)
+        return time.monotonic() + timeout_s
+
+    def _forget_topics_of(self, partitions) -> Callable[[LogbusError], None]:
+        """A retry hook: drop the cached metadata of these partitions' topics (the leaders may have moved)."""
+        topics = {tp.topic for tp in partitions}
+
+        def forget(_error: LogbusError) -> None:
+            for topic in topics:
+                self._bus.forget(topic)
+
+        return forget
+
     def _leader(self, tp: TopicPartition, refresh: bool = False):
         metadata = self._bus.topic_metadata(tp.topic, refresh=refresh)
+        if tp.partition >= metadata.partition_count and not refresh:
+            metadata = self._bus.topic_metadata(tp.topic, refresh=True)  # the topic may have grown meanwhile
         if tp.partition >= metadata.partition_count:
-            raise UnknownTopicError(f"topic {tp.topic!r} has partitions 0..{metadata.partition_count - 1}, not {tp.partition}")
+            # The caller's mistake, not the retriable "unknown partition": retrying cannot help.
+            raise InvalidPartitionError(
+                f"topic {tp.topic!r} has partitions 0..{metadata.partition_count - 1}, not {tp.partition}"
+            )
         leader = metadata.leaders[tp.partition]
         if leader is None:
             self._bus.forget(tp.topic)
@@ -268,7 +459,7 @@ class Consumer:
         self._check_open()
         if self._subscribed:
             raise IllegalStateError("assign() cannot be mixed with subscribe(); call unsubscribe() first")
-        wanted = [_check_tp(tp) for tp in partitions]
+        wanted = _check_tps(partitions, "assign()")
         for tp in wanted:
             try:
                 self._leader(tp)  # unknown topics and partitions fail here, before anything changes
@@ -286,73 +477,164 @@ class Consumer:
         except KeyError:
             raise IllegalStateError(f"{tp} is not assigned to this consumer") from None
 
-    def _offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, tuple[int, int, int]]:
+    def _offsets(self, tps: list[TopicPartition], timeout_s: float) -> dict[TopicPartition, tuple[int, int, int]]:
+        """(log start offset, high watermark, log end offset) of each partition, from its leader (one try)."""
+        deadline = time.monotonic() + timeout_s
         refs = {tp: self._leader(tp).offsets.remote() for tp in tps}
-        return {tp: get(ref) for tp, ref in refs.items()}
+        return {tp: get(ref, timeout_s=max(0.0, deadline - time.monotonic())) for tp, ref in refs.items()}
 
-    def beginning_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    def _lookup_offsets(self, tps: list[TopicPartition], timeout_ms) -> dict[TopicPartition, tuple[int, int, int]]:
+        """_offsets(), retrying retriable errors until ``timeout_ms`` (None: default_api_timeout_ms)."""
+        if not tps:
+            return {}
+        return retry_until(
+            self._deadline(timeout_ms), f"looking up the offsets of {tps}", lambda left_s: self._offsets(tps, left_s),
+            self._forget_topics_of(tps),
+        )
+
+    def beginning_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: float | None = None) -> dict[TopicPartition, int]:
         """The log start offset of each partition."""
         self._check_open()
-        return {tp: found[0] for tp, found in self._offsets([_check_tp(tp) for tp in partitions]).items()}
+        found = self._lookup_offsets(_check_tps(partitions, "beginning_offsets()"), timeout_ms)
+        return {tp: offsets[0] for tp, offsets in found.items()}
 
-    def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    def end_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: float | None = None) -> dict[TopicPartition, int]:
         """The high watermark (the offset after the last committed record) of each partition."""
         self._check_open()
-        return {tp: found[1] for tp, found in self._offsets([_check_tp(tp) for tp in partitions]).items()}
+        found = self._lookup_offsets(_check_tps(partitions, "end_offsets()"), timeout_ms)
+        return {tp: offsets[1] for tp, offsets in found.items()}
 
-    def offsets_for_times(self, timestamps: dict[TopicPartition, int]) -> dict[TopicPartition, int | None]:
-        """For each partition, the earliest offset whose timestamp is >= the given ms, or None."""
+    def offsets_for_times(
+        self, timestamps: dict[TopicPartition, int], timeout_ms: float | None = None
+    ) -> dict[TopicPartition, OffsetAndTimestamp | None]:
+        """For each partition, the earliest record whose timestamp is >= the given ms: OffsetAndTimestamp
+        (its offset and timestamp), or None if there is none (as in Kafka's clients)."""
         self._check_open()
-        refs = {_check_tp(tp): self._leader(_check_tp(tp)).offset_for_timestamp.remote(int(ts)) for tp, ts in timestamps.items()}
-        return {tp: (None if (offset := get(ref)) < 0 else offset) for tp, ref in refs.items()}
+        if not isinstance(timestamps, dict):
+            raise InvalidConfigError(f"offsets_for_times() takes a dict of TopicPartition -> timestamp (ms), not {timestamps!r}")
+        wanted = {}
+        for tp, timestamp in timestamps.items():
+            tp = _check_tp(tp)
+            if isinstance(timestamp, bool) or not isinstance(timestamp, int) or not 0 <= timestamp <= INT64_MAX:
+                raise InvalidConfigError(f"the timestamp for {tp} must be an int of ms >= 0, not {timestamp!r}")
+            wanted[tp] = timestamp
+        if not wanted:
+            return {}
+        return retry_until(
+            self._deadline(timeout_ms), "looking up offsets for times",
+            lambda left_s: self._offsets_for_times(wanted, left_s), self._forget_topics_of(wanted),
+        )
+
+    def _offsets_for_times(self, wanted: dict[TopicPartition, int], timeout_s: float) -> dict[TopicPartition, OffsetAndTimestamp | None]:
+        """One try of offsets_for_times(): the offsets from the leaders, then each found record's timestamp."""
+        deadline = time.monotonic() + timeout_s
+
+        def left() -> float:
+            return max(0.0, deadline - time.monotonic())
+
+        leaders = {tp: self._leader(tp) for tp in wanted}
+        refs = {tp: leaders[tp].offset_for_timestamp.remote(timestamp) for tp, timestamp in wanted.items()}
+        offsets = {tp: get(ref, timeout_s=left()) for tp, ref in refs.items()}
+        # Kafka answers with the found record's timestamp too: read the batch that holds it.
+        fetches = {
+            tp: leaders[tp].fetch.remote(FetchRequest(offset, 1, 0, True, FETCH_INLINE_MAX_BYTES))
+            for tp, offset in offsets.items()
+            if offset >= 0
+        }
+        found: dict[TopicPartition, OffsetAndTimestamp | None] = {tp: None for tp in wanted}
+        for tp, ref in fetches.items():
+            offset = offsets[tp]
+            try:
+                _, data, _ = wait_reply(ref, timeout_s=left())
+            except OffsetOutOfRangeError:
+                data = None  # deleted (retention) since the lookup
+            for header, _, records in rb.slice_batches(data, offset, offset + 1) if data is not None else ():
+                if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+                    found[tp] = OffsetAndTimestamp(offset, header.max_timestamp_ms)
+                else:
+                    found[tp] = OffsetAndTimestamp(offset, records.column(2)[0].as_py())
+            if found[tp] is None:
+                # The record went between the two calls: retriable, the next try finds the next one.
+                raise LeaderNotAvailableError(f"the record at offset {offset} of {tp} was deleted while it was looked up")
+        return found
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         """Make ``offset`` the next offset poll() returns for ``tp``."""
         self._check_open()
-        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        if isinstance(offset, bool) or not isinstance(offset, int):
+            raise InvalidConfigError(f"offset must be an int, not {offset!r}")
+        if offset < 0:
             raise OffsetOutOfRangeError(f"offset must be a non-negative int, not {offset!r}")
         self._state(tp).reset_to(offset)
 
-    def seek_to_beginning(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        self._check_open()
-        tps = list(self._partitions) if partitions is None else [_check_tp(tp) for tp in partitions]
-        for tp, offset in self.beginning_offsets(tps).items():
-            self._state(tp).reset_to(offset)
+    def seek_to_beginning(self, *partitions: TopicPartition) -> None:
+        """Seek these partitions (as arguments or one list; none: every assigned one) to their log start."""
+        self._seek_to(partitions, "seek_to_beginning()", 0)
 
-    def seek_to_end(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        self._check_open()
-        tps = list(self._partitions) if partitions is None else [_check_tp(tp) for tp in partitions]
-        for tp, offset in self.end_offsets(tps).items():
-            self._state(tp).reset_to(offset)
+    def seek_to_end(self, *partitions: TopicPartition) -> None:
+        """Seek these partitions (as arguments or one list; none: every assigned one) to their high watermark."""
+        self._seek_to(partitions, "seek_to_end()", 1)
 
-    def position(self, tp: TopicPartition) -> int:
+    def _seek_to(self, partitions: tuple, what: str, which: int) -> None:
+        self._check_open()
+        tps = _partitions_arg(partitions, what)
+        if tps is None:
+            tps = list(self._partitions)
+        for tp in tps:
+            self._state(tp)  # every one assigned, before anything changes
+        for tp, offsets in self._lookup_offsets(tps, None).items():
+            self._state(tp).reset_to(offsets[which])
+
+    def position(self, tp: TopicPartition, timeout_ms: float | None = None) -> int:
         """The offset the next record returned for ``tp`` will have."""
         self._check_open()
         state = self._state(tp)
         if state.position is None:
-            self._reset_positions([state])
+            retry_until(
+                self._deadline(timeout_ms), f"finding the position of {state.tp}",
+                lambda left_s: self._init_positions([state], left_s), self._forget_topics_of([state.tp]),
+            )
         return state.position
 
-    def pause(self, partitions: Iterable[TopicPartition]) -> None:
-        """Stop fetching from these partitions until resume()."""
-        for tp in partitions:
+    def pause(self, *partitions: TopicPartition) -> None:
+        """Stop fetching from these partitions (as arguments or one list) until resume().
+
+        With no partitions, pauses none (as kafka-python's).
+        """
+        self._check_open()
+        for tp in _partitions_arg(partitions, "pause()") or ():
             self._state(tp).paused = True
 
-    def resume(self, partitions: Iterable[TopicPartition]) -> None:
-        for tp in partitions:
+    def resume(self, *partitions: TopicPartition) -> None:
+        """Fetch again from these paused partitions (as arguments or one list; none: none)."""
+        self._check_open()
+        for tp in _partitions_arg(partitions, "resume()") or ():
             self._state(tp).paused = False
 
     def paused(self) -> set[TopicPartition]:
         return {tp for tp, state in self._partitions.items() if state.paused}
 
-    def _reset_positions(self, states: list[_Partition]) -> None:
+    def _init_positions(self, states: list[_Partition], timeout_s: float) -> None:
+        """Give positions to partitions that have none: the group's committed offset for a partition
+        the group just assigned, else by auto_offset_reset. One try; raises what it meets."""
+        states = [s for s in states if s.position is None]
+        committed_wanted = [s for s in states if s.needs_committed]
+        if committed_wanted:
+            found = self._committer().committed([s.tp for s in committed_wanted], timeout_s=timeout_s)
+            for state in committed_wanted:
+                committed = found.get(state.tp)
+                if committed is not None:
+                    state.reset_to(committed.offset)
+                else:
+                    state.needs_committed = False  # nothing committed: auto_offset_reset decides
+        states = [s for s in states if s.position is None]
         if not states:
             return
         if self.auto_offset_reset == "none":
             raise OffsetOutOfRangeError(
                 f"no position for {[s.tp for s in states]} and auto_offset_reset='none'; seek() first"
             )
-        found = self._offsets([s.tp for s in states])
+        found = self._offsets([s.tp for s in states], timeout_s)
         for state in states:
             start, high_watermark, _ = found[state.tp]
             state.reset_to(start if self.auto_offset_reset == "earliest" else high_watermark)
@@ -361,7 +643,7 @@ class Consumer:
 
     def _send_fetches(self) -> None:
         for state in self._partitions.values():
-            if state.paused or state.error is not None:
+            if state.paused or state.error is not None or state.fetch_offset is None:
                 continue
             if len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
@@ -369,7 +651,7 @@ class Consumer:
                 # At the log end with a fetch already waiting at the leader: the records in
                 # hand go to the caller first (sending a fetch costs a fraction of a ms).
                 continue
-            buffered = sum(r.nbytes for _, r in state.buffer) if state.buffered_rows else 0
+            buffered = sum(r.nbytes for _, r, _ in state.buffer) if state.buffered_rows else 0
             if state.at_end:
                 full = bool(buffered) and buffered >= self.max_buffered_bytes  # replies at the log end are small
             else:
@@ -437,7 +719,7 @@ class Consumer:
             if self.auto_offset_reset == "none":
                 state.error = OffsetOutOfRangeError(f"offset {requested} is out of range for {state.tp}")
                 return
-            self._reset_positions([state])
+            state.reset_to(None)  # the next round finds a position by auto_offset_reset
             return
         except LogbusError as error:
             if error.retriable:
@@ -455,13 +737,19 @@ class Consumer:
             # that is still on its way): start a new session, which reads from fetch_offset again.
             state.drop_fetches()
             return
-        for _, first, records in rb.slice_batches(data, state.fetch_offset, verify_crc=self.check_crcs):
-            state.buffer.append((first, records))
+        for header, first, records in rb.slice_batches(data, state.fetch_offset, verify_crc=self.check_crcs):
+            append_time = header.max_timestamp_ms if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else CREATE_TIME
+            state.buffer.append((first, records, append_time))
             state.buffered_rows += records.num_rows
         state.fetch_offset = meta.next_offset
 
     def _pump(self, timeout_s: float) -> None:
-        """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records."""
+        """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records.
+
+        Retriable errors stay here: a partition whose position cannot be
+        found yet, or whose leader is away, is asked again in the next round
+        (after a metadata refresh) until the time is up.
+        """
         deadline = time.monotonic() + timeout_s
         if self._subscribed and self._membership is not None:
             self._membership.polled()
@@ -472,13 +760,15 @@ class Consumer:
                 return
         self._maybe_auto_commit()
         while True:
-            try:
-                self._reset_positions([s for s in self._partitions.values() if s.position is None])
-            except LogbusError as error:
-                if not error.retriable or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-                continue
+            waiting = [s for s in self._partitions.values() if s.position is None]
+            if waiting:
+                try:
+                    self._init_positions(waiting, max(deadline - time.monotonic(), CALL_TIMEOUT_MIN_S))
+                except LogbusError as error:
+                    if not error.retriable:
+                        raise
+                    logger.debug("finding positions of %s: %s; asking again", [s.tp for s in waiting], error)
+                    self._forget_topics_of([s.tp for s in waiting])(error)
             self._send_fetches()
             self._raise_errors()
             if any(s.buffered_rows and not s.paused for s in self._partitions.values()):
@@ -519,58 +809,125 @@ class Consumer:
                 error, state.error = state.error, None
                 raise error
 
-    def _take(self, max_records: int | None) -> list[tuple[_Partition, int, pa.RecordBatch]]:
-        """Pop up to ``max_records`` buffered records across partitions, advancing positions."""
+    def _take(self, max_records: int | None) -> list[tuple[_Partition, int, pa.RecordBatch, int]]:
+        """Pop up to ``max_records`` buffered records across partitions, advancing positions.
+
+        Returns (partition state, offset of the first record, records, append time or CREATE_TIME).
+        """
         taken = []
         budget = max_records if max_records is not None else float("inf")
         for state in self._partitions.values():
             while state.buffer and budget > 0 and not state.paused:
-                first, records = state.buffer[0]
+                first, records, append_time = state.buffer[0]
                 if records.num_rows > budget:
                     count = int(budget)
-                    state.buffer[0] = (first + count, records.slice(count))
+                    state.buffer[0] = (first + count, records.slice(count), append_time)
                     records = records.slice(0, count)
                 else:
                     state.buffer.popleft()
                 state.buffered_rows -= records.num_rows
                 budget -= records.num_rows
                 state.position = first + records.num_rows
-                taken.append((state, first, records))
+                taken.append((state, first, records, append_time))
         return taken
 
-    def poll(self, timeout_ms: float = 0, max_records: int | None = 500) -> dict[TopicPartition, list[ConsumerRecord]]:
-        """Records from assigned partitions, waiting up to ``timeout_ms`` for some to arrive."""
-        self._check_open()
-        self._pump(timeout_ms / 1000)
+    def _put_back(self, taken: list[tuple[_Partition, int, pa.RecordBatch, int]], skip: int) -> None:
+        """Return taken records to the front of their buffers (all but the first ``skip`` of the first
+        entry), and their partitions' positions to the first record returned."""
+        for index in range(len(taken) - 1, -1, -1):
+            state, first, records, append_time = taken[index]
+            if index == 0 and skip:
+                first, records = first + skip, records.slice(skip)
+            state.buffer.appendleft((first, records, append_time))
+            state.buffered_rows += records.num_rows
+            state.position = first
+
+    def _records(self, taken: list[tuple[_Partition, int, pa.RecordBatch, int]]) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """Taken records as ConsumerRecords, through the deserializers.
+
+        A deserializer that fails stops there, as in Kafka's clients: the
+        records before the one it failed on are returned, that record and
+        everything taken after it go back to the buffers, its offset becomes
+        its partition's position, and the RecordDeserializationError is raised
+        now if no record came before it, else by the next poll().
+        """
         out: dict[TopicPartition, list[ConsumerRecord]] = {}
-        for state, first, records in self._take(max_records):
-            topic, partition = state.tp
+        key_deserializer, value_deserializer = self._key_deserializer, self._value_deserializer
+        for index, (state, first, records, append_time) in enumerate(taken):
+            tp = state.tp
             count = records.num_rows
-            rows = zip(
-                [topic] * count,
-                [partition] * count,
-                range(first, first + count),
-                records.column(2).to_pylist(),
-                records.column(0).to_pylist(),
-                records.column(1).to_pylist(),
-                records.column(3).to_pylist(),
-            )
-            out.setdefault(state.tp, []).extend(map(ConsumerRecord._make, rows))
+            keys = records.column(0).to_pylist()
+            values = records.column(1).to_pylist()
+            failure = None
+            if key_deserializer is not None:
+                keys, failure = _deserialized(key_deserializer, keys, "key", tp, first)
+                if failure is not None:
+                    count = failure.offset - first
+                    values = values[:count]
+            if value_deserializer is not None:
+                values, value_failure = _deserialized(value_deserializer, values, "value", tp, first)
+                if value_failure is not None:
+                    failure, count = value_failure, value_failure.offset - first
+            if append_time == CREATE_TIME:
+                timestamps, timestamp_type = records.column(2).to_pylist(), rb.TIMESTAMP_TYPE_CREATE_TIME
+            else:
+                timestamps, timestamp_type = repeat(append_time), rb.TIMESTAMP_TYPE_LOG_APPEND_TIME
+            if count:
+                rows = zip(
+                    repeat(tp.topic),
+                    repeat(tp.partition),
+                    range(first, first + count),
+                    timestamps,
+                    keys,
+                    values,
+                    records.column(3).to_pylist(),
+                    repeat(timestamp_type),
+                )
+                out.setdefault(tp, []).extend(map(ConsumerRecord._make, rows))
+            if failure is not None:
+                self._put_back(taken[index:], count)
+                if not out:
+                    raise failure
+                state.error = failure  # the next poll() raises it (before handing anything out)
+                break
         return out
 
-    def poll_arrow(self, timeout_ms: float = 0, max_records: int | None = None) -> pa.Table:
-        """Buffered records as one pyarrow Table (topic, partition, offset, timestamp, key, value, headers).
+    def poll(self, timeout_ms: float = 0, max_records: int | None = 500) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """Records from assigned partitions, waiting up to ``timeout_ms`` for some to arrive.
 
-        No per-row Python work: the Table's columns point at the fetched
-        batches, plus three computed columns.
+        Retriable errors do not reach the caller: poll() retries them until
+        ``timeout_ms`` and returns what it has (maybe nothing).
         """
         self._check_open()
-        self._pump(timeout_ms / 1000)
+        timeout_s = _ms_to_s("timeout_ms", timeout_ms)
+        max_records = _max_records(max_records)
+        self._drop_pending()
+        self._pump(timeout_s)
+        return self._records(self._take(max_records))
+
+    def poll_arrow(self, timeout_ms: float = 0, max_records: int | None = None) -> pa.Table:
+        """Buffered records as one pyarrow Table (topic, partition, offset, timestamp, key, value, headers,
+        timestamp_type); keys and values are the bytes stored (the deserializers are not applied).
+
+        No per-row Python work: the Table's columns point at the fetched
+        batches, plus computed columns (the timestamps of a LogAppendTime
+        batch are its append time).
+        """
+        self._check_open()
+        timeout_s = _ms_to_s("timeout_ms", timeout_ms)
+        max_records = _max_records(max_records)
+        self._drop_pending()
+        self._pump(timeout_s)
         batches = []
-        for state, first, records in self._take(max_records):
+        for state, first, records, append_time in self._take(max_records):
             count = records.num_rows
             topic, partition = state.arrow_scalars
             key, value, timestamp, headers = records.columns
+            if append_time == CREATE_TIME:
+                timestamp_type = self._timestamp_type_column(rb.TIMESTAMP_TYPE_CREATE_TIME, count)
+            else:
+                timestamp = pa.repeat(pa.scalar(append_time, pa.int64()), count)
+                timestamp_type = self._timestamp_type_column(rb.TIMESTAMP_TYPE_LOG_APPEND_TIME, count)
             batches.append(
                 pa.RecordBatch.from_arrays(
                     [
@@ -581,11 +938,78 @@ class Consumer:
                         key,
                         value,
                         headers,
+                        timestamp_type,
                     ],
                     schema=ARROW_SCHEMA,
                 )
             )
         return pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
+
+    def _timestamp_type_column(self, code: int, count: int) -> pa.Array:
+        """``count`` times ``code``, as an int32 column: a slice of one array kept per code (no per-batch fill)."""
+        column = self._timestamp_type_columns.get(code)
+        if column is None or len(column) < count:
+            column = self._timestamp_type_columns[code] = pa.array(np.full(max(count, 1 << 16), code, np.int32))
+        return column.slice(0, count)
+
+    # --- iteration (kafka-python's `for record in consumer`) -------------------------------------------
+
+    def __iter__(self) -> "Consumer":
+        return self
+
+    def __next__(self) -> ConsumerRecord:
+        """The next record; StopIteration after ``consumer_timeout_ms`` without one (never, by default).
+
+        Records are converted a few hundred at a time, but handed out one at a
+        time: a partition's position (what commit() stores) counts only the
+        records handed out. A record whose partition was sought, reset or
+        revoked since it was converted is dropped; one whose partition is
+        paused is fetched again after resume().
+        """
+        self._check_open()
+        deadline = None if self._consumer_timeout_s is None else time.monotonic() + self._consumer_timeout_s
+        polled = False
+        while True:
+            record = self._next_pending()
+            if record is not None:
+                return record
+            wait_s = ITERATOR_POLL_S
+            if deadline is not None:
+                wait_s = min(deadline - time.monotonic(), ITERATOR_POLL_S)
+                if wait_s <= 0 and polled:
+                    raise StopIteration
+            self._fill(max(0.0, wait_s))
+            polled = True
+
+    def _fill(self, timeout_s: float) -> None:
+        """Poll for records to hand out one at a time; positions go back to the first of them."""
+        self._pump(timeout_s)
+        for tp, records in self._records(self._take(ITERATOR_MAX_RECORDS)).items():
+            state = self._partitions[tp]
+            state.position = records[0].offset
+            self._pending.extend((state, state.resets, record) for record in records)
+
+    def _next_pending(self) -> ConsumerRecord | None:
+        while self._pending:
+            state, resets, record = self._pending.popleft()
+            if self._partitions.get(state.tp) is not state or state.resets != resets:
+                continue  # sought, reset or revoked since it was converted
+            if state.paused:
+                state.reset_to(state.position)  # its records are fetched again after resume()
+                continue
+            state.position = record.offset + 1
+            return record
+        return None
+
+    def _drop_pending(self) -> None:
+        """Forget the records converted for iteration but not handed out (poll() was called instead):
+        their partitions fetch again from their positions."""
+        if not self._pending:
+            return
+        valid = {state.tp: state for state, resets, _ in self._pending if self._partitions.get(state.tp) is state and state.resets == resets}
+        self._pending.clear()
+        for state in valid.values():
+            state.reset_to(state.position)
 
     # --- consumer groups -----------------------------------------------------------------------------
 
@@ -603,6 +1027,11 @@ class Consumer:
             raise InvalidGroupIdError("subscribe() needs a group_id")
         if topics is None and pattern is None:
             raise InvalidConfigError("subscribe() needs topics or a pattern")
+        if isinstance(topics, str | bytes):
+            # A str is an iterable of one-letter "topics": never what was meant.
+            raise InvalidConfigError(f"subscribe() takes a list of topic names, not a str: subscribe([{topics!r}])")
+        if topics is not None and not isinstance(topics, Iterable):
+            raise InvalidConfigError(f"subscribe() takes a list of topic names, not {topics!r}")
         names = tuple(validate_topic_name(t) for t in (topics or ()))
         if pattern is not None:
             try:
@@ -612,8 +1041,6 @@ class Consumer:
         if not self._subscribed and self._partitions:
             raise IllegalStateError("subscribe() cannot be mixed with assign(); call unsubscribe() first")
         if self._membership is None:
-            from logbus.api.group_membership import GroupMembership
-
             self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
         self._listener = listener
         self._subscribed = True
@@ -622,8 +1049,9 @@ class Consumer:
     def unsubscribe(self) -> None:
         """Give up every partition and leave the group."""
         self._check_open()
+        self._pending.clear()
         if self._membership is not None:
-            self._revoke(list(self._partitions), commit=True)
+            self._revoke(list(self._partitions), commit=True, deadline=self._deadline(None))
             self._membership.leave()
             self._membership = None
         self._subscribed = False
@@ -634,16 +1062,18 @@ class Consumer:
         if callback is not None and partitions:
             callback(sorted(partitions))
 
-    def _revoke(self, partitions, commit: bool) -> None:
-        """Give up partitions: commit their positions (auto-commit), tell the listener, forget them."""
+    def _revoke(self, partitions, commit: bool, deadline: float) -> None:
+        """Give up partitions: commit their positions (auto-commit; retried until ``deadline``), tell
+        the listener, forget them."""
         partitions = [tp for tp in partitions if tp in self._partitions]
         if not partitions:
             return
         if commit and self.enable_auto_commit:
             try:
-                self._commit_positions(partitions)
-            except LogbusError:
-                pass  # the next owner starts from the last successful commit: at least once
+                self._commit_positions(partitions, deadline)
+            except LogbusError as error:
+                # The next owner starts from the last successful commit: at least once.
+                logger.info("group %r: committing revoked partitions failed: %s", self.group_id, error)
         self._call_listener("on_partitions_revoked", partitions)
         for tp in partitions:
             self._partitions.pop(tp, None)
@@ -651,6 +1081,8 @@ class Consumer:
     def _maintain_group(self, deadline: float) -> bool:
         """Act on what the coordinator said; join if needed. False while this member may not fetch."""
         membership = self._membership
+        # A commit before partitions are revoked gets some time even within a short poll().
+        commit_deadline = max(deadline, time.monotonic() + CALL_TIMEOUT_MIN_S)
         if membership.lost:
             membership.lost = False
             lost = list(self._partitions)
@@ -660,33 +1092,25 @@ class Consumer:
             return False  # stop fetching until the coordinator answers again
         if membership.revoke_requested:
             revoke, membership.revoke_requested = membership.revoke_requested, ()
-            self._revoke(revoke, commit=True)
+            self._revoke(revoke, commit=True, deadline=commit_deadline)
             membership.needs_join = True
         while membership.needs_join:
             if not membership.cooperative:
-                self._revoke(list(self._partitions), commit=True)
+                self._revoke(list(self._partitions), commit=True, deadline=commit_deadline)
             result = membership.join(tuple(self._partitions), deadline)
             if result is None:
                 return False
             assigned = set(result.assignment)
-            self._revoke([tp for tp in self._partitions if tp not in assigned], commit=True)
+            self._revoke([tp for tp in self._partitions if tp not in assigned], commit=True, deadline=commit_deadline)
             added = [tp for tp in result.assignment if tp not in self._partitions]
             for tp in added:
-                self._partitions[tp] = _Partition(tp)
-            self._start_from_committed(added)
+                # Its position comes from the group's committed offset, looked up by the next round
+                # of poll() (retried there while the coordinator is away) unless the listener seeks.
+                self._partitions[tp] = _Partition(tp, needs_committed=True)
             self._call_listener("on_partitions_assigned", added)
             if result.revoke:
                 membership.needs_join = True
         return True
-
-    def _start_from_committed(self, partitions: list[TopicPartition]) -> None:
-        if not partitions:
-            return
-        committed = self._membership.committed(partitions)
-        for tp in partitions:
-            found = committed.get(tp)
-            if found is not None:
-                self._partitions[tp].reset_to(found.offset)
 
     def _positions(self, partitions=None) -> dict[TopicPartition, int]:
         tps = self._partitions if partitions is None else partitions
@@ -696,17 +1120,15 @@ class Consumer:
         if self.group_id is None:
             raise InvalidGroupIdError("committing offsets needs a group_id")
         if self._membership is None:
-            from logbus.api.group_membership import GroupMembership
-
             # A consumer with manual assignment commits as a non-member (generation -1).
             self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
             self._membership.stop()
         return self._membership
 
-    def _commit_positions(self, partitions=None) -> None:
+    def _commit_positions(self, partitions, deadline: float) -> None:
         offsets = self._positions(partitions)
         if offsets:
-            self._committer().commit(offsets)
+            self._committer().commit(offsets, deadline)
 
     def _maybe_auto_commit(self) -> None:
         if not self.enable_auto_commit or time.monotonic() - self._last_auto_commit_s < self.auto_commit_interval_s:
@@ -714,46 +1136,68 @@ class Consumer:
         self._last_auto_commit_s = time.monotonic()
         offsets = self._positions()
         if offsets:
-            self._committer().commit_async(offsets)
+            try:
+                self._committer().commit_async(offsets)
+            except LogbusError as error:
+                # As in Kafka's clients, a failed auto-commit is logged, and the next one commits later positions.
+                logger.info("group %r: auto-commit failed: %s", self.group_id, error)
 
-    def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+    def commit(self, offsets: dict[TopicPartition, int | OffsetAndMetadata] | None = None, timeout_ms: float | None = None) -> None:
         """Commit ``offsets`` (default: the current positions of every assigned partition) and wait.
 
-        Raises IllegalGenerationError / UnknownMemberIdError if this member's
-        generation is stale (a rebalance happened): poll() again to rejoin.
+        ``offsets`` maps TopicPartitions to the next offset to read (an int >= 0)
+        or to an OffsetAndMetadata(offset, metadata). Retriable errors are
+        retried until ``timeout_ms`` (None: ``default_api_timeout_ms``), then
+        RequestTimedOutError, as Kafka's commitSync(timeout). Raises
+        IllegalGenerationError / UnknownMemberIdError / RebalanceInProgressError
+        if this member's generation is stale (a rebalance happened): poll()
+        again to rejoin.
         """
         self._check_open()
-        if offsets is None:
-            offsets = self._positions()
-        offsets = {_check_tp(tp): int(o) for tp, o in offsets.items()}
+        deadline = self._deadline(timeout_ms)
+        offsets = self._positions() if offsets is None else checked_offsets(offsets)
         if offsets:
-            self._committer().commit(offsets)
+            self._committer().commit(offsets, deadline)
 
-    def commit_async(self, offsets: dict[TopicPartition, int] | None = None, callback=None) -> None:
+    def commit_async(self, offsets: dict[TopicPartition, int | OffsetAndMetadata] | None = None, callback=None) -> None:
         """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
         self._check_open()
-        if offsets is None:
-            offsets = self._positions()
-        offsets = {_check_tp(tp): int(o) for tp, o in offsets.items()}
+        offsets = self._positions() if offsets is None else checked_offsets(offsets)
         if offsets:
             self._committer().commit_async(offsets, callback)
 
-    def committed(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int | None]:
-        """The group's committed offset of each partition (None where nothing was committed)."""
+    def committed(self, partitions, metadata: bool = False, timeout_ms: float | None = None):
+        """The group's committed offset of each partition: a dict of TopicPartition -> offset, or None
+        where nothing was committed.
+
+        Given one TopicPartition (kafka-python's ``committed(tp)``), its offset
+        alone. With ``metadata``, OffsetAndMetadata instead of offsets.
+        Retriable errors are retried until ``timeout_ms`` (None:
+        ``default_api_timeout_ms``), then RequestTimedOutError.
+        """
         self._check_open()
-        found = self._committer().committed([_check_tp(tp) for tp in partitions])
-        return {tp: (None if om is None else om.offset) for tp, om in found.items()}
+        one = _is_one_partition(partitions)
+        tps = [_check_tp(partitions)] if one else _check_tps(partitions, "committed()")
+        deadline = self._deadline(timeout_ms)
+        committer = self._committer()
+        found = retry_until(
+            deadline, f"reading the committed offsets of group {self.group_id!r}",
+            lambda left_s: committer.committed(tps, timeout_s=left_s),
+        )
+        result = {tp: (om if metadata or om is None else om.offset) for tp, om in found.items()}
+        return result.get(tps[0]) if one else result
 
     def close(self) -> None:
         """Commit (with auto-commit), leave the group, stop fetching. Later calls raise IllegalStateError."""
         if self._closed:
             return
+        self._pending.clear()  # positions count only the records handed out
         if self._membership is not None:
             if self._subscribed and self.enable_auto_commit:
                 try:
-                    self._commit_positions()
-                except LogbusError:
-                    pass
+                    self._commit_positions(None, self._deadline(None))
+                except LogbusError as error:
+                    logger.info("group %r: committing on close failed: %s", self.group_id, error)
             self._membership.leave()
             self._membership = None
         self._closed = True

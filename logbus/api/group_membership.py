@@ -23,13 +23,15 @@ coordinator is back.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
+from typing import Callable, TypeVar
 
 import ray
 from ray.exceptions import RayError
 
-from logbus.actors.remote import get, unwrap
+from logbus.actors.remote import CONTROL_TIMEOUT_S, get, unwrap
 from logbus.errors import (
     IllegalGenerationError,
     InvalidConfigError,
@@ -37,6 +39,7 @@ from logbus.errors import (
     InvalidRecordError,
     LogbusError,
     RebalanceInProgressError,
+    RequestTimedOutError,
     UnknownMemberIdError,
 )
 from logbus.protocol.assignors import get_assignor
@@ -49,12 +52,74 @@ JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generatio
 MIN_HEARTBEAT_SPACING_S = 0.01
 NOT_MEMBER_RECHECK_S = 0.05
 ERROR_RETRY_S = 0.5  # after a failed heartbeat, the next one is this long (at most an interval) later
+RETRY_BACKOFF_MIN_S = 0.05  # a call retried after a retriable error waits this long first, doubling
+RETRY_BACKOFF_MAX_S = 1.0  # up to this
+# A commit refused with these needs the member to rejoin (in poll()) first: retrying it with the same
+# generation cannot succeed, so it goes to the caller, as Kafka's commitSync raises CommitFailedException
+# or RebalanceInProgressException (RebalanceInProgressError is retriable, but only after the rejoin).
+REJOIN_ERRORS = (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def retry_until(deadline_s: float, what: str, attempt: Callable[[float], T], on_retry: Callable[[LogbusError], None] | None = None) -> T:
+    """``attempt(seconds left)`` until it returns, retrying retriable logbus errors until ``deadline_s``.
+
+    Retriable errors (a leader election, a restarting controller, a timed-out
+    call) stay here, as in Kafka's clients: ``on_retry(error)`` runs before the
+    next try (a metadata refresh, say) and the tries back off from
+    RETRY_BACKOFF_MIN_S to RETRY_BACKOFF_MAX_S. Non-retriable errors, and
+    REJOIN_ERRORS, go to the caller at once; when ``deadline_s``
+    (``time.monotonic()``) passes, RequestTimedOutError says what was being
+    done and what the last error was. One try is always made.
+    """
+    backoff_s = RETRY_BACKOFF_MIN_S
+    while True:
+        try:
+            return attempt(max(0.0, deadline_s - time.monotonic()))
+        except LogbusError as error:
+            if not error.retriable or isinstance(error, REJOIN_ERRORS):
+                raise
+            remaining = deadline_s - time.monotonic()
+            if remaining <= 0:
+                raise RequestTimedOutError(f"{what} did not complete within its timeout; last error: {error}") from error
+            logger.debug("%s: retrying after %s: %s", what, type(error).__name__, error)
+            if on_retry is not None:
+                on_retry(error)
+            time.sleep(min(backoff_s, remaining))
+            backoff_s = min(backoff_s * 2, RETRY_BACKOFF_MAX_S)
 
 
 def _checked_partition(tp) -> TopicPartition:
     if not isinstance(tp, tuple) or len(tp) != 2:
         raise InvalidConfigError(f"expected a TopicPartition(topic, partition), not {tp!r}")
     return TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))
+
+
+def checked_offsets(offsets) -> dict[TopicPartition, int | OffsetAndMetadata]:
+    """``offsets`` as a commit carries them, checked on the caller's side (no bus needed).
+
+    A dict whose keys are TopicPartitions and whose values are offsets (ints
+    >= 0, not bools) or OffsetAndMetadata with such an offset; anything else is
+    the caller's mistake: InvalidConfigError for something other than a dict,
+    InvalidRecordError for a bad value (the coordinator's own check raises the
+    same), InvalidTopicError / InvalidPartitionError / InvalidConfigError for a
+    bad key.
+    """
+    if not isinstance(offsets, dict):
+        raise InvalidConfigError(f"offsets must be a dict of TopicPartition -> offset, not {offsets!r}")
+    checked = {}
+    for tp, value in offsets.items():
+        tp = _checked_partition(tp)
+        offset = value.offset if isinstance(value, OffsetAndMetadata) else value
+        if isinstance(offset, bool) or not isinstance(offset, int) or not 0 <= offset < 2**63:
+            raise InvalidRecordError(
+                f"the commit for {tp} must be an offset (an int >= 0) or an OffsetAndMetadata with one, not {value!r}"
+            )
+        checked[tp] = value
+    return checked
 
 
 class GroupMembership:
@@ -182,64 +247,85 @@ class GroupMembership:
                 # Not held (no wait asked for, or the coordinator has too many calls waiting): back off.
                 time.sleep(min(result.retry_backoff_ms / 1000, remaining))
 
-    def commit(self, offsets: dict) -> None:
-        """Commit with this member's generation (or as a non-member before the first join)."""
-        offsets = self._checked_offsets(offsets)
+    def commit(self, offsets: dict, deadline_s: float | None = None) -> None:
+        """Commit with this member's generation (or as a non-member before the first join) and wait.
+
+        Retriable errors are retried until ``deadline_s`` (``time.monotonic()``;
+        None: one try), then RequestTimedOutError. Every try commits as the
+        member it started as: a generation that went stale meanwhile is refused
+        (REJOIN_ERRORS), never replaced by a commit as a non-member.
+        """
+        offsets = checked_offsets(offsets)
         member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
+
+        def attempt(remaining_s: float) -> None:
+            self._check_partition_counts(offsets)
+            get(self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets), timeout_s=remaining_s)
+
         try:
-            get(self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets))
-        except (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError):
+            if deadline_s is None:
+                attempt(CONTROL_TIMEOUT_S)
+            else:
+                retry_until(deadline_s, f"committing offsets of group {self.group_id!r}", attempt, self._forget_topics(offsets))
+        except REJOIN_ERRORS:
             with self._lock:
                 self.needs_join = True
             raise
 
     def commit_async(self, offsets: dict, callback=None) -> None:
         """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
-        offsets = self._checked_offsets(offsets)
+        offsets = checked_offsets(offsets)
         if callback is not None and not callable(callback):
             raise InvalidConfigError(f"callback must be a callable taking (offsets, error), not {callback!r}")
-        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
-        ref = self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets)
 
-        def done(future):
-            error = future.exception()
-            error = None if error is None else unwrap(error)
-            if isinstance(error, (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError)):
+        def finished(error: BaseException | None) -> None:
+            if isinstance(error, REJOIN_ERRORS):
                 with self._lock:
                     self.needs_join = True
             if callback is not None:
                 callback(offsets, error)
+            elif error is not None:
+                logger.debug("group %r: an asynchronous commit failed: %s", self.group_id, error)
 
-        ref.future().add_done_callback(done)
+        try:
+            self._check_partition_counts(offsets)
+        except LogbusError as error:
+            if not error.retriable:
+                raise
+            finished(error)  # as Kafka's commitAsync: a retriable failure goes to the callback, not the caller
+            return
+        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
+        ref = self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets)
+        ref.future().add_done_callback(lambda future: finished(None if future.exception() is None else unwrap(future.exception())))
 
-    def committed(self, partitions: list[TopicPartition]) -> dict:
-        """The group's committed OffsetAndMetadata (or None) of each partition."""
+    def committed(self, partitions: list[TopicPartition], timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
+        """The group's committed OffsetAndMetadata (or None) of each partition (one try; see retry_until)."""
         partitions = [_checked_partition(tp) for tp in partitions]
-        return get(self._bus.controller.fetch_committed.remote(self.group_id, list(partitions)))
+        return get(self._bus.controller.fetch_committed.remote(self.group_id, list(partitions)), timeout_s=timeout_s)
 
-    def _checked_offsets(self, offsets) -> dict[TopicPartition, int | OffsetAndMetadata]:
-        """``offsets`` with each key a TopicPartition of an existing partition and each value an offset.
+    def _forget_topics(self, offsets: dict) -> Callable[[LogbusError], None]:
+        """A retry hook: forget the cached metadata of the committed topics (they may have changed)."""
+
+        def forget(_error: LogbusError) -> None:
+            for topic in {tp.topic for tp in offsets}:
+                self._bus.forget(topic)
+
+        return forget
+
+    def _check_partition_counts(self, offsets: dict[TopicPartition, int | OffsetAndMetadata]) -> None:
+        """Refuse partitions past their topic's count.
 
         A partition past the topic's count is the caller's mistake (InvalidPartitionError), not the
         retriable "unknown partition" the coordinator would answer; the cached partition count is
         refreshed once before saying so, since the topic may have grown.
         """
-        if not isinstance(offsets, dict):
-            raise InvalidConfigError(f"offsets must be a dict of TopicPartition -> offset, not {offsets!r}")
-        checked = {}
-        for tp, offset in offsets.items():
-            tp = _checked_partition(tp)
-            if not (isinstance(offset, OffsetAndMetadata) or (isinstance(offset, int) and not isinstance(offset, bool))):
-                raise InvalidRecordError(f"the commit for {tp} must be an offset or an OffsetAndMetadata, not {offset!r}")
-            checked[tp] = offset
-        for topic in {tp.topic for tp in checked}:
-            highest = max(tp.partition for tp in checked if tp.topic == topic)
+        for topic in {tp.topic for tp in offsets}:
+            highest = max(tp.partition for tp in offsets if tp.topic == topic)
             count = self._bus.topic_metadata(topic).partition_count
             if highest >= count:
                 count = self._bus.topic_metadata(topic, refresh=True).partition_count
             if highest >= count:
                 raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{count - 1}; cannot commit partition {highest}")
-        return checked
 
     def leave(self) -> None:
         """Leave at once (dynamic members): the group rebalances without waiting for the session timeout."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from logbus.storage.record_batch import TIMESTAMP_TYPE_CREATE_TIME
 
 
 class TopicPartition(NamedTuple):
@@ -39,15 +41,48 @@ class RecordMetadata(NamedTuple):
 
 
 class ConsumerRecord(NamedTuple):
-    """One record as returned by Consumer.poll()."""
+    """One record as returned by Consumer.poll() and by iterating over a Consumer.
+
+    Read it by name, as kafka-python's: ``topic``, ``partition``, ``offset``,
+    ``timestamp`` (ms; also ``timestamp_ms``), ``timestamp_type``, ``key``,
+    ``value``, ``headers``. ``timestamp_type`` uses confluent-kafka's and
+    ``ray.data.read_kafka``'s codes: 1 CreateTime (the producer's time), 2
+    LogAppendTime (the leader's append time, the same for every record of a
+    batch): ``logbus.storage.record_batch.TIMESTAMP_TYPE_*``.
+
+    Why the tuple's order is not kafka-python's (topic, partition, offset,
+    timestamp, timestamp_type, key, value, headers): records were tuples of
+    seven fields before ``timestamp_type`` existed, and code that indexes them
+    (``record[4]`` for the key) must keep reading what it read. Putting the
+    new field in kafka-python's place would make such code read the wrong
+    field without any error; appending it keeps every index, and code that
+    unpacks all seven fields fails loudly instead. The field keeps its name
+    ``timestamp_ms`` (``_asdict()`` and ``_replace()`` keep working);
+    ``timestamp`` is kafka-python's name for it, as a property. A record built
+    with seven fields is a CreateTime record.
+    """
 
     topic: str
     partition: int
     offset: int
     timestamp_ms: int
-    key: bytes | None
-    value: bytes | None
+    key: Any  # bytes or None; what the key deserializer returned, when the consumer has one
+    value: Any  # likewise with the value deserializer
     headers: list[tuple[str, bytes | None]] | None
+    timestamp_type: int = TIMESTAMP_TYPE_CREATE_TIME
+
+    @property
+    def timestamp(self) -> int:
+        """The record's timestamp in ms (kafka-python's name for ``timestamp_ms``)."""
+        return self.timestamp_ms
+
+
+class OffsetAndTimestamp(NamedTuple):
+    """What Consumer.offsets_for_times() finds for a partition: the first offset at or after the
+    time asked for, and that record's timestamp (ms), as in Kafka's clients."""
+
+    offset: int
+    timestamp: int
 
 
 @dataclass(frozen=True, slots=True)

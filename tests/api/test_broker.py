@@ -11,6 +11,7 @@ import ray
 import logbus
 from logbus import TopicPartition
 from logbus.protocol.messages import FetchRequest
+from logbus.storage import record_batch as rb
 from logbus.errors import (
     IllegalStateError,
     InvalidConfigError,
@@ -90,7 +91,9 @@ def test_poll_returns_records_with_headers_and_timestamps(bus, topic_name):
     records = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="records")
     first = records[0]
     assert (first.offset, first.key, first.value, first.timestamp_ms, first.headers) == (0, b"k", b"first", base_ms, [("trace", b"abc")])
-    assert consumer.offsets_for_times({tp: base_ms + 500}) == {tp: 1}
+    assert (first.timestamp, first.timestamp_type) == (base_ms, rb.TIMESTAMP_TYPE_CREATE_TIME)
+    # The first record at or after the time, with its own timestamp (Kafka's OffsetAndTimestamp).
+    assert consumer.offsets_for_times({tp: base_ms + 500}) == {tp: logbus.OffsetAndTimestamp(1, base_ms + 1000)}
     assert consumer.offsets_for_times({tp: base_ms + 5000}) == {tp: None}
     consumer.seek(tp, 1)
     again = wait_for(lambda: consumer.poll(timeout_ms=500).get(tp), message="record after seek")
