@@ -324,6 +324,8 @@ class LogSegment:
         view = self._view()
         for position, header in rb.iter_headers(view, start, self.size_bytes):
             if header.max_timestamp_ms >= timestamp_ms:
+                if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+                    return header.base_offset  # every record of the batch carries its append time
                 _, records = rb.decode_records(view, position)
                 timestamps = records.column(2).to_numpy()
                 index = int(np.argmax(timestamps >= timestamp_ms))

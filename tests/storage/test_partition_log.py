@@ -303,3 +303,11 @@ def test_next_retention_time_says_when_the_oldest_data_expires(open_log, clock):
     assert log.enforce_retention() >= 1
     assert log.next_retention_ms() > first_deadline
     assert open_log({"retention.ms": -1}, directory=log.directory + "-forever").next_retention_ms() is None
+
+
+def test_offset_for_timestamp_of_a_log_append_time_batch_is_its_first_offset(open_log, clock):
+    log = open_log({"message.timestamp.type": "LogAppendTime"})
+    log.append(encode_batch([b"a", b"b", b"c"], timestamps_ms=[1, 2, clock.now_ms + 99]), leader_epoch=1)
+    # The producers' create times would pick offset 2; every record's time is the batch's append time.
+    assert log.offset_for_timestamp(clock.now_ms) == 0
+    assert log.offset_for_timestamp(clock.now_ms + 1) is None
