@@ -40,6 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from logbus.api import consumer as sync_consumer
 from logbus.api import producer as sync_producer
@@ -766,9 +767,16 @@ class Consumer:
         offsets = {tp: offset for tp, offset in offsets.items() if tp in wanted}
         if not offsets:
             return {}
-        if self._kept_table is not None:
-            # Rare (a cancelled getmany_arrow, then a seek): put all back, the others are fetched again too.
-            return self._take_kept_offsets(None)
+        table = self._kept_table
+        if table is not None:
+            topics, numbers = table.column("topic"), table.column("partition")
+            dropped = None
+            for tp in offsets:
+                rows = pc.and_(pc.equal(topics, tp.topic), pc.equal(numbers, tp.partition))
+                dropped = rows if dropped is None else pc.or_(dropped, rows)
+            rest = table.filter(pc.invert(dropped))
+            self._kept_table = rest if rest.num_rows else None
+            return offsets
         for tp in offsets:
             del self._kept[tp]
         return offsets
