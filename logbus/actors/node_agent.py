@@ -177,6 +177,22 @@ class NodeAgent:
                 watched.fence.current_epoch = epoch
         self.epochs_version = list(version)
 
+    async def shut_down(self) -> None:
+        """The cluster is being torn down: stop heartbeating and remove this node's files."""
+        if self._task is not None:
+            self._task.cancel()
+        for watched in self._replicas.values():
+            self._unwatch(watched)
+            watched.fence.remove()
+        self._replicas.clear()
+        self.lease.revoke()
+        self.lease.close()
+        try:
+            os.unlink(self.lease.path)
+            os.rmdir(self.directory)
+        except OSError:
+            pass  # something else still there
+
     async def ping(self) -> int:
         self._start()
         return os.getpid()

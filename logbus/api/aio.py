@@ -815,13 +815,15 @@ class Consumer:
         """Make ``offset`` the next offset returned for ``tp``."""
         await self._run_superseding(lambda consumer: consumer.seek(tp, offset), lambda: [tp])
 
-    async def seek_to_beginning(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        partitions = None if partitions is None else list(partitions)
-        await self._run_superseding(lambda consumer: consumer.seek_to_beginning(partitions), lambda: partitions)
+    async def seek_to_beginning(self, *partitions: TopicPartition) -> None:
+        """Seek these partitions (as arguments or one list; none: every assigned one) to their log start."""
+        tps = _partitions(partitions)
+        await self._run_superseding(lambda consumer: consumer.seek_to_beginning(*tps), lambda: tps or None)
 
-    async def seek_to_end(self, partitions: Iterable[TopicPartition] | None = None) -> None:
-        partitions = None if partitions is None else list(partitions)
-        await self._run_superseding(lambda consumer: consumer.seek_to_end(partitions), lambda: partitions)
+    async def seek_to_end(self, *partitions: TopicPartition) -> None:
+        """Seek these partitions (as arguments or one list; none: every assigned one) to their high watermark."""
+        tps = _partitions(partitions)
+        await self._run_superseding(lambda consumer: consumer.seek_to_end(*tps), lambda: tps or None)
 
     async def _run_superseding(self, fn: Callable[[sync_consumer.Consumer], Any], superseded: Callable[[], Any]) -> None:
         """Run ``fn``; once it succeeded, forget the kept records of the ``superseded()`` partitions (None: all).
@@ -902,3 +904,10 @@ def _seek_back(consumer: sync_consumer.Consumer, offsets: dict[TopicPartition, i
 
 def _empty_table() -> pa.Table:
     return sync_consumer.ARROW_SCHEMA.empty_table()
+
+
+def _partitions(partitions: tuple) -> list:
+    """Partitions given as arguments or as one iterable (the sync consumer's forms), as a list."""
+    if len(partitions) == 1 and not (isinstance(partitions[0], tuple) and len(partitions[0]) == 2 and isinstance(partitions[0][0], str)):
+        return list(partitions[0]) if partitions[0] is not None else []
+    return list(partitions)

@@ -32,9 +32,15 @@ def cli(bus, capsys, monkeypatch):
         code = main(["--namespace", bus.namespace, "--data-dir", bus.data_dir, *argv])
         out, err = capsys.readouterr()
         assert "Traceback" not in err, err
-        return Result(code, out, err)
+        return Result(code, _without_ray_notices(out), err)
 
     return run
+
+
+def _without_ray_notices(text: str) -> str:
+    """The command's output without the notices Ray's raylet sends every driver of this shared test
+    session (e.g. "N PYTHON worker processes have been started"): they are not the command's."""
+    return "".join(line for line in text.splitlines(keepends=True) if "\x1b[33m(raylet)" not in line and not line.startswith("(raylet)"))
 
 
 def table_rows(lines: list[str], header_first: str) -> list[list[str]]:
