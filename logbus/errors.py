@@ -237,5 +237,24 @@ class RecordDeserializationError(SerializationError):
     def __str__(self) -> str:
         return self.args[0]
 
+# --- partition reassignment ------------------------------------------------------
+
+
+class InvalidReassignmentError(LogbusError, ValueError):
+    """A partition reassignment cannot be done as asked: its target is empty, names a node twice or a node
+    that is not live, or a cancel would drop the partition's leader or its only in-sync replicas (a
+    replica the reassignment added leads, or holds every in-sync copy: move leadership first).
+    Nothing changed."""
+
+
+class ReassignmentInProgressError(LogbusError):
+    """The partition is already being reassigned: cancel that reassignment, or wait for it to complete,
+    before starting another (Kafka's REASSIGNMENT_IN_PROGRESS). Nothing changed."""
+
+
+class NoReassignmentInProgressError(LogbusError):
+    """A reassignment was to be cancelled, but the partition is not being reassigned (Kafka's
+    NO_REASSIGNMENT_IN_PROGRESS). Nothing changed."""
+
 
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -4,10 +4,21 @@ Pure state with its rules; no Ray and no I/O beyond (de)serialising to JSON.
 The controller actor owns one instance, persists it after every change
 (:meth:`to_json`), and reloads it on restart (:meth:`from_json`).
 
-Replica ids are per partition: replica ``r`` of a partition has the id ``r``
-(0 .. replication_factor-1) and its log lives in
+Replica ids are per partition: a new partition's replicas have the ids
+0 .. replication_factor-1, and every replica added later (a replacement, or
+one a reassignment adds) takes the partition's ``next_replica_id``, so an id
+is never reused. Replica ``r``'s log lives in
 ``{data_dir}/replica-{r}/{topic}-{partition}``; placement maps a replica id to
 the Ray node that runs it.
+
+A reassignment moves a partition to an ordered list of target nodes (Kafka's
+KIP-455): replicas already on a target node stay, the other target nodes get
+new replicas (``adding``), and the replicas on no target node (``removing``)
+stay until every added replica has joined the ISR; then
+:meth:`ClusterMetadata.complete_reassignment` drops them. Meanwhile
+``replicas`` lists the target's replicas in target order, then the ones being
+removed, so elections prefer the target, and its first replica is the
+preferred leader (:meth:`ClusterMetadata.elect_preferred_leader`).
 
 Invariants of every partition, checked after each change (a violation is a
 bug and raises AssertionError, not an ``assert``, which -O removes):
@@ -20,7 +31,9 @@ bug and raises AssertionError, not an ``assert``, which -O removes):
 - the leader epoch grows by one on every change of leader (to none
   included), and never otherwise;
 - a replacement replica gets an id larger than any the partition had, so
-  ids are never reused.
+  ids are never reused (``next_replica_id`` is larger than every id);
+- the replicas being added and removed are replicas, no replica is both, and
+  the ones being removed come last.
 
 This class is not thread-safe; the controller serialises access.
 """
@@ -34,8 +47,13 @@ from dataclasses import asdict, dataclass, field
 from logbus.invariant import check as _check
 from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
+    InternalStateError,
+    InvalidPartitionError,
     InvalidPartitionsError,
+    InvalidReassignmentError,
     InvalidReplicationFactorError,
+    NoReassignmentInProgressError,
+    ReassignmentInProgressError,
     TopicAlreadyExistsError,
     UnknownTopicError,
 )
@@ -43,16 +61,38 @@ from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 
 PARTITIONS_MAX = 10_000  # per topic: each partition replica is a Ray actor (a process)
-METADATA_VERSION = 1
+METADATA_VERSION = 2  # 2: partitions carry adding, removing and next_replica_id
+READABLE_VERSIONS = (1, 2)  # version 1 loads with no reassignment in progress and ids derived from the replicas
 
 
 @dataclass(slots=True)
 class PartitionState:
-    replicas: list[int]  # replica ids, the first is the preferred leader
+    replicas: list[int]  # replica ids, the first is the preferred leader; during a reassignment the target's, then the removing
     nodes: dict[str, str]  # replica id (as str, for JSON) -> Ray node id
     leader: int | None
     leader_epoch: int
     isr: list[int]
+    adding: list[int] = field(default_factory=list)  # replicas a reassignment adds (they copy the log, then join the ISR)
+    removing: list[int] = field(default_factory=list)  # replicas a reassignment drops when it completes
+    next_replica_id: int = -1  # the id the next new replica gets; -1: one past the largest replica id
+
+    def __post_init__(self) -> None:
+        if self.next_replica_id < 0:
+            # Metadata written before ids were counted: a new id was always the largest, so this one is fresh.
+            self.next_replica_id = max(self.replicas, default=-1) + 1
+
+    def target(self) -> list[int]:
+        """The replicas the partition keeps once its reassignment (if any) completes, preferred leader first."""
+        return [r for r in self.replicas if r not in self.removing]
+
+    def reassigning(self) -> bool:
+        """Whether a reassignment is in progress."""
+        return bool(self.adding or self.removing)
+
+    def _new_replica_id(self) -> int:
+        new = self.next_replica_id
+        self.next_replica_id += 1
+        return new
 
 
 @dataclass(slots=True)
@@ -64,7 +104,8 @@ class TopicState:
 
     @property
     def replication_factor(self) -> int:
-        return len(self.partitions[0].replicas) if self.partitions else 0
+        """Partition 0's replica count (its target's while it is being reassigned)."""
+        return len(self.partitions[0].target()) if self.partitions else 0
 
 
 class ClusterMetadata:
@@ -282,18 +323,27 @@ class ClusterMetadata:
     def replace_replica(self, name: str, partition: int, dead: int, node: str) -> int:
         """Put a new replica (a fresh id, so a fresh directory) on ``node`` in place of ``dead``; return its id.
 
-        The new id is larger than any the partition had (the largest only
-        grows), so no id is ever reused. ``dead`` leaves the ISR; if it led,
-        the partition becomes leaderless and the epoch moves on, as for any
-        change of leader. The caller must not replace the only in-sync
-        replica (that would lose the committed records; AssertionError).
+        The new id is the partition's ``next_replica_id``, larger than any it
+        had, so no id is ever reused. The new replica takes ``dead``'s place
+        in ``replicas``, and in a reassignment its role too (one replacing a
+        replica being added is being added; one replacing a replica being
+        removed is removed when the reassignment completes). ``dead`` leaves
+        the ISR; if it led, the partition becomes leaderless and the epoch
+        moves on, as for any change of leader. The caller must not replace
+        the only in-sync replica (that would lose the committed records), nor
+        put the new one on a node that holds another replica of the partition
+        (AssertionError, nothing changed).
         """
         state = self.topic(name).partitions[partition]
         where = f"{name}-{partition}"
         _check(dead in state.replicas, f"{where}: replica {dead} to replace is not one of {state.replicas}")
         _check(state.isr != [dead], f"{where}: replica {dead} is the only in-sync replica; replacing it loses the partition's data")
-        new = max(state.replicas) + 1
+        others = {state.nodes[str(r)] for r in state.replicas if r != dead}
+        _check(node not in others, f"{where}: node {node} already holds a replica of the partition")
+        new = state._new_replica_id()
         state.replicas = [new if r == dead else r for r in state.replicas]
+        state.adding = [new if r == dead else r for r in state.adding]
+        state.removing = [new if r == dead else r for r in state.removing]
         state.nodes.pop(str(dead), None)
         state.nodes[str(new)] = node
         state.isr = [r for r in state.isr if r != dead]
@@ -302,6 +352,178 @@ class ClusterMetadata:
             state.leader_epoch += 1
         _check_partition(state, where)
         return new
+
+    # --- reassignment and preferred leaders ----------------------------------------------------
+
+    def partition(self, name: str, partition: int) -> PartitionState:
+        """A partition's state; UnknownTopicError, or InvalidPartitionError for a number outside 0..count-1."""
+        topic = self.topic(name)
+        if isinstance(partition, bool) or not isinstance(partition, int) or not 0 <= partition < len(topic.partitions):
+            raise InvalidPartitionError(f"topic {name!r} has partitions 0..{len(topic.partitions) - 1}, not {partition!r}")
+        return topic.partitions[partition]
+
+    def start_reassignment(self, name: str, partition: int, target_nodes: list[str], live_nodes: list[str]) -> list[int]:
+        """Start moving a partition to ``target_nodes`` (ordered: the first hosts the preferred leader); return the new replica ids.
+
+        Everything is validated first, and an error changes nothing:
+        UnknownTopicError or InvalidPartitionError for a partition that does
+        not exist, ReassignmentInProgressError if the partition is already
+        being moved, InvalidReassignmentError for an empty target, a node
+        named twice or a node not in ``live_nodes``, and
+        InvalidReplicationFactorError for a target longer than the live nodes.
+
+        A replica already on a target node keeps its id (and its log); every
+        other target node gets a new replica with a fresh id (``adding``), and
+        the replicas on no target node are ``removing``. ``replicas`` becomes
+        the target's replicas in target order followed by the removing ones;
+        the ISR is unchanged: a new replica joins it through the leader's
+        :meth:`alter_isr` once it caught up, and then the controller calls
+        :meth:`complete_reassignment`. A target with the current nodes only
+        reorders ``replicas`` (no data moves) and returns ``[]``.
+        """
+        state = self.partition(name, partition)
+        where = f"{name}-{partition}"
+        if state.reassigning():
+            raise ReassignmentInProgressError(
+                f"{where} is already being reassigned (adding {state.adding}, removing {state.removing}): "
+                "cancel it or wait for it to complete"
+            )
+        _validate_target(where, target_nodes, live_nodes)
+        # A target node keeps the replica it holds (the first, should a node hold two); the others get new ones.
+        unclaimed = list(state.replicas)
+        kept: dict[str, int] = {}
+        for node in target_nodes:
+            for r in unclaimed:
+                if state.nodes[str(r)] == node:
+                    kept[node] = r
+                    unclaimed.remove(r)
+                    break
+        if len(kept) == len(target_nodes) and not unclaimed:
+            state.replicas = [kept[node] for node in target_nodes]  # the same nodes: at most a new order
+            _check_partition(state, where)
+            return []
+        target: list[int] = []
+        added: list[int] = []
+        for node in target_nodes:
+            if node in kept:
+                target.append(kept[node])
+            else:
+                new = state._new_replica_id()
+                state.nodes[str(new)] = node
+                target.append(new)
+                added.append(new)
+        state.replicas = target + unclaimed
+        state.adding = added
+        state.removing = unclaimed
+        _check_partition(state, where)
+        return list(added)
+
+    def reassignment_ready(self, name: str, partition: int) -> bool:
+        """Whether a reassignment in progress may complete: every replica it adds is in the ISR.
+
+        Also the ISR must keep a member once the removing replicas leave it
+        (a target of replicas already there, all out of sync, must wait for
+        one of them to rejoin; otherwise completing would lose the data).
+        False when no reassignment is in progress.
+        """
+        state = self.partition(name, partition)
+        if not state.reassigning():
+            return False
+        isr = set(state.isr)
+        return set(state.adding) <= isr and any(r in isr for r in state.target())
+
+    def complete_reassignment(self, name: str, partition: int) -> tuple[list[int], bool]:
+        """Finish a ready reassignment; return (the removed replica ids, whether the leadership changed).
+
+        ``replicas`` becomes the target's replicas in target order; the
+        removed ones leave ``replicas``, the ISR and ``nodes`` (the caller
+        stops them and deletes their logs). If the leader was removed, the
+        first target replica in the ISR leads, at the next epoch. Refused
+        (InternalStateError, nothing changed) when no reassignment is in
+        progress or it is not :meth:`reassignment_ready`.
+        """
+        state = self.partition(name, partition)
+        where = f"{name}-{partition}"
+        if not state.reassigning():
+            raise InternalStateError(f"{where}: no reassignment in progress to complete")
+        if not self.reassignment_ready(name, partition):
+            raise InternalStateError(
+                f"{where}: the reassignment is not ready: replicas {state.adding} must all be in the ISR {state.isr}, "
+                f"and one of the target {state.target()} must be"
+            )
+        removed = list(state.removing)
+        target = state.target()
+        state.replicas = target
+        state.isr = [r for r in state.isr if r not in removed]
+        for r in removed:
+            del state.nodes[str(r)]
+        state.adding, state.removing = [], []
+        changed = state.leader in removed
+        if changed:
+            state.leader = next(r for r in target if r in state.isr)
+            state.leader_epoch += 1
+        _check_partition(state, where)
+        return removed, changed
+
+    def cancel_reassignment(self, name: str, partition: int) -> list[int]:
+        """Abandon a reassignment in progress; return the replicas it had added (they leave; the caller deletes them).
+
+        The replicas it was removing stay: ``replicas`` keeps its order
+        without the added ones (the target's kept replicas, then the ones
+        that were leaving), so the preferred leader may differ from before the
+        reassignment (the order before it is not kept). Refused, nothing changed: NoReassignmentInProgressError when none is
+        in progress; InvalidReassignmentError when an added replica leads or
+        the ISR has no other member (move leadership first).
+        """
+        state = self.partition(name, partition)
+        where = f"{name}-{partition}"
+        if not state.reassigning():
+            raise NoReassignmentInProgressError(f"{where} is not being reassigned")
+        added = list(state.adding)
+        if state.leader in added:
+            raise InvalidReassignmentError(
+                f"{where}: replica {state.leader}, added by the reassignment, leads; move leadership to another replica before cancelling"
+            )
+        if all(r in added for r in state.isr):
+            raise InvalidReassignmentError(
+                f"{where}: the ISR {state.isr} has only replicas the reassignment added; cancelling would lose the partition's data"
+            )
+        state.replicas = [r for r in state.replicas if r not in added]
+        state.isr = [r for r in state.isr if r not in added]
+        for r in added:
+            del state.nodes[str(r)]
+        state.adding, state.removing = [], []
+        _check_partition(state, where)
+        return added
+
+    def reassignments(self) -> dict[tuple[str, int], dict[str, list]]:
+        """Every partition being reassigned: {"target": [node ids, in order], "adding": [ids], "removing": [ids]}."""
+        moving = {}
+        for topic in self.topics.values():
+            for p, state in enumerate(topic.partitions):
+                if state.reassigning():
+                    moving[(topic.name, p)] = {
+                        "target": [state.nodes[str(r)] for r in state.target()],
+                        "adding": list(state.adding),
+                        "removing": list(state.removing),
+                    }
+        return moving
+
+    def elect_preferred_leader(self, name: str, partition: int, alive: set[int]) -> bool:
+        """Give the leadership back to the preferred leader (the first replica); True if the leadership changed.
+
+        Only when it is in the ISR and ``alive`` (so it has every committed
+        record), and does not lead already. The epoch moves on; the ISR is
+        unchanged (the old leader is in sync, not failed).
+        """
+        state = self.partition(name, partition)
+        preferred = state.replicas[0]
+        if state.leader == preferred or preferred not in state.isr or preferred not in alive:
+            return False
+        state.leader = preferred
+        state.leader_epoch += 1
+        _check_partition(state, f"{name}-{partition}")
+        return True
 
     def allocate_producer_id(self) -> int:
         producer_id = self.next_producer_id
@@ -324,7 +546,7 @@ class ClusterMetadata:
     @classmethod
     def from_json(cls, text: str) -> "ClusterMetadata":
         raw = json.loads(text)
-        if raw.get("version") != METADATA_VERSION:
+        if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"unsupported metadata version {raw.get('version')!r}")
         metadata = cls()
         metadata.next_producer_id = raw["next_producer_id"]
@@ -343,6 +565,33 @@ def _check_partition(state: PartitionState, where: str = "new partition") -> Non
     _check(bool(isr) and len(isr) == len(state.isr), f"{where}: ISR {state.isr} is empty or has duplicates")
     _check(isr <= replicas, f"{where}: ISR {state.isr} is not a subset of the replicas {state.replicas}")
     _check(state.leader is None or state.leader in isr, f"{where}: leader {state.leader} is not in the ISR {state.isr}")
+    adding, removing = set(state.adding), set(state.removing)
+    _check(len(adding) == len(state.adding) and adding <= replicas, f"{where}: adding {state.adding} is not a subset of the replicas {state.replicas}")
+    _check(len(removing) == len(state.removing) and removing <= replicas, f"{where}: removing {state.removing} is not a subset of the replicas {state.replicas}")
+    _check(not adding & removing, f"{where}: replicas {sorted(adding & removing)} are both being added and removed")
+    _check(
+        set(state.replicas[len(state.replicas) - len(removing):]) == removing,
+        f"{where}: the replicas being removed {state.removing} do not come last in {state.replicas}",
+    )
+    _check(state.next_replica_id > max(replicas, default=-1), f"{where}: next replica id {state.next_replica_id} is not above every id in {state.replicas}")
+
+
+def _validate_target(where: str, target_nodes: list[str], live_nodes: list[str]) -> None:
+    """Refuse a reassignment target that is empty, repeats a node, or names a node that is not live."""
+    if not isinstance(target_nodes, (list, tuple)) or not all(isinstance(n, str) for n in target_nodes):
+        raise InvalidReassignmentError(f"{where}: the target must be a list of node ids, not {target_nodes!r}")
+    if not target_nodes:
+        raise InvalidReassignmentError(f"{where}: the target names no node; a partition needs at least one replica")
+    repeated = sorted({n for n in target_nodes if target_nodes.count(n) > 1})
+    if repeated:
+        raise InvalidReassignmentError(f"{where}: the target names node(s) {repeated} more than once; a node holds one replica of a partition")
+    if len(target_nodes) > len(set(live_nodes)):
+        raise InvalidReplicationFactorError(
+            f"{where}: a target of {len(target_nodes)} replicas exceeds the {len(set(live_nodes))} live Ray node(s)"
+        )
+    dead = [n for n in target_nodes if n not in set(live_nodes)]
+    if dead:
+        raise InvalidReassignmentError(f"{where}: target node(s) {dead} are not live")
 
 
 def _check_count(what: str, value: object, error: type[Exception], limit: int | None) -> None:
