@@ -13,12 +13,16 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus groups list
     logbus groups describe --group billing --members
     logbus groups reset-offsets --group billing --topic events --to-earliest [--execute]
+    logbus nodes list
+    logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
-environment) each invocation starts an embedded local Ray, serves the command,
-and shuts Ray down again; topics and records stay on disk under ``--data-dir``
-(default ``./logbus-data``) and the next invocation finds them there. With
+environment) each invocation joins the cluster of the process that serves
+``--data-dir`` (default ``./logbus-data``), such as an application running
+beside it, or else starts an embedded local Ray, serves the command, and
+shuts Ray down again; topics and records stay on disk and the next
+invocation finds them there. With
 ``--address`` (e.g. ``auto`` or ``HOST:PORT``) the command joins that Ray
 cluster and leaves it running.
 
@@ -232,11 +236,22 @@ def cmd_topics_describe(args) -> int:
                 if args.topic is not None:
                     raise
                 # deleted since it was listed
+        reassignments = bus.admin.describe_reassignments()
     blocks = []
     for d in descriptions:
         replication_factor = len(d.partitions[0].replicas) if d.partitions else 0
         summary = f"Topic: {d.name}\tPartitionCount: {len(d.partitions)}\tReplicationFactor: {replication_factor}\tConfigs: {_configs(d.config)}\n"
         blocks.append(summary + _table(DESCRIBE_HEADERS, _describe_rows(d)))
+    shown = {d.name for d in descriptions}
+    moving = [m for m in reassignments if m["topic"] in shown]
+    if moving:
+        rows = [
+            [m["topic"], m["partition"], ",".join(n[:12] for n in m["target"]), _ids(m["adding"]), _ids(m["removing"]),
+             " ".join(f"{r}:{_dash(o)}/{_dash(m['leader_log_end_offset'])}" for r, o in m["copied"].items()),
+             _dash(m["throttle_bytes_per_s"])]
+            for m in moving
+        ]
+        blocks.append("Reassignments in progress:\n" + _table(REASSIGN_HEADERS, rows))
     sys.stdout.write("\n".join(blocks))
     return 0
 
@@ -472,6 +487,40 @@ def cmd_consume(args) -> int:
         finally:
             consumer.close()
     _err(f"Processed a total of {count} messages")
+    return 0
+
+
+# --- nodes ------------------------------------------------------------------------------------------------
+
+NODES_HEADERS = ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "ReplicasDown", "Draining"]
+REASSIGN_HEADERS = ["Topic", "Partition", "TargetNodes", "Adding", "Removing", "Copied(replica:offset/leader)", "Throttle(B/s)"]
+
+
+def cmd_nodes_list(args) -> int:
+    """Print every node that may host replicas: replicas, leaders, replica limit, liveness and drain state."""
+    with _connected(args) as bus:
+        nodes = bus.admin.nodes()
+    rows = [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
+             n["replicas_down"], "yes" if n.get("draining") else "no"] for n in nodes]
+    sys.stdout.write(_table(NODES_HEADERS, rows))
+    return 0
+
+
+def cmd_nodes_drain(args) -> int:
+    """Move every replica and leadership off a node, so it becomes idle and an autoscaler may remove it.
+
+    The moves start at once and proceed in the background: ``logbus topics
+    describe`` shows them, and ``logbus nodes list`` the node's replicas.
+    """
+    with _connected(args) as bus:
+        matches = [n["node_id"] for n in bus.admin.nodes() if n["node_id"].startswith(args.node)]
+        if len(matches) != 1:
+            raise CliError(f"{args.node!r} matches {len(matches)} nodes; give more of the node id")
+        result = bus.admin.drain_node(matches[0], args.throttle)
+    moving = result["moving"]
+    sys.stdout.write(f"Draining node {matches[0]}: moving {len(moving)} partition(s)\n")
+    for topic, partition in moving:
+        sys.stdout.write(f"  {topic}-{partition}\n")
     return 0
 
 
@@ -938,12 +987,22 @@ def build_parser() -> argparse.ArgumentParser:
     # groups
     _add_groups_parser(commands, common)
 
+    # nodes
+    nodes = commands.add_parser("nodes", parents=[common], help="list nodes, drain a node", description="Manage the nodes that host replicas.")
+    node_actions = nodes.add_subparsers(dest="action", metavar="ACTION", required=True)
+    nodes_list = node_actions.add_parser("list", parents=[common], help="list nodes with replica counts", description=cmd_nodes_list.__doc__)
+    nodes_list.set_defaults(func=cmd_nodes_list)
+    drain = node_actions.add_parser("drain", parents=[common], help="move every replica off a node", description=cmd_nodes_drain.__doc__)
+    drain.add_argument("node", metavar="NODE", help="the node id (a unique prefix is enough)")
+    drain.add_argument("--throttle", type=_positive_int, metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
+    drain.set_defaults(func=cmd_nodes_drain)
+
     # status
     status = commands.add_parser("status", parents=[common], help="show Ray nodes, topics, partitions and replicas", description=cmd_status.__doc__)
     status.set_defaults(func=cmd_status)
 
     # keep each subparser at hand for usage errors found after parsing
-    for sub in (create, listing, describe, delete, alter, produce, consume, status):
+    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain):
         sub.set_defaults(parser=sub)
     return parser
 

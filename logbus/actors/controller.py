@@ -62,6 +62,7 @@ from logbus.actors.placement import (
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
+    InvalidReassignmentError,
     InvalidReplicationFactorError,
     InvalidTopicError,
     LeaderNotAvailableError,
@@ -72,7 +73,7 @@ from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription
-from logbus.protocol.placement import NodeLoad
+from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
@@ -89,6 +90,7 @@ REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
+PREFERRED_LEADER_CHECK_MS = 300_000  # leaders go back to their preferred replicas this often (Kafka: 5 min)
 REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
@@ -190,6 +192,9 @@ class Controller:
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
         self._versions = 0  # counter of epoch table versions
         self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
+        self._throttles: dict[tuple[str, int], int | None] = {}  # reassignments' copy limits (bytes/s)
+        self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
+        self._last_preferred_check_ms = monotonic_ms()
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
 
@@ -431,7 +436,7 @@ class Controller:
     def _loads(self) -> list[NodeLoad]:
         """What placement knows of the live nodes: replicas and leaders from the metadata, racks from
         Ray's node labels, and each node's replica limit."""
-        limits = node_limits(self.max_replicas_per_node)
+        limits = {n: limit for n, limit in node_limits(self.max_replicas_per_node).items() if n not in self._draining}
         self._use_slots = uses_replica_slots()
         loads = self.metadata.node_loads(sorted(limits), limits)
         racks = node_racks()
@@ -471,6 +476,8 @@ class Controller:
             accepted = self.metadata.alter_isr(topic, partition, leader, leader_epoch, isr)
             if accepted is not None:
                 self._persist()
+                if self.metadata.topics[topic].partitions[partition].adding and self.metadata.reassignment_ready(topic, partition):
+                    asyncio.get_running_loop().create_task(self._finish_move(topic, partition))
         return accepted
 
     async def _run_control_loop(self) -> None:
@@ -501,6 +508,9 @@ class Controller:
                 names |= set(node.epochs)
         if names:
             await self._check_replicas(names)
+        if now - self._last_preferred_check_ms > PREFERRED_LEADER_CHECK_MS:
+            self._last_preferred_check_ms = now
+            asyncio.get_running_loop().create_task(self.elect_preferred_leaders())
 
     async def _check_replicas(self, names: set[str]) -> None:
         """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
@@ -540,6 +550,8 @@ class Controller:
         live_nodes = None
         replaced = False
         for r in list(state.replicas):
+            if r in state.removing:
+                continue  # leaving anyway: its reassignment finishes without it
             node = self._nodes.get(state.nodes.get(str(r)))
             if node is None or node.dead_since_ms is None or now - node.dead_since_ms <= self.replica_replacement_ms:
                 continue
@@ -670,10 +682,22 @@ class Controller:
         await self._delete_topic(name)
 
     async def destroy(self) -> None:
-        """Delete every topic, the internal one too, with its actors and files (tests and teardown)."""
+        """Delete every topic, the internal one too, with its actors and files, and stop the node agents
+        (tests and teardown: what is left is the controller, which the caller kills)."""
         await self._ready()
         for name in list(self.metadata.topics):
             await self._delete_topic(name)
+        for node in self._nodes.values():
+            if node.agent is not None:
+                try:
+                    await asyncio.wait_for(node.agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                try:
+                    ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                node.agent = None
 
     async def _delete_topic(self, name: str) -> None:
         async with self._lock:
@@ -746,6 +770,174 @@ class Controller:
         await asyncio.gather(*(h.update_config.remote(overrides) for h in handles))
         return dict(overrides)
 
+    # --- moving replicas: reassignment, drain, rebalance, preferred leaders ---------------------------
+
+    async def reassign_partitions(self, assignments: dict, throttle_bytes_per_s: int | None = None) -> dict:
+        """Move partitions to new nodes: ``{(topic, partition): [node id, ...]}`` (the first hosts the
+        preferred leader). New replicas copy the log from the leader (at most ``throttle_bytes_per_s``
+        each), join the ISR, and only then are the old ones removed (and leadership moved, fenced,
+        if the leader was one of them). Validates every entry first: all start, or none."""
+        await self._ready()
+        self._calls["reassign_partitions"] += 1
+        if not isinstance(assignments, dict) or not assignments:
+            raise InvalidReassignmentError("assignments must be a non-empty {(topic, partition): [node ids]} dict")
+        async with self._lock:
+            live = live_node_ids()
+            trial = ClusterMetadata.from_json(self.metadata.to_json())
+            for (topic, partition), nodes in assignments.items():
+                trial.start_reassignment(topic, partition, list(nodes), live)  # raises before anything changes
+            started = {}
+            for (topic, partition), nodes in assignments.items():
+                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live)
+            self._persist()
+            for node in self._reindex():
+                self._push_epochs(node)
+        for (topic, partition), added in started.items():
+            if added:
+                self._throttles[(topic, partition)] = throttle_bytes_per_s
+        await asyncio.gather(*(self._begin_move(t, p) for (t, p), added in started.items()))
+        return await self.describe_reassignments()
+
+    async def _begin_move(self, topic_name: str, partition: int) -> None:
+        """Start a reassignment's new replicas (throttled) and tell the partition its new replica list."""
+        topic = self.metadata.topics[topic_name]
+        state = topic.partitions[partition]
+        for r in state.adding:
+            self._agent(self._node_entry(state.nodes[str(r)]))
+        throttle = self._throttles.get((topic_name, partition))
+        if throttle:  # before they are told to follow: the copy starts throttled
+            await asyncio.gather(
+                *(self._replica_handle(topic, partition, r).set_throttle.remote(throttle) for r in state.adding), return_exceptions=True
+            )
+        await self._start_partition(topic, partition)
+        if self.metadata.reassignment_ready(topic_name, partition):
+            asyncio.get_running_loop().create_task(self._finish_move(topic_name, partition))
+
+    async def _finish_move(self, topic_name: str, partition: int) -> None:
+        """Every new replica is in the ISR: drop the old ones, move leadership if needed (fenced)."""
+        async with self._lock:
+            topic = self.metadata.topics.get(topic_name)
+            if topic is None or partition >= len(topic.partitions) or not topic.partitions[partition].adding:
+                return
+            if not self.metadata.reassignment_ready(topic_name, partition):
+                return
+            old_nodes = dict(topic.partitions[partition].nodes)
+            removed, _ = self.metadata.complete_reassignment(topic_name, partition)
+            self._persist()
+            for node in self._reindex():
+                self._push_epochs(node)
+        self._throttles.pop((topic_name, partition), None)
+        state = topic.partitions[partition]
+        await asyncio.gather(
+            *(self._replica_handle(topic, partition, r).set_throttle.remote(None) for r in state.replicas), return_exceptions=True
+        )
+        await self._announce_safely(topic, partition)
+        await self._remove_replicas(topic, partition, removed, old_nodes)
+        logger.info("%s-%d: moved to %s", topic_name, partition, [state.nodes[str(r)][:8] for r in state.replicas])
+
+    async def _remove_replicas(self, topic: TopicState, partition: int, removed: list[int], nodes: dict[str, str]) -> None:
+        """Delete the files and actors of replicas no longer in the partition."""
+        handles, gone = [], {}
+        for r in removed:
+            handle = self._replicas.pop((topic.name, partition, r), None)
+            if handle is not None:
+                handles.append(handle)
+            gone.setdefault(nodes[str(r)], []).append(replica_file_name(topic.topic_id, partition, r))
+        await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), REPLICA_CALL_TIMEOUT_S) for h in handles), return_exceptions=True)
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        for node_id, names in gone.items():
+            node = self._nodes.get(node_id)
+            if node is not None and node.agent is not None:
+                try:
+                    await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
+                    pass
+
+    async def cancel_reassignments(self, partitions: list) -> list:
+        """Abandon reassignments in progress: the new replicas go, the old ones stay. Returns what was cancelled."""
+        await self._ready()
+        cancelled = []
+        for topic_name, partition in partitions:
+            async with self._lock:
+                topic = self.metadata.topic(topic_name)
+                old_nodes = dict(topic.partitions[partition].nodes)
+                removed = self.metadata.cancel_reassignment(topic_name, partition)
+                self._persist()
+                for node in self._reindex():
+                    self._push_epochs(node)
+            self._throttles.pop((topic_name, partition), None)
+            await self._announce_safely(topic, partition)
+            await self._remove_replicas(topic, partition, removed, old_nodes)
+            cancelled.append((topic_name, partition))
+        return cancelled
+
+    async def describe_reassignments(self) -> list[dict]:
+        """Partitions being moved: target nodes, replicas being added and removed, and how far each new one has copied."""
+        await self._ready()
+        out = []
+        for (topic_name, partition), moving in sorted(self.metadata.reassignments().items()):
+            topic = self.metadata.topics[topic_name]
+            handles = {r: self._replica_handle(topic, partition, r) for r in moving["adding"]}
+            leader = topic.partitions[partition].leader
+            if leader is not None:
+                handles[leader] = self._replica_handle(topic, partition, leader)
+            found = await asyncio.gather(*(asyncio.wait_for(h.offsets.remote(), 10) for h in handles.values()), return_exceptions=True)
+            ends = {r: (f[2] if isinstance(f, tuple) else None) for r, f in zip(handles, found)}
+            out.append({
+                "topic": topic_name, "partition": partition, **moving,
+                "leader_log_end_offset": ends.get(leader),
+                "copied": {str(r): ends.get(r) for r in moving["adding"]},
+                "throttle_bytes_per_s": self._throttles.get((topic_name, partition)),
+            })
+        return out
+
+    async def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None) -> dict:
+        """Move every replica and leadership off ``node_id`` so it becomes idle (and an autoscaler may remove it)."""
+        await self._ready()
+        if node_id not in live_node_ids() and node_id not in self._nodes:
+            raise InvalidReassignmentError(f"unknown node {node_id!r}")
+        self._draining.add(node_id)  # placement (and the plan) leave it out from now on
+        plan = plan_drain(self.metadata, node_id, self._loads())
+        if not plan:
+            return {"node_id": node_id, "moving": []}
+        await self.reassign_partitions(plan, throttle_bytes_per_s)
+        return {"node_id": node_id, "moving": sorted(plan)}
+
+    async def rebalance(self, throttle_bytes_per_s: int | None = None) -> dict:
+        """Spread replicas evenly over the live nodes (e.g. onto nodes just added): the fewest moves."""
+        await self._ready()
+        plan = plan_rebalance(self.metadata, self._loads())
+        if plan:
+            await self.reassign_partitions(plan, throttle_bytes_per_s)
+        return {"moving": sorted(plan)}
+
+    async def elect_preferred_leaders(self, topics: list[str] | None = None) -> list:
+        """Give leadership back to each partition's preferred leader (its first replica) where it is
+        alive and in sync: after failovers, leaders spread evenly again. Returns the partitions moved."""
+        await self._ready()
+        now = monotonic_ms()
+        changed = []
+        async with self._lock:
+            for topic in list(self.metadata.topics.values()):
+                if topics is not None and topic.name not in topics:
+                    continue
+                for p, state in enumerate(topic.partitions):
+                    if state.adding or not state.replicas or state.leader == state.replicas[0]:
+                        continue
+                    alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
+                    if self.metadata.elect_preferred_leader(topic.name, p, alive):
+                        changed.append((topic, p))
+            if changed:
+                self._persist()
+                for node in self._reindex():
+                    self._push_epochs(node)
+        await asyncio.gather(*(self._announce_safely(t, p) for t, p in changed))
+        return [(t.name, p) for t, p in changed]
+
     # --- metadata for clients --------------------------------------------------------------------------
 
     async def topic_metadata(self, name: str) -> dict:
@@ -801,6 +993,7 @@ class Controller:
                 "max_replicas": limits.get(node_id),
                 "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
                 "replicas_down": len(node.down) if node is not None else 0,
+                "draining": node_id in self._draining,
             })
         return out
 

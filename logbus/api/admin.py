@@ -9,11 +9,17 @@ import math
 from logbus.actors.controller import CREATE_TIMEOUT_S
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.protocol.group_coordinator import validate_group_id
-from logbus.errors import InvalidConfigError, InvalidPartitionsError, InvalidReplicationFactorError, OffsetOutOfRangeError
+from logbus.errors import (
+    InvalidConfigError,
+    InvalidPartitionsError,
+    InvalidReassignmentError,
+    InvalidReplicationFactorError,
+    OffsetOutOfRangeError,
+)
 from logbus.protocol.cluster_metadata import PARTITIONS_MAX
 from logbus.protocol.messages import TopicDescription
 from logbus.storage.log_config import LogConfig
-from logbus.storage.names import validate_topic_name
+from logbus.storage.names import validate_partition, validate_topic_name
 
 RESET_TARGETS = ("earliest", "latest")
 
@@ -139,3 +145,73 @@ class Admin:
         LogConfig.from_dict(config)
         self._bus.forget(name)
         return get(self._bus.controller.alter_config.remote(name, config))
+
+    # --- nodes: moving replicas --------------------------------------------------------------------
+
+    def nodes(self) -> list[dict]:
+        """Every node that may host replicas: replicas, leaders, max.replicas.per.node, alive, draining."""
+        return get(self._bus.controller.nodes.remote())
+
+    def reassign_partitions(self, assignments: dict, throttle_bytes_per_s: int | None = None) -> list[dict]:
+        """Move partitions to other nodes: ``{TopicPartition: [node_id, ...]}``, the first node hosting
+        the preferred leader (Kafka's kafka-reassign-partitions).
+
+        New replicas copy the log from the leader, at most ``throttle_bytes_per_s``
+        each when given, and join the ISR; only then are the old replicas
+        removed (their files deleted) and, if the leader was one of them,
+        leadership moved. Producers and consumers keep running; nothing
+        acknowledged is lost. Returns :meth:`describe_reassignments`. Raises
+        InvalidReassignmentError (unknown or duplicate nodes),
+        InvalidReplicationFactorError (more replicas than nodes) or
+        ReassignmentInProgressError, and then nothing changed.
+        """
+        if not isinstance(assignments, dict) or not assignments:
+            raise InvalidReassignmentError("assignments must be a non-empty {TopicPartition: [node ids]} dict")
+        checked = {}
+        for tp, nodes in assignments.items():
+            if not isinstance(tp, tuple) or len(tp) != 2:
+                raise InvalidReassignmentError(f"expected a TopicPartition(topic, partition), not {tp!r}")
+            validate_topic_name(tp[0])
+            if isinstance(nodes, str) or not isinstance(nodes, list | tuple) or not all(isinstance(n, str) and n for n in nodes):
+                raise InvalidReassignmentError(f"the target of {tp} must be a list of node ids, not {nodes!r}")
+            checked[(tp[0], validate_partition(tp[1]))] = list(nodes)
+        _throttle(throttle_bytes_per_s)
+        for topic in {t for t, _ in checked}:
+            self._bus.forget(topic)
+        return get(self._bus.controller.reassign_partitions.remote(checked, throttle_bytes_per_s))
+
+    def describe_reassignments(self) -> list[dict]:
+        """Partitions being moved: target nodes, replicas being added and removed, and how far each new one has copied."""
+        return get(self._bus.controller.describe_reassignments.remote())
+
+    def cancel_reassignments(self, partitions) -> list:
+        """Abandon the reassignments of ``partitions`` (TopicPartitions): new replicas go, old ones stay."""
+        tps = [(validate_topic_name(tp[0]), validate_partition(tp[1])) for tp in partitions]
+        return get(self._bus.controller.cancel_reassignments.remote(tps))
+
+    def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None) -> dict:
+        """Move every replica and leadership off ``node_id`` (reassignments, as above), so that it becomes
+        idle and a Ray autoscaler may remove it. New replicas are no longer placed there."""
+        if not isinstance(node_id, str) or not node_id:
+            raise InvalidReassignmentError(f"node_id must be a Ray node id, not {node_id!r}")
+        _throttle(throttle_bytes_per_s)
+        return get(self._bus.controller.drain_node.remote(node_id, throttle_bytes_per_s))
+
+    def rebalance(self, throttle_bytes_per_s: int | None = None) -> dict:
+        """Spread replicas evenly over the live nodes (onto nodes just added, say), with as few moves as possible."""
+        _throttle(throttle_bytes_per_s)
+        return get(self._bus.controller.rebalance.remote(throttle_bytes_per_s))
+
+    def elect_preferred_leaders(self, topics: list[str] | None = None) -> list:
+        """Give leadership back to each partition's preferred leader (its first replica) where it is in sync.
+
+        The controller also does this every 5 minutes; after failovers, leaders spread evenly again.
+        """
+        if topics is not None:
+            topics = [validate_topic_name(t) for t in topics]
+        return get(self._bus.controller.elect_preferred_leaders.remote(topics))
+
+
+def _throttle(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise InvalidConfigError(f"throttle_bytes_per_s must be a positive int (bytes per second) or None, not {value!r}")

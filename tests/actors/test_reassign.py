@@ -1,0 +1,162 @@
+"""Moving partitions between nodes under load: reassignment with a throttle, racks, drain, preferred leaders.
+
+A Ray cluster of one head and four replica nodes on this machine
+(ray.cluster_utils.Cluster), the nodes labelled with racks a, b, c, c. An
+idempotent acks="all" producer keeps writing while partitions move; after
+each move the invariants are checked: no acknowledged record lost or written
+twice, identical bytes on every replica, and the old replicas' files gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+import logbus
+from logbus import TopicPartition
+from logbus.actors.placement import replica_directory
+from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, ReassignmentInProgressError
+from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, statuses, wait_isr
+from tests.conftest import close_bus, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+RACKS = ["a", "b", "c", "c"]
+VALUE = b"x" * 1000
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": SYSTEM_CONFIG})
+    nodes = [cluster.add_node(num_cpus=1, resources={"logbus_replica": 16}, labels={"logbus.rack": rack}) for rack in RACKS]
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address)
+    yield cluster, [n.node_id for n in nodes]
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture
+def rbus(cluster, tmp_path):
+    bus = logbus.connect(data_dir=str(tmp_path / "data"), namespace=f"m-{uuid.uuid4().hex[:8]}")
+    yield bus
+    close_bus(bus)
+
+
+def rack_of(node_ids):
+    return {n: RACKS[i] for i, n in enumerate(node_ids)}
+
+
+def nodes_of(bus, topic, partition=0):
+    described = bus.admin.describe_topic(topic).partitions[partition]
+    found = {s["replica_id"]: s["node_id"] for s in statuses(bus, topic) if "node_id" in s}
+    return [found.get(r) for r in described.replicas], described
+
+
+def test_replicas_of_a_partition_spread_over_racks(cluster, rbus):
+    _, node_ids = cluster
+    racks = rack_of(node_ids)
+    rbus.admin.create_topic("racked", partitions=6, replication_factor=3)
+    metadata = rbus.topic_metadata("racked", refresh=True)
+    for p in range(6):
+        nodes = wait_for(lambda: (lambda n: n if all(n) else None)(nodes_of(rbus, "racked", p)[0]), timeout_s=120, message="statuses")
+        assert sorted(racks[n] for n in nodes) == ["a", "b", "c"], (p, nodes)
+    leaders = [nodes_of(rbus, "racked", p)[0][0] for p in range(6)]
+    assert metadata.partition_count == 6 and len(set(leaders)) >= 3  # preferred leaders spread out
+
+
+def test_a_partition_moves_to_another_node_under_load_within_its_throttle(cluster, rbus):
+    _, node_ids = cluster
+    topic = "moving"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2, "segment.bytes": 1 << 20})
+    wait_isr(rbus, topic, 3)
+    with logbus.Producer(rbus, acks="all") as producer:
+        for i in range(6_000):  # about 6 MB to copy
+            producer.send(topic, VALUE + b"%d" % i)
+    before, described = nodes_of(rbus, topic)
+    spare = next(n for n in node_ids if n not in before)
+    target = before[1:] + [spare]
+    old_ids = [r for r, n in zip(described.replicas, before) if n not in target]
+    throttle = 1_000_000
+    workload = Workload(rbus, topic)
+    try:
+        wait_for(lambda: workload.acknowledged_count() > 200, timeout_s=60, message="load")
+        rbus.admin.reassign_partitions({TopicPartition(topic, 0): target}, throttle_bytes_per_s=throttle)
+        with pytest.raises(ReassignmentInProgressError):
+            rbus.admin.reassign_partitions({TopicPartition(topic, 0): before})
+        moving = rbus.admin.describe_reassignments()
+        assert [(m["topic"], m["partition"], m["target"]) for m in moving] == [(topic, 0, target)]
+        new_id = moving[0]["adding"][0]
+        directory = replica_directory(rbus.data_dir, topic, 0, new_id)
+        samples = []
+
+        def done():
+            size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".log")) if os.path.isdir(directory) else 0
+            samples.append((time.monotonic(), size))
+            return not rbus.admin.describe_reassignments()
+
+        wait_for(done, timeout_s=300, interval_s=0.25, message="the move to finish")
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    copying = [(t, s) for t, s in samples if s > 0]
+    assert len(copying) >= 4, samples
+    (t0, s0), (t1, s1) = copying[0], copying[-1]
+    rate = (s1 - s0) / (t1 - t0)
+    assert 0.8 * throttle <= rate <= 1.2 * throttle, f"copied at {rate:,.0f} B/s with a {throttle:,} B/s throttle"
+    after, _ = nodes_of(rbus, topic)
+    assert after == target
+    check_invariants(rbus, topic, acknowledged, 3)
+    for r in old_ids:
+        assert not os.path.exists(replica_directory(rbus.data_dir, topic, 0, r)), "an old replica's files stayed"
+
+
+def test_bad_reassignments_are_named_errors_and_change_nothing(cluster, rbus):
+    _, node_ids = cluster
+    rbus.admin.create_topic("fixed", partitions=1, replication_factor=2)
+    wait_isr(rbus, "fixed", 2)
+    before = rbus.admin.describe_topic("fixed").partitions[0]
+    tp = TopicPartition("fixed", 0)
+    with pytest.raises(InvalidReassignmentError):
+        rbus.admin.reassign_partitions({tp: [node_ids[0], "no-such-node"]})
+    with pytest.raises(InvalidReassignmentError):
+        rbus.admin.reassign_partitions({tp: [node_ids[0], node_ids[0]]})
+    with pytest.raises(InvalidReplicationFactorError):
+        rbus.admin.reassign_partitions({tp: node_ids + ["one-too-many"]})
+    with pytest.raises(InvalidReassignmentError):
+        rbus.admin.reassign_partitions({tp: "not-a-list"})
+    assert rbus.admin.describe_reassignments() == []
+    after = rbus.admin.describe_topic("fixed").partitions[0]
+    assert (after.replicas, after.leader, after.leader_epoch) == (before.replicas, before.leader, before.leader_epoch)
+
+
+def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_preferred_replicas(cluster, rbus):
+    _, node_ids = cluster
+    rbus.admin.create_topic("drained", partitions=4, replication_factor=2)
+    for p in range(4):
+        wait_for(lambda: len(rbus.admin.describe_topic("drained").partitions[p].isr) == 2, timeout_s=120, message="ISR")
+    busiest = max(rbus.admin.nodes(), key=lambda n: n["replicas"])["node_id"]
+    rbus.admin.drain_node(busiest)
+    wait_for(lambda: not rbus.admin.describe_reassignments(), timeout_s=300, message="the drain to finish")
+    node = next(n for n in rbus.admin.nodes() if n["node_id"] == busiest)
+    assert node["replicas"] == 0 and node["leaders"] == 0 and node["draining"]
+    # Leadership away from a preferred replica, then back: kill a leader, let it return, elect.
+    rbus.admin.elect_preferred_leaders(["drained"])
+    wait_for(lambda: (lambda d: d.leader == d.replicas[0])(rbus.admin.describe_topic("drained").partitions[0]), timeout_s=60,
+             message="partition 0 led by its preferred replica")
+    described, status = wait_for(lambda: (lambda found: found if found[1] else None)(leader_status(rbus, "drained")), timeout_s=60,
+                                 message="the leader's status")
+    os.kill(status["pid"], 9)
+    wait_for(lambda: rbus.admin.describe_topic("drained").partitions[0].leader_epoch > described.leader_epoch, timeout_s=60, message="failover")
+    wait_isr(rbus, "drained", 2)
+    moved = rbus.admin.elect_preferred_leaders(["drained"])
+    assert ("drained", 0) in [tuple(m) for m in moved]
+    final = rbus.admin.describe_topic("drained").partitions[0]
+    assert final.leader == final.replicas[0]
