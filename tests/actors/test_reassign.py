@@ -21,7 +21,7 @@ import logbus
 from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
 from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, ReassignmentInProgressError
-from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, statuses, wait_isr
+from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -55,8 +55,10 @@ def rack_of(node_ids):
 
 
 def nodes_of(bus, topic, partition=0):
+    """The nodes of a partition's replicas, in replica order (as the replicas report them), and its description."""
     described = bus.admin.describe_topic(topic).partitions[partition]
-    found = {s["replica_id"]: s["node_id"] for s in statuses(bus, topic) if "node_id" in s}
+    reported = ray.get(bus.controller.replica_statuses.remote(topic), timeout=120)[partition]
+    found = {s["replica_id"]: s["node_id"] for s in reported if "node_id" in s}
     return [found.get(r) for r in described.replicas], described
 
 
