@@ -81,8 +81,9 @@ def test_idle_nodes_go_away_once_actors_and_groups_are_removed(cluster):
     ray.kill(replica)
     remove_placement_group(group)
     seconds = cluster.wait_for_workers(0, timeout_s=SCALE_TIMEOUT_S, since=released)
-    # A node goes only after idle_timeout_s of idleness (1 s of slack: Ray reports idleness in ms).
+    # A node goes only after idle_timeout_s of idleness (less 1 s: Ray and this process read clocks at other moments).
     assert seconds >= IDLE_TIMEOUT_S - 1
+    # The autoscaler may start one node more than needed while others are still starting.
     up, down = cluster.scale_events[-2:]
-    assert (up.from_workers, up.to_workers >= 2) == (0, True)
-    assert (down.from_workers, down.to_workers) == (up.to_workers, 0)
+    assert up.from_workers == 0 and up.to_workers >= 2
+    assert down.from_workers >= 2 and down.to_workers == 0
