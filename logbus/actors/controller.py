@@ -335,6 +335,8 @@ class Controller:
 
     def _push_epochs(self, node: _Node) -> None:
         """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
+        if not node.epochs and node.agent is None:
+            return  # a node without replicas needs no agent
         version, epochs = list(node.version), dict(node.epochs)
 
         async def push() -> None:
@@ -345,6 +347,25 @@ class Controller:
             self._acked(node, applied)
 
         asyncio.get_running_loop().create_task(push())
+
+    async def _retire_idle_agents(self) -> None:
+        """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
+        and an idle node is what an autoscaler removes (a drained node, say)."""
+        for node in list(self._nodes.values()):
+            if node.epochs or node.agent is None:
+                continue
+            agent, node.agent = node.agent, None
+            try:
+                await asyncio.wait_for(agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            node.incarnation, node.acked, node.down = None, None, set()
+            self._liveness.forget(node.node_id)
+            logger.info("node %s hosts no replicas: its agent stopped", node.node_id[:8])
 
     @staticmethod
     def _acked(node: _Node, applied: list | None) -> None:
@@ -725,6 +746,7 @@ class Controller:
                     await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
                     pass
+        await self._retire_idle_agents()
 
     async def list_topics(self, include_internal: bool = False) -> list[str]:
         await self._ready()
@@ -856,6 +878,7 @@ class Controller:
                     await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
                     pass
+        await self._retire_idle_agents()
 
     async def cancel_reassignments(self, partitions: list) -> list:
         """Abandon reassignments in progress: the new replicas go, the old ones stay. Returns what was cancelled."""

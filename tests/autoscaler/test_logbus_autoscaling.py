@@ -1,0 +1,169 @@
+"""logbus grows and shrinks with the Ray autoscaler (a fake autoscaling cluster on this machine).
+
+Starting from a head alone: a topic whose replication factor needs nodes
+that do not exist becomes pending demand and the autoscaler adds them; a
+second topic that needs one more node gets it; a partition moves onto the
+new node and a drain moves it off again, after which the node is idle and
+the autoscaler removes it. An idempotent acks="all" producer and a consumer
+group run throughout: no acknowledged record is lost or written twice, and
+no partition is without a leader for more than 2 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+import ray
+
+import logbus
+from logbus import TopicPartition
+from tests.conftest import close_bus, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+
+SCALE_TIMEOUT_S = 240.0
+WORKER_TYPES = {
+    "replica-node": {
+        "resources": {"CPU": 1, "logbus_replica": 4, "object_store_memory": 100 << 20},
+        "max_workers": 3,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(autoscaling_cluster):
+    return autoscaling_cluster(WORKER_TYPES, idle_timeout_s=6.0)
+
+
+class Load:
+    """An idempotent acks="all" producer and a one-member consumer group on ``topic``, in threads, plus a
+    watcher that samples the partitions' leaders every 50 ms from the controller's metadata."""
+
+    def __init__(self, bus, topic: str, partitions: int) -> None:
+        self.bus, self.topic, self.partitions = bus, topic, partitions
+        self.stop_event = threading.Event()
+        self.sent: list = []
+        self.seen: list[bytes] = []
+        self.errors: list[BaseException] = []
+        self.leaderless_since: dict[int, float] = {}
+        self.longest_leaderless_s = 0.0
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._produce, self._consume, self._watch)]
+        for thread in self.threads:
+            thread.start()
+
+    def _produce(self) -> None:
+        producer = logbus.Producer(self.bus, acks="all", linger_ms=5)
+        i = 0
+        while not self.stop_event.is_set():
+            value = b"v-%d" % i
+            self.sent.append((value, producer.send(self.topic, value, key=b"k%d" % (i % 17))))
+            i += 1
+            if i % 100 == 0:
+                time.sleep(0.05)  # about 2,000 records/s
+        producer.flush(timeout_s=120)
+        producer.close()
+
+    def _consume(self) -> None:
+        consumer = logbus.Consumer(self.bus, self.topic, group_id="autoscaled", enable_auto_commit=False)
+        try:
+            while not self.stop_event.is_set() or len(self.seen) < self.acknowledged_count():
+                for records in consumer.poll(timeout_ms=200).values():
+                    self.seen.extend(r.value for r in records)
+                consumer.commit()
+                if self.stop_event.is_set() and time.monotonic() > self.drain_deadline:
+                    break
+        except BaseException as error:  # noqa: BLE001 (reported by the test)
+            self.errors.append(error)
+        finally:
+            consumer.close()
+
+    def _watch(self) -> None:
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            try:
+                leaders = self.bus.topic_metadata(self.topic, refresh=True).leaders
+            except logbus.LogbusError:
+                leaders = [None] * self.partitions
+            for p, leader in enumerate(leaders):
+                if leader is None:
+                    since = self.leaderless_since.setdefault(p, now)
+                    self.longest_leaderless_s = max(self.longest_leaderless_s, now - since)
+                else:
+                    self.leaderless_since.pop(p, None)
+            time.sleep(0.05)
+
+    def acknowledged_count(self) -> int:
+        return sum(1 for _, f in list(self.sent) if f.done() and f.exception() is None)
+
+    def finish(self) -> set[bytes]:
+        self.drain_deadline = time.monotonic() + 120
+        self.stop_event.set()
+        for thread in self.threads:
+            thread.join(timeout=240)
+        return {value for value, future in self.sent if future.exception() is None}
+
+
+def replica_nodes(bus, topic: str) -> list[set[str]]:
+    statuses = ray.get(bus.controller.replica_statuses.remote(topic), timeout=120)
+    return [{s["node_id"] for s in replicas if "node_id" in s} for replicas in statuses]
+
+
+def test_topics_grow_the_cluster_and_a_drained_node_is_removed(cluster, tmp_path):
+    cluster.wait_for_workers(0, timeout_s=SCALE_TIMEOUT_S)
+    bus = logbus.connect(data_dir=str(tmp_path / "data"), namespace=f"as-{uuid.uuid4().hex[:8]}")
+    try:
+        # 1. Replication factor 2 on a cluster with no replica node: the autoscaler adds two.
+        started = time.monotonic()
+        bus.admin.create_topic("grow", partitions=2, replication_factor=2, timeout_s=SCALE_TIMEOUT_S)
+        created_s = time.monotonic() - started
+        workers = set(cluster.node_ids())
+        assert len(workers) >= 2, workers
+        for nodes in replica_nodes(bus, "grow"):
+            assert len(nodes) == 2 and nodes <= workers
+        load = Load(bus, "grow", 2)
+        wait_for(lambda: load.acknowledged_count() > 500 and len(load.seen) > 200, timeout_s=120, message="load running")
+
+        # 2. Replication factor 3: one more node.
+        bus.admin.create_topic("more", partitions=1, replication_factor=3, timeout_s=SCALE_TIMEOUT_S)
+        added = set(cluster.node_ids()) - workers
+        assert len(added) >= 1
+        (more_nodes,) = replica_nodes(bus, "more")
+        new_node = next(iter(more_nodes - workers))
+
+        # 3. A partition under load moves onto the new node, then a drain moves it off again.
+        (grow0, _) = replica_nodes(bus, "grow")
+        keep = sorted(grow0)[0]
+        bus.admin.reassign_partitions({TopicPartition("grow", 0): [new_node, keep]})
+        wait_for(lambda: not bus.admin.describe_reassignments(), timeout_s=SCALE_TIMEOUT_S, message="the move")
+        assert replica_nodes(bus, "grow")[0] == {new_node, keep}
+        bus.admin.delete_topic("more")
+        bus.admin.drain_node(new_node)
+        wait_for(lambda: not bus.admin.describe_reassignments(), timeout_s=SCALE_TIMEOUT_S, message="the drain")
+        assert new_node not in set().union(*replica_nodes(bus, "grow"))
+        assert next(n for n in bus.admin.nodes() if n["node_id"] == new_node)["replicas"] == 0
+
+        # 4. The drained node is idle: the autoscaler removes it.
+        wait_for(lambda: new_node not in cluster.node_ids(), timeout_s=SCALE_TIMEOUT_S, message="the drained node removed")
+        time.sleep(1.0)  # a little more load after the removal, before stopping it
+        acknowledged = load.finish()
+        assert not load.errors, load.errors
+        assert load.longest_leaderless_s <= 2.0, load.longest_leaderless_s
+        # Every acknowledged record is in the log once, and reached the group.
+        tps = [TopicPartition("grow", p) for p in range(2)]
+        reader = logbus.Consumer(bus)
+        reader.assign(tps)
+        ends = reader.end_offsets(tps)
+        stored = []
+        wait_for(lambda: stored.extend(reader.poll_arrow(timeout_ms=500)["value"].to_pylist()) or len(stored) >= sum(ends.values()),
+                 timeout_s=120, message="read back")
+        reader.close()
+        assert len(stored) == len(set(stored)), "a record was written twice"
+        missing = acknowledged - set(stored)
+        assert not missing, f"{len(missing)} acknowledged records lost"
+        assert acknowledged <= set(load.seen), "the group missed acknowledged records"
+        print(f"create needing 2 new nodes took {created_s:.1f}s; scale events: {cluster.scale_events}")
+    finally:
+        close_bus(bus)
