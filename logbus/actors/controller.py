@@ -800,6 +800,12 @@ class Controller:
         each), join the ISR, and only then are the old ones removed (and leadership moved, fenced,
         if the leader was one of them). Validates every entry first: all start, or none."""
         await self._ready()
+        await self._reassign(assignments, throttle_bytes_per_s)
+        return await self.describe_reassignments()
+
+    async def _reassign(self, assignments: dict, throttle_bytes_per_s: int | None, reserved: "Reservation | None" = None) -> None:
+        """Start moves; ``reserved`` (slots the autoscaler provided for them) is released once the
+        new replicas' actors exist and can take the slots over."""
         self._calls["reassign_partitions"] += 1
         if not isinstance(assignments, dict) or not assignments:
             raise InvalidReassignmentError("assignments must be a non-empty {(topic, partition): [node ids]} dict")
@@ -817,8 +823,13 @@ class Controller:
         for (topic, partition), added in started.items():
             if added:
                 self._throttles[(topic, partition)] = throttle_bytes_per_s
+                if reserved is not None:
+                    topic_state = self.metadata.topics[topic]
+                    for r in added:
+                        self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
+        if reserved is not None:
+            reserved.release()
         await asyncio.gather(*(self._begin_move(t, p) for (t, p), added in started.items()))
-        return await self.describe_reassignments()
 
     async def _begin_move(self, topic_name: str, partition: int) -> None:
         """Start a reassignment's new replicas (throttled) and tell the partition its new replica list."""
@@ -918,16 +929,42 @@ class Controller:
             })
         return out
 
-    async def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None) -> dict:
-        """Move every replica and leadership off ``node_id`` so it becomes idle (and an autoscaler may remove it)."""
+    async def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None, timeout_s: float = CREATE_TIMEOUT_S) -> dict:
+        """Move every replica and leadership off ``node_id`` so it becomes idle (and an autoscaler may remove it).
+
+        When some partition has nowhere else to go and an autoscaler may add
+        nodes with replica slots, one is asked for (up to ``timeout_s``).
+        """
         await self._ready()
         if node_id not in live_node_ids() and node_id not in self._nodes:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
-        plan = plan_drain(self.metadata, node_id, self._loads())
+        reserved = None
+        try:
+            plan = plan_drain(self.metadata, node_id, self._loads())
+        except NodeCapacityError:
+            # Some partition has no other node to go to. With an autoscaler, ask for one: a group of
+            # RF + 1 slots on distinct nodes leaves at least RF nodes other than the drained one.
+            if autoscaler_replica_capacity() == 0:
+                raise
+            widest = max(
+                (len(s.replicas) for t in self.metadata.topics.values() for s in t.partitions if node_id in s.nodes.values()), default=1
+            )
+            reserved = await self._reserve_nodes(f"draining node {node_id[:12]}", 1, widest + 1, timeout_s)
+            try:
+                plan = plan_drain(self.metadata, node_id, self._loads())
+            except BaseException:
+                reserved.release()
+                raise
         if not plan:
+            if reserved is not None:
+                reserved.release()
             return {"node_id": node_id, "moving": []}
-        await self.reassign_partitions(plan, throttle_bytes_per_s)
+        try:
+            await self._reassign(plan, throttle_bytes_per_s, reserved)
+        finally:
+            if reserved is not None:
+                reserved.release()
         return {"node_id": node_id, "moving": sorted(plan)}
 
     async def rebalance(self, throttle_bytes_per_s: int | None = None) -> dict:

@@ -189,13 +189,21 @@ class Admin:
         tps = [(validate_topic_name(tp[0]), validate_partition(tp[1])) for tp in partitions]
         return get(self._bus.controller.cancel_reassignments.remote(tps))
 
-    def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None) -> dict:
+    def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None, timeout_s: float = CREATE_TIMEOUT_S) -> dict:
         """Move every replica and leadership off ``node_id`` (reassignments, as above), so that it becomes
-        idle and a Ray autoscaler may remove it. New replicas are no longer placed there."""
+        idle and a Ray autoscaler may remove it. New replicas are no longer placed there.
+
+        If a partition has no other node to go to and an autoscaler may add
+        nodes with replica slots, one is asked for and waited for up to
+        ``timeout_s``; otherwise NodeCapacityError. The moves then proceed in
+        the background (:meth:`describe_reassignments`).
+        """
         if not isinstance(node_id, str) or not node_id:
             raise InvalidReassignmentError(f"node_id must be a Ray node id, not {node_id!r}")
         _throttle(throttle_bytes_per_s)
-        return get(self._bus.controller.drain_node.remote(node_id, throttle_bytes_per_s))
+        _seconds("timeout_s", timeout_s)
+        reply = self._bus.controller.drain_node.remote(node_id, throttle_bytes_per_s, float(timeout_s))
+        return get(reply, timeout_s=timeout_s + CONTROL_TIMEOUT_S)
 
     def rebalance(self, throttle_bytes_per_s: int | None = None) -> dict:
         """Spread replicas evenly over the live nodes (onto nodes just added, say), with as few moves as possible."""
