@@ -7,8 +7,9 @@
     producer.flush()
 """
 
+import importlib
+
 from logbus import errors
-from logbus.api import Admin, BatchMetadata, Bus, Consumer, Producer, connect
 from logbus.errors import *  # noqa: F401,F403  (the error tree is part of the public API)
 from logbus.protocol.group_coordinator import OffsetAndMetadata
 from logbus.protocol.messages import (
@@ -22,13 +23,31 @@ from logbus.protocol.messages import (
 
 __version__ = "0.1.0"
 
-_DATASET_NAMES = ("read_dataset", "write_dataset", "TopicSink", "TopicDatasource")
+# The clients are imported on first use: a replica actor's process imports the ``logbus``
+# package too, and must not pay (in memory and start-up time) for clients it never uses.
+# Ray Data costs seconds more, and is needed only by these four names.
+_LAZY = {
+    "Admin": "logbus.api.admin",
+    "BatchMetadata": "logbus.api.producer",
+    "Bus": "logbus.api.client",
+    "connect": "logbus.api.client",
+    "Consumer": "logbus.api.consumer",
+    "Producer": "logbus.api.producer",
+    "read_dataset": "logbus.api.dataset",
+    "write_dataset": "logbus.api.dataset",
+    "TopicSink": "logbus.api.dataset",
+    "TopicDatasource": "logbus.api.dataset",
+}
 
 
 def __getattr__(name):
-    # Ray Data is imported only when these are used: it costs seconds, and replica actors never need it.
-    if name in _DATASET_NAMES:
-        from logbus.api import dataset
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'logbus' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
 
-        return getattr(dataset, name)
-    raise AttributeError(f"module 'logbus' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
