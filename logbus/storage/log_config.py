@@ -45,6 +45,36 @@ virtual machines. Readers more than that far behind the end (a consumer
 catching up, a replica copying an old segment) read from disk. Rolled segments
 keep their last ``cache.tail.bytes`` cached. ``-1`` leaves everything to the
 kernel, as Kafka does. No setting changes what is durable.
+
+Cleanup: retention and compaction
+---------------------------------
+
+``cleanup.policy`` (Kafka's names) says what happens to old records:
+
+- ``"delete"`` (the default): retention. Whole segments, oldest first, are
+  deleted once their newest record is older than ``retention.ms`` or the log
+  is larger than ``retention.bytes``.
+- ``"compact"``: compaction. The cleaner (``cleaner.py``) keeps the latest
+  record of each key in the closed segments (never the active one, never at
+  or above the high watermark) and leaves every offset as it was: the ones it
+  removed become gaps. ``retention.ms`` and ``retention.bytes`` do not apply.
+  A record without a key cannot be produced to such a topic (the cleaner
+  drops any that are there from before the policy changed, as Kafka's does).
+- ``"compact,delete"`` (or ``"delete,compact"``): both.
+
+What the cleaner honours:
+
+- ``min.cleanable.dirty.ratio`` (default 0.5): it cleans a log only when the
+  bytes written since its last cleaning ("dirty") are at least this share of
+  the cleanable bytes: each cleaning rewrites every closed segment, so this
+  bounds the work per byte written.
+- ``min.compaction.lag.ms`` (default 0): a segment is cleaned only once its
+  newest record is at least this old, so a consumer that keeps up sees every
+  update of a key for at least that long.
+- ``delete.retention.ms`` (default 1 day): a tombstone (a record whose value
+  is None: "delete this key") is kept this long after its timestamp (the
+  timestamp readers see for it), so a consumer reading the log from the start
+  sees it and forgets the key; a cleaning after that removes it.
 """
 
 from __future__ import annotations
@@ -60,6 +90,9 @@ FLUSH_POLICIES = ("os", "interval", "batch")
 CREATE_TIME = "CreateTime"  # a record keeps the timestamp its producer gave it
 LOG_APPEND_TIME = "LogAppendTime"  # the leader stamps each batch with the time it appended it
 TIMESTAMP_TYPES = (CREATE_TIME, LOG_APPEND_TIME)
+DELETE = "delete"  # cleanup.policy: retention deletes old segments
+COMPACT = "compact"  # cleanup.policy: the cleaner keeps the latest record per key
+CLEANUP_POLICIES = (DELETE, COMPACT, f"{COMPACT},{DELETE}")  # as stored; "delete,compact" is read as the last
 
 MIB = 1024 * 1024
 DAY_MS = 24 * 3600 * 1000
@@ -84,6 +117,10 @@ class LogConfig:
     replica_lag_time_max_ms: int = 10_000
     cache_tail_bytes: int = 32 * MIB  # -1: leave every written page in the page cache
     message_timestamp_type: str = CREATE_TIME
+    cleanup_policy: str = DELETE
+    delete_retention_ms: int = DAY_MS  # how long a tombstone outlives its timestamp
+    min_cleanable_dirty_ratio: float = 0.5
+    min_compaction_lag_ms: int = 0
 
     # dotted Kafka name -> (attribute, type, lowest legal value, highest legal value). The highest
     # is the range of Kafka's type for the key (int or long): values must fit the int32 / int64
@@ -102,6 +139,10 @@ class LogConfig:
         "replica.lag.time.max.ms": ("replica_lag_time_max_ms", int, 1, LONG_MAX),
         "cache.tail.bytes": ("cache_tail_bytes", int, -1, LONG_MAX),
         "message.timestamp.type": ("message_timestamp_type", str, None, None),
+        "cleanup.policy": ("cleanup_policy", str, None, None),
+        "delete.retention.ms": ("delete_retention_ms", int, 0, LONG_MAX),
+        "min.cleanable.dirty.ratio": ("min_cleanable_dirty_ratio", float, 0, 1),
+        "min.compaction.lag.ms": ("min_compaction_lag_ms", int, 0, LONG_MAX),
     }
 
     @classmethod
@@ -127,11 +168,31 @@ class LogConfig:
         timestamp_type = changes.get("message_timestamp_type", base.message_timestamp_type)
         if timestamp_type not in TIMESTAMP_TYPES:
             raise InvalidConfigError(f"message.timestamp.type must be one of {TIMESTAMP_TYPES}, not {timestamp_type!r}")
+        if "cleanup_policy" in changes:
+            changes["cleanup_policy"] = _cleanup_policy(changes["cleanup_policy"])
         return dataclasses.replace(base, **changes)
+
+    @property
+    def compact(self) -> bool:
+        """Whether the cleaner compacts this log (cleanup.policy includes "compact")."""
+        return COMPACT in self.cleanup_policy.split(",")
+
+    @property
+    def delete(self) -> bool:
+        """Whether retention deletes old segments (cleanup.policy includes "delete")."""
+        return DELETE in self.cleanup_policy.split(",")
 
     def to_dict(self) -> dict[str, Any]:
         """The config under Kafka's dotted names."""
         return {key: getattr(self, attribute) for key, (attribute, *_) in self.KEYS.items()}
+
+
+def _cleanup_policy(raw: str) -> str:
+    """A cleanup.policy in its one stored spelling: a comma-separated list of delete and compact."""
+    names = [name.strip() for name in raw.split(",")]
+    if not names or any(name not in (DELETE, COMPACT) for name in names) or len(set(names)) != len(names):
+        raise InvalidConfigError(f"cleanup.policy must be delete, compact or compact,delete, not {raw!r}")
+    return ",".join(name for name in (COMPACT, DELETE) if name in names)
 
 
 def _coerce(key: str, raw: Any, kind: type, lowest: int | None, highest: int | None) -> Any:
@@ -145,6 +206,16 @@ def _coerce(key: str, raw: Any, kind: type, lowest: int | None, highest: int | N
         if not isinstance(raw, str):
             raise InvalidConfigError(f"{key} must be a string, not {raw!r}")
         return raw
+    if kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, str | numbers.Real):
+            raise InvalidConfigError(f"{key} must be a number, not {raw!r}")
+        try:
+            number = float(raw)
+        except ValueError:
+            raise InvalidConfigError(f"{key} must be a number, not {raw!r}") from None
+        if not lowest <= number <= highest:  # also refuses NaN
+            raise InvalidConfigError(f"{key} must be between {lowest} and {highest}, not {raw!r}")
+        return number
     if isinstance(raw, bool) or not isinstance(raw, str | numbers.Real):  # int() would take b"5" too
         raise InvalidConfigError(f"{key} must be an integer, not {raw!r}")
     try:

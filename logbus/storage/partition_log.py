@@ -5,6 +5,9 @@ Directory layout (one directory per partition replica, ``{topic}-{partition}``):
     00000000000000000000.log / .index / .timeindex   segments, named by base offset
     00000000000000052341.log / .index / .timeindex
     recovery-point                                    offset below which every segment was synced
+    log-start-offset                                  the log start offset, once delete_records moved it
+    cleaner-offset-checkpoint                         compaction: first dirty offset, next tombstone due
+    offset-gaps                                       compaction: offsets in this log may have gaps
 
 The last segment is the *active* one; appends go there. A new segment is
 rolled when the active one would pass ``segment.bytes``, when its first batch
@@ -20,9 +23,22 @@ were cut. Older segments keep their indexes unless they look inconsistent,
 and every read checks the CRC of each batch it returns, so a batch damaged
 at rest is reported (CorruptRecordError), never served.
 
-Retention deletes whole segments, oldest first, never the active one (which
-is rolled first if it alone is past retention.ms); the log start offset is
-the base offset of the first remaining segment.
+Retention (``cleanup.policy`` "delete") deletes whole segments, oldest first,
+never the active one (which is rolled first if it alone is past
+retention.ms). The log start offset is the base offset of the first
+remaining segment, or higher once :meth:`PartitionLog.delete_records` moved
+it (Kafka's DeleteRecords: it is kept in ``log-start-offset``, and reads
+below it raise OffsetOutOfRangeError).
+
+Compaction (``cleanup.policy`` "compact", see cleaner.py) removes records
+from closed segments but never changes an offset: the removed ones become
+gaps. A log may have gaps only once ``offset-gaps`` exists (written before
+the first gap): recovery then accepts offsets that increase with gaps,
+within and between segments; in other logs it still requires contiguous
+offsets. A read at an offset in a gap returns the next batch, and the
+reply's ``first_offset`` is the offset asked for (the batches cover every
+offset from there); a read that finds only a gap up to its bound returns no
+batch but a ``next_offset`` past the gap, so no reader waits at a gap.
 
 This class is not thread-safe: its owner (a partition replica actor)
 serialises calls.
@@ -31,6 +47,7 @@ serialises calls.
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -45,12 +62,30 @@ from logbus.errors import (
 from logbus.clock import wall_ms
 from logbus.storage import record_batch as rb
 from logbus.storage.files import write_atomically
+from logbus.storage.cleaner import (
+    CleanedSegment,
+    CleaningPlan,
+    SourceSegment,
+    build_offset_map,
+    clean_group,
+    commit_swap,
+    complete_swaps,
+    discard,
+    group_segments,
+    read_summary,
+)
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.producer_state import ProducerStateTable
 from logbus.storage.segment import LOG_SUFFIX, LogSegment
 
+logger = logging.getLogger(__name__)
+
 RECOVERY_POINT_FILE = "recovery-point"
+LOG_START_OFFSET_FILE = "log-start-offset"
+CLEANER_CHECKPOINT_FILE = "cleaner-offset-checkpoint"
+OFFSET_GAPS_FILE = "offset-gaps"
+_NO_BYTES = memoryview(b"")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +96,7 @@ class RecoveryReport:
     truncated_bytes: int
     segments_deleted: int
     errors: tuple[str, ...]
+    swaps: tuple[str, ...] = ()  # cleanings a crash interrupted: completed or discarded (cleaner.complete_swaps)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,9 +113,13 @@ class AppendResult:
 class ReadResult:
     """Whole batches read from one segment.
 
-    ``data`` views the segment's mapped file (no copy); ``first_offset`` is the
-    base offset of its first batch (which may be below the requested offset:
-    batches are returned whole), and ``next_offset`` the offset after its last.
+    ``data`` views the segment's mapped file (no copy). It holds every record
+    of the log in ``[first_offset, next_offset)``: ``first_offset`` is the base
+    offset of its first batch (which may be below the requested offset:
+    batches are returned whole) or, when that batch starts past the requested
+    offset (a compacted gap), the requested offset; ``next_offset`` is the
+    offset after its last batch. ``data`` is empty when the offsets from the
+    requested one to ``next_offset`` are all gone (compacted).
     """
 
     data: memoryview
@@ -111,7 +151,16 @@ class PartitionLog:
             raise StorageError(f"cannot create log directory {directory}: {error}") from error
         self.segments: list[LogSegment] = []
         self._bases: list[int] = []
-        self.recovery = self._open_segments()
+        try:
+            swaps = complete_swaps(directory)
+        except OSError as error:
+            raise StorageError(f"cannot complete the cleanings interrupted in {directory}: {error}") from error
+        self._gaps = os.path.exists(self._path(OFFSET_GAPS_FILE))
+        self.recovery = self._open_segments(tuple(swaps))
+        self._log_start = self._read_number(LOG_START_OFFSET_FILE, 0)
+        checkpoint = self._read_text(CLEANER_CHECKPOINT_FILE).split()
+        self._cleaner_checkpoint = int(checkpoint[0]) if checkpoint[:1] and checkpoint[0].isdigit() else 0
+        self._tombstones_due_ms = int(checkpoint[1]) if checkpoint[1:2] and checkpoint[1].isdigit() else None
         self.epochs = LeaderEpochCache(directory)
         self.producer_state = ProducerStateTable()
         self._rebuild_derived_state(trust_epoch_checkpoint=True)
@@ -125,19 +174,37 @@ class PartitionLog:
         else:
             self.epochs.entries = []
         self.producer_state.clear()
+        end = self.log_end_offset
         for segment in self.segments:
+            summary = self._summary_of(segment)
             view = segment._view()
             for _, header in rb.iter_headers(view, 0, segment.size_bytes):
-                self.producer_state.update(header)
+                if summary is None:
+                    self.producer_state.update(header)
                 if not loaded:
                     self.epochs.assign(header.leader_epoch, header.base_offset, persist=False)
             del view
+            if summary is not None:
+                # A cleaned segment: the producer state its original batches gave (cleaner.py),
+                # less the batches a truncation removed since.
+                for entry in summary.producers:
+                    if entry[4] < end:
+                        self.producer_state.apply(entry)
         if not loaded:
             self.epochs.save()
 
+    def _summary_of(self, segment: LogSegment):
+        """The cleaner's summary of a cleaned segment, or None (also, with a warning, if it is unreadable:
+        the segment's batch headers then stand in for it)."""
+        try:
+            return read_summary(segment.summary_path)
+        except CorruptRecordError as error:
+            logger.warning("%s; rebuilding its producer state from its batch headers", error)
+            return None
+
     # --- opening and recovery -------------------------------------------------------------
 
-    def _open_segments(self) -> RecoveryReport:
+    def _open_segments(self, swaps: tuple[str, ...] = ()) -> RecoveryReport:
         bases = sorted(
             int(name[: -len(LOG_SUFFIX)])
             for name in os.listdir(self.directory)
@@ -149,7 +216,8 @@ class PartitionLog:
         expected: int | None = None
         stopped = False  # after a cut or a gap, later segments are unreachable and go
         for i, base in enumerate(bases):
-            if not stopped and expected is not None and base != expected:
+            continues = expected is None or base == expected or (self._gaps and base > expected)
+            if not stopped and not continues:
                 errors.append(f"segment {base} does not continue the log at offset {expected}")
                 stopped = True
             if stopped:
@@ -159,30 +227,49 @@ class PartitionLog:
             is_last = i == len(bases) - 1
             if is_last or recovery_point is None or base >= recovery_point:
                 segment = LogSegment(self.directory, base, self.config.index_interval_bytes)
-                report = segment.recover(expected_base_offset=expected)
+                report = segment.recover(expected_base_offset=expected, allow_gaps=self._gaps)
                 scanned += 1
                 truncated += report.truncated_bytes
                 if report.error:
                     errors.append(f"segment {base}: {report.error}")
                 stopped = report.truncated_bytes > 0
             else:
-                segment = LogSegment.open_existing(self.directory, base, self.config.index_interval_bytes)
-            if segment.is_empty and not is_last and not stopped:
+                segment = LogSegment.open_existing(self.directory, base, self.config.index_interval_bytes, self._gaps)
+            if segment.is_empty and not is_last and not stopped and not os.path.exists(segment.summary_path):
                 # An empty segment in the middle carries nothing; its successor continues the log.
+                # (One the cleaner emptied carries the producer state of what it replaced.)
                 segment.delete()
                 continue
             self._add_segment(segment)
             expected = segment.next_offset
         if not self.segments:
             self._add_segment(LogSegment(self.directory, 0, self.config.index_interval_bytes))
-        return RecoveryReport(scanned, truncated, deleted, tuple(errors))
+        return RecoveryReport(scanned, truncated, deleted, tuple(errors), swaps)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _read_text(self, name: str) -> str:
+        try:
+            with open(self._path(name)) as file:
+                return file.read()
+        except FileNotFoundError:
+            return ""
+
+    def _read_number(self, name: str, default):
+        try:
+            return int(self._read_text(name).strip())
+        except ValueError:
+            return default
 
     def _read_recovery_point(self) -> int | None:
-        try:
-            with open(os.path.join(self.directory, RECOVERY_POINT_FILE)) as file:
-                return int(file.read().strip())
-        except (FileNotFoundError, ValueError):
-            return None
+        return self._read_number(RECOVERY_POINT_FILE, None)
+
+    def _allow_gaps(self) -> None:
+        """Before the first gap is written: from now on (and after a restart) offsets may have gaps."""
+        if not self._gaps:
+            write_atomically(self._path(OFFSET_GAPS_FILE), "offsets in this log may have gaps (compaction)\n")
+            self._gaps = True
 
     def _write_recovery_point(self, offset: int) -> None:
         write_atomically(os.path.join(self.directory, RECOVERY_POINT_FILE), f"{offset}\n")
@@ -195,7 +282,8 @@ class PartitionLog:
 
     @property
     def log_start_offset(self) -> int:
-        return self.segments[0].base_offset
+        """The first offset readable: the first segment's base offset, or higher after delete_records."""
+        return max(self._log_start, self.segments[0].base_offset)
 
     @property
     def log_end_offset(self) -> int:
@@ -216,8 +304,9 @@ class PartitionLog:
         if self._closed:
             raise StorageError(f"log {self.directory} is closed")
 
-    def _validate_incoming(self, buffer, position: int = 0) -> rb.BatchHeader:
-        """Check one incoming batch completely before any byte of it is written."""
+    def _validate_incoming(self, buffer, position: int = 0, keyed: bool = False) -> rb.BatchHeader:
+        """Check one incoming batch completely before any byte of it is written (``keyed``: every
+        record must have a key, as on a compacted topic)."""
         view = memoryview(buffer)
         try:
             header = rb.read_header(view, position)
@@ -228,9 +317,14 @@ class PartitionLog:
                 f"batch of {header.size_bytes} bytes exceeds max.message.bytes={self.config.max_message_bytes}"
             )
         try:
-            rb.decode_records(view, position)  # checks CRC and that the payload holds record_count rows
+            _, records = rb.decode_records(view, position)  # checks CRC and that the payload holds record_count rows
         except CorruptRecordError as error:
             raise InvalidRecordError(f"batch failed validation: {error}") from None
+        if keyed and records.column(0).null_count:
+            raise InvalidRecordError(
+                f"a compacted topic (cleanup.policy={self.config.cleanup_policy}) takes only records with a key; "
+                f"{records.column(0).null_count} of the batch's {header.record_count} have none"
+            )
         return header
 
     def append(self, batch, *, leader_epoch: int = rb.NO_LEADER_EPOCH) -> AppendResult:
@@ -241,7 +335,7 @@ class PartitionLog:
         """
         self._check_open()
         view = _byte_view(batch)
-        header = self._validate_incoming(view)
+        header = self._validate_incoming(view, keyed=self.config.compact)
         if header.size_bytes != len(view):
             raise InvalidRecordError(f"expected one batch of {header.size_bytes} bytes, got {len(view)} bytes")
         duplicate_of = self.producer_state.check(header)
@@ -257,36 +351,57 @@ class PartitionLog:
         self._write(stamped, [new_header_bytes, payload])
         return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
 
-    def append_as_follower(self, batches) -> AppendResult | None:
+    def append_as_follower(self, batches, first_offset: int | None = None, next_offset: int | None = None) -> AppendResult | None:
         """Append whole batches copied from the leader, keeping their offsets and epochs.
 
-        Every batch must continue the log exactly (base offset == log end offset).
-        Returns None for an empty buffer.
+        Every batch must continue the log exactly (base offset == log end
+        offset), with two exceptions, both about offsets the leader no longer
+        has. ``first_offset`` and ``next_offset`` are the leader's fetch reply's
+        (the offsets it covers, see :class:`ReadResult`): when the reply covers
+        the log end, a batch may start past it (the offsets between were
+        compacted on the leader), and an empty reply whose ``next_offset`` is
+        past the log end moves the log end there. And an empty log whose end is
+        inside the first batch (it was started at the leader's log start, which
+        delete_records moved inside a batch) starts again at that batch, its log
+        start offset unchanged. Returns None when no batch was appended.
         """
         self._check_open()
         view = _byte_view(batches)
+        covered = first_offset is not None and first_offset <= self.log_end_offset
         position = 0
         first = last = None
         while position < len(view):
             header = self._validate_incoming(view, position)
-            if header.base_offset != self.log_end_offset:
+            end = self.log_end_offset
+            gap = header.base_offset > end and covered
+            if header.base_offset < end <= header.last_offset and first is None and self._is_empty():
+                self._roll_to(header.base_offset)
+            elif header.base_offset != end and not gap:
                 raise InvalidRecordError(
                     f"batch at offset {header.base_offset} does not continue the log at {self.log_end_offset}"
                 )
-            self._write(header, [view[position : position + header.size_bytes]])
+            if gap:
+                self._allow_gaps()
+            self._write(header, [view[position : position + header.size_bytes]], allow_gap=gap)
             first = first or header
             last = header
             position += header.size_bytes
         if last is None:
+            if covered and next_offset is not None and next_offset > self.log_end_offset:
+                self._allow_gaps()
+                self._roll_to(next_offset)
             return None
         return AppendResult(
             first.base_offset, last.last_offset, last.next_offset - first.base_offset, last.max_timestamp_ms, self.log_end_offset
         )
 
-    def _write(self, header: rb.BatchHeader, parts: list) -> None:
+    def _is_empty(self) -> bool:
+        return len(self.segments) == 1 and self.active_segment.is_empty
+
+    def _write(self, header: rb.BatchHeader, parts: list, allow_gap: bool = False) -> None:
         self._maybe_roll(header)
         active = self.active_segment
-        active.append(header, parts)
+        active.append(header, parts, allow_gap)
         self.epochs.assign(header.leader_epoch, header.base_offset)
         self.producer_state.update(header)
         policy = self.config.flush_policy
@@ -303,7 +418,9 @@ class PartitionLog:
         now = self.clock_ms()
         too_big = active.size_bytes + incoming.size_bytes > self.config.segment_bytes
         too_old = active.first_timestamp_ms is not None and now - self._segment_birth_ms(active) >= self.config.segment_ms
-        if too_big or too_old or not active.can_hold(incoming):
+        if not active.can_hold(incoming) and incoming.base_offset > self.log_end_offset:
+            self._roll_to(incoming.base_offset)  # past a gap too wide for the segment's relative offsets
+        elif too_big or too_old or not active.can_hold(incoming):
             self.roll()
 
     def _segment_birth_ms(self, segment: LogSegment) -> int:
@@ -315,11 +432,27 @@ class PartitionLog:
         active = self.active_segment
         if active.is_empty:
             return active
-        active.flush()
-        segment = LogSegment(self.directory, self.log_end_offset, self.config.index_interval_bytes)
+        return self._roll_to(self.log_end_offset)
+
+    def _new_segment(self, base_offset: int) -> LogSegment:
+        segment = LogSegment(self.directory, base_offset, self.config.index_interval_bytes)
         if not segment.is_empty:  # a leftover file at this base offset cannot be ours
             segment.delete()
-            segment = LogSegment(self.directory, self.log_end_offset, self.config.index_interval_bytes)
+            segment = LogSegment(self.directory, base_offset, self.config.index_interval_bytes)
+        return segment
+
+    def _roll_to(self, base_offset: int) -> LogSegment:
+        """Make an empty active segment at ``base_offset`` (at or past the log end; past it only in a
+        log that may have gaps, or an empty log): an empty active segment is replaced, else the
+        active one is synced and a new one added."""
+        active = self.active_segment
+        if active.is_empty:
+            self.segments.pop()
+            self._bases.pop()
+            active.delete()
+        else:
+            active.flush()
+        segment = self._new_segment(base_offset)
         self._add_segment(segment)
         self._write_recovery_point(segment.base_offset)
         return segment
@@ -371,20 +504,30 @@ class PartitionLog:
         self._check_offset(offset)
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
+        end = self.log_end_offset if max_offset is None else min(max_offset, self.log_end_offset)
+        if offset >= end:
+            return None
         i = max(0, bisect.bisect_right(self._bases, offset) - 1)
         for segment in self.segments[i:]:
             found = segment.read(offset, max_bytes, max_offset, verify_crc)
             if found is not None:
-                return ReadResult(*found)
-            if offset < segment.next_offset:
-                return None  # held by this segment, but above max_offset
-        return None
+                data, first_offset, next_offset = found
+                return ReadResult(data, min(first_offset, offset), next_offset)
+            located = segment.find_batch(offset) if offset < segment.next_offset else None
+            if located is not None:
+                # Held by this segment, but above max_offset. A gap before that batch is passed.
+                gap_end = min(located[1].base_offset, end)
+                return ReadResult(_NO_BYTES, offset, gap_end) if gap_end > offset else None
+        return ReadResult(_NO_BYTES, offset, end)  # only a gap from ``offset`` to the end
 
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
-        """The earliest offset whose record timestamp is >= ``timestamp_ms``, or None if there is none."""
+        """The earliest offset (from the log start) whose record timestamp is >= ``timestamp_ms``, or None."""
         self._check_open()
+        start = self.log_start_offset
         for segment in self.segments:
-            offset = segment.offset_for_timestamp(timestamp_ms)
+            if segment.next_offset <= start:
+                continue
+            offset = segment.offset_for_timestamp(timestamp_ms, start)
             if offset is not None:
                 return offset
         return None
@@ -417,17 +560,48 @@ class PartitionLog:
         for segment in self.segments:
             segment.delete()
         self.segments, self._bases = [], []
-        self._add_segment(LogSegment(self.directory, offset, self.config.index_interval_bytes))
+        self._add_segment(self._new_segment(offset))
         self._write_recovery_point(offset)
+        self._set_log_start(offset)
+        self._write_cleaner_checkpoint(offset, None)
         self.epochs.clear()
         self.producer_state.clear()
 
+    def _set_log_start(self, offset: int) -> None:
+        write_atomically(self._path(LOG_START_OFFSET_FILE), f"{offset}\n")
+        self._log_start = offset
+
+    def delete_records(self, offset: int) -> int:
+        """Kafka's DeleteRecords: make ``offset`` the log start offset; returns the log start offset.
+
+        Records below it can no longer be read (OffsetOutOfRangeError), and
+        segments wholly below it are deleted (never the active one). An
+        offset at or below the log start changes nothing; one past the log end
+        raises OffsetOutOfRangeError. The caller (the leader) bounds it by the
+        high watermark; followers follow their leader's log start.
+        """
+        self._check_open()
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset > self.log_end_offset:
+            raise OffsetOutOfRangeError(f"cannot delete records below {offset!r}: the log ends at {self.log_end_offset}")
+        if offset <= self.log_start_offset:
+            return self.log_start_offset
+        self._set_log_start(offset)
+        while len(self.segments) > 1 and self.segments[1].base_offset <= offset:
+            self._delete_oldest()
+        self.epochs.truncate_from_start(offset)
+        return self.log_start_offset
+
     def enforce_retention(self) -> int:
-        """Delete whole old segments past retention.ms or retention.bytes; return how many went."""
+        """Delete whole old segments past retention.ms or retention.bytes; return how many went.
+
+        Only for cleanup.policy "delete" (alone or with "compact").
+        """
         self._check_open()
         now = self.clock_ms()
         config = self.config
         deleted = 0
+        if not config.delete:
+            return 0
         if config.retention_ms >= 0:
             active = self.active_segment
             if not active.is_empty and now - active.max_timestamp_ms > config.retention_ms and len(self.segments) == 1:
@@ -447,7 +621,7 @@ class PartitionLog:
         """The clock time (ms) at which :meth:`enforce_retention` will next have something to delete
         by ``retention.ms``, or None (time retention off, or nothing written). Owners arm one timer
         for it instead of checking periodically."""
-        if self._closed or self.config.retention_ms < 0:
+        if self._closed or self.config.retention_ms < 0 or not self.config.delete:
             return None
         if len(self.segments) > 1:
             return self.segments[0].max_timestamp_ms + self.config.retention_ms + 1
@@ -460,6 +634,135 @@ class PartitionLog:
         self._bases.pop(0)
         segment.delete()
         self.epochs.truncate_from_start(self.log_start_offset)
+
+    # --- compaction (see cleaner.py) --------------------------------------------------------------
+
+    def _cleanable(self, upper_bound: int | None, now_ms: int) -> tuple[list[SourceSegment], int | None]:
+        """The closed segments a cleaning may rewrite now, and when the next one leaves
+        min.compaction.lag.ms behind (None: none is held back by it)."""
+        bound = self.active_segment.base_offset if upper_bound is None else min(upper_bound, self.active_segment.base_offset)
+        lag_ms = self.config.min_compaction_lag_ms
+        sources = []
+        for segment, following in zip(self.segments, self.segments[1:]):
+            if following.base_offset > bound:
+                return sources, None
+            if lag_ms > 0 and now_ms - segment.max_timestamp_ms < lag_ms:
+                return sources, segment.max_timestamp_ms + lag_ms
+            summary = segment.summary_path if os.path.exists(segment.summary_path) else None
+            sources.append(SourceSegment(segment, segment.base_offset, following.base_offset, segment.log_path, segment.size_bytes, summary))
+        return sources, None
+
+    def cleaning_plan(self, upper_bound: int | None = None) -> CleaningPlan | None:
+        """What a cleaning would rewrite now (see cleaner.py), or None if it is not due.
+
+        ``upper_bound``: no record at or above it is cleaned or read for the
+        offset map (the high watermark: a follower may still truncate above it).
+        Due when the topic is compacted, some closed segments may be cleaned,
+        and either the dirty ones (from the cleaner checkpoint on) hold at least
+        min.cleanable.dirty.ratio of their bytes or a tombstone kept by the last
+        cleaning is due to go.
+        """
+        if self._closed or not self.config.compact:
+            return None
+        now = self.clock_ms()
+        sources, _ = self._cleanable(upper_bound, now)
+        if not sources:
+            return None
+        first_dirty = max(self._cleaner_checkpoint, sources[0].base_offset)
+        dirty = [s for s in sources if s.base_offset >= first_dirty]
+        dirty_bytes = sum(s.size_bytes for s in dirty)
+        total_bytes = sum(s.size_bytes for s in sources)
+        ratio_met = dirty_bytes > 0 and dirty_bytes >= self.config.min_cleanable_dirty_ratio * total_bytes
+        tombstones_due = self._tombstones_due_ms is not None and self._tombstones_due_ms <= now
+        if not (ratio_met or tombstones_due):
+            return None
+        return CleaningPlan(
+            self.directory, group_segments(sources, self.config.segment_bytes), tuple(dirty), self.log_start_offset,
+            now, self.config.delete_retention_ms, self.config.index_interval_bytes,
+        )
+
+    def next_cleaning_ms(self) -> int | None:
+        """The clock time (ms) from which :meth:`cleaning_plan` may have work (now, if it has some when
+        the high watermark allows), or None: owners arm one timer for it instead of checking."""
+        if self._closed or not self.config.compact:
+            return None
+        now = self.clock_ms()
+        if self.cleaning_plan() is not None:
+            return now
+        _, lag_ends = self._cleanable(None, now)
+        due = [t for t in (lag_ends, self._tombstones_due_ms) if t is not None and t > now]
+        return min(due) if due else None
+
+    def replace_segments(self, cleaned: CleanedSegment) -> bool:
+        """Swap a cleaned segment in for the segments it was made from (on disk and here), if they are
+        still the log's, unchanged; False (and the cleaned files are removed) if they are not.
+
+        Called by the log's owner, like every other method; the swap is atomic
+        on disk (see cleaner.py).
+        """
+        sources = cleaned.sources
+        position = next((i for i, s in enumerate(self.segments) if s is sources[0].segment), None)
+        current = (
+            not self._closed
+            and position is not None
+            and len(self.segments) > position + len(sources)
+            and all(
+                self.segments[position + k] is source.segment and source.segment.size_bytes == source.size_bytes
+                for k, source in enumerate(sources)
+            )
+            and self.segments[position + len(sources)].base_offset == cleaned.end_offset
+        )
+        if not current or not cleaned.changed:
+            discard(cleaned)
+            return current
+        self._allow_gaps()
+        for source in sources:
+            source.segment.close()
+        try:
+            commit_swap(cleaned)
+            segment = LogSegment.open_existing(self.directory, cleaned.base_offset, self.config.index_interval_bytes, allow_gaps=True)
+        except (StorageError, CorruptRecordError, OSError):
+            self._reopen_segments()  # what is on disk is the old segments or the new one: take it
+            raise
+        end = position + len(sources)
+        self.segments[position:end] = [segment]
+        self._bases[position:end] = [segment.base_offset]
+        return True
+
+    def _reopen_segments(self) -> None:
+        """Open the segments again from disk, as on open (after a swap that failed half way)."""
+        for segment in self.segments:
+            segment.close()
+        self.segments, self._bases = [], []
+        complete_swaps(self.directory)
+        self._open_segments()
+
+    def finish_cleaning(self, plan: CleaningPlan, cleaned: list[CleanedSegment]) -> None:
+        """After every group of ``plan`` was swapped in: the segments up to its end are clean now."""
+        dues = [c.tombstones_due_ms for c in cleaned if c.tombstones_due_ms is not None]
+        self._write_cleaner_checkpoint(max(self._cleaner_checkpoint, plan.end_offset), min(dues) if dues else None)
+
+    def _write_cleaner_checkpoint(self, first_dirty: int, tombstones_due_ms: int | None) -> None:
+        due = -1 if tombstones_due_ms is None else tombstones_due_ms
+        write_atomically(self._path(CLEANER_CHECKPOINT_FILE), f"{first_dirty} {due}\n")
+        self._cleaner_checkpoint, self._tombstones_due_ms = first_dirty, tombstones_due_ms
+
+    def clean(self, upper_bound: int | None = None) -> list[CleanedSegment]:
+        """Run one cleaning now if one is due, in this thread (owners that must keep serving run
+        :func:`~logbus.storage.cleaner.build_offset_map` and ``clean_group`` in a thread instead).
+        Returns the cleaned segments (empty if none was due)."""
+        plan = self.cleaning_plan(upper_bound)
+        if plan is None:
+            return []
+        offset_map = build_offset_map(plan)
+        done = []
+        for group in plan.groups:
+            cleaned = clean_group(plan, group, offset_map)
+            if not self.replace_segments(cleaned):
+                return done
+            done.append(cleaned)
+        self.finish_cleaning(plan, done)
+        return done
 
     # --- lifetime ----------------------------------------------------------------------------------
 
@@ -478,7 +781,8 @@ class PartitionLog:
         for segment in self.segments:
             segment.delete()
         self._closed = True
-        for name in (RECOVERY_POINT_FILE, RECOVERY_POINT_FILE + ".tmp", self.epochs.path, self.epochs.path + ".tmp"):
+        names = (RECOVERY_POINT_FILE, LOG_START_OFFSET_FILE, CLEANER_CHECKPOINT_FILE, OFFSET_GAPS_FILE, self.epochs.path)
+        for name in names + tuple(name + ".tmp" for name in names):
             try:
                 os.unlink(os.path.join(self.directory, name))
             except FileNotFoundError:

@@ -23,7 +23,8 @@ partition failed for good (KIP-360; see logbus/api/producer.py).
 
 Every replica (leader or follower) updates the table from the batch headers
 it appends, so a new leader knows every producer's sequence. On open the
-table is rebuilt from the headers in the log.
+table is rebuilt from the headers in the log, and, for segments the cleaner
+rewrote, from the entries it kept for them (:meth:`ProducerStateTable.entries`).
 
 This class is not thread-safe; its owner (a partition log) serialises access.
 """
@@ -37,6 +38,8 @@ from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, Produ
 from logbus.storage.record_batch import NO_PRODUCER_ID, BatchHeader
 
 BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition with idempotence on
+# (producer id, epoch, first sequence, last sequence, base offset, max timestamp ms) of one batch
+BatchEntry = tuple[int, int, int, int, int, int]
 
 
 @dataclass(slots=True)
@@ -100,10 +103,33 @@ class ProducerStateTable:
         """Record a batch that was appended (as leader or follower)."""
         if header.producer_id == NO_PRODUCER_ID:
             return
-        state = self.producers.get(header.producer_id)
-        if state is None or header.producer_epoch > state.epoch:
-            state = self.producers[header.producer_id] = _Producer(header.producer_epoch)
-        state.batches.append((header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms))
+        self.apply(
+            (header.producer_id, header.producer_epoch, header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms)
+        )
+
+    def apply(self, entry: "BatchEntry") -> None:
+        """Record a batch given as an entry of :meth:`entries` (what :meth:`update` does with a header)."""
+        producer_id, epoch, first_sequence, last_sequence, base_offset, max_timestamp_ms = entry
+        state = self.producers.get(producer_id)
+        if state is None or epoch > state.epoch:
+            state = self.producers[producer_id] = _Producer(epoch)
+        state.batches.append((first_sequence, last_sequence, base_offset, max_timestamp_ms))
+
+    def entries(self) -> list["BatchEntry"]:
+        """The table as batch entries, in offset order: applying them to an empty table rebuilds it,
+        and applying them after the entries of earlier batches gives what updating with every one of
+        the batches they summarise would have (a producer's older batches only set its epoch).
+
+        The cleaner keeps these for the batches it rewrites (see cleaner.py): after compaction a
+        producer's batches may be gone, but its sequence state must survive a restart.
+        """
+        out = [
+            (producer_id, state.epoch, first, last, base_offset, max_timestamp_ms)
+            for producer_id, state in self.producers.items()
+            for first, last, base_offset, max_timestamp_ms in state.batches
+        ]
+        out.sort(key=lambda entry: entry[4])
+        return out
 
     def clear(self) -> None:
         self.producers.clear()

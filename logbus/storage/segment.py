@@ -5,20 +5,25 @@ Files, in the partition's directory, named by the segment's base offset::
     {base_offset:020d}.log        the batches, back to back
     {base_offset:020d}.index      sparse offset index (see offset_index.py)
     {base_offset:020d}.timeindex  sparse time index (see time_index.py)
+    {base_offset:020d}.summary    only for a segment the cleaner wrote (see cleaner.py)
 
 Writes append to the log file with ``pwritev`` at the logical end (header and payload as two
 buffers, so the leader's rewritten header costs no payload copy). Each appended batch must
-start at the segment's next offset: offsets within a segment are contiguous. Reads map
-the file with ``mmap`` and return memoryviews of whole batches: no copy. The
-map is widened lazily when a read reaches bytes appended since it was made.
+start at the segment's next offset: offsets within a segment are contiguous, except in a
+log that compaction has thinned (``cleaner.py``): there a batch may start past the next
+offset (``allow_gap``), and the offsets in between are gone (compacted). Offsets always
+increase. Reads map the file with ``mmap`` and return memoryviews of whole batches: no
+copy. The map is widened lazily when a read reaches bytes appended since it was made. A
+read at an offset in a gap starts with the next batch.
 
 A view returned by :meth:`read` stays valid until the segment is truncated,
 deleted or closed; callers copy (e.g. into Ray's object store) before any of
 those.
 
 Crash contract: the log file is the truth; indexes are derived and rebuilt by
-:meth:`recover`, which checks each batch's lengths, CRC and offsets, cuts the
-file at the first bad batch, and returns the number of bytes cut.
+:meth:`recover`, which checks each batch's lengths, CRC and offsets (contiguous,
+or only increasing where gaps are allowed), cuts the file at the first bad
+batch, and returns the number of bytes cut.
 
 Page cache. Appends land in the OS page cache, and a replica's cache would
 grow with everything it ever wrote. :meth:`release_page_cache` hands the pages
@@ -46,6 +51,7 @@ from logbus.storage.time_index import TimeIndex
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
 TIME_INDEX_SUFFIX = ".timeindex"
+SUMMARY_SUFFIX = ".summary"
 RELATIVE_OFFSET_MAX = 2**32 - 1  # index entries store offsets relative to the base as uint32
 POSITION_MAX = 2**32 - 1
 PAGE_BYTES = mmap.PAGESIZE
@@ -70,13 +76,16 @@ class SegmentRecovery:
 class LogSegment:
     """One log file plus its indexes. Not thread-safe."""
 
-    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int) -> None:
+    def __init__(self, directory: str, base_offset: int, index_interval_bytes: int, *, file_suffix: str = "") -> None:
+        """Open (creating if missing) the segment's files; ``file_suffix`` is appended to each file's
+        name (the cleaner writes a new segment as ``.cleaned`` files before swapping it in)."""
         self.directory = directory
         self.base_offset = base_offset
         self.index_interval_bytes = index_interval_bytes
-        self.log_path = os.path.join(directory, segment_file_name(base_offset, LOG_SUFFIX))
-        self.offset_index = OffsetIndex(os.path.join(directory, segment_file_name(base_offset, INDEX_SUFFIX)))
-        self.time_index = TimeIndex(os.path.join(directory, segment_file_name(base_offset, TIME_INDEX_SUFFIX)))
+        self.log_path = os.path.join(directory, segment_file_name(base_offset, LOG_SUFFIX) + file_suffix)
+        self.offset_index = OffsetIndex(os.path.join(directory, segment_file_name(base_offset, INDEX_SUFFIX) + file_suffix))
+        self.time_index = TimeIndex(os.path.join(directory, segment_file_name(base_offset, TIME_INDEX_SUFFIX) + file_suffix))
+        self.summary_path = os.path.join(directory, segment_file_name(base_offset, SUMMARY_SUFFIX) + file_suffix)
         try:
             self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
             self.size_bytes = os.fstat(self._fd).st_size
@@ -96,11 +105,11 @@ class LogSegment:
     # --- opening ---------------------------------------------------------------------------
 
     @classmethod
-    def open_existing(cls, directory: str, base_offset: int, index_interval_bytes: int) -> "LogSegment":
+    def open_existing(cls, directory: str, base_offset: int, index_interval_bytes: int, allow_gaps: bool = False) -> "LogSegment":
         """Open a segment trusting its indexes if they look consistent (no full scan)."""
         segment = cls(directory, base_offset, index_interval_bytes)
         if not segment._load_indexes():
-            segment.recover()
+            segment.recover(allow_gaps=allow_gaps)
         return segment
 
     def _load_indexes(self) -> bool:
@@ -130,13 +139,15 @@ class LogSegment:
         self.max_timestamp_ms = max(self.time_index.last_key or -1, last.max_timestamp_ms)
         return True
 
-    def recover(self, expected_base_offset: int | None = None) -> SegmentRecovery:
+    def recover(self, expected_base_offset: int | None = None, allow_gaps: bool = False) -> SegmentRecovery:
         """Scan every batch, rebuild both indexes, and cut the file at the first bad batch.
 
         A batch is bad if its header or lengths are impossible, its CRC does not
         match, or its base offset does not continue the previous batch (the
         first batch must start at ``expected_base_offset`` when given, else at
-        the segment's base offset).
+        the segment's base offset). With ``allow_gaps`` (a compacted log), a
+        batch may start anywhere past the previous one's end (and the first
+        anywhere at or past the segment's base and ``expected_base_offset``).
         """
         self.offset_index.reset()
         self.time_index.reset()
@@ -149,13 +160,15 @@ class LogSegment:
         valid_batches = 0
         error = None
         expected = self.base_offset if expected_base_offset is None else expected_base_offset
+        if allow_gaps:
+            expected = max(expected, self.base_offset)
         while position < self.size_bytes:
             try:
                 header = rb.validate_batch(view, position)
             except CorruptRecordError as corrupt:
                 error = str(corrupt)
                 break
-            if header.base_offset != expected:
+            if header.base_offset != expected and not (allow_gaps and header.base_offset > expected):
                 error = f"batch at position {position} has offset {header.base_offset}, expected {expected}"
                 break
             if header.last_offset - self.base_offset > RELATIVE_OFFSET_MAX:
@@ -193,15 +206,16 @@ class LogSegment:
             and self.size_bytes + header.size_bytes <= POSITION_MAX
         )
 
-    def append(self, header: rb.BatchHeader, parts: list) -> int:
+    def append(self, header: rb.BatchHeader, parts: list, allow_gap: bool = False) -> int:
         """Append one batch given as buffers (e.g. rewritten header and payload); return its position.
 
         The batch must continue the segment: its base offset is the segment's
-        next offset (InternalStateError otherwise, before anything is written;
-        the partition log assigns or checks offsets first, so this is a bug).
+        next offset, or with ``allow_gap`` (a compacted log) any offset past it
+        (InternalStateError otherwise, before anything is written; the
+        partition log assigns or checks offsets first, so this is a bug).
         On an I/O error nothing is left behind: the file is cut back to its old size.
         """
-        if header.base_offset != self.next_offset:
+        if header.base_offset != self.next_offset and not (allow_gap and header.base_offset > self.next_offset):
             # Written anyway, a gap or an overlap would be served to readers, and the next recovery
             # (which requires contiguous offsets) would cut the log there.
             raise InternalStateError(
@@ -270,7 +284,8 @@ class LogSegment:
         return memoryview(self._map)
 
     def find_batch(self, offset: int) -> tuple[int, rb.BatchHeader] | None:
-        """(position, header) of the batch holding ``offset``, or None if it lies past this segment."""
+        """(position, header) of the batch holding ``offset`` (or, for an offset in a gap, of the next
+        batch), or None if it lies past this segment."""
         if offset >= self.next_offset:
             return None
         view = self._view()
@@ -286,7 +301,8 @@ class LogSegment:
     def read(
         self, offset: int, max_bytes: int, max_offset: int | None = None, verify_crc: bool = True
     ) -> tuple[memoryview, int, int] | None:
-        """Whole batches from the one holding ``offset``: (view, first batch's base offset, next offset).
+        """Whole batches from the one holding ``offset`` (or the next one, for an offset in a gap):
+        (view, first batch's base offset, next offset).
 
         Takes batches while their total stays within ``max_bytes`` (the first is
         always taken, so a large batch still makes progress) and while each
@@ -315,21 +331,23 @@ class LogSegment:
         self._read_end = (next_offset, end)
         return view[start:end], first.base_offset, next_offset
 
-    def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
-        """The first offset in this segment whose record timestamp is >= ``timestamp_ms``, or None."""
+    def offset_for_timestamp(self, timestamp_ms: int, min_offset: int = 0) -> int | None:
+        """The first offset at or after ``min_offset`` in this segment whose record timestamp is
+        >= ``timestamp_ms``, or None."""
         if self.max_timestamp_ms < timestamp_ms:
             return None
         relative = self.time_index.first_offset_reaching(timestamp_ms)
         start = 0 if relative is None else self.offset_index.lookup(relative)
         view = self._view()
         for position, header in rb.iter_headers(view, start, self.size_bytes):
-            if header.max_timestamp_ms >= timestamp_ms:
+            if header.max_timestamp_ms >= timestamp_ms and header.last_offset >= min_offset:
+                skip = max(0, min_offset - header.base_offset)  # records below the log start
                 if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
-                    return header.base_offset  # every record of the batch carries its append time
+                    return header.base_offset + skip  # every record of the batch carries its append time
                 _, records = rb.decode_records(view, position)
-                timestamps = records.column(2).to_numpy()
-                index = int(np.argmax(timestamps >= timestamp_ms))
-                return header.base_offset + index
+                reaching = records.column(2).to_numpy()[skip:] >= timestamp_ms
+                if reaching.any():
+                    return header.base_offset + skip + int(np.argmax(reaching))
         return None
 
     # --- truncation and lifetime ---------------------------------------------------------------
@@ -394,7 +412,7 @@ class LogSegment:
 
     def delete(self) -> None:
         self.close()
-        for path in (self.log_path,):
+        for path in (self.log_path, self.summary_path):
             try:
                 os.unlink(path)
             except FileNotFoundError:
