@@ -8,6 +8,12 @@ topic from the start (the last record per key wins; a record without a value
 deletes the key), so commits survive the controller's restart and the loss of
 any single node (with three or more nodes the topic has three replicas).
 
+The topic is compacted (``cleanup.policy=compact``): its replicas keep the
+latest record per key and drop tombstones a day after they were written, so
+the log, and the read on start, stay proportional to the live commits rather
+than to every commit ever made. Deleting a group writes a tombstone for each
+of its committed partitions.
+
 The topic is created on first use, through the host's ``create_internal_topic``.
 """
 
@@ -25,6 +31,7 @@ from logbus.protocol.group_coordinator import (
     OffsetAndMetadata,
     decode_offset_commit_key,
     decode_offset_commit_value,
+    offset_commit_key,
 )
 from logbus.protocol.messages import FetchRequest, TopicPartition
 from logbus.storage import record_batch as rb
@@ -33,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 OFFSETS_TOPIC_PARTITIONS = 1
 OFFSETS_TOPIC_REPLICATION_MAX = 3
-OFFSETS_TOPIC_CONFIG = {"segment.bytes": 64 << 20, "min.insync.replicas": 1}
+OFFSETS_TOPIC_CONFIG = {"segment.bytes": 64 << 20, "min.insync.replicas": 1, "cleanup.policy": "compact"}
 LOAD_TIMEOUT_S = 60.0
 LOAD_FETCH_BYTES = 16 << 20
 COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
@@ -86,9 +93,9 @@ class CommittedOffsets:
 
     async def _read_all(self) -> dict[Key, OffsetAndMetadata]:
         leader = self._host.leader_handle(OFFSETS_TOPIC, 0)
-        _, high_watermark, _ = await asyncio.wait_for(leader.offsets.remote(), 10)
-        offset, table = 0, {}
-        while offset < high_watermark:
+        offset, high_watermark, _ = await asyncio.wait_for(leader.offsets.remote(), 10)
+        table = {}
+        while offset < high_watermark:  # (a compacted log: a reply may start past the offset asked for)
             meta, data = await asyncio.wait_for(reply_async(leader.fetch.remote(FetchRequest(offset, LOAD_FETCH_BYTES))), 30)
             if data is None:
                 break
@@ -116,6 +123,23 @@ class CommittedOffsets:
 
     async def commit(self, group_id: str, records: list[tuple[bytes, bytes]], offsets: dict[TopicPartition, OffsetAndMetadata]) -> None:
         """Append offset-commit ``records`` with acks='all', then record ``offsets``; raise (retriable) if that fails."""
+        await self._append(records)
+        for tp, om in offsets.items():
+            self.table[(group_id, tp.topic, tp.partition)] = om
+
+    async def delete_group(self, group_id: str) -> list[TopicPartition]:
+        """Delete every committed offset of ``group_id``: a tombstone per partition, appended with
+        acks='all', then the entries here. Returns the partitions whose offsets went."""
+        partitions = sorted(self.partitions_of(group_id))
+        if not partitions:
+            return []
+        await self._append([(offset_commit_key(group_id, tp), None) for tp in partitions])
+        for tp in partitions:
+            self.table.pop((group_id, tp.topic, tp.partition), None)
+        return partitions
+
+    async def _append(self, records: list[tuple[bytes, bytes | None]]) -> None:
+        """Append records to ``__consumer_offsets`` with acks='all'; raise (retriable) if that fails."""
         await self._ensure_topic()
         batch = rb.encode_batch([v for _, v in records], [k for k, _ in records])
         deadline = time.monotonic() + COMMIT_RETRY_S
@@ -131,5 +155,3 @@ class CommittedOffsets:
                 if not retriable or time.monotonic() > deadline:
                     raise cause from None
                 await asyncio.sleep(RETRY_BACKOFF_S)
-        for tp, om in offsets.items():
-            self.table[(group_id, tp.topic, tp.partition)] = om

@@ -59,9 +59,11 @@ from logbus.actors.placement import (
     replica_directory,
     uses_replica_slots,
 )
+from logbus.actors.remote import unwrap
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
+    InvalidConfigError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
     InvalidTopicError,
@@ -72,7 +74,7 @@ from logbus.errors import (
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
-from logbus.protocol.messages import PartitionInfo, TopicDescription
+from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
 from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
@@ -782,15 +784,49 @@ class Controller:
         await asyncio.gather(*(self._start_partition(topic, p) for p in added))
         return await self.describe_topic(name)
 
-    async def alter_config(self, name: str, config: dict) -> dict:
+    async def alter_config(self, name: str, config: dict, delete: list[str] | None = None) -> dict:
+        """Set topic config overrides, and remove those named in ``delete`` (back to the defaults);
+        returns the topic's overrides. Every replica applies them before this returns."""
         await self._ready()
         async with self._lock:
+            topic = self.metadata.topic(name)
+            for key in delete or ():
+                if key not in LogConfig.KEYS:
+                    raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(LogConfig.KEYS))}")
+                if key in (config or {}):
+                    raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
+            LogConfig.from_dict({**{k: v for k, v in topic.config.items() if k not in (delete or ())}, **(config or {})})
+            for key in delete or ():
+                topic.config.pop(key, None)
             overrides = self.metadata.alter_config(name, config)
             self._persist()
             topic = self.metadata.topic(name)
         handles = [self._replica_handle(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
         await asyncio.gather(*(h.update_config.remote(overrides) for h in handles))
         return dict(overrides)
+
+    async def delete_records(self, offsets: dict) -> dict:
+        """Kafka's DeleteRecords: ``{(topic, partition): offset}`` (-1: the high watermark) -> each
+        partition's new log start offset, moved by its leader (its followers follow). Every partition
+        is tried; the first error (an offset past the high watermark, no leader) is raised after."""
+        await self._ready()
+        tps = []
+        for tp, offset in offsets.items():
+            topic, partition = tp
+            state_topic = self.metadata.topic(topic)
+            if not 0 <= partition < len(state_topic.partitions):
+                raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
+            tps.append((TopicPartition(topic, partition), offset))
+
+        async def one(tp, offset):
+            leader = self.leader_handle(tp.topic, tp.partition)
+            return await asyncio.wait_for(leader.delete_records.remote(offset), REPLICA_CALL_TIMEOUT_S)
+
+        found = await asyncio.gather(*(one(tp, offset) for tp, offset in tps), return_exceptions=True)
+        for result in found:
+            if isinstance(result, BaseException):
+                raise unwrap(result)
+        return {tp: start for (tp, _), start in zip(tps, found)}
 
     # --- moving replicas: reassignment, drain, rebalance, preferred leaders ---------------------------
 
@@ -1104,6 +1140,10 @@ class Controller:
     async def reset_offsets(self, group_id: str, to, topics: list[str] | None = None) -> dict:
         await self._ready()
         return await self.groups.reset_offsets(group_id, to, topics)
+
+    async def delete_group(self, group_id: str) -> list:
+        await self._ready()
+        return await self.groups.delete_group(group_id)
 
 
 def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None, max_replicas_per_node: int | None = None):

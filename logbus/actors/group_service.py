@@ -389,6 +389,28 @@ class GroupService:
             "offsets": rows,
         }
 
+    async def delete_group(self, group_id: str) -> list[TopicPartition]:
+        """Delete an inactive group: its state here and its committed offsets (tombstones in
+        ``__consumer_offsets``). Returns the partitions whose offsets went.
+
+        Raises GroupNotEmptyError while the group has members, InvalidGroupIdError
+        if there is no such group (no state and no committed offsets).
+        """
+        validate_group_id(group_id)
+        await self.offsets.ready()
+        description = self.coordinator.describe(group_id)
+        if description.members:
+            raise GroupNotEmptyError(
+                f"group {group_id!r} has {len(description.members)} active member(s); stop them before deleting the group"
+            )
+        if description.state is GroupState.DEAD and not self.offsets.partitions_of(group_id):
+            raise InvalidGroupIdError(f"group {group_id!r} does not exist (no members and no committed offsets)")
+        try:
+            self.coordinator.delete_group(group_id)  # raises GroupNotEmptyError if a member joined meanwhile
+        finally:
+            await self._settle(group_id)
+        return await self.offsets.delete_group(group_id)
+
     async def reset_offsets(self, group_id: str, to, topics: list[str] | None = None) -> dict:
         """Set an inactive group's committed offsets: to "earliest", "latest", an offset, or {"timestamp": ms}.
 

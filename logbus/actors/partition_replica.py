@@ -39,6 +39,14 @@ append. A follower long-polls its leader with a long wait (half the lag
 time), so an idle follower costs one call per few seconds, and a follower
 whose fetch waits at the leader's end counts as in sync for that long.
 
+Compaction (``cleanup.policy`` with "compact", ``storage/cleaner.py``): one
+timer for when the log may next need cleaning (a segment rolled, a segment
+left min.compaction.lag.ms, a tombstone is due to go). The cleaning reads and
+writes files in a thread, below the high watermark, while the replica goes on
+serving; each cleaned segment is swapped in on the event loop. Leader and
+followers compact their own copies (their bytes then differ; their records
+at each offset do not).
+
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
 that loop. Ray may start one caller's calls out of order; batches of an
@@ -95,6 +103,7 @@ from logbus.protocol.messages import (
 )
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import record_batch as rb
+from logbus.storage.cleaner import build_offset_map, clean_group, discard
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
@@ -110,6 +119,8 @@ REPLICA_FETCH_WAIT_MS = 10_000  # at most (and at most half the lag time): an ap
 ALTER_ISR_TIMEOUT_S = 5.0
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
+CLEAN_BLOCKED_RETRY_S = 1.0  # a cleaning due but held back by the high watermark looks again this soon
+CLEAN_FAILED_RETRY_S = 60.0
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 THROTTLE_SLICE_S = 0.2  # a throttled follower fetches about this many seconds' worth of bytes at a time
 THROTTLED_FETCH_MIN_BYTES = 64 << 10
@@ -213,7 +224,9 @@ class PartitionReplica:
         self._lease: NodeLease | None = None  # the node's lease (None standalone: no controller)
         self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush"
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean"
+        self._cleaning: asyncio.Task | None = None  # the log cleaning under way
+        self._cleaning_stop = None  # set to stop it (the stop event of its plan)
         self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
         self._isr_proposal: asyncio.Task | None = None
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
@@ -271,6 +284,7 @@ class PartitionReplica:
             self._tasks.append(loop.create_task(self._say_started()))
         self._channel_started = loop.create_task(self._channel.start())
         self._arm_retention()
+        self._arm_cleaning()
 
     async def _controller(self):
         """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
@@ -344,13 +358,16 @@ class PartitionReplica:
         self._arm_retention()
 
     def _after_append(self) -> None:
-        """Timers an append may need: the retention deadline of new data, an interval flush."""
+        """Timers an append may need: the retention deadline of new data, an interval flush, a cleaning."""
         if "retention" not in self._timers:
             self._arm_retention()
         config = self.log.config
-        if config.retention_bytes >= 0 and len(self.log.segments) != self._segments_seen:
+        if len(self.log.segments) != self._segments_seen:
             self._segments_seen = len(self.log.segments)
-            self._retention_due()  # size-bounded topics: check when a segment rolls
+            if config.retention_bytes >= 0:
+                self._retention_due()  # size-bounded topics: check when a segment rolls
+            if config.compact:
+                self._arm_cleaning()  # a closed segment more: dirty bytes
         if config.flush_policy == "interval" and "flush" not in self._timers:
             self._arm("flush", config.flush_ms / 1000, self._flush_due)
 
@@ -359,6 +376,62 @@ class PartitionReplica:
             self.log.maybe_flush()
         except LogbusError as error:
             logger.warning("replica %s: interval flush failed: %s", self._label, error)
+
+    # --- compaction: a one-shot timer, the work in a thread -----------------------------------------
+
+    def _arm_cleaning(self) -> None:
+        """One timer for the moment the log may next need cleaning (none for other topics)."""
+        if self._cleaning is not None and not self._cleaning.done():
+            return  # the cleaning under way arms the next one when it ends
+        due_ms = self.log.next_cleaning_ms()
+        if due_ms is None:
+            self._disarm("clean")
+        else:
+            self._arm("clean", (due_ms - wall_ms()) / 1000, self._cleaning_due)
+
+    def _cleaning_due(self) -> None:
+        if self._deleted or (self._cleaning is not None and not self._cleaning.done()):
+            return
+        self._cleaning = asyncio.get_running_loop().create_task(self._clean())
+
+    async def _clean(self) -> None:
+        """One cleaning below the high watermark: offset map and cleaned segments in a thread, each
+        swap on the event loop (the log is only touched here). Then the timer for the next one."""
+        retry_s = None
+        try:
+            plan = self.log.cleaning_plan(upper_bound=self.high_watermark)
+            if plan is None:
+                due_ms = self.log.next_cleaning_ms()
+                if due_ms is not None and due_ms <= wall_ms():
+                    retry_s = CLEAN_BLOCKED_RETRY_S  # due, but not below the high watermark yet
+                return
+            self._cleaning_stop = plan.stop
+            offset_map = await asyncio.to_thread(build_offset_map, plan)
+            done = []
+            for group in plan.groups:
+                cleaned = await asyncio.to_thread(clean_group, plan, group, offset_map)
+                if self._deleted or not self.log.replace_segments(cleaned):
+                    discard(cleaned)
+                    return  # the log changed meanwhile (truncated, retention): the next cleaning plans again
+                self._shared_read = None  # a read shared before the swap may hold the old bytes
+                done.append(cleaned)
+            self.log.finish_cleaning(plan, done)
+            removed = sum(c.records_removed for c in done)
+            logger.info(
+                "replica %s: cleaned offsets up to %d: %d records removed, %d -> %d bytes",
+                self._label, plan.end_offset, removed, sum(c.bytes_before for c in done), sum(c.bytes_after for c in done),
+            )
+        except (LogbusError, OSError) as error:  # keep serving; try again in a while
+            if not self._deleted:
+                logger.warning("replica %s: log cleaning failed: %s", self._label, error)
+            retry_s = CLEAN_FAILED_RETRY_S
+        finally:
+            self._cleaning_stop = None
+            if not self._deleted:
+                if retry_s is not None:
+                    self._arm("clean", retry_s, self._cleaning_due)
+                else:
+                    asyncio.get_running_loop().call_soon(self._arm_cleaning)  # once this task is done
 
     # --- the ISR, checked when something happens ---------------------------------------------------
 
@@ -549,10 +622,14 @@ class PartitionReplica:
                 if data is not None:
                     if isinstance(data, ray.ObjectRef):
                         data = await data
-                    self.log.append_as_follower(data)
+                    # The reply's offsets say which gaps (offsets the leader compacted) it covers.
+                    self.log.append_as_follower(data, meta.first_offset, meta.next_offset)
                     copied = len(data)
                     del data
+                    self._after_follower_append()
                     await self._pace(copied)
+                if meta.log_start_offset > self.log.log_start_offset:  # the leader's delete_records
+                    self.log.delete_records(min(meta.log_start_offset, self.log.log_end_offset))
                 self.follower_high_watermark = meta.high_watermark
             except asyncio.CancelledError:
                 raise
@@ -567,6 +644,12 @@ class PartitionReplica:
                     last_error = repr(error)
                     logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
                 await asyncio.sleep(0.1)
+
+    def _after_follower_append(self) -> None:
+        """A follower compacts its own copy: a rolled segment may make a cleaning due."""
+        if self.log.config.compact and len(self.log.segments) != self._segments_seen:
+            self._segments_seen = len(self.log.segments)
+            self._arm_cleaning()
 
     async def _pace(self, copied: int) -> None:
         """With a throttle (bytes/s), wait until the bytes copied so far are within the rate."""
@@ -755,7 +838,8 @@ class PartitionReplica:
         they are at most ``request.inline_max_bytes`` (capped at
         FETCH_INLINE_MAX_BYTES), else an ObjectRef to a uint8 array. See
         :class:`~logbus.protocol.messages.FetchRequest` for the fields; the
-        reply's ``first_offset`` says where the batches start.
+        reply's ``first_offset`` and ``next_offset`` say which offsets the
+        batches cover (in a compacted topic, past a gap: see FetchResponse).
         """
         self._started()
         self._check_leader()
@@ -812,6 +896,31 @@ class PartitionReplica:
         self._started()
         return self.log.epochs.end_offset_for(epoch, self.log.log_end_offset)
 
+    async def delete_records(self, offset: int, leader_epoch: int | None = None) -> int:
+        """As leader: Kafka's DeleteRecords. Make ``offset`` (-1: the high watermark) the log start
+        offset; returns the new log start offset. Followers follow it on their next fetch.
+
+        OffsetOutOfRangeError for an offset past the high watermark; an offset
+        at or below the log start changes nothing.
+        """
+        self._started()
+        self._check_leader(leader_epoch)
+        if not self._may_write():
+            raise NotLeaderError(f"{self.topic}-{self.partition}: this leader may not take writes now")
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < -1:
+            raise OffsetOutOfRangeError(f"delete_records takes an offset >= 0 (or -1: the high watermark), not {offset!r}")
+        high_watermark = self.high_watermark
+        if offset == -1:
+            offset = high_watermark
+        if offset > high_watermark:
+            raise OffsetOutOfRangeError(
+                f"{self.topic}-{self.partition}: cannot delete records up to {offset}, past the high watermark {high_watermark}"
+            )
+        start = self.log.delete_records(offset)
+        self._shared_read = None
+        self._arm_retention()
+        return start
+
     async def offsets(self) -> tuple[int, int, int]:
         """(log start offset, high watermark, log end offset)."""
         self._started()
@@ -833,6 +942,7 @@ class PartitionReplica:
         self._save_state()
         self._started()
         self._arm_retention()
+        self._arm_cleaning()
 
     async def delete(self) -> None:
         """Close and remove this replica's files; the actor is killed by the controller afterwards."""
@@ -841,6 +951,10 @@ class PartitionReplica:
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
+        if self._cleaning is not None and not self._cleaning.done():
+            if self._cleaning_stop is not None:
+                self._cleaning_stop.set()  # its thread stops at the next batch
+            await asyncio.wait({self._cleaning})  # before the files go
         if self._fence is not None:
             self._fence.remove()
         await self._channel.close()

@@ -17,11 +17,12 @@ from logbus.errors import (
     OffsetOutOfRangeError,
 )
 from logbus.protocol.cluster_metadata import PARTITIONS_MAX
-from logbus.protocol.messages import TopicDescription
+from logbus.protocol.messages import TopicDescription, TopicPartition
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_partition, validate_topic_name
 
 RESET_TARGETS = ("earliest", "latest")
+CONFIG_SOURCES = ("default", "topic")  # where a topic config's value comes from (describe_configs)
 
 
 def _seconds(what: str, value) -> float:
@@ -103,6 +104,38 @@ class Admin:
         validate_topic_name(name)
         return get(self._bus.controller.describe_topic.remote(name))
 
+    def delete_records(self, offsets: dict) -> dict[TopicPartition, int]:
+        """Kafka's DeleteRecords: ``{TopicPartition: offset}`` makes each ``offset`` (-1: the
+        partition's high watermark) the partition's log start offset; returns the new log start
+        offsets.
+
+        Records below it can no longer be read: a consumer whose position is
+        below it gets its ``auto_offset_reset`` ("earliest" then means the new
+        start). Whole segments below it are deleted; followers follow their
+        leader's log start. An offset at or below the current log start changes
+        nothing. Raises OffsetOutOfRangeError for an offset past the high
+        watermark (or below -1), UnknownTopicError for an unknown partition.
+        """
+        if not isinstance(offsets, dict) or not offsets:
+            raise InvalidConfigError("offsets must be a non-empty {TopicPartition: offset} dict")
+        checked = {}
+        for tp, offset in offsets.items():
+            if not isinstance(tp, tuple) or len(tp) != 2:
+                raise InvalidConfigError(f"expected a TopicPartition(topic, partition), not {tp!r}")
+            if isinstance(offset, bool) or not isinstance(offset, int) or offset < -1:
+                raise OffsetOutOfRangeError(f"the offset to delete records below for {tp} must be an int >= 0 (or -1), not {offset!r}")
+            checked[TopicPartition(validate_topic_name(tp[0]), validate_partition(tp[1]))] = offset
+        starts = get(self._bus.controller.delete_records.remote(checked))
+        return {TopicPartition(*tp): start for tp, start in starts.items()}
+
+    def describe_configs(self, name: str) -> dict[str, dict]:
+        """Every topic config (Kafka's dotted names) of topic ``name``: ``{name: {"value": value,
+        "source": "default" | "topic"}}``; "topic" for the overrides set on the topic."""
+        validate_topic_name(name)
+        overrides = get(self._bus.controller.topic_metadata.remote(name))["config"]
+        values = LogConfig.from_dict(overrides).to_dict()
+        return {key: {"value": value, "source": CONFIG_SOURCES[key in overrides]} for key, value in values.items()}
+
     def create_partitions(self, name: str, total: int) -> TopicDescription:
         """Grow a topic to ``total`` partitions (keys may then map to other partitions, as in Kafka)."""
         validate_topic_name(name)
@@ -122,6 +155,17 @@ class Admin:
         validate_group_id(group_id)
         return get(self._bus.controller.describe_group.remote(group_id))
 
+    def delete_group(self, group_id: str) -> list[TopicPartition]:
+        """Delete an inactive consumer group: its state and its committed offsets (tombstones in
+        ``__consumer_offsets``, which compaction then removes). Returns the partitions whose
+        committed offsets were deleted.
+
+        Raises GroupNotEmptyError while the group has members (stop its
+        consumers first), InvalidGroupIdError if there is no such group.
+        """
+        validate_group_id(group_id)
+        return [TopicPartition(*tp) for tp in get(self._bus.controller.delete_group.remote(group_id))]
+
     def reset_offsets(self, group_id: str, to="earliest", topics: list[str] | None = None) -> dict:
         """Reset an inactive group's committed offsets to "earliest", "latest", an offset, or a datetime.
 
@@ -139,12 +183,21 @@ class Admin:
                 validate_topic_name(topic)
         return get(self._bus.controller.reset_offsets.remote(group_id, to, list(topics) if topics else None))
 
-    def alter_config(self, name: str, config: dict) -> dict:
-        """Change topic config overrides (Kafka's dotted names); returns the topic's overrides."""
+    def alter_config(self, name: str, config: dict | None = None, delete: list[str] | None = None) -> dict:
+        """Change topic config overrides (Kafka's dotted names), and remove the overrides named in
+        ``delete`` (their defaults apply again); returns the topic's overrides."""
         validate_topic_name(name)
         LogConfig.from_dict(config)
+        if delete is not None:
+            if isinstance(delete, str) or not isinstance(delete, list | tuple | set | frozenset):
+                raise InvalidConfigError(f"delete must be a list of topic config names, not {delete!r}")
+            for key in delete:
+                if key not in LogConfig.KEYS:
+                    raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(LogConfig.KEYS))}")
+                if key in (config or {}):
+                    raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
         self._bus.forget(name)
-        return get(self._bus.controller.alter_config.remote(name, config))
+        return get(self._bus.controller.alter_config.remote(name, config or {}, list(delete or ())))
 
     # --- nodes: moving replicas --------------------------------------------------------------------
 

@@ -157,8 +157,13 @@ class FetchResponse:
     """Metadata of one fetch; the batches themselves travel beside it (bytes, or a uint8 array's ObjectRef).
 
     ``first_offset``/``next_offset`` bound the whole batches returned (the
-    first may start below the requested offset). ``high_watermark`` and
-    ``log_start_offset`` are the partition's at the time of the fetch.
+    first may start below the requested offset): the reply holds every record
+    of the log in ``[first_offset, next_offset)``. In a compacted log the first
+    batch may start past the offset the read started at, and ``first_offset``
+    is then that offset (the ones in between are gone); a reply with no batch
+    but ``next_offset`` past that offset says they are all gone up to there.
+    ``high_watermark`` and ``log_start_offset`` are the partition's at the
+    time of the fetch.
     """
 
     first_offset: int
