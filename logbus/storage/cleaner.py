@@ -79,6 +79,7 @@ import pyarrow as pa
 
 from logbus.errors import CorruptRecordError, InternalStateError, StorageError
 from logbus.storage import record_batch as rb
+from logbus.storage.files import write_atomically
 from logbus.storage.producer_state import BatchEntry, ProducerStateTable
 from logbus.storage.segment import (
     INDEX_SUFFIX,
@@ -105,19 +106,32 @@ SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIME_INDEX_SUFFIX, SUMMARY_SUFFIX)
 
 @dataclass(frozen=True, slots=True)
 class SegmentSummary:
-    """What a cleaned segment replaced: the offsets up to ``end_offset`` and its producers' state."""
+    """What a cleaned segment replaced: the offsets up to ``end_offset`` and its producers' state.
+
+    The summary stands for the segment's batches below ``end_offset``; a
+    batch at or past it was appended after a truncation into the segment
+    (which lowers ``end_offset`` to the new log end), and counts by its header.
+    """
 
     end_offset: int  # the base offset of the segment after the ones it replaced
     producers: tuple[BatchEntry, ...]
 
 
+def _summary_text(summary: SegmentSummary) -> str:
+    return json.dumps({"version": SUMMARY_VERSION, "end_offset": summary.end_offset, "producers": [list(e) for e in summary.producers]})
+
+
 def write_summary(path: str, summary: SegmentSummary) -> None:
-    """Write and sync a summary file (the swap's renames make it visible)."""
-    text = json.dumps({"version": SUMMARY_VERSION, "end_offset": summary.end_offset, "producers": [list(e) for e in summary.producers]})
+    """Write and sync a new summary file (the swap's renames make it visible)."""
     with open(path, "w") as file:
-        file.write(text)
+        file.write(_summary_text(summary))
         file.flush()
         os.fsync(file.fileno())
+
+
+def replace_summary(path: str, summary: SegmentSummary) -> None:
+    """Replace the summary of a segment in the log, atomically (after a truncation into it)."""
+    write_atomically(path, _summary_text(summary))
 
 
 def read_summary(path: str) -> SegmentSummary | None:
@@ -319,8 +333,11 @@ def _frame_run(header: rb.BatchHeader, records: pa.RecordBatch, first: int, coun
     batch keeps its append time.
     """
     appended = header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME
+    # A copy of the rows, not a slice: Arrow serializes a sliced map column (headers) with the
+    # whole batch's offsets, so a slice would carry bytes for every row of its batch.
+    rows = records.take(pa.array(np.arange(first, first + count)))
     return rb.frame_record_batch(
-        records.slice(first, count),
+        rows,
         base_offset=header.base_offset + first,
         leader_epoch=header.leader_epoch,
         compression=header.compression,
@@ -358,7 +375,7 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                 for entry in summary.producers:
                     producers.apply(entry)
             for header, data in _batches(plan, source):
-                if summary is None:
+                if summary is None or header.base_offset >= summary.end_offset:
                     producers.update(header)
                 _, records = rb.decode_records(data)  # checks the CRC: a damaged batch stops the cleaning
                 cleaned.bytes_before += header.size_bytes
@@ -457,6 +474,12 @@ def commit_swap(cleaned: CleanedSegment) -> None:
         raise StorageError(f"finishing the swap of cleaned segment {cleaned.base_offset} failed: {error}") from error
 
 
+def _base_of(name: str) -> int:
+    """The base offset in a segment file's name (-1 if it has none)."""
+    head = name.split(".", 1)[0]
+    return int(head) if head.isdigit() else -1
+
+
 def complete_swaps(directory: str) -> list[str]:
     """Before a log opens: discard every cleaning that did not commit, complete every one that did.
 
@@ -464,9 +487,11 @@ def complete_swaps(directory: str) -> list[str]:
     """
     done = []
     names = os.listdir(directory)
+    uncommitted: set[int] = set()  # base offsets of cleaned segments a crash left unswapped
     for name in names:
         if name.endswith(CLEANED_SUFFIX):
             _remove([os.path.join(directory, name)])
+            uncommitted.add(_base_of(name))
     swapping = sorted(
         int(name[: -len(LOG_SUFFIX + SWAP_SUFFIX)])
         for name in names
@@ -482,5 +507,7 @@ def complete_swaps(directory: str) -> list[str]:
     for name in os.listdir(directory):
         if name.endswith(SWAP_SUFFIX):  # of a swap that did not commit
             _remove([os.path.join(directory, name)])
-            done.append(f"discarded {name} of a cleaning that did not commit")
+            uncommitted.add(_base_of(name))
+    uncommitted.discard(-1)
+    done += [f"discarded cleaned segment {base}: its cleaning did not commit" for base in sorted(uncommitted)]
     return done

@@ -71,8 +71,10 @@ from logbus.storage.cleaner import (
     commit_swap,
     complete_swaps,
     discard,
+    SegmentSummary,
     group_segments,
     read_summary,
+    replace_summary,
 )
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
@@ -157,6 +159,7 @@ class PartitionLog:
             raise StorageError(f"cannot complete the cleanings interrupted in {directory}: {error}") from error
         self._gaps = os.path.exists(self._path(OFFSET_GAPS_FILE))
         self.recovery = self._open_segments(tuple(swaps))
+        self._trim_active_summary()
         self._log_start = self._read_number(LOG_START_OFFSET_FILE, 0)
         checkpoint = self._read_text(CLEANER_CHECKPOINT_FILE).split()
         self._cleaner_checkpoint = int(checkpoint[0]) if checkpoint[:1] and checkpoint[0].isdigit() else 0
@@ -177,19 +180,21 @@ class PartitionLog:
         end = self.log_end_offset
         for segment in self.segments:
             summary = self._summary_of(segment)
+            # A cleaned segment: the producer state its original batches gave (cleaner.py), less
+            # the batches a truncation removed since; batches appended after that count by header.
+            pending = [] if summary is None else [entry for entry in summary.producers if entry[4] < end]
             view = segment._view()
             for _, header in rb.iter_headers(view, 0, segment.size_bytes):
-                if summary is None:
+                if summary is None or header.base_offset >= summary.end_offset:
+                    for entry in pending:
+                        self.producer_state.apply(entry)
+                    pending = []
                     self.producer_state.update(header)
                 if not loaded:
                     self.epochs.assign(header.leader_epoch, header.base_offset, persist=False)
             del view
-            if summary is not None:
-                # A cleaned segment: the producer state its original batches gave (cleaner.py),
-                # less the batches a truncation removed since.
-                for entry in summary.producers:
-                    if entry[4] < end:
-                        self.producer_state.apply(entry)
+            for entry in pending:
+                self.producer_state.apply(entry)
         if not loaded:
             self.epochs.save()
 
@@ -494,8 +499,11 @@ class PartitionLog:
         """Whole batches starting with the one that holds ``offset``, from one segment, without copying.
 
         ``max_offset`` (exclusive; the high watermark for consumers) bounds the
-        batches returned. Returns None when there is nothing at or after
-        ``offset`` yet (``offset`` == log end, or everything is above
+        batches returned. In a compacted log, a read at an offset in a gap
+        starts with the next batch; when only a gap lies between ``offset`` and
+        the bound, the result holds no batch and its ``next_offset`` is past the
+        gap (see :class:`ReadResult`). Returns None when there is nothing at or
+        after ``offset`` yet (``offset`` == log end, or everything is above
         ``max_offset``). Raises OffsetOutOfRangeError below the log start or
         past the log end, and CorruptRecordError if a stored batch fails its CRC
         (checked unless ``verify_crc`` is False: for readers that check it themselves).
@@ -549,10 +557,26 @@ class PartitionLog:
             self._bases.pop()
             segment.delete()
         self.active_segment.truncate_to(offset)
+        self._trim_active_summary()
         self._write_recovery_point(min(self._read_recovery_point() or 0, self.active_segment.base_offset))
+        if self._cleaner_checkpoint > self.active_segment.base_offset:
+            # What is appended from here on is new: dirty for the next cleaning.
+            self._write_cleaner_checkpoint(self.active_segment.base_offset, self._tombstones_due_ms)
         self.epochs.truncate_from_end(self.log_end_offset)
         self._rebuild_derived_state(trust_epoch_checkpoint=True)
         return self.log_end_offset
+
+    def _trim_active_summary(self) -> None:
+        """After a truncation into a cleaned segment (now the active one): its summary covers the
+        offsets up to the new log end only, so that what is appended from there counts by its batch
+        headers (see cleaner.py). Also run on open, for a crash between the truncation and this."""
+        segment = self.active_segment
+        summary = self._summary_of(segment)
+        if summary is None or summary.end_offset <= segment.next_offset:
+            return
+        end = segment.next_offset
+        kept = tuple(entry for entry in summary.producers if entry[4] < end)
+        replace_summary(segment.summary_path, SegmentSummary(end, kept))
 
     def truncate_fully_and_start_at(self, offset: int) -> None:
         """Delete every segment and start an empty log at ``offset`` (a follower far behind the leader's start)."""

@@ -275,6 +275,20 @@ def test_compressed_and_log_append_time_batches_keep_their_kind_when_split(open_
     assert log.offset_for_timestamp(append_time + 1) == 3
 
 
+def test_a_run_split_from_a_big_batch_holds_only_its_own_rows(open_log):
+    log = open_log(COMPACT)
+    keys = [b"gone-%d" % (i % 10) if i % 500 else b"kept-%d" % i for i in range(2000)]
+    put(log, [(key, b"v" * 20) for key in keys])
+    put(log, [(b"gone-%d" % i, b"latest") for i in range(10)])
+    log.roll()
+    put(log, [(b"z", b"active")])
+    [cleaned] = log.clean()
+    runs = rb.decode_batches(log.read(0, 1 << 20).data)
+    assert [(h.base_offset, h.record_count) for h, _ in runs][:4] == [(0, 1), (500, 1), (1000, 1), (1500, 1)]
+    # Four one-record batches, not four copies of the big batch's columns.
+    assert all(h.size_bytes < 1024 for h, _ in runs) and cleaned.bytes_after < cleaned.bytes_before // 4
+
+
 def test_many_small_segments_are_cleaned_into_few(open_log):
     log = open_log({**COMPACT, "segment.bytes": 64 << 10})
     for i in range(40):
@@ -325,6 +339,46 @@ def test_a_truncation_inside_a_cleaned_segment_drops_the_producer_entries_above_
     log.truncate_to(3)
     assert [entry[4] for entry in log.producer_state.entries()] == [0, 1, 2]
     assert log.producer_state.producers[3].last_sequence == 2
+
+
+def test_batches_appended_after_a_truncation_into_a_cleaned_segment_keep_their_producer_state(open_log):
+    log = open_log(COMPACT)
+    for sequence in range(4):
+        log.append(encode_batch([b"v"], [b"k%d" % (sequence % 2)], producer_id=3, producer_epoch=0, base_sequence=sequence))
+    log.roll()
+    log.append(encode_batch([b"w"], [b"k9"]))
+    log.clean()  # segment 0 is a cleaned one now: offsets 2 and 3
+    log.truncate_to(3)  # it becomes the active segment
+    assert read_summary(os.path.join(log.directory, segment_file_name(0, SUMMARY_SUFFIX))).end_offset == 3
+    appended = log.append(encode_batch([b"x"], [b"k7"], producer_id=8, producer_epoch=0, base_sequence=0))
+    assert appended.base_offset == 3
+    table = sorted(log.producer_state.entries())
+    log.close()
+    again = open_log(COMPACT)
+    assert sorted(again.producer_state.entries()) == table  # producer 8's batch counted by its header
+    retry = again.append(encode_batch([b"x"], [b"k7"], producer_id=8, producer_epoch=0, base_sequence=0))
+    assert retry.duplicate and retry.base_offset == 3
+    again.roll()
+    put(again, [(b"k9", b"2")])
+    assert again.clean()  # segment 0 cleaned again, with what was appended to it
+    assert sorted(again.producer_state.entries()) == table
+    again.close()
+    assert sorted(open_log(COMPACT).producer_state.entries()) == table
+
+
+def test_records_appended_after_a_truncation_are_cleaned_like_any_new_ones(open_log):
+    log = open_log(COMPACT)
+    for i in range(4):
+        put(log, [(b"k%d" % i, b"1")])
+        log.roll()
+    put(log, [(b"z", b"1")])
+    log.clean()  # everything below 4 is clean now
+    log.truncate_to(2)  # a follower cutting a divergent tail
+    put(log, [(b"k0", b"2")])  # 2: supersedes offset 0
+    log.roll()
+    put(log, [(b"z", b"2")])
+    log.clean()
+    assert read_all(log) == [(1, b"k1", b"1"), (2, b"k0", b"2"), (3, b"z", b"2")]
 
 
 def test_a_follower_copies_a_compacted_leader_and_passes_every_gap(open_log, tmp_path, clock):
