@@ -2,14 +2,10 @@
 segments the cleaning rewrites, either the old segments or the new one, never a mix, and loses no
 record that the cleaning keeps."""
 
-import json
 import os
 import random
-import select
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -17,8 +13,8 @@ import pytest
 from logbus.storage import LogConfig, PartitionLog, encode_batch
 from logbus.storage import record_batch as rb
 from logbus.storage.cleaner import CLEANED_SUFFIX, SWAP_SUFFIX
+from tests.storage import clean_in_child
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOW_MS = 1_700_000_000_000
 CONFIG = {"cleanup.policy": "compact", "min.cleanable.dirty.ratio": 0, "segment.bytes": 6000, "delete.retention.ms": 1000}
 CHILD_TIMEOUT_S = 60
@@ -72,10 +68,17 @@ def reference(tmp_path_factory):
 
 
 def run_child(directory, kill_at):
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.storage.clean_in_child", str(directory), json.dumps(CONFIG), str(NOW_MS), str(kill_at)],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True,
-    )
+    """Clean ``directory`` in a child that kills itself before its ``kill_at``-th file operation
+    (0: never); returns its exit code and what it said."""
+    process, pipe = clean_in_child.start(directory, CONFIG, NOW_MS, kill_at)
+    process.join(CHILD_TIMEOUT_S)
+    said = []
+    try:
+        while pipe.poll():
+            said.append(pipe.recv())
+    except EOFError:  # all said
+        pass
+    return process.exitcode, said
 
 
 def check_old_or_new(directory, reference):
@@ -104,17 +107,15 @@ def test_a_cleaning_killed_before_any_of_its_file_operations_leaves_old_or_new(r
     original = reference[0]
     counting = tmp_path / "count"
     shutil.copytree(original, counting)
-    child = run_child(counting, 0)
-    out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
-    operations = json.loads(out.splitlines()[-1])["operations"]
-    assert child.returncode == 0 and operations > 20
+    exitcode, said = run_child(counting, 0)
+    operations = said[-1]["operations"]
+    assert exitcode == 0 and operations > 20
     seen = set()
     for kill_at in range(1, operations + 1):
         directory = tmp_path / f"kill-{kill_at}"
         shutil.copytree(original, directory)
-        child = run_child(directory, kill_at)
-        child.communicate(timeout=CHILD_TIMEOUT_S)
-        assert child.returncode == -signal.SIGKILL
+        exitcode, _ = run_child(directory, kill_at)
+        assert exitcode == -signal.SIGKILL
         seen.add(tuple(check_old_or_new(directory, reference)))
         shutil.rmtree(directory)
     # The kills fell before, inside and after the groups' swaps: every group was seen old and new.
@@ -125,22 +126,18 @@ def test_a_cleaning_killed_at_random_times_leaves_old_or_new(reference, tmp_path
     original = reference[0]
     timing = tmp_path / "timing"
     shutil.copytree(original, timing)
-    child = run_child(timing, 0)
-    out, _ = child.communicate(timeout=CHILD_TIMEOUT_S)
-    duration_s = json.loads(out.splitlines()[-1])["seconds"]
+    exitcode, said = run_child(timing, 0)
+    assert exitcode == 0
+    duration_s = said[-1]["seconds"]
     rng = random.Random(11)
     for attempt in range(8):
         directory = tmp_path / f"random-{attempt}"
         shutil.copytree(original, directory)
-        child = run_child(directory, 0)
-        deadline = time.monotonic() + CHILD_TIMEOUT_S
-        ready = ""
-        while "ready" not in ready and time.monotonic() < deadline:
-            if select.select([child.stdout], [], [], deadline - time.monotonic())[0]:
-                ready += child.stdout.readline()
-        assert "ready" in ready
+        process, pipe = clean_in_child.start(directory, CONFIG, NOW_MS, 0)
+        assert pipe.poll(CHILD_TIMEOUT_S) and pipe.recv() == "ready"
         time.sleep(rng.uniform(0, duration_s * 1.2))  # the fault: a kill at a random point of the cleaning
-        child.send_signal(signal.SIGKILL)
-        child.communicate(timeout=CHILD_TIMEOUT_S)
+        process.kill()
+        process.join(CHILD_TIMEOUT_S)
+        assert process.exitcode is not None
         check_old_or_new(directory, reference)
         shutil.rmtree(directory)
