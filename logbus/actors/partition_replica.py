@@ -41,9 +41,10 @@ whose fetch waits at the leader's end counts as in sync for that long.
 
 Compaction (``cleanup.policy`` with "compact", ``storage/cleaner.py``): one
 timer for when the log may next need cleaning (a segment rolled, a segment
-left min.compaction.lag.ms, a tombstone is due to go). The cleaning reads and
-writes files in a thread, below the high watermark, while the replica goes on
-serving; each cleaned segment is swapped in on the event loop. Leader and
+left min.compaction.lag.ms, a tombstone is due to go); a cleaning due but not
+yet below the high watermark starts when the watermark moves. The cleaning
+reads and writes files in a thread, below the high watermark, while the
+replica goes on serving; each cleaned segment is swapped in on the event loop. Leader and
 followers compact their own copies (their bytes then differ; their records
 at each offset do not).
 
@@ -119,8 +120,8 @@ REPLICA_FETCH_WAIT_MS = 10_000  # at most (and at most half the lag time): an ap
 ALTER_ISR_TIMEOUT_S = 5.0
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
-CLEAN_BLOCKED_RETRY_S = 1.0  # a cleaning due but held back by the high watermark looks again this soon
-CLEAN_FAILED_RETRY_S = 60.0
+CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
+CLEAN_FAILED_RETRY_MAX_S = 3600.0
 REPLICA_FETCH_MAX_BYTES = 16 << 20
 THROTTLE_SLICE_S = 0.2  # a throttled follower fetches about this many seconds' worth of bytes at a time
 THROTTLED_FETCH_MIN_BYTES = 64 << 10
@@ -227,6 +228,9 @@ class PartitionReplica:
         self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean"
         self._cleaning: asyncio.Task | None = None  # the log cleaning under way
         self._cleaning_stop = None  # set to stop it (the stop event of its plan)
+        # A cleaning due but held back by the high watermark: it starts once the watermark reaches this.
+        self._clean_after_hw: int | None = None
+        self._clean_failures = 0  # in a row: the retry backs off
         self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
         self._isr_proposal: asyncio.Task | None = None
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
@@ -389,6 +393,12 @@ class PartitionReplica:
         else:
             self._arm("clean", (due_ms - wall_ms()) / 1000, self._cleaning_due)
 
+    def _high_watermark_moved(self) -> None:
+        """A cleaning that waited for the high watermark may start now (no timer while it waits)."""
+        if self._clean_after_hw is not None and self.high_watermark >= self._clean_after_hw:
+            self._clean_after_hw = None
+            self._arm_cleaning()
+
     def _cleaning_due(self) -> None:
         if self._deleted or (self._cleaning is not None and not self._cleaning.done()):
             return
@@ -398,12 +408,15 @@ class PartitionReplica:
         """One cleaning below the high watermark: offset map and cleaned segments in a thread, each
         swap on the event loop (the log is only touched here). Then the timer for the next one."""
         retry_s = None
+        rearm = True
         try:
             plan = self.log.cleaning_plan(upper_bound=self.high_watermark)
             if plan is None:
                 due_ms = self.log.next_cleaning_ms()
                 if due_ms is not None and due_ms <= wall_ms():
-                    retry_s = CLEAN_BLOCKED_RETRY_S  # due, but not below the high watermark yet
+                    # Due, but not below the high watermark yet: the watermark's next move starts it.
+                    self._clean_after_hw = self.log.active_segment.base_offset
+                    rearm = False
                 return
             self._cleaning_stop = plan.stop
             offset_map = await asyncio.to_thread(build_offset_map, plan)
@@ -416,21 +429,23 @@ class PartitionReplica:
                 self._shared_read = None  # a read shared before the swap may hold the old bytes
                 done.append(cleaned)
             self.log.finish_cleaning(plan, done)
+            self._clean_failures = 0
             removed = sum(c.records_removed for c in done)
             logger.info(
                 "replica %s: cleaned offsets up to %d: %d records removed, %d -> %d bytes",
                 self._label, plan.end_offset, removed, sum(c.bytes_before for c in done), sum(c.bytes_after for c in done),
             )
         except (LogbusError, OSError) as error:  # keep serving; try again in a while
+            retry_s = min(CLEAN_FAILED_RETRY_S * 2**self._clean_failures, CLEAN_FAILED_RETRY_MAX_S)
+            self._clean_failures += 1
             if not self._deleted:
-                logger.warning("replica %s: log cleaning failed: %s", self._label, error)
-            retry_s = CLEAN_FAILED_RETRY_S
+                logger.warning("replica %s: log cleaning failed (trying again in %.0f s): %s", self._label, retry_s, error)
         finally:
             self._cleaning_stop = None
             if not self._deleted:
                 if retry_s is not None:
                     self._arm("clean", retry_s, self._cleaning_due)
-                else:
+                elif rearm:
                     asyncio.get_running_loop().call_soon(self._arm_cleaning)  # once this task is done
 
     # --- the ISR, checked when something happens ---------------------------------------------------
@@ -515,6 +530,7 @@ class PartitionReplica:
         if self.leader_state is not None and self.leader_state.update_high_watermark(self.log.log_end_offset):
             self._signal("_hw_moved")
             self._signal("_appended")  # consumers long-polling at the old watermark can proceed
+            self._high_watermark_moved()
 
     def _set_epoch(self, epoch: int) -> None:
         if epoch != self.leader_epoch:
@@ -630,7 +646,9 @@ class PartitionReplica:
                     await self._pace(copied)
                 if meta.log_start_offset > self.log.log_start_offset:  # the leader's delete_records
                     self.log.delete_records(min(meta.log_start_offset, self.log.log_end_offset))
-                self.follower_high_watermark = meta.high_watermark
+                if meta.high_watermark != self.follower_high_watermark:
+                    self.follower_high_watermark = meta.high_watermark
+                    self._high_watermark_moved()
             except asyncio.CancelledError:
                 raise
             except OffsetOutOfRangeError:
@@ -985,6 +1003,7 @@ class PartitionReplica:
                 "segments_scanned": self.log.recovery.segments_scanned,
                 "truncated_bytes": self.log.recovery.truncated_bytes,
                 "errors": list(self.log.recovery.errors),
+                "swaps": list(self.log.recovery.swaps),  # cleanings a crash interrupted, completed or discarded
             },
         }
 

@@ -1,9 +1,12 @@
 """Compacted topics, delete_records, delete_group and topic configs through the real path: a
-producer, replicas that clean their logs in the background, a Consumer and a Ray Data read."""
+producer, replicas that clean their logs in the background (and one killed while it cleans), a
+Consumer and a Ray Data read."""
 
 from __future__ import annotations
 
 import os
+import concurrent.futures
+import signal
 import time
 
 import pyarrow as pa
@@ -15,7 +18,10 @@ from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
 from logbus.errors import GroupNotEmptyError, InvalidConfigError, InvalidGroupIdError, InvalidRecordError, OffsetOutOfRangeError
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC, decode_offset_commit_key
+from logbus.storage.cleaner import CLEANED_SUFFIX, SWAP_SUFFIX
 from logbus.storage.log_config import LogConfig
+from logbus.storage.partition_log import CLEANER_CHECKPOINT_FILE
+from tests.actors.replica_files import committed_records
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -155,3 +161,81 @@ def test_describe_configs_says_where_each_value_comes_from_and_alter_config_remo
         consumer.assign([TopicPartition(topic_name, 0)])
         consumer.commit({TopicPartition(topic_name, 0): 0})
     assert bus.admin.describe_configs(OFFSETS_TOPIC)["cleanup.policy"] == {"value": "compact", "source": "topic"}
+
+
+def test_a_cleaning_blocks_no_produce_or_fetch_and_a_replica_killed_mid_cleaning_loses_nothing(bus, topic_name):
+    """While the replica cleans its log, a produce and fetches (of the segments being cleaned, too)
+    complete; then its process is killed (SIGKILL) while it writes a cleaned segment. The restarted
+    replica's recovery discards or completes that swap; its files hold each record at its own offset
+    and every record the cleaning keeps; and it finishes the cleaning on its own."""
+    tp = TopicPartition(topic_name, 0)
+    # Held back by min.compaction.lag.ms until the log is written; removing the override starts it.
+    bus.admin.create_topic(topic_name, config={**COMPACTED, "segment.bytes": 128 << 10, "min.compaction.lag.ms": 3_600_000})
+    written = {}
+    producer = logbus.Producer(bus, linger_ms=0)
+    for b in range(40):  # 40 batches of 5000 records: a segment each, a cleaning of 39 groups
+        rows = range(b * 5000, (b + 1) * 5000)
+        keys = [b"hot-%d" % (i % 500) if i % 10 else b"unique-%d" % i for i in rows]  # scattered survivors
+        values = [b"value-%d" % i for i in rows]
+        [batch] = producer.send_table(topic_name, pa.table({"key": keys, "value": values})).result(timeout=60)
+        written.update((batch.base_offset + i, kv) for i, kv in enumerate(zip(keys, values)))
+    assert sorted(written) == list(range(200_000))
+    status = ray.get(bus.controller.replica_statuses.remote(topic_name))[0][0]
+    directory = replica_directory(bus.data_dir, topic_name, 0, status["replica_id"])
+    consumer = logbus.Consumer(bus, enable_auto_commit=False)
+    consumer.assign([tp])
+
+    def cleaning_files():
+        return [n for n in os.listdir(directory) if n.endswith((CLEANED_SUFFIX, SWAP_SUFFIX))]
+
+    def wait_for_cleaning_files():
+        deadline = time.monotonic() + 60
+        while not cleaning_files():
+            assert time.monotonic() < deadline, "no cleaning under way"
+            time.sleep(0.001)
+
+    def fetched_from(offset):
+        consumer.seek(tp, offset)
+        deadline = time.monotonic() + 60
+        while not (records := consumer.poll(100).get(tp)):
+            assert time.monotonic() < deadline, f"fetching from {offset} timed out"
+        return records[0]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        altered = pool.submit(bus.admin.alter_config, topic_name, delete=["min.compaction.lag.ms"])
+        wait_for_cleaning_files()
+        # Mid-cleaning: a produce, a fetch of a segment being cleaned and of the new record.
+        meta = producer.send(topic_name, b"during", key=b"during").get(timeout=60)
+        written[meta.offset] = (b"during", b"during")
+        assert (fetched_from(0).key, fetched_from(meta.offset).value) == (b"unique-0", b"during")
+        assert not os.path.exists(os.path.join(directory, CLEANER_CHECKPOINT_FILE)), "the cleaning ended first"
+        wait_for_cleaning_files()  # not between two groups: while a cleaned segment is written
+        os.kill(status["pid"], signal.SIGKILL)  # the fault: the replica's process dies mid-cleaning
+        assert altered.result(timeout=60) == COMPACTED | {"segment.bytes": 128 << 10}
+    producer.close()
+    consumer.close()
+
+    def restarted():
+        try:
+            statuses = ray.get(bus.controller.replica_statuses.remote(topic_name), timeout=30)[0]
+        except ray.exceptions.RayError:
+            return None
+        return next((s for s in statuses if s.get("pid") not in (None, status["pid"])), None)
+
+    again = wait_for(restarted, timeout_s=120, message="the replica to restart")
+    assert again["recovery"]["swaps"], "recovery found no cleaning to discard or complete"
+    assert again["recovery"]["errors"] == [] and again["recovery"]["truncated_bytes"] == 0
+    # The files (read whole while no swap changes them): each record at its own offset, and every
+    # record the cleaning keeps (the latest of each key, and all of the active segment).
+    end = max(written) + 1
+    active_base = max(int(n[: -len(".log")]) for n in os.listdir(directory) if n.endswith(".log"))
+    latest = {key: offset for offset, (key, _) in sorted(written.items()) if offset < active_base}
+    kept = set(latest.values()) | set(range(active_base, end))
+    found = wait_for(lambda: committed_records(bus.data_dir, topic_name, 0, status["replica_id"], end), message="the files")
+    offsets = [offset for offset, _, _ in found]
+    assert offsets == sorted(set(offsets))
+    assert all(written[offset] == (key, value) for offset, key, value in found)
+    assert kept <= set(offsets)
+    # The restarted replica cleans again: the log is compacted, as if nothing had happened.
+    expected = [(offset, *written[offset]) for offset in sorted(kept)]
+    wait_for(lambda: consume(bus, topic_name) == expected, timeout_s=120, message="the cleaning to finish")
