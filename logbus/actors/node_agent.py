@@ -193,6 +193,19 @@ class NodeAgent:
         except OSError:
             pass  # something else still there
 
+    async def usage(self) -> dict:
+        """Memory of this node's replica processes (for `logbus status`): how many, and their mean USS."""
+        import psutil  # noqa: PLC0415 (only when asked)
+
+        uss = []
+        for watched in self._replicas.values():
+            if watched.pid and watched.pidfd is not None:
+                try:
+                    uss.append(psutil.Process(watched.pid).memory_full_info().uss)
+                except (psutil.Error, OSError):
+                    pass
+        return {"replica_processes": len(uss), "uss_mean_bytes": int(sum(uss) / len(uss)) if uss else None}
+
     async def ping(self) -> int:
         self._start()
         return os.getpid()
