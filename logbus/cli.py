@@ -587,9 +587,9 @@ def cmd_status(args) -> int:
         f"Nodes: {len(nodes)} ({sum(1 for n in nodes if n['alive'])} alive), "
         f"{sum(n['replicas'] for n in nodes)} replicas; MaxReplicas is max.replicas.per.node\n",
         _table(
-            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "MiB", "MiBPerReplica", "Draining"],
+            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Bytes", "MiBPerReplica", "Draining"],
             [[n["node_id"][:16], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
-              _mib(n.get("bytes")), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
+              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
         ),
         f"\nTopics: {len(status['topics'])}\n",
     ]

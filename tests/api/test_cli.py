@@ -252,7 +252,7 @@ def test_partition_and_offset_selection_and_status(cli, bus, topic_name):
     records = len(expected[0]) + 3 + len(expected[1])
     (node,) = table_rows(lines, "NodeID")
     assert node[1:4] == ["yes", "2", "2"]  # alive, 2 replicas, 2 leaders
-    assert float(node[5]) > 0 and float(node[6]) > 0  # MiB of log, MiB per replica process
+    assert int(node[5]) > 0 and float(node[6]) > 0  # bytes of log, MiB per replica process
     assert "Topics: 1" in lines
     assert table_rows(lines, "Topic")[0][:4] == [topic_name, "2", "1", str(records)]
     assert "Under-replicated partitions: none" in lines and "Offline partitions: none" in lines
