@@ -162,3 +162,34 @@ def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_pre
     assert ("drained", 0) in [tuple(m) for m in moved]
     final = rbus.admin.describe_topic("drained").partitions[0]
     assert final.leader == final.replicas[0]
+
+
+def test_a_cancelled_move_removes_the_new_replica_and_keeps_the_old_ones(cluster, rbus):
+    _, node_ids = cluster
+    topic = "cancelled"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=2, config={"min.insync.replicas": 2})
+    wait_isr(rbus, topic, 2)
+    with logbus.Producer(rbus, acks="all") as producer:
+        for i in range(3_000):  # about 3 MB: at 200 kB/s the copy would take 15 s
+            producer.send(topic, VALUE + b"%d" % i)
+    before, described = nodes_of(rbus, topic)
+    spare = next(n for n in node_ids if n not in before)
+    tp = TopicPartition(topic, 0)
+    workload = Workload(rbus, topic)
+    try:
+        wait_for(lambda: workload.acknowledged_count() > 100, timeout_s=60, message="load")
+        moving = rbus.admin.reassign_partitions({tp: [before[0], spare]}, throttle_bytes_per_s=200_000)
+        new_id = moving[0]["adding"][0]
+        directory = replica_directory(rbus.data_dir, topic, 0, new_id)
+        wait_for(lambda: (rbus.admin.describe_reassignments() or [{}])[0].get("copied", {}).get(str(new_id)),
+                 timeout_s=120, interval_s=0.2, message="the new replica to start copying")
+        assert rbus.admin.cancel_reassignments([tp]) == [(topic, 0)]
+        assert rbus.admin.describe_reassignments() == []
+        wait_for(lambda: workload.acknowledged_count() > 300, timeout_s=60, message="writes after the cancel")
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    after, after_described = nodes_of(rbus, topic)
+    assert after == before and after_described.replicas == described.replicas
+    wait_for(lambda: not os.path.exists(directory), timeout_s=60, message="the new replica's files to go")
+    check_invariants(rbus, topic, acknowledged, 2)
