@@ -79,16 +79,14 @@ def _number(value: float) -> str:
 
 
 def _figure(line: dict) -> str:
-    """The case's main figure, with its unit (and p99 beside a p50)."""
+    """The case's figures, with their units: throughput, and the percentiles a latency or failover case has."""
+    parts = []
     for key in FIGURES[:-1]:
         value = line.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
             unit = UNITS.get(key) or line.get("unit", "")
-            text = f"{_number(value)} {unit}".strip()
-            if key == "p50_ms" and isinstance(line.get("p99_ms"), int | float):
-                text += f", {_number(line['p99_ms'])} ms p99"
-            return text
-    return "-"
+            parts.append(f"{_number(value)} {unit}".strip())
+    return ", ".join(parts) or "-"
 
 
 def summary_table(results: dict[str, list[dict]]) -> str:
