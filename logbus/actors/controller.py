@@ -957,7 +957,16 @@ class Controller:
         await self._ready()
         if node_id not in live_node_ids() and node_id not in self._nodes:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
+        already = node_id in self._draining
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
+        try:
+            return await self._drain(node_id, throttle_bytes_per_s, timeout_s)
+        except BaseException:
+            if not already:  # a drain that could not start leaves the node as it was
+                self._draining.discard(node_id)
+            raise
+
+    async def _drain(self, node_id: str, throttle_bytes_per_s: int | None, timeout_s: float) -> dict:
         reserved = None
         try:
             plan = plan_drain(self.metadata, node_id, self._loads())

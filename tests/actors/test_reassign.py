@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 import logbus
 from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
-from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, ReassignmentInProgressError
+from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, NodeCapacityError, ReassignmentInProgressError
 from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
 
@@ -137,6 +137,15 @@ def test_bad_reassignments_are_named_errors_and_change_nothing(cluster, rbus):
     assert rbus.admin.describe_reassignments() == []
     after = rbus.admin.describe_topic("fixed").partitions[0]
     assert (after.replicas, after.leader, after.leader_epoch) == (before.replicas, before.leader, before.leader_epoch)
+
+    # A drain with nowhere to go (a replica on every node, no autoscaler) fails at once and
+    # leaves the node as it was: not draining, its replicas in place.
+    rbus.admin.create_topic("everywhere", partitions=1, replication_factor=len(node_ids))
+    with pytest.raises(NodeCapacityError):
+        rbus.admin.drain_node(node_ids[0])
+    node = next(n for n in rbus.admin.nodes() if n["node_id"] == node_ids[0])
+    assert not node["draining"] and node["replicas"] >= 1
+    assert rbus.admin.describe_reassignments() == []
 
 
 def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_preferred_replicas(cluster, rbus):
