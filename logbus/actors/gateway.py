@@ -368,7 +368,7 @@ class Gateway:
         self._on_loop(self.backend.set_peers, brokers)
 
     def stats(self) -> dict:
-        """Connections now and since start, requests served by API key, frames refused."""
+        """Connections now and since start, requests served by (API key, version), frames refused."""
         return {
             "connections": self.connections,
             "connections_total": self.connections_total,

@@ -227,6 +227,9 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.NodeCapacityError, ErrorCode.policy_violation),
     (e.InvalidConfigError, ErrorCode.invalid_config),
     (e.StorageError, ErrorCode.kafka_storage_error),
+    (e.ReassignmentInProgressError, ErrorCode.reassignment_in_progress),
+    (e.NoReassignmentInProgressError, ErrorCode.no_reassignment_in_progress),
+    (e.InvalidReassignmentError, ErrorCode.invalid_replica_assignment),
     (e.IllegalStateError, ErrorCode.invalid_request),
 )
 
@@ -278,6 +281,7 @@ def peek_header(frame: bytes) -> tuple[int, int, int]:
 
 def parse_request(frame: bytes) -> Request:
     """Read one request frame (without its size prefix); KafkaProtocolError if it cannot be served."""
+    frame = bytes(frame)  # kio reads read-only buffers only
     api_key, api_version, correlation_id = peek_header(frame)
     versions = API_VERSIONS_SERVED.get(api_key)
     if versions is None:
@@ -431,7 +435,7 @@ class KafkaHandler:
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self._joins: dict[tuple[str, str], tuple[JoinResult, dict]] = {}  # (group, member) -> (result, options)
-        self.requests_served: dict[int, int] = {}  # by API key, for tests and `logbus gateway`
+        self.requests_served: dict[tuple[int, int], int] = {}  # by (API key, version): for tests and `stats()`
         self._handlers = {
             API_VERSIONS: self._api_versions,
             METADATA: self._metadata,
@@ -465,7 +469,8 @@ class KafkaHandler:
             # Kafka answers an ApiVersions it does not know in version 0, so the client can retry lower.
             return _done(encode_response(API_VERSIONS, 0, correlation_id, self._versions_values(ErrorCode.unsupported_version)))
         request = parse_request(frame)
-        self.requests_served[api_key] = self.requests_served.get(api_key, 0) + 1
+        served = (api_key, api_version)
+        self.requests_served[served] = self.requests_served.get(served, 0) + 1
         if api_key == PRODUCE:
             replies = self._send_produce(request)  # the batches are on their way
             if request.body.acks == 0:
