@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import pickle
 import socket
 import threading
@@ -370,6 +371,7 @@ class Gateway:
     def stats(self) -> dict:
         """Connections now and since start, requests served by (API key, version), frames refused."""
         return {
+            "pid": os.getpid(),
             "connections": self.connections,
             "connections_total": self.connections_total,
             "requests": dict(self.handler.requests_served),

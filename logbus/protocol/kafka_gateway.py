@@ -294,8 +294,10 @@ def parse_request(frame: bytes) -> Request:
         body, body_size = read_body(frame, header_size)
     except (SerialError, ValueError, TypeError, OverflowError, IndexError, UnicodeDecodeError) as error:
         raise e.KafkaProtocolError(f"malformed {cls.__name__} v{api_version}: {type(error).__name__}: {error}") from None
-    if header_size + body_size != len(frame):
-        raise e.KafkaProtocolError(f"{cls.__name__} v{api_version} has {len(frame) - header_size - body_size} bytes left over")
+    if header_size + body_size > len(frame):
+        raise e.KafkaProtocolError(f"{cls.__name__} v{api_version} runs past its frame")
+    # Bytes after the request are ignored, as Kafka's brokers ignore them (librdkafka's admin client
+    # sends some after a Metadata v12).
     return Request(api_key, api_version, correlation_id, header.client_id, body)
 
 

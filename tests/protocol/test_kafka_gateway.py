@@ -49,6 +49,12 @@ def test_an_api_versions_request_newer_than_served_gets_version_0_with_unsupport
     assert count == len(kg.API_VERSIONS_SERVED)
 
 
+def test_bytes_after_a_request_are_ignored_as_kafka_does():
+    frame, _ = encoded(MetadataRequest[9](topics=[MetadataRequest.MetadataRequestTopic(name="events")], allow_auto_topic_creation=False,
+                                          include_topic_authorized_operations=False))
+    assert [t.name for t in kg.parse_request(frame + b"\0\0\0").body.topics] == ["events"]
+
+
 def test_parse_request_reads_what_a_client_sends():
     frame, _ = encoded(MetadataRequest[9](topics=[MetadataRequest.MetadataRequestTopic(name="events")], allow_auto_topic_creation=False,
                                           include_topic_authorized_operations=False))
@@ -64,7 +70,6 @@ def test_frames_that_cannot_be_served_raise_kafka_protocol_error():
     for bad in (
         frame[:5],  # no header
         frame[:-1],  # cut short
-        frame + b"\0",  # bytes left over
         struct.pack(">hhi", 67, 0, 1) + frame[8:],  # an API key not served
         struct.pack(">hhi", kg.METADATA, 13, 1) + frame[8:],  # a version not served
         struct.pack(">hhi", kg.PRODUCE, 2, 1) + frame[8:],  # below the versions served
