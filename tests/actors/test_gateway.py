@@ -17,6 +17,7 @@ import shutil
 import socket
 import struct
 import subprocess
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from kio.serial import entity_reader, entity_writer
 
 import logbus
 from logbus import TopicPartition
+from logbus import cli
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.conftest import wait_for
@@ -50,6 +52,15 @@ def value_of(i: int) -> bytes:
 
 def key_of(i: int) -> bytes:
     return b"key-%d" % i
+
+
+# Record timestamps the producers set: distinct, and recent (older ones would fall to the topics'
+# time retention at once).
+TIMESTAMP_BASE_MS = int(time.time() * 1000) - N
+
+
+def timestamp_of(i: int) -> int:
+    return TIMESTAMP_BASE_MS + i
 
 
 def logbus_view(bus, topic: str, expected: int) -> dict:
@@ -101,7 +112,7 @@ def test_confluent_kafka_produces_and_consumes_in_a_group(bus, gateway, topic_na
         headers = [("i", b"%d" % i)] if i % 1000 == 0 else None
         while True:
             try:
-                producer.produce(topic_name, key=key_of(i), value=value_of(i), timestamp=1_700_000_000_000 + i, headers=headers,
+                producer.produce(topic_name, key=key_of(i), value=value_of(i), timestamp=timestamp_of(i), headers=headers,
                                  on_delivery=lambda err, msg: err and failures.append(err))
                 break
             except BufferError:
@@ -136,7 +147,7 @@ def test_kafka_python_produces_and_consumes_in_a_group(bus, gateway, topic_name)
     bus.admin.create_topic(topic_name, partitions=PARTITIONS)
     producer = KafkaProducer(bootstrap_servers=gateway.bootstrap_servers, acks="all", enable_idempotence=True, linger_ms=5,
                              batch_size=64 << 10)
-    futures = [producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=1_700_000_000_000 + i,
+    futures = [producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=timestamp_of(i),
                              headers=[("i", b"%d" % i)] if i % 1000 == 0 else None) for i in range(N)]
     producer.flush(120)
     assert all(f.succeeded() for f in futures)
@@ -167,7 +178,7 @@ def test_aiokafka_produces_and_consumes_in_a_group(bus, gateway, topic_name):
         producer = AIOKafkaProducer(bootstrap_servers=gateway.bootstrap_servers, acks="all", enable_idempotence=True, linger_ms=5)
         await producer.start()
         try:
-            pending = [await producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=1_700_000_000_000 + i,
+            pending = [await producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=timestamp_of(i),
                                            headers=[("i", b"%d" % i)] if i % 1000 == 0 else None) for i in range(N)]
             await asyncio.gather(*pending)
         finally:
@@ -319,6 +330,37 @@ def test_kafka_admin_creates_describes_lists_and_deletes(bus, gateway, topic_nam
     [future] = admin.delete_topics([topic_name]).values()
     future.result(60)
     wait_for(lambda: topic_name not in bus.admin.list_topics(), timeout_s=30, message="the topic gone")
+
+
+def test_the_gateway_command_serves_until_stopped(bus, topic_name, capsys):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=1)
+    codes = []
+    command = threading.Thread(target=lambda: codes.append(cli.main(["--namespace", bus.namespace, "--data-dir", bus.data_dir,
+                                                                     "gateway", "--port", "0"])))
+    command.start()
+    printed = []
+
+    def bootstrap():
+        printed.append(capsys.readouterr().out)
+        line = next((l for l in "".join(printed).splitlines() if l.startswith("Kafka gateway serving: bootstrap.servers=")), None)
+        return line and line.split("=", 1)[1]
+
+    try:
+        servers = wait_for(bootstrap, timeout_s=60, message="the gateway's address")
+        assert servers.startswith("127.0.0.1:")  # loopback unless another address is asked for
+        producer = ck.Producer({"bootstrap.servers": servers, "acks": "all"})
+        producer.produce(topic_name, key=b"k", value=b"through the command")
+        assert producer.flush(30) == 0
+    finally:
+        cli.gateway_stop.set()
+        command.join(60)
+    assert codes == [0] and "Kafka gateway stopped." in capsys.readouterr().out
+    [(position, record)] = logbus_view(bus, topic_name, 1).items()
+    assert position == (0, 0) and record[:2] == (b"k", b"through the command")
+    with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens there any more
+        socket.create_connection(("127.0.0.1", int(servers.rsplit(":", 1)[1])), timeout=5)
 
 
 # --- raw requests: error codes and de-duplication --------------------------------------------------------
