@@ -242,6 +242,7 @@ def test_kcat_produces_from_a_file_consumes_to_the_end_and_lists_metadata(bus, g
 
 def test_a_kafka_consumer_and_a_logbus_consumer_share_a_group(bus, gateway, topic_name):
     import confluent_kafka as ck
+    from confluent_kafka.admin import AdminClient
 
     partitions = 4
     bus.admin.create_topic(topic_name, partitions=partitions)
@@ -271,6 +272,14 @@ def test_a_kafka_consumer_and_a_logbus_consumer_share_a_group(bus, gateway, topi
         assert len(set(kafka_seen) | set(native_seen)) == 2000
         members = bus.admin.describe_group(group)["members"]
         assert len(members) == 2
+        # Kafka's admin tools see the one group, both members and their partitions (ListGroups, DescribeGroups).
+        admin = AdminClient({"bootstrap.servers": gateway.bootstrap_servers})
+        assert group in {g.group_id for g in admin.list_consumer_groups(request_timeout=30).result().valid}
+        [described] = admin.describe_consumer_groups([group], request_timeout=30).values()
+        description = described.result()
+        assert description.state == ck.ConsumerGroupState.STABLE and len(description.members) == 2
+        assigned = [tp.partition for m in description.members for tp in m.assignment.topic_partitions]
+        assert sorted(assigned) == list(range(partitions))
     finally:
         kafka.close()
         native.close()
