@@ -583,87 +583,84 @@ def cmd_gateway(args) -> int:
 # --- status -------------------------------------------------------------------------------------------------
 
 
-def _resources(resources: dict) -> str:
-    parts = []
-    for name in sorted(resources):
-        if name.startswith("node:"):
+STATUS_LAGS_SHOWN = 10
+
+
+def _status(bus) -> dict:
+    """Everything `logbus status` shows, as plain data (the --json output)."""
+    from logbus.actors.remote import get
+
+    nodes = bus.admin.nodes()
+    topics, under, offline = [], [], []
+    for name in bus.admin.list_topics():
+        try:
+            described = bus.admin.describe_topic(name)
+        except UnknownTopicError:
+            continue  # deleted since it was listed
+        for p in described.partitions:
+            row = {"topic": name, "partition": p.partition, "leader": p.leader, "replicas": list(p.replicas), "isr": list(p.isr)}
+            if p.leader is None:
+                offline.append(row)
+            elif len(p.isr) < len(p.replicas):
+                under.append(row)
+        topics.append({
+            "topic": name, "partitions": len(described.partitions),
+            "replication_factor": len(described.partitions[0].replicas) if described.partitions else 0,
+            "records": sum(max(0, p.high_watermark - max(0, p.log_start_offset)) for p in described.partitions),
+            "config": described.config,
+        })
+    lags = []
+    for group_id, _, _ in bus.admin.list_groups():
+        try:
+            described = bus.admin.describe_group(group_id)
+        except LogbusError:
             continue
-        value = resources[name]
-        if name in ("memory", "object_store_memory"):
-            parts.append(f"{name}={value / (1 << 30):.1f}GiB")
-        else:
-            parts.append(f"{name}={value:g}")
-    return ", ".join(parts)
+        lags += [{"group": group_id, "topic": r["topic"], "partition": r["partition"], "lag": r["lag"]} for r in described["offsets"] if r["lag"] is not None]
+    lags.sort(key=lambda r: -r["lag"])
+    calls = get(bus.controller.call_counts.remote())
+    return {
+        "namespace": bus.namespace, "data_dir": bus.data_dir, "nodes": nodes, "topics": topics,
+        "under_replicated_partitions": under, "offline_partitions": offline,
+        "group_lags": lags[:STATUS_LAGS_SHOWN], "controller_calls": calls,
+    }
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / (1 << 20):.1f}"
 
 
 def cmd_status(args) -> int:
-    """Print the Ray nodes, then every topic with its partitions and replicas."""
-    import ray
-
-    from logbus.actors.remote import get
-
+    """One screen: nodes (replicas, leaders, bytes, memory per replica, limit), topics, under-replicated and
+    offline partitions, and the biggest consumer-group lags. --json prints the same as one JSON object."""
     with _connected(args) as bus:
-        nodes = ray.nodes()
-        replica_nodes = get(bus.controller.nodes.remote())
-        names = bus.admin.list_topics()
-        descriptions = []
-        statuses = {}
-        for name in names:
-            try:
-                descriptions.append(bus.admin.describe_topic(name))
-            except UnknownTopicError:
-                continue
-            try:
-                statuses[name] = get(bus.controller.replica_statuses.remote(name))
-            except LogbusError:
-                statuses[name] = None
-    out = []
-    alive = sum(1 for n in nodes if n.get("Alive"))
-    out.append(f"Ray nodes: {len(nodes)} ({alive} alive)\n")
-    out.append(
+        status = _status(bus)
+    if args.json:
+        sys.stdout.write(json.dumps(status, indent=1, sort_keys=True) + "\n")
+        return 0
+    nodes = status["nodes"]
+    out = [
+        f"logbus: namespace {status['namespace']}, data dir {status['data_dir']}\n",
+        f"Nodes: {len(nodes)} ({sum(1 for n in nodes if n['alive'])} alive), "
+        f"{sum(n['replicas'] for n in nodes)} replicas; MaxReplicas is max.replicas.per.node\n",
         _table(
-            ["NodeID", "Alive", "Address", "Resources"],
-            [[n.get("NodeID", "?"), "yes" if n.get("Alive") else "no", n.get("NodeManagerAddress", "?"), _resources(n.get("Resources", {}))] for n in nodes],
-        )
-    )
-    out.append(f"\nlogbus: namespace {bus.namespace}, data dir {bus.data_dir}\n")
-    out.append("Replica nodes (MaxReplicas: max.replicas.per.node, from the node's memory unless set):\n")
-    out.append(
-        _table(
-            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "ReplicasDown"],
-            [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]), n["replicas_down"]] for n in replica_nodes],
-        )
-    )
-    out.append(f"Topics: {len(descriptions)}\n")
-    if descriptions:
-        out.append(
-            _table(
-                ["Topic", "Partitions", "ReplicationFactor", "Configs"],
-                [[d.name, len(d.partitions), len(d.partitions[0].replicas) if d.partitions else 0, _configs(d.config)] for d in descriptions],
-            )
-        )
-        out.append("\nPartitions:\n")
-        out.append(
-            _table(
-                ["Topic", "Partition", "Leader", "Replicas", "Isr", "LeaderEpoch", "HighWatermark", "LogEndOffset"],
-                [
-                    [d.name, p.partition, "none" if p.leader is None else p.leader, _ids(p.replicas), _ids(p.isr), p.leader_epoch, p.high_watermark, p.log_end_offset]
-                    for d in descriptions
-                    for p in d.partitions
-                ],
-            )
-        )
-        rows = []
-        for d in descriptions:
-            for p, replicas in enumerate(statuses.get(d.name) or []):
-                for s in replicas:
-                    if "error" in s:
-                        rows.append([d.name, p, s.get("replica_id", "?"), "unreachable", "-", "-"])
-                    else:
-                        rows.append([d.name, p, s.get("replica_id"), s.get("role"), str(s.get("node_id", "?"))[:12], s.get("log_end_offset")])
+            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Bytes", "MiBPerReplica", "Draining"],
+            [[n["node_id"][:16], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
+              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
+        ),
+        f"\nTopics: {len(status['topics'])}\n",
+    ]
+    if status["topics"]:
+        out.append(_table(["Topic", "Partitions", "ReplicationFactor", "Records", "Configs"],
+                          [[t["topic"], t["partitions"], t["replication_factor"], t["records"], _configs(t["config"])] for t in status["topics"]]))
+    for title, rows in (("Under-replicated partitions", status["under_replicated_partitions"]), ("Offline partitions", status["offline_partitions"])):
+        out.append(f"\n{title}: {len(rows) or 'none'}\n")
         if rows:
-            out.append("\nReplicas:\n")
-            out.append(_table(["Topic", "Partition", "Replica", "Role", "Node", "LogEndOffset"], rows))
+            out.append(_table(["Topic", "Partition", "Leader", "Replicas", "Isr"],
+                              [[r["topic"], r["partition"], _dash(r["leader"]), _ids(r["replicas"]), _ids(r["isr"])] for r in rows]))
+    lags = status["group_lags"]
+    out.append(f"\nBiggest group lags: {'none' if not lags else ''}\n")
+    if lags:
+        out.append(_table(["Group", "Topic", "Partition", "Lag"], [[r["group"], r["topic"], r["partition"], r["lag"]] for r in lags]))
     sys.stdout.write("".join(out))
     return 0
 
@@ -1065,7 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.set_defaults(func=cmd_gateway)
 
     # status
-    status = commands.add_parser("status", parents=[common], help="show Ray nodes, topics, partitions and replicas", description=cmd_status.__doc__)
+    status = commands.add_parser("status", parents=[common], help="nodes, topics, partition health and group lags at a glance", description=cmd_status.__doc__)
+    status.add_argument("--json", action="store_true", help="print the status as one JSON object")
     status.set_defaults(func=cmd_status)
 
     # keep each subparser at hand for usage errors found after parsing
