@@ -16,6 +16,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes list
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
+    logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
 environment) each invocation joins the cluster of the process that serves
@@ -39,7 +40,9 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 
 from logbus.errors import CliError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
@@ -142,6 +145,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {value}")
     return value
 
 
@@ -521,6 +534,49 @@ def cmd_nodes_drain(args) -> int:
     sys.stdout.write(f"Draining node {matches[0]}: moving {len(moving)} partition(s)\n")
     for topic, partition in moving:
         sys.stdout.write(f"  {topic}-{partition}\n")
+    return 0
+
+
+# --- the Kafka gateway -------------------------------------------------------------------------------------
+
+# Set to end ``logbus gateway`` (SIGINT and SIGTERM do it too); a program running the command in a
+# thread of its own sets it to stop the gateway.
+gateway_stop = threading.Event()
+
+
+def cmd_gateway(args) -> int:
+    """Serve Kafka's wire protocol until interrupted (Ctrl-C or SIGTERM), so Kafka clients (kcat,
+    kafka-python, confluent-kafka, aiokafka) produce to and consume from logbus.
+
+    Listens on 127.0.0.1 unless --host names another address. Prints the
+    bootstrap servers to give Kafka clients, then one line per gateway
+    (broker); stops the gateways on exit.
+    """
+    stop = gateway_stop
+    stop.clear()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with _connected(args) as bus:
+            limits = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits)
+            try:
+                sys.stdout.write(f"Kafka gateway serving: bootstrap.servers={gateway.bootstrap_servers}\n")
+                for host, port, broker_id, node_id in gateway.brokers:
+                    sys.stdout.write(f"  broker {broker_id} on node {node_id}: {host}:{port}\n")
+                sys.stdout.flush()
+                try:
+                    while not stop.wait(1.0):  # a timed wait, so Ctrl-C reaches this thread promptly
+                        pass
+                except KeyboardInterrupt:
+                    pass
+            finally:
+                gateway.stop()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    sys.stdout.write("Kafka gateway stopped.\n")
     return 0
 
 
@@ -994,13 +1050,24 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--throttle", type=_positive_int, metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
     drain.set_defaults(func=cmd_nodes_drain)
 
+    # gateway
+    gateway = commands.add_parser("gateway", parents=[common], help="serve Kafka's wire protocol to Kafka clients",
+                                  description=cmd_gateway.__doc__)
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; other addresses only when asked)")
+    gateway.add_argument("--port", type=_port, default=9092, help="port to listen on (default: 9092; 0: any free port)")
+    gateway.add_argument("--advertised-host", metavar="HOST", help="address clients are told to connect to (default: --host, or the node's IP for 0.0.0.0)")
+    gateway.add_argument("--all-nodes", action="store_true", help="one gateway on every node that hosts replicas (else: this node only)")
+    gateway.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
+                         help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
+    gateway.set_defaults(func=cmd_gateway)
+
     # status
     status = commands.add_parser("status", parents=[common], help="nodes, topics, partition health and group lags at a glance", description=cmd_status.__doc__)
     status.add_argument("--json", action="store_true", help="print the status as one JSON object")
     status.set_defaults(func=cmd_status)
 
     # keep each subparser at hand for usage errors found after parsing
-    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain):
+    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain, gateway):
         sub.set_defaults(parser=sub)
     return parser
 

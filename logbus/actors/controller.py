@@ -1040,6 +1040,32 @@ class Controller:
             partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
 
+    async def gateway_metadata(self, names: list[str] | None = None) -> dict:
+        """For the Kafka gateway, in one call: per topic named (every topic but the internal ones when
+        ``names`` is None; None for a name that is no topic) its id, config and, per partition, the
+        leader's handle, epoch and node and its replicas' and in-sync replicas' nodes; and the nodes
+        hosting replicas whose leases ran out (``dead_nodes``)."""
+        await self._ready()
+        topics = {}
+        for name in (await self.list_topics()) if names is None else names:
+            topic = self.metadata.topics.get(name)
+            if topic is None:
+                topics[name] = None
+                continue
+            partitions = []
+            for p, state in enumerate(topic.partitions):
+                leader = state.leader
+                partitions.append({
+                    "leader": self._replica_handle(topic, p, leader) if leader is not None else None,
+                    "leader_epoch": state.leader_epoch,
+                    "leader_node": state.nodes.get(str(leader)) if leader is not None else None,
+                    "replica_nodes": [state.nodes[str(r)] for r in state.replicas if str(r) in state.nodes],
+                    "isr_nodes": [state.nodes[str(r)] for r in state.isr if str(r) in state.nodes],
+                })
+            topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+        now = monotonic_ms()
+        return {"topics": topics, "dead_nodes": [n for n in self._nodes if not self._node_alive(n, now)]}
+
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
         await self._ready()

@@ -43,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ["produce"],
         ["consume"],
         ["status"],
+        ["gateway"],
     ],
 )
 def test_every_command_has_help(argv, capsys):
@@ -70,6 +71,9 @@ def test_usage_errors_exit_2_without_connecting(capsys):
         ["consume", "t", "--partition", "0", "--offset", "1", "--from-beginning"],
         ["consume", "t", "--format", "xml"],
         ["consume", "t", "--max-messages", "0"],
+        ["gateway", "--port", "70000"],
+        ["gateway", "--port", "kafka"],
+        ["gateway", "--max-request-bytes", "0"],
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
