@@ -32,14 +32,24 @@ def produce_events(bus, topic: str, count: int) -> None:
             producer.send(topic, json.dumps(event).encode(), key=event["user"], timestamp_ms=timestamp_ms)
 
 
-def main() -> None:
-    # logbus's own progress lines (one per micro-batch); Ray Data's and Spark's INFO chatter stays hidden.
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+def configure_logging(verbose: bool) -> None:
+    """logbus's own progress lines (one per micro-batch); Ray Data's and Spark's INFO chatter only with --verbose."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("logbus").setLevel(logging.INFO)
+    if not verbose:
+        import ray.data
+
+        logging.getLogger("ray.data").setLevel(logging.WARNING)  # execution plans and progress, per micro-batch
+        ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data-dir", default="logbus-data")
     parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--verbose", action="store_true", help="show Ray Data's and Spark's INFO logs too")
     args = parser.parse_args()
+    configure_logging(args.verbose)
 
     bus = logbus.connect(data_dir=args.data_dir)
     source, sink = "pipeline-page-views", "pipeline-views-per-minute"
@@ -56,6 +66,7 @@ def main() -> None:
         "logbus-pipeline", num_executors=1, executor_cores=1, executor_memory="1GB",
         configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"},
     )
+    spark.sparkContext.setLogLevel("INFO" if args.verbose else "ERROR")
     print(f"Spark started through RayDP in {time.perf_counter() - started:.1f}s")
 
     def process_batch(df, batch_id: int) -> None:

@@ -16,6 +16,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes list
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
+    logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
 environment) each invocation joins the cluster of the process that serves
@@ -39,7 +40,9 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
 
 from logbus.errors import CliError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
@@ -142,6 +145,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {value}")
     return value
 
 
@@ -524,90 +537,130 @@ def cmd_nodes_drain(args) -> int:
     return 0
 
 
+# --- the Kafka gateway -------------------------------------------------------------------------------------
+
+# Set to end ``logbus gateway`` (SIGINT and SIGTERM do it too); a program running the command in a
+# thread of its own sets it to stop the gateway.
+gateway_stop = threading.Event()
+
+
+def cmd_gateway(args) -> int:
+    """Serve Kafka's wire protocol until interrupted (Ctrl-C or SIGTERM), so Kafka clients (kcat,
+    kafka-python, confluent-kafka, aiokafka) produce to and consume from logbus.
+
+    Listens on 127.0.0.1 unless --host names another address. Prints the
+    bootstrap servers to give Kafka clients, then one line per gateway
+    (broker); stops the gateways on exit.
+    """
+    stop = gateway_stop
+    stop.clear()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        with _connected(args) as bus:
+            limits = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits)
+            try:
+                sys.stdout.write(f"Kafka gateway serving: bootstrap.servers={gateway.bootstrap_servers}\n")
+                for host, port, broker_id, node_id in gateway.brokers:
+                    sys.stdout.write(f"  broker {broker_id} on node {node_id}: {host}:{port}\n")
+                sys.stdout.flush()
+                try:
+                    while not stop.wait(1.0):  # a timed wait, so Ctrl-C reaches this thread promptly
+                        pass
+                except KeyboardInterrupt:
+                    pass
+            finally:
+                gateway.stop()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    sys.stdout.write("Kafka gateway stopped.\n")
+    return 0
+
+
 # --- status -------------------------------------------------------------------------------------------------
 
 
-def _resources(resources: dict) -> str:
-    parts = []
-    for name in sorted(resources):
-        if name.startswith("node:"):
+STATUS_LAGS_SHOWN = 10
+
+
+def _status(bus) -> dict:
+    """Everything `logbus status` shows, as plain data (the --json output)."""
+    from logbus.actors.remote import get
+
+    nodes = bus.admin.nodes()
+    topics, under, offline = [], [], []
+    for name in bus.admin.list_topics():
+        try:
+            described = bus.admin.describe_topic(name)
+        except UnknownTopicError:
+            continue  # deleted since it was listed
+        for p in described.partitions:
+            row = {"topic": name, "partition": p.partition, "leader": p.leader, "replicas": list(p.replicas), "isr": list(p.isr)}
+            if p.leader is None:
+                offline.append(row)
+            elif len(p.isr) < len(p.replicas):
+                under.append(row)
+        topics.append({
+            "topic": name, "partitions": len(described.partitions),
+            "replication_factor": len(described.partitions[0].replicas) if described.partitions else 0,
+            "records": sum(max(0, p.high_watermark - max(0, p.log_start_offset)) for p in described.partitions),
+            "config": described.config,
+        })
+    lags = []
+    for group_id, _, _ in bus.admin.list_groups():
+        try:
+            described = bus.admin.describe_group(group_id)
+        except LogbusError:
             continue
-        value = resources[name]
-        if name in ("memory", "object_store_memory"):
-            parts.append(f"{name}={value / (1 << 30):.1f}GiB")
-        else:
-            parts.append(f"{name}={value:g}")
-    return ", ".join(parts)
+        lags += [{"group": group_id, "topic": r["topic"], "partition": r["partition"], "lag": r["lag"]} for r in described["offsets"] if r["lag"] is not None]
+    lags.sort(key=lambda r: -r["lag"])
+    calls = get(bus.controller.call_counts.remote())
+    return {
+        "namespace": bus.namespace, "data_dir": bus.data_dir, "nodes": nodes, "topics": topics,
+        "under_replicated_partitions": under, "offline_partitions": offline,
+        "group_lags": lags[:STATUS_LAGS_SHOWN], "controller_calls": calls,
+    }
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / (1 << 20):.1f}"
 
 
 def cmd_status(args) -> int:
-    """Print the Ray nodes, then every topic with its partitions and replicas."""
-    import ray
-
-    from logbus.actors.remote import get
-
+    """One screen: nodes (replicas, leaders, bytes, memory per replica, limit), topics, under-replicated and
+    offline partitions, and the biggest consumer-group lags. --json prints the same as one JSON object."""
     with _connected(args) as bus:
-        nodes = ray.nodes()
-        replica_nodes = get(bus.controller.nodes.remote())
-        names = bus.admin.list_topics()
-        descriptions = []
-        statuses = {}
-        for name in names:
-            try:
-                descriptions.append(bus.admin.describe_topic(name))
-            except UnknownTopicError:
-                continue
-            try:
-                statuses[name] = get(bus.controller.replica_statuses.remote(name))
-            except LogbusError:
-                statuses[name] = None
-    out = []
-    alive = sum(1 for n in nodes if n.get("Alive"))
-    out.append(f"Ray nodes: {len(nodes)} ({alive} alive)\n")
-    out.append(
+        status = _status(bus)
+    if args.json:
+        sys.stdout.write(json.dumps(status, indent=1, sort_keys=True) + "\n")
+        return 0
+    nodes = status["nodes"]
+    out = [
+        f"logbus: namespace {status['namespace']}, data dir {status['data_dir']}\n",
+        f"Nodes: {len(nodes)} ({sum(1 for n in nodes if n['alive'])} alive), "
+        f"{sum(n['replicas'] for n in nodes)} replicas; MaxReplicas is max.replicas.per.node\n",
         _table(
-            ["NodeID", "Alive", "Address", "Resources"],
-            [[n.get("NodeID", "?"), "yes" if n.get("Alive") else "no", n.get("NodeManagerAddress", "?"), _resources(n.get("Resources", {}))] for n in nodes],
-        )
-    )
-    out.append(f"\nlogbus: namespace {bus.namespace}, data dir {bus.data_dir}\n")
-    out.append("Replica nodes (MaxReplicas: max.replicas.per.node, from the node's memory unless set):\n")
-    out.append(
-        _table(
-            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "ReplicasDown"],
-            [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]), n["replicas_down"]] for n in replica_nodes],
-        )
-    )
-    out.append(f"Topics: {len(descriptions)}\n")
-    if descriptions:
-        out.append(
-            _table(
-                ["Topic", "Partitions", "ReplicationFactor", "Configs"],
-                [[d.name, len(d.partitions), len(d.partitions[0].replicas) if d.partitions else 0, _configs(d.config)] for d in descriptions],
-            )
-        )
-        out.append("\nPartitions:\n")
-        out.append(
-            _table(
-                ["Topic", "Partition", "Leader", "Replicas", "Isr", "LeaderEpoch", "HighWatermark", "LogEndOffset"],
-                [
-                    [d.name, p.partition, "none" if p.leader is None else p.leader, _ids(p.replicas), _ids(p.isr), p.leader_epoch, p.high_watermark, p.log_end_offset]
-                    for d in descriptions
-                    for p in d.partitions
-                ],
-            )
-        )
-        rows = []
-        for d in descriptions:
-            for p, replicas in enumerate(statuses.get(d.name) or []):
-                for s in replicas:
-                    if "error" in s:
-                        rows.append([d.name, p, s.get("replica_id", "?"), "unreachable", "-", "-"])
-                    else:
-                        rows.append([d.name, p, s.get("replica_id"), s.get("role"), str(s.get("node_id", "?"))[:12], s.get("log_end_offset")])
+            ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Bytes", "MiBPerReplica", "Draining"],
+            [[n["node_id"][:16], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
+              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
+        ),
+        f"\nTopics: {len(status['topics'])}\n",
+    ]
+    if status["topics"]:
+        out.append(_table(["Topic", "Partitions", "ReplicationFactor", "Records", "Configs"],
+                          [[t["topic"], t["partitions"], t["replication_factor"], t["records"], _configs(t["config"])] for t in status["topics"]]))
+    for title, rows in (("Under-replicated partitions", status["under_replicated_partitions"]), ("Offline partitions", status["offline_partitions"])):
+        out.append(f"\n{title}: {len(rows) or 'none'}\n")
         if rows:
-            out.append("\nReplicas:\n")
-            out.append(_table(["Topic", "Partition", "Replica", "Role", "Node", "LogEndOffset"], rows))
+            out.append(_table(["Topic", "Partition", "Leader", "Replicas", "Isr"],
+                              [[r["topic"], r["partition"], _dash(r["leader"]), _ids(r["replicas"]), _ids(r["isr"])] for r in rows]))
+    lags = status["group_lags"]
+    out.append(f"\nBiggest group lags: {'none' if not lags else ''}\n")
+    if lags:
+        out.append(_table(["Group", "Topic", "Partition", "Lag"], [[r["group"], r["topic"], r["partition"], r["lag"]] for r in lags]))
     sys.stdout.write("".join(out))
     return 0
 
@@ -997,12 +1050,24 @@ def build_parser() -> argparse.ArgumentParser:
     drain.add_argument("--throttle", type=_positive_int, metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
     drain.set_defaults(func=cmd_nodes_drain)
 
+    # gateway
+    gateway = commands.add_parser("gateway", parents=[common], help="serve Kafka's wire protocol to Kafka clients",
+                                  description=cmd_gateway.__doc__)
+    gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; other addresses only when asked)")
+    gateway.add_argument("--port", type=_port, default=9092, help="port to listen on (default: 9092; 0: any free port)")
+    gateway.add_argument("--advertised-host", metavar="HOST", help="address clients are told to connect to (default: --host, or the node's IP for 0.0.0.0)")
+    gateway.add_argument("--all-nodes", action="store_true", help="one gateway on every node that hosts replicas (else: this node only)")
+    gateway.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
+                         help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
+    gateway.set_defaults(func=cmd_gateway)
+
     # status
-    status = commands.add_parser("status", parents=[common], help="show Ray nodes, topics, partitions and replicas", description=cmd_status.__doc__)
+    status = commands.add_parser("status", parents=[common], help="nodes, topics, partition health and group lags at a glance", description=cmd_status.__doc__)
+    status.add_argument("--json", action="store_true", help="print the status as one JSON object")
     status.set_defaults(func=cmd_status)
 
     # keep each subparser at hand for usage errors found after parsing
-    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain):
+    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain, gateway):
         sub.set_defaults(parser=sub)
     return parser
 

@@ -206,6 +206,15 @@ class ChannelClosedError(LeaderNotAvailableError):
     """
 
 
+# --- the Kafka gateway --------------------------------------------------------------
+
+
+class KafkaProtocolError(LogbusError):
+    """A Kafka client's request that the gateway cannot serve at all: a malformed frame, one over the
+    gateway's maximum request size, or an API key or version it does not implement. The gateway
+    closes that connection (as a Kafka broker does); nothing the request carried reached a log."""
+
+
 # --- internal errors: a bug in logbus, never retriable ----------------------------
 
 

@@ -198,6 +198,59 @@ def print_results(results: list[Result]) -> None:
     ])
 
 
+FUTURE_COST_TARGET = 0.10  # of the per-record send() time
+
+
+class _RecordView:
+    """What send() must return at the least without the Future contract: its batch, index and timestamp."""
+
+    __slots__ = ("_batch", "_index", "_timestamp_ms")
+
+    def __init__(self, batch, index: int, timestamp_ms: int) -> None:
+        self._batch = batch
+        self._index = index
+        self._timestamp_ms = timestamp_ms
+
+
+def future_cost(send_rate: float, n: int = 1_000_000) -> Result:
+    """What the Future contract adds to send(), as a share of send()'s time per record in the same run.
+
+    send() returns a RecordFuture per record: a concurrent.futures.Future
+    whose own state is made only when wait()/as_completed() ask for it. Its
+    cost over the least send() must return anyway (an object holding the
+    record's batch, index and timestamp, as the record views before the
+    contract did) is timed over n records, the best of 3. A plain
+    concurrent.futures.Future per record is timed beside it, as what the
+    contract would cost done naively.
+    """
+    from concurrent.futures import Future  # noqa: PLC0415
+
+    from logbus.api.producer import RecordFuture  # noqa: PLC0415
+
+    def best_s(make) -> float:
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            for i in range(n):
+                make(i, None, 0)
+            best = min(best, time.perf_counter() - started)
+        return best / n
+
+    view_s = best_s(lambda i, batch, ts: _RecordView(batch, i, ts))
+    record_future_s = best_s(lambda i, batch, ts: RecordFuture(batch, i, ts))
+    plain_future_s = best_s(lambda i, batch, ts: Future())
+    added_s = max(0.0, record_future_s - view_s)
+    share = added_s * send_rate
+    log(f"the Future contract: a RecordFuture takes {record_future_s * 1e6:.3f} us, the bare record view "
+        f"{view_s * 1e6:.3f} us: {added_s * 1e6:.3f} us added = {share:.1%} of send() ({1e6 / send_rate:.3f} us); "
+        f"a plain Future per record would add {max(0.0, plain_future_s - view_s) * 1e6:.3f} us")
+    return Result(
+        "the Future contract: what a RecordFuture adds to send()", None, ratio_vs="send() per record",
+        ratio=share, target=f"<= {FUTURE_COST_TARGET:.0%} of send()", meets_target=share <= FUTURE_COST_TARGET,
+        extra={"record_future_us": round(record_future_s * 1e6, 4), "record_view_us": round(view_s * 1e6, 4),
+               "plain_future_us": round(plain_future_s * 1e6, 4), "send_us": round(1e6 / send_rate, 4)},
+    )
+
 def producer_accepts(option: str) -> bool:
     return option in inspect.signature(Producer.__init__).parameters
 
@@ -278,6 +331,9 @@ def main() -> int:
             extra["topic"] = topic
             results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
         topic_table = next(r.extra["topic"] for r in results if "send_table" in r.case and not r.case.startswith("(info)"))
+        send_row = next((r for r in results if r.case == "logbus produce, 1 producer, send()"), None)
+        if send_row is not None:
+            results.append(future_cost(send_row.records_per_s))
 
         # ---- 1c. two producers in two processes, 2 partitions --------------------------------------
         workers = [ProducerWorker.remote(namespace, data_dir) for _ in range(2)]

@@ -45,6 +45,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
+from logbus.actors import metrics
 from logbus.actors.group_service import GroupService
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.node_agent import start_agent
@@ -374,6 +375,15 @@ class Controller:
         if applied is not None and applied[0] == node.version[0] and (node.acked is None or node.acked[0] != applied[0] or applied[1] > node.acked[1]):
             node.acked = list(applied)
 
+    def _export_health(self) -> None:
+        """Under-replicated and offline partitions, as gauges; recounted when an ISR or a leader changes."""
+        under = offline = 0
+        for topic in self.metadata.topics.values():
+            for state in topic.partitions:
+                offline += state.leader is None
+                under += len(state.isr) < len(state.replicas) - len(state.adding)
+        metrics.partition_health(under, offline)
+
     def _node_alive(self, node_id: str, now: int) -> bool:
         return self._liveness.alive(node_id, now)
 
@@ -496,9 +506,12 @@ class Controller:
         async with self._lock:
             if topic not in self.metadata.topics:
                 return None
+            before = len(self.metadata.topics[topic].partitions[partition].isr)
             accepted = self.metadata.alter_isr(topic, partition, leader, leader_epoch, isr)
             if accepted is not None:
                 self._persist()
+                metrics.isr_changed(before, len(accepted))
+                self._export_health()
                 if self.metadata.topics[topic].partitions[partition].adding and self.metadata.reassignment_ready(topic, partition):
                     asyncio.get_running_loop().create_task(self._finish_move(topic, partition))
         return accepted
@@ -550,13 +563,17 @@ class Controller:
                 elected = False
                 if state.leader is None or state.leader not in alive:
                     unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
+                    in_sync = set(state.isr)
                     elected = self.metadata.elect_leader(topic.name, p, alive, unclean)
+                    if elected and state.leader is not None:
+                        metrics.leader_elected(unclean=state.leader not in in_sync)
                 if self._replace_lost(topic, p, now) or elected:
                     changed.append((topic, p))
             if changed:
                 self._persist()
                 for node in self._reindex():
                     self._push_epochs(node)
+                self._export_health()
         for topic, p in changed:
             asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
 
@@ -891,7 +908,9 @@ class Controller:
             if not self.metadata.reassignment_ready(topic_name, partition):
                 return
             old_nodes = dict(topic.partitions[partition].nodes)
-            removed, _ = self.metadata.complete_reassignment(topic_name, partition)
+            removed, moved = self.metadata.complete_reassignment(topic_name, partition)
+            if moved:
+                metrics.leader_elected(unclean=False)
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
@@ -974,7 +993,16 @@ class Controller:
         await self._ready()
         if node_id not in live_node_ids() and node_id not in self._nodes:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
+        already = node_id in self._draining
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
+        try:
+            return await self._drain(node_id, throttle_bytes_per_s, timeout_s)
+        except BaseException:
+            if not already:  # a drain that could not start leaves the node as it was
+                self._draining.discard(node_id)
+            raise
+
+    async def _drain(self, node_id: str, throttle_bytes_per_s: int | None, timeout_s: float) -> dict:
         reserved = None
         try:
             plan = plan_drain(self.metadata, node_id, self._loads())
@@ -1027,6 +1055,7 @@ class Controller:
                     alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
                     if self.metadata.elect_preferred_leader(topic.name, p, alive):
                         changed.append((topic, p))
+                        metrics.leader_elected(unclean=False)
             if changed:
                 self._persist()
                 for node in self._reindex():
@@ -1046,6 +1075,32 @@ class Controller:
             handle = self._replica_handle(topic, p, state.leader) if state.leader is not None else None
             partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+
+    async def gateway_metadata(self, names: list[str] | None = None) -> dict:
+        """For the Kafka gateway, in one call: per topic named (every topic but the internal ones when
+        ``names`` is None; None for a name that is no topic) its id, config and, per partition, the
+        leader's handle, epoch and node and its replicas' and in-sync replicas' nodes; and the nodes
+        hosting replicas whose leases ran out (``dead_nodes``)."""
+        await self._ready()
+        topics = {}
+        for name in (await self.list_topics()) if names is None else names:
+            topic = self.metadata.topics.get(name)
+            if topic is None:
+                topics[name] = None
+                continue
+            partitions = []
+            for p, state in enumerate(topic.partitions):
+                leader = state.leader
+                partitions.append({
+                    "leader": self._replica_handle(topic, p, leader) if leader is not None else None,
+                    "leader_epoch": state.leader_epoch,
+                    "leader_node": state.nodes.get(str(leader)) if leader is not None else None,
+                    "replica_nodes": [state.nodes[str(r)] for r in state.replicas if str(r) in state.nodes],
+                    "isr_nodes": [state.nodes[str(r)] for r in state.isr if str(r) in state.nodes],
+                })
+            topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+        now = monotonic_ms()
+        return {"topics": topics, "dead_nodes": [n for n in self._nodes if not self._node_alive(n, now)]}
 
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
@@ -1079,10 +1134,23 @@ class Controller:
                     leaders[state.nodes[str(state.leader)]] += 1
         limits = node_limits(self.max_replicas_per_node)
         now = monotonic_ms()
+        # Bytes from the leaders' own view, memory from each node's agent: asked now, concurrently.
+        sizes: dict[str, int] = collections.Counter()
+        statuses = await asyncio.gather(*(self.replica_statuses(name) for name in list(self.metadata.topics)), return_exceptions=True)
+        for found in statuses:
+            for replicas in found if isinstance(found, list) else []:
+                for status in replicas:
+                    if "node_id" in status:
+                        sizes[status["node_id"]] += status.get("size_bytes", 0)
+        agents = [(n, n.agent) for n in self._nodes.values() if n.agent is not None]
+        usage = await asyncio.gather(*(asyncio.wait_for(a.usage.remote(), 10) for _, a in agents), return_exceptions=True)
+        memory = {n.node_id: u.get("uss_mean_bytes") for (n, _), u in zip(agents, usage) if isinstance(u, dict)}
         out = []
         for node_id in sorted(set(limits) | set(counts)):
             node = self._nodes.get(node_id)
             out.append({
+                "bytes": sizes.get(node_id, 0),
+                "memory_per_replica_bytes": memory.get(node_id),
                 "node_id": node_id,
                 "replicas": counts.get(node_id, 0),
                 "leaders": leaders.get(node_id, 0),

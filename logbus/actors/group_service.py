@@ -208,7 +208,18 @@ class GroupService:
         self._save()
         self._writer.retry_failed()
 
+    def _busy(self) -> bool:
+        """Whether the timer has anything to do: a group with members (sessions to expire, rebalances
+        to time out), committed offsets (lag to export) or a failed write of groups.json to retry."""
+        return (
+            bool(self.offsets.table)
+            or self._writer.has_failed()
+            or any(g.state is not GroupState.EMPTY and g.state is not GroupState.DEAD for g in self.coordinator.list_groups())
+        )
+
     async def _run_timer(self) -> None:
+        """Ticks while there is something to tick; a cluster without groups has no group timer at all
+        (every group call starts it again, see ``start``)."""
         while True:
             await asyncio.sleep(GROUP_TICK_S)
             try:
@@ -216,6 +227,8 @@ class GroupService:
                 if time.monotonic() - self._lag_exported_s >= LAG_EXPORT_INTERVAL_S:
                     self._lag_exported_s = time.monotonic()
                     await self._export_lag()
+                if not self._busy():
+                    return
             except Exception:  # noqa: BLE001 (the timer must survive; the next tick retries)
                 logger.exception("group timer error")
 
@@ -260,6 +273,7 @@ class GroupService:
         member's session timeout: a held join shows the member alive only when
         it arrives.
         """
+        self.start()
         loop = asyncio.get_running_loop()
         session_ms = options.get("session_timeout_ms", DEFAULT_SESSION_TIMEOUT_MS)
         deadline = loop.time() + long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000
@@ -290,6 +304,7 @@ class GroupService:
         may send the next heartbeat at once (it waited) or should pace itself
         (it did not).
         """
+        self.start()
         started = time.monotonic()
         try:
             result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
@@ -311,6 +326,7 @@ class GroupService:
         return dataclasses.replace(result, waited_ms=waited_ms, woken=woken)
 
     async def leave(self, group_id: str, member_id: str) -> bool:
+        self.start()
         left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms())
         await self._settle(group_id)
         return left
@@ -344,6 +360,7 @@ class GroupService:
         finally:
             await self._settle(group_id)  # the call may have expired members (or created the group)
         await self.offsets.commit(group_id, records, checked)
+        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         """OffsetFetch: {TopicPartition: OffsetAndMetadata or None}."""
@@ -456,5 +473,6 @@ class GroupService:
         finally:
             await self._settle(group_id)
         await self.offsets.commit(group_id, records, offsets)
+        self.start()
         return dict(targets)
 

@@ -49,11 +49,18 @@ HEARTBEATS_IN_FLIGHT_MAX = 5
 REPLICA_FILE_PREFIX = "r-"
 
 
-def _process_state(pid: int) -> str | None:
-    """The state letter of a process (``R``, ``S``, ``T`` for stopped, ...), or None if it is gone."""
+def _process_state(pid: int, stat_fd: int | None = None) -> str | None:
+    """The state letter of a process (``R``, ``S``, ``T`` for stopped, ...), or None if it is gone.
+
+    With ``stat_fd`` (its ``/proc/PID/stat`` kept open) one ``pread``: the kernel writes the file
+    afresh at each read from offset 0.
+    """
     try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            data = file.read()
+        if stat_fd is not None:
+            data = os.pread(stat_fd, 512, 0)
+        else:
+            with open(f"/proc/{pid}/stat", "rb") as file:
+                data = file.read()
     except OSError:
         return None
     # "pid (comm) state ...": comm may hold spaces and parentheses; the state follows the last ')'.
@@ -62,12 +69,13 @@ def _process_state(pid: int) -> str | None:
 
 
 class _Watched:
-    __slots__ = ("fence", "pid", "pidfd")
+    __slots__ = ("fence", "pid", "pidfd", "stat_fd")
 
     def __init__(self, fence: ReplicaFence) -> None:
         self.fence = fence
         self.pid = 0
         self.pidfd: int | None = None
+        self.stat_fd: int | None = None
 
 
 class NodeAgent:
@@ -114,6 +122,7 @@ class NodeAgent:
         watched.pid = pid
         try:
             watched.pidfd = os.pidfd_open(pid)
+            watched.stat_fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         except (ProcessLookupError, OSError):
             self._set_down(name, True)
             return
@@ -131,6 +140,9 @@ class NodeAgent:
                 pass
             os.close(watched.pidfd)
             watched.pidfd = None
+        if watched.stat_fd is not None:
+            os.close(watched.stat_fd)
+            watched.stat_fd = None
 
     def _exited(self, name: str, pid: int) -> None:
         watched = self._replicas.get(name)
@@ -193,6 +205,19 @@ class NodeAgent:
         except OSError:
             pass  # something else still there
 
+    async def usage(self) -> dict:
+        """Memory of this node's replica processes (for `logbus status`): how many, and their mean USS."""
+        import psutil  # noqa: PLC0415 (only when asked)
+
+        uss = []
+        for watched in self._replicas.values():
+            if watched.pid and watched.pidfd is not None:
+                try:
+                    uss.append(psutil.Process(watched.pid).memory_full_info().uss)
+                except (psutil.Error, OSError):
+                    pass
+        return {"replica_processes": len(uss), "uss_mean_bytes": int(sum(uss) / len(uss)) if uss else None}
+
     async def ping(self) -> int:
         self._start()
         return os.getpid()
@@ -236,7 +261,7 @@ class NodeAgent:
         for name, watched in self._replicas.items():
             if watched.pidfd is None:
                 continue
-            state = _process_state(watched.pid)
+            state = _process_state(watched.pid, watched.stat_fd)
             if state is not None:
                 self._set_down(name, state in ("T", "t"))
 

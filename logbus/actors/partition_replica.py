@@ -77,6 +77,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from logbus.actors import metrics
 from logbus.actors.channel_server import ChannelServer
 from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write, node_directory, replica_file_name
 from logbus.actors.node_agent import agent_actor_name
@@ -236,6 +237,7 @@ class PartitionReplica:
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
         self._throttle_until = 0.0
         self._segments_seen = 0
+        self._log_gauges = metrics.LogGauges(topic, partition)
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
         # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
         self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
@@ -700,6 +702,7 @@ class PartitionReplica:
     ) -> ProduceResponse:
         """Append one encoded batch as leader; with acks='all' wait until every ISR member has it."""
         self._started()
+        started_ms = monotonic_ms()
         state = self._check_leader(leader_epoch)
         if not self._may_write():
             raise NotLeaderError(
@@ -722,10 +725,13 @@ class PartitionReplica:
         if not result.duplicate:
             self._signal("_appended")
             self._after_append()
+            metrics.appended(self.topic, result.record_count, len(batch))
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
         self._advance_high_watermark()
         self._check_isr()
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
+        metrics.latency("produce_acks_all" if acks == "all" else "produce", monotonic_ms() - started_ms)
         append_time = result.max_timestamp_ms if self.log.config.message_timestamp_type == LOG_APPEND_TIME else -1
         return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms, append_time)
 
@@ -835,12 +841,19 @@ class PartitionReplica:
             )
         return pickle.PickleBuffer(result.data)
 
-    async def _serve_fetch(self, request: FetchRequest, limit, channel: bool = False) -> tuple[FetchResponse, object]:
+    async def _serve_fetch(
+        self, request: FetchRequest, limit, channel: bool = False, consumer: bool = True
+    ) -> tuple[FetchResponse, object]:
         """Read, then package for the transport: (FetchResponse, data or None)."""
+        started_ms = monotonic_ms()
         result = await self._read(request, limit, wire.CHANNEL_FETCH_MAX_BYTES if channel else FETCH_MAX_BYTES_MAX)
+        if consumer:
+            metrics.latency("fetch", monotonic_ms() - started_ms)
         if result is None:
             offset = int(request.offset)
             return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
+        if consumer:
+            metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
         data = self._for_channel(result) if channel else self._for_actor_call(result, request)
         if request.session is not None:  # only once packaged: a refused reply leaves the session where it was
             self._remember_session(request.session, result.next_offset)
@@ -899,12 +912,12 @@ class PartitionReplica:
         self._advance_high_watermark()
         self._check_isr()
         if request.offset < self.log.log_end_offset:
-            return await self._serve_fetch(request, lambda: None)
+            return await self._serve_fetch(request, lambda: None, consumer=False)
         # At the end: the fetch waits here for the next append; while it waits, this follower is in sync.
         parked = (request.offset, monotonic_ms())
         self._parked[follower_id] = parked
         try:
-            return await self._serve_fetch(request, lambda: None)
+            return await self._serve_fetch(request, lambda: None, consumer=False)
         finally:
             if self._parked.get(follower_id) is parked:
                 del self._parked[follower_id]
@@ -998,6 +1011,8 @@ class PartitionReplica:
             "isr": sorted(self.leader_state.isr) if self.leader_state else None,
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
+            "size_bytes": self.log.size_bytes,
+            "segments": len(self.log.segments),
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,

@@ -92,6 +92,10 @@ class StateWriter:
                 self._flushed = asyncio.Event()
             await self._flushed.wait()
 
+    def has_failed(self) -> bool:
+        """Whether the last write failed (and is to be retried)."""
+        return self._error is not None
+
     def retry_failed(self) -> None:
         """Called by a timer: after a failed write, try again once WRITE_RETRY_S has passed."""
         if self._error is not None and time.monotonic() - self._failed_s > WRITE_RETRY_S:

@@ -11,10 +11,12 @@ import psutil
 import ray
 
 from logbus.actors import controller as controller_actor
+from logbus.actors.gateway import KafkaGateway, start_gateways
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
+from logbus.protocol.kafka_gateway import MAX_REQUEST_BYTES_DEFAULT
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
@@ -83,6 +85,34 @@ class Bus:
     def forget(self, topic: str) -> None:
         with self._lock:
             self._metadata.pop(topic, None)
+
+    def start_gateway(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 9092,
+        *,
+        all_nodes: bool = False,
+        advertised_host: str | None = None,
+        max_request_bytes: int = MAX_REQUEST_BYTES_DEFAULT,
+    ) -> KafkaGateway:
+        """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
+
+        Starts a gateway actor on this process's node, or with ``all_nodes``
+        one on every node that hosts replicas (each advertised as a broker, so
+        clients send to the node of each partition's leader), listening on
+        ``host:port``: loopback unless another address is asked for. ``port``
+        0 picks a free port per gateway (nodes sharing a machine need it).
+        ``advertised_host`` is the address clients are told to connect to
+        (default: ``host``, or the node's IP when ``host`` is a wildcard).
+        Requests over ``max_request_bytes`` close their connection. Calling it
+        again returns the gateways already running. The gateways run until
+        ``stop()`` on the returned :class:`~logbus.actors.gateway.KafkaGateway`
+        (or the Ray cluster ends), whose ``bootstrap_servers`` clients take.
+        """
+        return start_gateways(
+            self.namespace, self._controller, host, port,
+            all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,
+        )
 
 
 def _reconnect(namespace: str, data_dir: str) -> Bus:

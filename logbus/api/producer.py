@@ -39,8 +39,10 @@ flight: see ``_restart_sequences``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+import os
 import pickle
 import random
 import threading
@@ -71,6 +73,7 @@ from logbus.errors import (
     RequestTimedOutError,
     SerializationError,
 )
+from logbus.actors import metrics
 from logbus.actors.channel_client import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
@@ -94,6 +97,9 @@ TIMESTAMP_MS_MAX = 2**63 - 1  # timestamps are int64 in the batch
 SIZE_SETTINGS = ("batch_size_bytes", "buffer_memory_bytes", "max_in_flight")
 MS_SETTING_MAX = 2**31 - 1
 ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0
+
+
+_PRODUCER_IDS = itertools.count(1)  # names the producers of a process in their buffer metric
 
 
 @dataclass(frozen=True)
@@ -455,6 +461,7 @@ class Producer:
         self._in_flight: dict[tuple[str, int], int] = {}
         self._in_flight_total = 0
         self._buffered_bytes = 0
+        self._buffer_gauge = metrics.BufferGauge(f"producer-{os.getpid()}-{next(_PRODUCER_IDS)}")
         self._flushing = 0
         self._closed = False
         self._stopping = False
@@ -715,6 +722,7 @@ class Producer:
                 self._abandon(IllegalStateError("Ray was shut down before these records were acknowledged"))
                 return
             self._expire_stale_requests()
+            self._buffer_gauge.update(self._buffered_bytes)
             with self._condition:
                 batches, wait_s = self._collect()
                 if not batches:

@@ -232,3 +232,27 @@ def test_a_restarted_coordinator_reads_back_its_groups(tmp_path):
             await service.heartbeat("g", "someone-else", a.generation, 0, 0)
 
     asyncio.run(second_life())
+
+
+def test_the_group_timer_stops_when_no_group_has_members_and_a_group_call_starts_it(tmp_path):
+    """Nothing runs on a timer while no group has members: the timer ends after its next tick."""
+
+    async def wait_for(condition, deadline_s=10.0):
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while not condition():
+            assert loop.time() < end, "condition not reached in time"
+            await asyncio.sleep(0.02)
+
+    async def main():
+        service = Service(tmp_path)
+        await wait_for(lambda: service._timer.done())  # no groups: the first tick ends it
+        a = await join(service)
+        assert not service._timer.done()
+        await asyncio.sleep(group_service.GROUP_TICK_S * 3)
+        assert not service._timer.done()  # a member's session is being watched
+        assert await service.leave("g", a.member_id)
+        await wait_for(lambda: service._timer.done())
+        assert service._timer.exception() is None
+
+    asyncio.run(main())

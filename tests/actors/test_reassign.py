@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 import logbus
 from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
-from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, ReassignmentInProgressError
+from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, NodeCapacityError, ReassignmentInProgressError
 from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
 
@@ -138,6 +138,15 @@ def test_bad_reassignments_are_named_errors_and_change_nothing(cluster, rbus):
     after = rbus.admin.describe_topic("fixed").partitions[0]
     assert (after.replicas, after.leader, after.leader_epoch) == (before.replicas, before.leader, before.leader_epoch)
 
+    # A drain with nowhere to go (a replica on every node, no autoscaler) fails at once and
+    # leaves the node as it was: not draining, its replicas in place.
+    rbus.admin.create_topic("everywhere", partitions=1, replication_factor=len(node_ids))
+    with pytest.raises(NodeCapacityError):
+        rbus.admin.drain_node(node_ids[0])
+    node = next(n for n in rbus.admin.nodes() if n["node_id"] == node_ids[0])
+    assert not node["draining"] and node["replicas"] >= 1
+    assert rbus.admin.describe_reassignments() == []
+
 
 def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_preferred_replicas(cluster, rbus):
     _, node_ids = cluster
@@ -162,3 +171,34 @@ def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_pre
     assert ("drained", 0) in [tuple(m) for m in moved]
     final = rbus.admin.describe_topic("drained").partitions[0]
     assert final.leader == final.replicas[0]
+
+
+def test_a_cancelled_move_removes_the_new_replica_and_keeps_the_old_ones(cluster, rbus):
+    _, node_ids = cluster
+    topic = "cancelled"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=2, config={"min.insync.replicas": 2})
+    wait_isr(rbus, topic, 2)
+    with logbus.Producer(rbus, acks="all") as producer:
+        for i in range(3_000):  # about 3 MB: at 200 kB/s the copy would take 15 s
+            producer.send(topic, VALUE + b"%d" % i)
+    before, described = nodes_of(rbus, topic)
+    spare = next(n for n in node_ids if n not in before)
+    tp = TopicPartition(topic, 0)
+    workload = Workload(rbus, topic)
+    try:
+        wait_for(lambda: workload.acknowledged_count() > 100, timeout_s=60, message="load")
+        moving = rbus.admin.reassign_partitions({tp: [before[0], spare]}, throttle_bytes_per_s=200_000)
+        new_id = moving[0]["adding"][0]
+        directory = replica_directory(rbus.data_dir, topic, 0, new_id)
+        wait_for(lambda: (rbus.admin.describe_reassignments() or [{}])[0].get("copied", {}).get(str(new_id)),
+                 timeout_s=120, interval_s=0.2, message="the new replica to start copying")
+        assert rbus.admin.cancel_reassignments([tp]) == [(topic, 0)]
+        assert rbus.admin.describe_reassignments() == []
+        wait_for(lambda: workload.acknowledged_count() > 300, timeout_s=60, message="writes after the cancel")
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    after, after_described = nodes_of(rbus, topic)
+    assert after == before and after_described.replicas == described.replicas
+    wait_for(lambda: not os.path.exists(directory), timeout_s=60, message="the new replica's files to go")
+    check_invariants(rbus, topic, acknowledged, 2)

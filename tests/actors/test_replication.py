@@ -9,6 +9,9 @@ every offset holds the same bytes on every replica, offsets never reused.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import signal
 import statistics
@@ -26,9 +29,11 @@ import logbus
 from logbus import TopicPartition
 from logbus.actors.controller import CONTROLLER_NAME
 from logbus.actors.remote import get
+from logbus.cli import main
 from logbus.errors import NotEnoughReplicasError
 from logbus.storage.record_batch import encode_batch
 from tests.actors.replica_files import committed_bytes
+from tests.actors.test_metrics import scrape, total
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [
@@ -455,3 +460,37 @@ def test_a_killed_leader_process_on_a_live_node_fails_over_within_seconds(cluste
     assert failover_s < 5, failover_s  # the agent sees the exit at once; the benchmark measures the figure
     with logbus.Producer(rbus, acks="all") as producer:
         assert producer.send(topic, b"after").result(timeout=60).offset >= 0
+
+
+def test_a_lost_follower_shows_in_the_metrics_and_in_status(cluster, rbus):
+    """A follower's node is removed under load: the ISR shrinks, the partition is under-replicated in
+    the controller's gauge and in `logbus status --json`, and the shrink is counted."""
+    topic = "watched"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2, "replica.lag.time.max.ms": 1500})
+    wait_isr(rbus, topic, 3)
+    shrinks_before = total(scrape(), "ray_logbus_isr_shrinks_total")
+    workload = Workload(rbus, topic)
+    try:
+        wait_for(lambda: workload.acknowledged_count() > 300, timeout_s=90, message="load")
+        follower = next(s for s in statuses(rbus, topic) if s.get("role") == "follower")
+        node = next(n for n in cluster.list_all_nodes() if n.node_id == follower["node_id"])
+        kill_node(cluster, node)
+        wait_isr(rbus, topic, 2)
+
+        def gauged():
+            samples = scrape()
+            return samples if total(samples, "ray_logbus_under_replicated_partitions") >= 1 else None
+
+        samples = wait_for(gauged, timeout_s=90, interval_s=1, message="under-replicated gauge")
+        assert total(samples, "ray_logbus_isr_shrinks_total") > shrinks_before
+        assert total(samples, "ray_logbus_offline_partitions") == 0
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["--address", cluster.address, "--namespace", rbus.namespace, "--data-dir", rbus.data_dir, "status", "--json"])
+        assert code == 0
+        status = json.loads(out.getvalue()[out.getvalue().index("{"):])
+        assert [(p["topic"], p["partition"], len(p["isr"])) for p in status["under_replicated_partitions"]] == [(topic, 0, 2)]
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    assert len(acknowledged) > 300

@@ -43,6 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ["produce"],
         ["consume"],
         ["status"],
+        ["gateway"],
     ],
 )
 def test_every_command_has_help(argv, capsys):
@@ -70,6 +71,9 @@ def test_usage_errors_exit_2_without_connecting(capsys):
         ["consume", "t", "--partition", "0", "--offset", "1", "--from-beginning"],
         ["consume", "t", "--format", "xml"],
         ["consume", "t", "--max-messages", "0"],
+        ["gateway", "--port", "70000"],
+        ["gateway", "--port", "kafka"],
+        ["gateway", "--max-request-bytes", "0"],
     ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -248,16 +252,18 @@ def test_partition_and_offset_selection_and_status(cli, bus, topic_name):
     status = cli("status")
     assert status.code == 0
     lines = status.lines
-    assert lines[0].startswith("Ray nodes: ")
-    nodes = table_rows(lines, "NodeID")
-    assert any(row[1] == "yes" and "CPU=" in " ".join(row) for row in nodes)
-    assert f"logbus: namespace {bus.namespace}, data dir {bus.data_dir}" in lines
+    assert lines[0] == f"logbus: namespace {bus.namespace}, data dir {bus.data_dir}"
+    records = len(expected[0]) + 3 + len(expected[1])
+    (node,) = table_rows(lines, "NodeID")
+    assert node[1:4] == ["yes", "2", "2"]  # alive, 2 replicas, 2 leaders
+    assert int(node[5]) > 0 and float(node[6]) > 0  # bytes of log, MiB per replica process
     assert "Topics: 1" in lines
-    assert table_rows(lines, "Topic")[0][:3] == [topic_name, "2", "1"]
-    partitions = table_rows(lines[lines.index("Partitions:") :], "Topic")
-    assert [(row[1], row[-2]) for row in partitions] == [("0", str(len(expected[0]))), ("1", str(3 + len(expected[1])))]
-    replicas = table_rows(lines[lines.index("Replicas:") :], "Topic")
-    assert [(row[1], row[2], row[3]) for row in replicas] == [("0", "0", "leader"), ("1", "0", "leader")]
+    assert table_rows(lines, "Topic")[0][:4] == [topic_name, "2", "1", str(records)]
+    assert "Under-replicated partitions: none" in lines and "Offline partitions: none" in lines
+    as_json = json.loads(cli("status", "--json").out)
+    assert [(t["topic"], t["records"]) for t in as_json["topics"]] == [(topic_name, records)]
+    assert [(n["replicas"], n["leaders"]) for n in as_json["nodes"]] == [(2, 2)]
+    assert as_json["under_replicated_partitions"] == [] and as_json["offline_partitions"] == []
 
 
 def test_errors_exit_1_with_a_message_and_create_nothing(cli, bus, tmp_path):

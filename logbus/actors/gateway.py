@@ -1,0 +1,554 @@
+"""The Kafka gateway: a Kafka wire-protocol listener per node, so unmodified Kafka clients use logbus.
+
+``start_gateways`` starts one :class:`Gateway` actor on each node asked for
+(the caller's node, or every node hosting replicas), pinned there; each
+listens on a TCP port (``127.0.0.1`` unless another address is asked for)
+and serves Kafka's protocol with
+:class:`~logbus.protocol.kafka_gateway.KafkaHandler`. Metadata names each
+gateway a broker and, for each partition, the gateway on its leader's node,
+so a client sends its produce requests and fetches to the node of the
+leader, whose gateway hands them to the replica over the replica's local
+channel (a Unix socket: ``channel_client.py``), the way logbus's own clients
+on that node do; a partition whose leader's node has no gateway is served
+with actor calls.
+
+The listener runs on an event loop of its own, in a thread of the actor's
+process: Ray's calls to the actor (addresses, peers, statistics, shutdown)
+and the clients' traffic do not wait for one another, and the listener
+needs no call to start after Ray restarts the actor.
+
+Each connection reads frames (4-byte size, then the request), refuses one
+over ``max_request_bytes`` or one that cannot be parsed by closing the
+connection, starts each request at once (produce batches leave for their
+leaders in the order they arrived), and writes the responses in request
+order, as Kafka clients require; at most ``IN_FLIGHT_MAX`` requests of a
+connection are open at once (then it stops reading).
+
+Leaders are cached per topic and asked for again on the next request after
+a reply says a leader moved (not leader, unavailable, closed channel) or
+after ``METADATA_MAX_AGE_S``; a Metadata request always asks the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from logbus.actors.channel_client import channels as local_channels
+from logbus.actors.controller import CONTROLLER_NAME
+from logbus.actors.fetcher import send_fetch
+from logbus.actors.remote import CONTROL_TIMEOUT_S, unwrap
+from logbus.errors import (
+    ChannelClosedError,
+    ChannelReplyTooLargeError,
+    IllegalStateError,
+    InvalidConfigError,
+    KafkaProtocolError,
+    LeaderNotAvailableError,
+    NotLeaderError,
+    RequestTimedOutError,
+    UnknownTopicError,
+)
+from logbus.protocol import kafka_gateway as kg
+from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_NAME_PREFIX = "logbus-gateway:"
+IN_FLIGHT_MAX = 64  # requests of one connection open at once
+METADATA_MAX_AGE_S = 30.0
+CALL_MARGIN_S = 10.0  # beyond a request's own timeout, how long a call to a replica or the controller may take
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ANY_HOSTS = ("0.0.0.0", "::", "")
+
+
+def gateway_name(node_id: str) -> str:
+    return GATEWAY_NAME_PREFIX + node_id
+
+
+def _wrapped(future: Future) -> asyncio.Future:
+    """A concurrent Future on this loop, shielded: a waiter that gives up (a fetch's reply no longer
+    wanted, a timeout) must not cancel the Future itself, which the local channel's reader or Ray's
+    thread completes later."""
+    return asyncio.shield(asyncio.wrap_future(future))
+
+
+async def _await_ref(ref, timeout_s: float):
+    """An actor call's result, on any event loop, as logbus errors."""
+    try:
+        return await asyncio.wait_for(_wrapped(ref.future()), timeout_s)
+    except asyncio.TimeoutError:
+        raise RequestTimedOutError(f"no reply within {timeout_s:.0f} s") from None
+    except RayError as error:
+        raise unwrap(error) from None
+
+
+@dataclass
+class _Topic:
+    view: kg.TopicView
+    leaders: list  # actor handle per partition (None while leaderless)
+    fetched_s: float
+
+
+class ClusterBackend:
+    """The handler's :class:`~logbus.protocol.kafka_gateway.Backend`: the controller, the replicas, their channels."""
+
+    def __init__(self, namespace: str, broker: kg.Broker) -> None:
+        self.broker = broker
+        self.cluster_id = f"logbus-{namespace}"
+        self._namespace = namespace
+        self._controller = None
+        self._peers: dict[str, kg.Broker] = {broker.node_id: broker}
+        self._dead_nodes: set[str] = set()
+        self._topics: dict[str, _Topic] = {}
+        self._stale: set[str] = set()
+        self._channels = local_channels()
+
+    # --- brokers --------------------------------------------------------------------------------------
+
+    def set_peers(self, brokers: list[kg.Broker]) -> None:
+        self._peers = {b.node_id: b for b in brokers}
+        self._peers[self.broker.node_id] = self.broker
+
+    def brokers(self) -> list[kg.Broker]:
+        return [b for n, b in self._peers.items() if n == self.broker.node_id or n not in self._dead_nodes]
+
+    def broker_on(self, node_id: str | None) -> kg.Broker:
+        peer = self._peers.get(node_id) if node_id is not None else None
+        if peer is None or node_id in self._dead_nodes:
+            return self.broker
+        return peer
+
+    # --- metadata -------------------------------------------------------------------------------------
+
+    @property
+    def controller(self):
+        if self._controller is None:
+            self._controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
+        return self._controller
+
+    async def _call(self, method: str, *args, timeout_s: float = CONTROL_TIMEOUT_S):
+        return await _await_ref(getattr(self.controller, method).remote(*args), timeout_s)
+
+    async def topics(self, names: list[str] | None) -> dict[str, kg.TopicView | None]:
+        found = await self._call("gateway_metadata", names)
+        self._dead_nodes = set(found["dead_nodes"])
+        now = time.monotonic()
+        out = {}
+        for name, raw in found["topics"].items():
+            if raw is None:
+                self._topics.pop(name, None)
+                out[name] = None
+                continue
+            view = kg.TopicView(name, raw["topic_id"], raw["config"], tuple(
+                kg.PartitionView(p["leader_node"], p["leader_epoch"], tuple(p["replica_nodes"]), tuple(p["isr_nodes"])) for p in raw["partitions"]
+            ))
+            self._topics[name] = _Topic(view, [p["leader"] for p in raw["partitions"]], now)
+            self._stale.discard(name)
+            out[name] = view
+        return out
+
+    def _cached_leader(self, topic: str, partition: int):
+        """The cached leader's handle; None if the cache cannot say (ask the controller)."""
+        cached = self._topics.get(topic)
+        if cached is None or topic in self._stale or time.monotonic() - cached.fetched_s > METADATA_MAX_AGE_S:
+            return None
+        if not 0 <= partition < len(cached.leaders):
+            return None
+        return cached.leaders[partition]
+
+    async def _leader(self, topic: str, partition: int):
+        leader = self._cached_leader(topic, partition)
+        if leader is not None:
+            return leader
+        view = (await self.topics([topic])).get(topic)
+        if view is None:
+            raise UnknownTopicError(f"topic {topic!r} does not exist")
+        if not 0 <= partition < len(view.partitions):
+            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(view.partitions) - 1}, not {partition}")
+        leader = self._topics[topic].leaders[partition]
+        if leader is None:
+            raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
+        return leader
+
+    def _check_moved(self, topic: str, error: BaseException) -> BaseException:
+        """Mark a topic's leaders for a fresh look when a reply says a leader moved; return the error."""
+        if isinstance(error, NotLeaderError | LeaderNotAvailableError | UnknownTopicError):
+            self._stale.add(topic)
+        return error
+
+    # --- produce and fetch ---------------------------------------------------------------------------
+
+    def produce(self, topic: str, partition: int, batch: bytes, acks, timeout_ms: int):
+        leader = self._cached_leader(topic, partition)
+        timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
+        if leader is not None:
+            return self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
+        return self._produce_after_lookup(topic, partition, batch, acks, timeout_ms, timeout_s)
+
+    async def _produce_after_lookup(self, topic, partition, batch, acks, timeout_ms, timeout_s):
+        try:
+            leader = await self._leader(topic, partition)
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+        return await self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
+
+    def _send_produce(self, leader, batch: bytes, acks, timeout_ms: int):
+        """Send now: over the leader's local channel when it is on this node, else as an actor call."""
+        if len(batch) <= CHANNEL_PRODUCE_MAX_BYTES:
+            connection = self._channels.connection(leader)
+            if connection is not None:
+                try:
+                    return connection.call(PRODUCE, (pickle.PickleBuffer(batch), acks, None, timeout_ms))
+                except ChannelClosedError:
+                    pass  # nothing was sent: an actor call carries it
+        payload = batch if len(batch) <= PRODUCE_INLINE_MAX_BYTES else np.frombuffer(batch, np.uint8)
+        return leader.produce.remote(payload, acks, None, timeout_ms)
+
+    async def _await_produce(self, topic: str, sent, timeout_s: float):
+        try:
+            if isinstance(sent, Future):
+                return await asyncio.wait_for(_wrapped(sent), timeout_s)
+            return await _await_ref(sent, timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimedOutError(f"the leader of {topic} did not answer within {timeout_s:.0f} s") from None
+        except RayError as error:
+            raise self._check_moved(topic, unwrap(error)) from None
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
+
+    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+        timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
+        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
+        try:
+            leader = await self._leader(topic, partition)
+            try:
+                return await self._fetch_reply(send_fetch(leader, request, self._channels), timeout_s)
+            except ChannelReplyTooLargeError:
+                return await self._fetch_reply(send_fetch(leader, request, None), timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestTimedOutError(f"the leader of {topic}-{partition} did not answer a fetch within {timeout_s:.0f} s") from None
+        except RayError as error:
+            raise self._check_moved(topic, unwrap(error)) from None
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
+    async def _fetch_reply(self, pending, timeout_s: float):
+        if isinstance(pending, Future):
+            return await asyncio.wait_for(_wrapped(pending), timeout_s)
+        meta, data = await asyncio.wait_for(_wrapped(pending.future()), timeout_s)
+        if isinstance(data, ray.ObjectRef):
+            data = await asyncio.wait_for(_wrapped(data.future()), timeout_s)
+        return meta, data
+
+    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
+        leader = await self._leader(topic, partition)
+        try:
+            return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
+    async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
+        leader = await self._leader(topic, partition)
+        try:
+            return await _await_ref(leader.offset_for_timestamp.remote(timestamp_ms), CALL_MARGIN_S)
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
+    # --- the controller's other services ----------------------------------------------------------------
+
+    async def allocate_producer_id(self) -> int:
+        return await self._call("allocate_producer_id")
+
+    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
+        await self._call("create_topic", name, partitions, replication_factor, config)
+
+    async def delete_topic(self, name: str) -> None:
+        await self._call("delete_topic", name)
+        self._topics.pop(name, None)
+
+    async def group_join(self, group_id: str, options: dict, wait_ms: int):
+        session_s = options.get("session_timeout_ms", 0) / 1000
+        return await self._call("group_join", group_id, options, wait_ms, timeout_s=wait_ms / 1000 + session_s + CALL_MARGIN_S)
+
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int):
+        return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0)
+
+    async def group_leave(self, group_id: str, member_id: str) -> bool:
+        return await self._call("group_leave", group_id, member_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+        await self._call("commit_offsets", group_id, member_id, generation, offsets)
+
+    async def fetch_committed(self, group_id: str, partitions: list) -> dict:
+        return await self._call("fetch_committed", group_id, partitions)
+
+    async def describe_group(self, group_id: str) -> dict:
+        return await self._call("describe_group", group_id)
+
+    async def list_groups(self) -> list:
+        return await self._call("list_groups")
+
+
+class Gateway:
+    """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
+
+    def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int) -> None:
+        node_id = ray.get_runtime_context().get_node_id()
+        if advertised_host is None:
+            advertised_host = ray.util.get_node_ip_address() if host in ANY_HOSTS else host
+        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=128)
+        self._sock.setblocking(False)
+        bound_port = self._sock.getsockname()[1]
+        self.broker = kg.Broker(kg.broker_id_for(node_id), advertised_host, bound_port, node_id)
+        self.backend = ClusterBackend(namespace, self.broker)
+        self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes)
+        self.connections = 0
+        self.connections_total = 0
+        self.refused_frames = 0
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
+        started: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="logbus-kafka-gateway", daemon=True)
+        self._thread.start()
+        started.result(timeout=30)
+        logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d)", node_id, host, bound_port, advertised_host, bound_port)
+
+    def _run(self, started: Future) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def serve() -> None:
+            self._server = await asyncio.start_server(self._serve_connection, sock=self._sock)
+            started.set_result(None)
+
+        try:
+            self._loop.run_until_complete(serve())
+        except BaseException as error:  # noqa: BLE001 (reported to the constructor)
+            started.set_exception(error)
+            return
+        self._loop.run_forever()
+
+    def _on_loop(self, fn, *args):
+        """Run ``fn`` on the listener's loop and return its result (from Ray's threads)."""
+        future: Future = Future()
+
+        def call() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001
+                future.set_exception(error)
+
+        self._loop.call_soon_threadsafe(call)
+        return future.result(timeout=30)
+
+    # --- actor methods ----------------------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int, int, str]:
+        """(advertised host, port, broker id, node id)."""
+        return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
+
+    def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
+        """Every gateway of the cluster, as ``address()`` gives them (Metadata advertises them as brokers)."""
+        brokers = [kg.Broker(broker_id, host, port, node_id) for host, port, broker_id, node_id in peers]
+        self._on_loop(self.backend.set_peers, brokers)
+
+    def stats(self) -> dict:
+        """Connections now and since start, requests served by (API key, version), frames refused."""
+        return {
+            "pid": os.getpid(),
+            "connections": self.connections,
+            "connections_total": self.connections_total,
+            "requests": dict(self.handler.requests_served),
+            "refused_frames": self.refused_frames,
+        }
+
+    def shutdown(self) -> None:
+        """Stop listening and close every connection."""
+        def stop() -> None:
+            if self._server is not None:
+                self._server.close()
+                for transport in list(self._transports):
+                    transport.close()
+
+        self._on_loop(stop)
+
+    @property
+    def _transports(self) -> set:
+        if not hasattr(self, "_open"):
+            self._open: set = set()
+        return self._open
+
+    # --- connections ---------------------------------------------------------------------------------------
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.connections_total += 1
+        self._transports.add(writer.transport)
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        responses: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT_MAX)
+        sender = asyncio.ensure_future(self._send_responses(responses, writer))
+        peer = writer.get_extra_info("peername")
+        try:
+            while not sender.done():
+                prefix = await reader.readexactly(4)
+                size = int.from_bytes(prefix, "big", signed=True)
+                if size < 8 or size > self.handler.max_request_bytes:
+                    raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
+                frame = await reader.readexactly(size)
+                pending = self.handler.start(frame)
+                await responses.put(asyncio.ensure_future(pending))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away
+        except KafkaProtocolError as error:
+            self.refused_frames += 1
+            logger.warning("Kafka gateway: closing the connection from %s: %s", peer, error)
+        except Exception:  # noqa: BLE001 (a bug must cost the connection, never the gateway)
+            self.refused_frames += 1
+            logger.exception("Kafka gateway: closing the connection from %s after an unexpected error", peer)
+        finally:
+            await responses.put(None)
+            try:
+                await sender
+            except Exception:  # noqa: BLE001
+                pass
+            self.connections -= 1
+            self._transports.discard(writer.transport)
+            writer.close()
+
+    async def _send_responses(self, responses: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        """Write each request's response in the order the requests came."""
+        closing = False
+        while True:
+            pending = await responses.get()
+            if pending is None:
+                return
+            if closing:
+                pending.cancel()
+                continue
+            try:
+                frame = await pending
+                if frame is not None:
+                    writer.write(frame)
+                    await writer.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                closing = True
+            except Exception:  # noqa: BLE001 (a request that failed unexpectedly closes its connection)
+                logger.exception("Kafka gateway: a request failed; closing its connection")
+                closing = True
+                writer.transport.abort()
+
+
+# --- starting and stopping from a driver ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KafkaGateway:
+    """The gateways started by ``Bus.start_gateway``: their addresses, and how to stop them."""
+
+    namespace: str
+    brokers: tuple[tuple[str, int, int, str], ...]  # (host, port, broker id, node id) per gateway
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``host:port,...``: what Kafka clients take as ``bootstrap.servers``."""
+        return ",".join(f"{'[' + h + ']' if ':' in h else h}:{p}" for h, p, _, _ in self.brokers)
+
+    def actors(self) -> list:
+        return [ray.get_actor(gateway_name(node_id), namespace=self.namespace) for _, _, _, node_id in self.brokers]
+
+    def stats(self) -> list[dict]:
+        """Each gateway's statistics (``Gateway.stats``), with its address."""
+        out = []
+        for (host, port, broker_id, node_id), actor in zip(self.brokers, self.actors()):
+            out.append({"host": host, "port": port, "broker_id": broker_id, "node_id": node_id, **ray.get(actor.stats.remote(), timeout=CONTROL_TIMEOUT_S)})
+        return out
+
+    def stop(self) -> None:
+        """Close the listeners and end the gateway actors."""
+        for _, _, _, node_id in self.brokers:
+            try:
+                actor = ray.get_actor(gateway_name(node_id), namespace=self.namespace)
+            except ValueError:
+                continue
+            try:
+                ray.get(actor.shutdown.remote(), timeout=CONTROL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            ray.kill(actor, no_restart=True)
+
+
+def _check_port(port) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InvalidConfigError(f"port must be an int in 0..65535 (0: any free port), not {port!r}")
+    return port
+
+
+def start_gateways(
+    namespace: str,
+    controller,
+    host: str = "127.0.0.1",
+    port: int = 9092,
+    *,
+    all_nodes: bool = False,
+    advertised_host: str | None = None,
+    max_request_bytes: int = kg.MAX_REQUEST_BYTES_DEFAULT,
+) -> KafkaGateway:
+    """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``."""
+    if not isinstance(host, str):
+        raise InvalidConfigError(f"host must be a str, not {host!r}")
+    _check_port(port)
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
+        raise InvalidConfigError(f"max_request_bytes must be an int of at least 1024, not {max_request_bytes!r}")
+    if all_nodes:
+        nodes = [n["node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
+        here = ray.get_runtime_context().get_node_id()
+        if not nodes:
+            nodes = [here]
+    else:
+        nodes = [ray.get_runtime_context().get_node_id()]
+    actors = []
+    for node_id in nodes:
+        actors.append(
+            ray.remote(Gateway)
+            .options(
+                name=gateway_name(node_id),
+                namespace=namespace,
+                lifetime="detached",  # until stop(): a handle dropped by the caller must not end it
+                get_if_exists=True,
+                max_restarts=-1,
+                max_task_retries=0,
+                num_cpus=0,
+                max_concurrency=8,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            )
+            .remote(namespace, host, port, advertised_host, max_request_bytes)
+        )
+    try:
+        addresses = ray.get([a.address.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
+    except RayError as error:
+        cause = unwrap(error)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        if isinstance(cause, OSError) or "Address already in use" in str(error):
+            raise IllegalStateError(f"the Kafka gateway cannot listen on {host}:{port}: {error}") from None
+        raise cause from None
+    ray.get([a.set_peers.remote(addresses) for a in actors], timeout=CONTROL_TIMEOUT_S)
+    return KafkaGateway(namespace, tuple(tuple(a) for a in addresses))

@@ -1,0 +1,564 @@
+"""Kafka v2 record batches <-> logbus batches: what the Kafka gateway does to records. No Ray, no I/O.
+
+A Kafka client produces Kafka's record batch format (magic 2, KIP-98); logbus
+stores Arrow batches (``storage/record_batch.py``). The gateway turns each
+Kafka batch of a produce request into exactly one logbus batch with the same
+records, and each logbus batch a fetch returns into one Kafka batch, so both
+kinds of client see the same offsets, keys, values, headers and timestamps:
+
+- offsets: a Kafka batch's records take consecutive offsets from the batch's
+  base offset, as a logbus batch's do; a fetched logbus batch becomes a Kafka
+  batch with the same base offset and record count;
+- the idempotent producer's id, epoch and base sequence go from the Kafka
+  batch header into the logbus header unchanged, so the leader's
+  de-duplication applies to Kafka producers' retries as to logbus's;
+- timestamps: a record's timestamp is the batch's base timestamp plus its
+  delta; a LogAppendTime logbus batch becomes a Kafka batch with the
+  timestamp-type bit set and the append time as its max timestamp (which is
+  what Kafka consumers report for every record of such a batch);
+- headers: Kafka's (key, value) pairs become logbus's ``map<string, binary>``
+  entries in their order (keys must be UTF-8, as Kafka's Java client makes
+  them); a record without headers has null headers.
+
+Kafka batch layout (big-endian)::
+
+    position  size  field
+    0         8     baseOffset
+    8         4     batchLength            bytes after this field
+    12        4     partitionLeaderEpoch
+    16        1     magic                  2
+    17        4     crc                    CRC32C of bytes [21, 12 + batchLength)
+    21        2     attributes             bits 0-2 codec, 3 timestamp type, 4 transactional, 5 control
+    23        4     lastOffsetDelta
+    27        8     baseTimestamp
+    35        8     maxTimestamp
+    43        8     producerId
+    51        2     producerEpoch
+    53        4     baseSequence
+    57        4     recordCount
+    61              records (compressed as a whole when the codec is not 0)
+
+    record: length varint, attributes int8, timestampDelta varlong, offsetDelta varint,
+            keyLength varint, key, valueLength varint, value, headerCount varint,
+            headers (keyLength varint, key, valueLength varint, value); all varints zigzag
+
+Produce requests may use any of Kafka's codecs (gzip, snappy in its raw or
+xerial framing, LZ4 frames, zstd: all through ``cramjam``); decompression
+writes into a buffer of bounded size, so a small frame cannot expand without
+limit. Fetch replies are uncompressed (the gateway runs beside its clients'
+brokers; a codec would cost CPU on both ends to save loopback bytes).
+
+Speed. Records are variable-length, so finding where each begins is a loop
+over the records (one varint each); everything else is done per field for
+all records at once with numpy (varints, offsets, timestamps), and keys and
+values are cut out with slices, joined and handed to Arrow in C-level calls.
+Headers, rare on the hot path, are handled per record.
+
+Errors: a batch that fails a length, CRC or format check raises
+:class:`~logbus.errors.CorruptRecordError` (Kafka's CORRUPT_MESSAGE); one that
+is well-formed but not acceptable (transactional or control batches, offset
+deltas out of order, a header key that is not UTF-8) raises
+:class:`~logbus.errors.InvalidRecordError` (Kafka's INVALID_RECORD). Nothing
+is returned for a batch that failed.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+import cramjam
+import crc32c
+import numpy as np
+import pyarrow as pa
+
+from logbus.errors import CorruptRecordError, InvalidRecordError
+from logbus.storage import record_batch as rb
+
+KAFKA_MAGIC = 2
+HEADER = struct.Struct(">qiibIhiqqqhii")
+HEADER_SIZE = HEADER.size  # 61
+LOG_OVERHEAD = 12  # baseOffset and batchLength: the bytes batchLength does not count
+CRC_START = 21  # the CRC covers attributes to the end
+MIN_BATCH_LENGTH = HEADER_SIZE - LOG_OVERHEAD
+assert HEADER_SIZE == 61, "Kafka's batch header is 61 bytes"
+
+# Attributes.
+CODEC_MASK = 0x07
+TIMESTAMP_TYPE_BIT = 0x08
+TRANSACTIONAL_BIT = 0x10
+CONTROL_BIT = 0x20
+CODEC_NONE, CODEC_GZIP, CODEC_SNAPPY, CODEC_LZ4, CODEC_ZSTD = range(5)
+CODEC_NAMES = {CODEC_NONE: None, CODEC_GZIP: "gzip", CODEC_SNAPPY: "snappy", CODEC_LZ4: "lz4", CODEC_ZSTD: "zstd"}
+
+DECOMPRESSED_MAX_BYTES = 256 << 20  # a compressed batch may expand to at most this much
+RECORDS_MAX = 2**31 - 1
+_XERIAL_MAGIC = b"\x82SNAPPY\x00"
+_XERIAL_HEADER = 16  # magic, version int32, compatible version int32
+_U64 = np.uint64
+_SEVEN = np.uint64(7)
+_LOW7 = np.uint64(0x7F)
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaBatchHeader:
+    """The header fields of one Kafka batch (see the module docstring)."""
+
+    base_offset: int
+    batch_length: int
+    partition_leader_epoch: int
+    magic: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    base_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    record_count: int
+
+    @property
+    def size_bytes(self) -> int:
+        return LOG_OVERHEAD + self.batch_length
+
+    @property
+    def codec(self) -> int:
+        return self.attributes & CODEC_MASK
+
+
+@dataclass(frozen=True, slots=True)
+class ProducedBatch:
+    """A Kafka batch from a produce request, as the logbus batch to append."""
+
+    header: KafkaBatchHeader
+    encoded: bytes  # the framed logbus batch
+    record_count: int
+    max_timestamp_ms: int
+
+
+# --- reading Kafka batches ---------------------------------------------------------------------------
+
+
+def read_header(data, position: int = 0) -> KafkaBatchHeader:
+    """The header of the Kafka batch at ``position``, with its lengths checked (not its CRC)."""
+    available = len(data) - position
+    if available < HEADER_SIZE:
+        raise CorruptRecordError(f"Kafka batch header at position {position} is cut short ({available} of {HEADER_SIZE} bytes)")
+    header = KafkaBatchHeader(*HEADER.unpack_from(data, position))
+    if header.magic != KAFKA_MAGIC:
+        raise CorruptRecordError(f"Kafka batch at position {position} has magic {header.magic}; only record batches (magic 2) are accepted")
+    if header.batch_length < MIN_BATCH_LENGTH or header.size_bytes > available:
+        raise CorruptRecordError(
+            f"Kafka batch at position {position} claims {header.batch_length} bytes; {available - LOG_OVERHEAD} are there"
+        )
+    if header.record_count < 0 or (header.record_count and header.last_offset_delta != header.record_count - 1):
+        raise CorruptRecordError(
+            f"Kafka batch at position {position}: {header.record_count} records with last offset delta {header.last_offset_delta}"
+        )
+    return header
+
+
+def iter_batches(data) -> Iterator[tuple[int, KafkaBatchHeader]]:
+    """(position, header) of each batch in a buffer of whole Kafka batches (a produce request's records)."""
+    view = memoryview(data).cast("B")
+    position = 0
+    while position < len(view):
+        header = read_header(view, position)
+        yield position, header
+        position += header.size_bytes
+
+
+def _decompress(codec: int, payload: memoryview, limit: int) -> bytes:
+    out = np.empty(limit, np.uint8)  # untouched pages cost nothing: only what is written is backed
+    try:
+        if codec == CODEC_GZIP:
+            size = cramjam.gzip.decompress_into(payload, out)
+        elif codec == CODEC_SNAPPY:
+            size = _snappy_into(payload, out)
+        elif codec == CODEC_LZ4:
+            size = cramjam.lz4.decompress_into(payload, out)
+        elif codec == CODEC_ZSTD:
+            size = cramjam.zstd.decompress_into(payload, out)
+        else:
+            raise CorruptRecordError(f"unknown compression codec {codec}")
+    except cramjam.DecompressionError as error:
+        raise CorruptRecordError(f"{CODEC_NAMES.get(codec)} records do not decompress (or expand past {limit} bytes): {error}") from None
+    if size >= limit:
+        raise CorruptRecordError(f"{CODEC_NAMES.get(codec)} records expand past {limit} bytes")
+    return out[:size].tobytes()
+
+
+def _snappy_into(payload: memoryview, out: np.ndarray) -> int:
+    """Raw snappy (librdkafka) or xerial's framing of raw blocks (Kafka's Java client)."""
+    if bytes(payload[:8]) != _XERIAL_MAGIC:
+        return cramjam.snappy.decompress_raw_into(payload, out)
+    position, written = _XERIAL_HEADER, 0
+    while position < len(payload):
+        if position + 4 > len(payload):
+            raise CorruptRecordError("xerial snappy block length is cut short")
+        (length,) = struct.unpack_from(">i", payload, position)
+        position += 4
+        if length < 0 or position + length > len(payload):
+            raise CorruptRecordError("xerial snappy block runs past the records")
+        written += cramjam.snappy.decompress_raw_into(payload[position : position + length], out[written:])
+        position += length
+    return written
+
+
+def _zigzag_decode(raw: np.ndarray) -> np.ndarray:
+    return (raw >> np.uint64(1)).astype(np.int64) ^ -(raw & np.uint64(1)).astype(np.int64)
+
+
+def _read_varints(buf: np.ndarray, positions: np.ndarray, ends: np.ndarray, max_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Zigzag varints at ``positions`` (one per record), each within its record's ``ends``: (values, sizes)."""
+    if positions.size and not (positions < ends).all():
+        raise CorruptRecordError("a record ends in the middle of its fields")
+    first = buf[positions]
+    raw = (first & 0x7F).astype(_U64)
+    sizes = np.ones(positions.size, np.int64)
+    active = np.flatnonzero(first & 0x80)
+    shift = 7
+    while active.size:
+        if shift >= 7 * max_bytes:
+            raise CorruptRecordError("a varint in a record is too long")
+        at = positions[active] + sizes[active]
+        if not (at < ends[active]).all():
+            raise CorruptRecordError("a record ends in the middle of a varint")
+        more = buf[at]
+        raw[active] |= (more & 0x7F).astype(_U64) << np.uint64(shift)
+        sizes[active] += 1
+        active = active[(more & 0x80) != 0]
+        shift += 7
+    return _zigzag_decode(raw), sizes
+
+
+def _record_bodies(data: bytes, count: int) -> tuple[list[int], list[int]]:
+    """Where each record's body starts and how long it is: the one loop over the records.
+
+    Each record begins with its length (a zigzag varint): nothing else tells
+    where the next one starts.
+    """
+    starts = [0] * count
+    lengths = [0] * count
+    position = 0
+    try:
+        for i in range(count):
+            b = data[position]
+            if b < 0x80:
+                n = b
+                position += 1
+            else:
+                b1 = data[position + 1]
+                if b1 < 0x80:
+                    n = (b & 0x7F) | (b1 << 7)
+                    position += 2
+                else:
+                    n, size = _varint_at(data, position)
+                    position += size
+            length = (n >> 1) ^ -(n & 1)
+            if length <= 0:
+                raise CorruptRecordError(f"record {i} has length {length}")
+            starts[i] = position
+            lengths[i] = length
+            position += length
+    except IndexError:
+        raise CorruptRecordError("the records are cut short") from None
+    if position != len(data):
+        raise CorruptRecordError(f"the records take {position} bytes; the batch holds {len(data)}")
+    return starts, lengths
+
+
+def _varint_at(data, position: int, max_bytes: int = 5) -> tuple[int, int]:
+    """(raw unsigned value, size) of the varint at ``position``."""
+    value = shift = 0
+    for size in range(1, max_bytes + 1):
+        b = data[position + size - 1]
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, size
+        shift += 7
+    raise CorruptRecordError("a varint is too long")
+
+
+def _binary_column(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """A binary array of ``data[start:start + length]`` per record; length -1 is null."""
+    count = starts.size
+    nulls = lengths < 0
+    sizes = np.where(nulls, 0, lengths)
+    offsets = np.zeros(count + 1, np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise InvalidRecordError("a batch holds over 2 GiB of keys or values")
+    ends = starts + sizes
+    joined = b"".join([data[s:e] for s, e in zip(starts.tolist(), ends.tolist())])
+    validity = None
+    null_count = int(nulls.sum())
+    if null_count:
+        validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
+    return pa.Array.from_buffers(
+        pa.binary(), count, [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(joined)], null_count=null_count
+    )
+
+
+def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> pa.Array:
+    """The headers of every record (null where a record has none); per record, as headers are rare."""
+    rows: list = [None] * starts.size
+    for i in np.flatnonzero(counts).tolist():
+        position, end, entries = int(starts[i]), int(ends[i]), []
+        try:
+            for _ in range(int(counts[i])):
+                raw, size = _varint_at(data, position)
+                key_length = (raw >> 1) ^ -(raw & 1)
+                position += size
+                if key_length < 0 or position + key_length > end:
+                    raise CorruptRecordError(f"record {i}: a header key runs past the record")
+                try:
+                    key = data[position : position + key_length].decode()
+                except UnicodeDecodeError:
+                    raise InvalidRecordError(f"record {i}: a header key is not UTF-8") from None
+                position += key_length
+                raw, size = _varint_at(data, position)
+                value_length = (raw >> 1) ^ -(raw & 1)
+                position += size
+                if value_length < -1 or position + max(value_length, 0) > end:
+                    raise CorruptRecordError(f"record {i}: a header value runs past the record")
+                value = None if value_length < 0 else data[position : position + value_length]
+                position += max(value_length, 0)
+                entries.append((key, value))
+        except IndexError:
+            raise CorruptRecordError(f"record {i}: its headers are cut short") from None
+        if position != end:
+            raise CorruptRecordError(f"record {i}: {end - position} bytes left after its headers")
+        rows[i] = entries
+    return pa.array(rows, rb.HEADERS_TYPE)
+
+
+def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
+    """The records of one (decompressed) Kafka batch as an Arrow batch of logbus's schema."""
+    count = header.record_count
+    if count == 0:
+        raise InvalidRecordError("a Kafka batch without records")
+    body_starts, body_lengths = _record_bodies(records, count)
+    buf = np.frombuffer(records, np.uint8)
+    starts = np.array(body_starts, np.int64)
+    ends = starts + np.array(body_lengths, np.int64)
+    position = starts + 1  # past the record's attributes (unused, as in Kafka)
+    if not (position <= ends).all():
+        raise CorruptRecordError("a record ends before its fields")
+    timestamp_deltas, sizes = _read_varints(buf, position, ends, 10)
+    position += sizes
+    offset_deltas, sizes = _read_varints(buf, position, ends, 5)
+    position += sizes
+    if not np.array_equal(offset_deltas, np.arange(count)):
+        raise InvalidRecordError("the records' offset deltas are not 0, 1, 2, ...")
+    key_lengths, sizes = _read_varints(buf, position, ends, 5)
+    position += sizes
+    key_starts = position
+    position = position + np.maximum(key_lengths, 0)
+    value_lengths, sizes = _read_varints(buf, position, ends, 5)
+    position += sizes
+    value_starts = position
+    position = position + np.maximum(value_lengths, 0)
+    header_counts, sizes = _read_varints(buf, position, ends, 5)
+    position += sizes
+    if (key_lengths < -1).any() or (value_lengths < -1).any() or (header_counts < 0).any():
+        raise CorruptRecordError("a record has a negative length")
+    if not (position <= ends).all():
+        raise CorruptRecordError("a record's key or value runs past the record")
+    if header_counts.any():
+        headers = _headers_column(records, position, header_counts, ends)
+    else:
+        if not np.array_equal(position, ends):
+            raise CorruptRecordError("a record has bytes left after its fields")
+        headers = pa.nulls(count, rb.HEADERS_TYPE)
+    timestamps = pa.array(timestamp_deltas + header.base_timestamp)
+    return pa.RecordBatch.from_arrays(
+        [_binary_column(records, key_starts, key_lengths), _binary_column(records, value_starts, value_lengths), timestamps, headers],
+        schema=rb.SCHEMA,
+    )
+
+
+def decode_batch(data, position: int = 0, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> tuple[KafkaBatchHeader, pa.RecordBatch]:
+    """Check (lengths, CRC, attributes) and decode the Kafka batch at ``position``: (header, records)."""
+    view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    header = read_header(view, position)
+    end = position + header.size_bytes
+    if crc32c.crc32c(view[position + CRC_START : end]) != header.crc:
+        raise CorruptRecordError(f"Kafka batch at position {position} fails its CRC")
+    if header.attributes & CONTROL_BIT:
+        raise InvalidRecordError("control batches (transaction markers) cannot be produced")
+    if header.attributes & TRANSACTIONAL_BIT:
+        raise InvalidRecordError("transactional batches are not supported")
+    payload = view[position + HEADER_SIZE : end]
+    codec = header.codec
+    records = bytes(payload) if codec == CODEC_NONE else _decompress(codec, payload, decompressed_max_bytes)
+    return header, decode_records(header, records)
+
+
+def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> ProducedBatch:
+    """The one Kafka batch of a produce request's partition data as the logbus batch to append.
+
+    Kafka requires exactly one batch per partition in a produce request of
+    magic 2 (InvalidRecordError otherwise), which keeps an idempotent
+    producer's batch and its sequence numbers one unit here too.
+    """
+    view = memoryview(data).cast("B")
+    header = read_header(view, 0)
+    if header.size_bytes != len(view):
+        raise InvalidRecordError("a produce request carries exactly one record batch per partition")
+    header, records = decode_batch(view, 0, decompressed_max_bytes=decompressed_max_bytes)
+    timestamps = records.column(2).to_numpy()
+    timestamp_range = (int(timestamps[0]), int(timestamps.max()))
+    encoded = rb.frame_record_batch(
+        records,
+        producer_id=header.producer_id,
+        producer_epoch=header.producer_epoch,
+        base_sequence=header.base_sequence,
+        timestamp_range=timestamp_range,
+    )
+    return ProducedBatch(header, encoded, header.record_count, timestamp_range[1])
+
+
+# --- writing Kafka batches -------------------------------------------------------------------------
+
+
+def _zigzag(values: np.ndarray) -> np.ndarray:
+    values = values.astype(np.int64, copy=False)
+    return ((values << 1) ^ (values >> 63)).view(_U64)
+
+
+def _varint_sizes(raw: np.ndarray) -> np.ndarray:
+    sizes = np.ones(raw.size, np.int64)
+    rest = raw >> _SEVEN
+    while True:
+        more = rest != 0
+        if not more.any():
+            return sizes
+        sizes += more
+        rest >>= _SEVEN
+
+
+def _write_varints(out: np.ndarray, positions: np.ndarray, raw: np.ndarray, sizes: np.ndarray) -> None:
+    """Write ``raw`` (zigzagged) as varints of ``sizes`` bytes at ``positions``."""
+    active = np.arange(raw.size)
+    rest = raw.copy()
+    k = 0
+    while active.size:
+        more = sizes[active] > k + 1
+        out[positions[active] + k] = (rest[active] & _LOW7).astype(np.uint8) | (more.astype(np.uint8) << 7)
+        rest[active] >>= _SEVEN
+        active = active[more]
+        k += 1
+
+
+def _varint_bytes(value: int) -> bytes:
+    raw = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while raw >= 0x80:
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+    out.append(raw)
+    return bytes(out)
+
+
+def _binary_parts(array: pa.Array) -> tuple[np.ndarray, np.ndarray, memoryview | None]:
+    """(lengths with -1 for null, start offsets into the data, the data) of a binary array."""
+    count = len(array)
+    _, offsets_buffer, data_buffer = array.buffers()
+    offsets = np.frombuffer(offsets_buffer, np.int32)[array.offset : array.offset + count + 1].astype(np.int64)
+    lengths = np.diff(offsets)
+    if array.null_count:
+        lengths[np.asarray(array.is_null())] = -1
+    return lengths, offsets[:-1], None if data_buffer is None else memoryview(data_buffer).cast("B")
+
+
+def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, list[bytes] | None]:
+    """Per record: the header count and (where any) the encoded header entries."""
+    count = len(headers)
+    if headers.null_count == count:
+        return np.zeros(count, np.int64), None
+    counts = np.zeros(count, np.int64)
+    blobs: list[bytes] = [b""] * count
+    for i, entries in enumerate(headers.to_pylist()):
+        if not entries:
+            continue
+        parts = []
+        for key, value in entries:
+            key_bytes = key.encode()
+            parts += [_varint_bytes(len(key_bytes)), key_bytes]
+            parts += [_varint_bytes(-1)] if value is None else [_varint_bytes(len(value)), value]
+        counts[i] = len(entries)
+        blobs[i] = b"".join(parts)
+    return counts, blobs
+
+
+def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes:
+    """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch."""
+    count = records.num_rows
+    keys, values, timestamp_column, headers = (records.column(i) for i in range(4))
+    timestamps = timestamp_column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    base_timestamp = int(timestamps[0])
+    timestamp_raw = _zigzag(timestamps - base_timestamp)
+    offset_raw = _zigzag(np.arange(count, dtype=np.int64))
+    key_lengths, key_offsets, key_data = _binary_parts(keys)
+    value_lengths, value_offsets, value_data = _binary_parts(values)
+    key_raw, value_raw = _zigzag(key_lengths), _zigzag(value_lengths)
+    header_counts, header_blobs = _header_blobs(headers)
+    header_raw = _zigzag(header_counts)
+    header_bytes = np.zeros(count, np.int64) if header_blobs is None else np.array([len(b) for b in header_blobs], np.int64)
+
+    sizes = [_varint_sizes(x) for x in (timestamp_raw, offset_raw, key_raw, value_raw, header_raw)]
+    ts_size, off_size, key_size, value_size, hdr_size = sizes
+    key_bytes, value_bytes = np.maximum(key_lengths, 0), np.maximum(value_lengths, 0)
+    body = 1 + ts_size + off_size + key_size + key_bytes + value_size + value_bytes + hdr_size + header_bytes
+    body_raw = _zigzag(body)
+    length_size = _varint_sizes(body_raw)
+    record_size = length_size + body
+    starts = np.zeros(count, np.int64)
+    np.cumsum(record_size[:-1], out=starts[1:])
+    total = int(starts[-1] + record_size[-1])
+
+    out = np.zeros(HEADER_SIZE + total, np.uint8)  # record attributes stay 0
+    at = starts + HEADER_SIZE
+    _write_varints(out, at, body_raw, length_size)
+    at = at + length_size + 1  # past the length and the attributes
+    _write_varints(out, at, timestamp_raw, ts_size)
+    at += ts_size
+    _write_varints(out, at, offset_raw, off_size)
+    at += off_size
+    _write_varints(out, at, key_raw, key_size)
+    key_at = at + key_size
+    at = key_at + key_bytes
+    _write_varints(out, at, value_raw, value_size)
+    value_at = at + value_size
+    at = value_at + value_bytes
+    _write_varints(out, at, header_raw, hdr_size)
+    header_at = at + hdr_size
+
+    target = memoryview(out)
+    for column_at, column_offsets, lengths, data in ((key_at, key_offsets, key_bytes, key_data), (value_at, value_offsets, value_bytes, value_data)):
+        if data is None:
+            continue
+        for dest, source, length in zip(column_at.tolist(), column_offsets.tolist(), lengths.tolist()):
+            if length:
+                target[dest : dest + length] = data[source : source + length]
+    if header_blobs is not None:
+        for dest, blob in zip(header_at.tolist(), header_blobs):
+            if blob:
+                target[dest : dest + len(blob)] = blob
+
+    attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
+    max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
+    HEADER.pack_into(
+        out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,
+        count - 1, base_timestamp, max_timestamp, header.producer_id, header.producer_epoch, header.base_sequence, count,
+    )
+    struct.pack_into(">I", out, 17, crc32c.crc32c(target[CRC_START:]))
+    return out.tobytes()
+
+
+def to_kafka(buffer, *, verify_crc: bool = True) -> bytes:
+    """A buffer of whole logbus batches (a fetch reply) as Kafka batches, one per logbus batch, uncompressed."""
+    return b"".join(encode_kafka_batch(header, records) for header, records in rb.decode_batches(buffer, verify_crc=verify_crc))

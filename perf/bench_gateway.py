@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Kafka gateway benchmark: confluent-kafka through the gateway against logbus's native clients, in one run.
+
+Run with ``./dev bench gateway`` (= ``.venv/bin/python perf/bench_gateway.py``).
+``--quick`` makes a short smoke run; ``--records N`` sets the records per
+repetition.
+
+One private local Ray, a fresh temp ``data_dir``, a unique namespace, and one
+gateway (``bus.start_gateway(port=0)``: loopback, a free port) on this node.
+Every value is 100 bytes (random, incompressible); keys and headers are null;
+every topic has one partition; acks=1 everywhere. Cases:
+
+1. produce  (native) one ``logbus.Producer`` sends the same pre-built 10,000-row
+            table with ``send_table()`` until N records, then ``flush()``;
+            (kafka)  one ``confluent_kafka.Producer`` through the gateway,
+            ``produce()`` per record (``linger.ms`` 5, ``batch.size`` 1 MiB,
+            no compression, not idempotent), then ``flush()``.
+2. consume  both read the native case's topic from offset 0 to its end:
+            (native) ``Consumer.poll_arrow()`` on the assigned partition;
+            (kafka)  a ``confluent_kafka.Consumer`` with the partition assigned at
+            offset 0 (no group), ``consume(10000, 1.0)`` until N messages.
+
+Each case runs once unmeasured as a warm-up, then ``reps`` times (3; quick 1);
+the best repetition is reported. Target: each Kafka figure >= 50% of its native
+counterpart. The machine is shared: the load average at the start and end is
+printed too. The last lines of the output are one JSON object per result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+# First: it puts this tree's logbus on sys.path.
+from _common import (
+    TABLE_ROWS,
+    VALUE_SIZE,
+    RunInfo,
+    arg_parser,
+    delete_topics,
+    exit_on_sigterm,
+    fmt,
+    fmt_rate,
+    json_value,
+    log,
+    make_pool,
+    make_table,
+    new_namespace,
+    print_table,
+    produce_tables,
+    remove_dir,
+    shutdown_ray,
+    start_local_ray,
+)
+
+import logbus
+from logbus import Consumer, Producer, TopicPartition
+
+RATIO_TARGET = 0.5  # Kafka client through the gateway / native logbus client
+TIME_CAP_S = 90.0  # per repetition
+
+
+@dataclass
+class Mode:
+    records: int
+    reps: int
+
+
+FULL = Mode(records=1_000_000, reps=3)
+QUICK = Mode(records=200_000, reps=1)
+
+
+@dataclass
+class Result:
+    case: str
+    records_per_s: float
+    reps: list[float]
+    ratio: float | None = None
+    target: str | None = None
+    meets_target: bool | None = None
+
+
+def native_produce(bus, topic: str, table, n: int) -> float:
+    with Producer(bus, acks=1) as producer:
+        sent = produce_tables(producer, topic, table, n, TIME_CAP_S)
+    return sent.records / sent.seconds
+
+
+def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> float:
+    import confluent_kafka as ck
+
+    producer = ck.Producer({
+        "bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 5, "batch.size": 1 << 20, "enable.idempotence": False,
+        "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 1 << 20,
+    })
+    failures = []
+
+    def delivered(error, _message) -> None:
+        if error is not None:
+            failures.append(error)
+
+    # Ready before the clock starts: metadata and the connection to the leader's gateway.
+    producer.list_topics(topic, timeout=30)
+    produce = producer.produce
+    sent = 0
+    start = time.perf_counter()
+    deadline = start + TIME_CAP_S
+    while sent < n and time.perf_counter() < deadline:
+        for value in pool:
+            try:
+                produce(topic, value, on_delivery=delivered)
+            except BufferError:
+                producer.poll(0.01)
+                produce(topic, value, on_delivery=delivered)
+        sent += len(pool)
+        producer.poll(0)
+    remaining = producer.flush(120)
+    seconds = time.perf_counter() - start
+    if remaining or failures:
+        raise RuntimeError(f"kafka produce: {remaining} records without an outcome, {len(failures)} failed, e.g. {failures[:1]}")
+    return sent / seconds
+
+
+def native_consume(bus, topic: str, n: int) -> float:
+    tp = TopicPartition(topic, 0)
+    consumer = Consumer(bus)
+    try:
+        consumer.assign([tp])
+        consumer.seek(tp, 0)
+        total = 0
+        start = time.perf_counter()
+        deadline = start + TIME_CAP_S
+        while total < n and time.perf_counter() < deadline:
+            total += consumer.poll_arrow(timeout_ms=1000).num_rows
+        seconds = time.perf_counter() - start
+    finally:
+        consumer.close()
+    if total < n:
+        raise RuntimeError(f"native consume read {total} of {n} records")
+    return total / seconds
+
+
+def kafka_consume(bootstrap: str, topic: str, n: int) -> float:
+    import confluent_kafka as ck
+
+    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.monotonic_ns()}", "enable.auto.commit": False,
+                            "auto.offset.reset": "earliest"})
+    try:
+        consumer.list_topics(topic, timeout=30)
+        consumer.assign([ck.TopicPartition(topic, 0, 0)])
+        total = 0
+        start = time.perf_counter()
+        deadline = start + TIME_CAP_S
+        while total < n and time.perf_counter() < deadline:
+            messages = consumer.consume(10_000, 1.0)
+            for message in messages:
+                if message.error() is not None:
+                    raise RuntimeError(f"kafka consume: {message.error()}")
+            total += len(messages)
+        seconds = time.perf_counter() - start
+    finally:
+        consumer.close()
+    if total < n:
+        raise RuntimeError(f"kafka consume read {total} of {n} records")
+    return total / seconds
+
+
+def main() -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--records", type=int, default=None, help=f"records per repetition (default: {FULL.records:,}; --quick {QUICK.records:,})")
+    args = parser.parse_args()
+    mode = QUICK if args.quick else FULL
+    if args.records is not None:
+        if args.records < TABLE_ROWS:
+            parser.error(f"--records must be at least {TABLE_ROWS}")
+        mode.records = args.records
+    n = mode.records
+
+    exit_on_sigterm()
+    run = RunInfo(quick=bool(args.quick))
+    data_dir = tempfile.mkdtemp(prefix="logbus-bench-gateway-")
+    namespace = new_namespace("bench-gateway")
+    log(f"mode={'quick' if args.quick else 'full'} records={n:,} reps={mode.reps} data_dir={data_dir} "
+        f"load average {run.load_start[0]:.1f} on {os.cpu_count()} CPUs")
+    pool = make_pool(TABLE_ROWS)
+    table = make_table(pool)
+    bus = None
+    gateway = None
+    topics: list[str] = []
+    samples: dict[str, list[float]] = {"native produce": [], "kafka produce": [], "native consume": [], "kafka consume": []}
+    try:
+        start_local_ray(namespace)
+        bus = logbus.connect(data_dir=data_dir, namespace=namespace)
+        gateway = bus.start_gateway(port=0)
+        log(f"gateway at {gateway.bootstrap_servers}")
+        for rep in range(mode.reps + 1):  # the first is the warm-up
+            native_topic, kafka_topic = f"native-{rep}", f"kafka-{rep}"
+            for topic in (native_topic, kafka_topic):
+                bus.admin.create_topic(topic, partitions=1)
+                topics.append(topic)
+            figures = {
+                "native produce": native_produce(bus, native_topic, table, n),
+                "kafka produce": kafka_produce(gateway.bootstrap_servers, kafka_topic, pool, n),
+                "native consume": native_consume(bus, native_topic, n),
+                "kafka consume": kafka_consume(gateway.bootstrap_servers, native_topic, n),
+            }
+            log(("warm-up: " if rep == 0 else f"rep {rep}: ") + ", ".join(f"{k} {fmt_rate(v)}/s" for k, v in figures.items()))
+            if rep > 0:
+                for case, value in figures.items():
+                    samples[case].append(value)
+            delete_topics(bus, topics)  # their replicas and files: the next repetition starts as this one did
+            topics.clear()
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if bus is not None:
+            delete_topics(bus, topics)
+        shutdown_ray()
+        remove_dir(data_dir)
+
+    results = [Result(case, max(values), values) for case, values in samples.items()]
+    by_case = {r.case: r for r in results}
+    for kind in ("produce", "consume"):
+        kafka, native = by_case[f"kafka {kind}"], by_case[f"native {kind}"]
+        kafka.ratio = kafka.records_per_s / native.records_per_s
+        kafka.target = f">= {RATIO_TARGET:.0%} of native {kind}"
+        kafka.meets_target = kafka.ratio >= RATIO_TARGET
+    wall = run.finish()
+    print_table(
+        ("case", "records/s", "MB/s", "vs native", "target", "meets"),
+        [(r.case, fmt_rate(r.records_per_s), fmt(r.records_per_s * VALUE_SIZE / 1e6, 1), fmt(r.ratio), r.target or "",
+          "" if r.meets_target is None else ("yes" if r.meets_target else "NO")) for r in results],
+    )
+    log(f"done in {wall:.0f}s; best of {mode.reps}; load average {run.load_start[0]:.1f} at the start, "
+        f"{run.load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
+    for r in results:
+        print(json.dumps({
+            "bench": "gateway", "case": r.case, "records_per_s": json_value(r.records_per_s),
+            "mb_per_s": json_value(r.records_per_s * VALUE_SIZE / 1e6, 1), "ratio_vs": "native" if r.ratio is not None else None,
+            "ratio": json_value(r.ratio), "target": r.target, "meets_target": r.meets_target, "reps": [json_value(x) for x in r.reps],
+            "records": n, "quick": run.quick, "date": run.date, "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

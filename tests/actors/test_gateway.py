@@ -1,0 +1,551 @@
+"""The Kafka gateway with real Kafka clients: kafka-python, aiokafka, confluent-kafka and kcat.
+
+Each client produces and consumes through ``bus.start_gateway``; a logbus
+Consumer then reads the same topic, and both must see the same records at the
+same offsets. Raw requests (built with kio, the gateway's own message types,
+sent over a plain socket) check error codes and de-duplication; a bounded
+fuzz run checks that bad frames cost a connection and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import threading
+import time
+
+import pytest
+from kio.index import load_request_schema, load_response_schema
+from kio.serial import entity_reader, entity_writer
+
+import logbus
+from logbus import TopicPartition
+from logbus import cli
+from logbus.protocol import kafka_gateway as kg
+from logbus.storage import record_batch as rb
+from tests.conftest import wait_for
+from tests.protocol.test_kafka_records import kafka_batch
+
+pytestmark = pytest.mark.timeout(600)
+
+N = 100_000  # records per client run
+PARTITIONS = 3
+KCAT = shutil.which("kcat")
+
+
+@pytest.fixture
+def gateway(bus):
+    gw = bus.start_gateway(port=0)
+    yield gw
+    gw.stop()
+
+
+def value_of(i: int) -> bytes:
+    return (b"value-%08d-" % i).ljust(100, b"x")
+
+
+def key_of(i: int) -> bytes:
+    return b"key-%d" % i
+
+
+# Record timestamps the producers set: distinct, and recent (older ones would fall to the topics'
+# time retention at once).
+TIMESTAMP_BASE_MS = int(time.time() * 1000) - N
+
+
+def timestamp_of(i: int) -> int:
+    return TIMESTAMP_BASE_MS + i
+
+
+def logbus_view(bus, topic: str, expected: int) -> dict:
+    """{(partition, offset): (key, value, timestamp, headers)} as a logbus Consumer reads the topic."""
+    consumer = logbus.Consumer(bus, topic, group_id=f"check-{time.monotonic_ns()}", enable_auto_commit=False)
+    seen: dict = {}
+    deadline = time.monotonic() + 120
+    try:
+        while len(seen) < expected and time.monotonic() < deadline:
+            for r in _records(consumer):
+                seen[(r.partition, r.offset)] = (r.key, r.value, r.timestamp, list(r.headers or []))
+    finally:
+        consumer.close()
+    return seen
+
+
+def _records(consumer):
+    batch = consumer.poll(timeout_ms=500, max_records=50_000)
+    return [r for records in batch.values() for r in records]
+
+
+def committed_offsets(bus, group: str) -> dict:
+    description = bus.admin.describe_group(group)
+    return {(row["topic"], row["partition"]): row["current_offset"] for row in description["offsets"]}
+
+
+def end_offsets(bus, topic: str) -> dict:
+    return {(topic, p.partition): p.high_watermark for p in bus.admin.describe_topic(topic).partitions}
+
+
+def check_same_records(bus, topic: str, kafka_seen: dict) -> None:
+    """The Kafka client's records are logbus's: same offsets, keys, values, timestamps, headers; all N, once."""
+    native = logbus_view(bus, topic, N)
+    assert len(native) == N
+    assert kafka_seen == native
+    assert sorted(v[0] for v in native.values()) == sorted(key_of(i) for i in range(N))
+
+
+# --- each client: produce N keyed records (acks=all, idempotent), consume them in a group with commits ---
+
+
+def test_confluent_kafka_produces_and_consumes_in_a_group(bus, gateway, topic_name):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    producer = ck.Producer({"bootstrap.servers": gateway.bootstrap_servers, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+    failures = []
+    for i in range(N):
+        headers = [("i", b"%d" % i)] if i % 1000 == 0 else None
+        while True:
+            try:
+                producer.produce(topic_name, key=key_of(i), value=value_of(i), timestamp=timestamp_of(i), headers=headers,
+                                 on_delivery=lambda err, msg: err and failures.append(err))
+                break
+            except BufferError:
+                producer.poll(0.05)
+        if i % 10_000 == 0:
+            producer.poll(0)
+    assert producer.flush(60) == 0 and not failures
+
+    group = "confluent-group"
+    consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": group, "auto.offset.reset": "earliest",
+                            "enable.auto.commit": False})
+    consumer.subscribe([topic_name])
+    seen: dict = {}
+    deadline = time.monotonic() + 120
+    while len(seen) < N and time.monotonic() < deadline:
+        for message in consumer.consume(10_000, 1.0):
+            assert message.error() is None, message.error()
+            timestamp_type, timestamp = message.timestamp()
+            assert timestamp_type == ck.TIMESTAMP_CREATE_TIME
+            seen[(message.partition(), message.offset())] = (message.key(), message.value(), timestamp, list(message.headers() or []))
+    consumer.commit(asynchronous=False)
+    committed = {(tp.topic, tp.partition): tp.offset for tp in consumer.committed([ck.TopicPartition(topic_name, p) for p in range(PARTITIONS)])}
+    consumer.close()
+    assert seen[next(k for k, v in seen.items() if v[0] == key_of(0))][3] == [("i", b"0")]
+    check_same_records(bus, topic_name, seen)
+    assert committed == end_offsets(bus, topic_name) == committed_offsets(bus, group)
+
+
+def test_kafka_python_produces_and_consumes_in_a_group(bus, gateway, topic_name):
+    from kafka import KafkaConsumer, KafkaProducer
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    producer = KafkaProducer(bootstrap_servers=gateway.bootstrap_servers, acks="all", enable_idempotence=True, linger_ms=5,
+                             batch_size=64 << 10)
+    futures = [producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=timestamp_of(i),
+                             headers=[("i", b"%d" % i)] if i % 1000 == 0 else None) for i in range(N)]
+    producer.flush(120)
+    assert all(f.succeeded() for f in futures)
+    producer.close()
+
+    group = "kafka-python-group"
+    consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id=group, auto_offset_reset="earliest",
+                             enable_auto_commit=False)
+    seen: dict = {}
+    deadline = time.monotonic() + 180
+    while len(seen) < N and time.monotonic() < deadline:
+        for records in consumer.poll(timeout_ms=1000, max_records=10_000).values():
+            for r in records:
+                seen[(r.partition, r.offset)] = (r.key, r.value, r.timestamp, [tuple(h) for h in r.headers])
+    consumer.commit()
+    consumer.close()
+    check_same_records(bus, topic_name, seen)
+    assert committed_offsets(bus, group) == end_offsets(bus, topic_name)
+
+
+def test_aiokafka_produces_and_consumes_in_a_group(bus, gateway, topic_name):
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    group = "aiokafka-group"
+
+    async def run() -> dict:
+        producer = AIOKafkaProducer(bootstrap_servers=gateway.bootstrap_servers, acks="all", enable_idempotence=True, linger_ms=5)
+        await producer.start()
+        try:
+            pending = [await producer.send(topic_name, key=key_of(i), value=value_of(i), timestamp_ms=timestamp_of(i),
+                                           headers=[("i", b"%d" % i)] if i % 1000 == 0 else None) for i in range(N)]
+            await asyncio.gather(*pending)
+        finally:
+            await producer.stop()
+        consumer = AIOKafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id=group,
+                                    auto_offset_reset="earliest", enable_auto_commit=False)
+        await consumer.start()
+        seen: dict = {}
+        try:
+            deadline = time.monotonic() + 180
+            while len(seen) < N and time.monotonic() < deadline:
+                for records in (await consumer.getmany(timeout_ms=1000, max_records=10_000)).values():
+                    for r in records:
+                        seen[(r.partition, r.offset)] = (r.key, r.value, r.timestamp, [tuple(h) for h in r.headers])
+            await consumer.commit()
+        finally:
+            await consumer.stop()
+        return seen
+
+    seen = asyncio.run(run())
+    check_same_records(bus, topic_name, seen)
+    assert committed_offsets(bus, group) == end_offsets(bus, topic_name)
+
+
+@pytest.mark.skipif(KCAT is None, reason="kcat is not installed (./dev installs Debian's kcat)")
+def test_kcat_produces_from_a_file_consumes_to_the_end_and_lists_metadata(bus, gateway, topic_name, tmp_path):
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    source = tmp_path / "records.txt"
+    source.write_bytes(b"".join(key_of(i) + b":" + value_of(i) + b"\n" for i in range(N)))
+    kcat = [KCAT, "-b", gateway.bootstrap_servers]
+    produced = subprocess.run([*kcat, "-P", "-t", topic_name, "-K", ":", "-X", "acks=all", "-X", "enable.idempotence=true",
+                               "-l", str(source)], capture_output=True, timeout=300)
+    assert produced.returncode == 0, produced.stderr.decode()
+
+    listed = subprocess.run([*kcat, "-L", "-t", topic_name], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    broker_id = gateway.brokers[0][2]
+    assert f'topic "{topic_name}" with {PARTITIONS} partitions' in listed.stdout
+    for p in range(PARTITIONS):
+        assert f"partition {p}, leader {broker_id}, replicas: {broker_id}, isrs: {broker_id}" in listed.stdout
+
+    consumed = subprocess.run([*kcat, "-C", "-t", topic_name, "-o", "beginning", "-e", "-f", "%p %o %T %k %s\\n"],
+                              capture_output=True, timeout=300)
+    assert consumed.returncode == 0, consumed.stderr.decode()
+    seen = {}
+    for line in consumed.stdout.splitlines():
+        partition, offset, timestamp, key, value = line.split(b" ")
+        seen[(int(partition), int(offset))] = (key, value, int(timestamp), [])
+    check_same_records(bus, topic_name, seen)
+
+    # And in a consumer group (kcat's balanced consumer), which commits what it read when it exits.
+    grouped = subprocess.run([*kcat, "-G", "kcat-group", topic_name, "-e", "-X", "auto.offset.reset=earliest", "-f", "%o\\n"],
+                             capture_output=True, timeout=300)
+    assert grouped.returncode == 0, grouped.stderr.decode()
+    assert len(grouped.stdout.splitlines()) == N
+    assert committed_offsets(bus, "kcat-group") == end_offsets(bus, topic_name)
+
+
+# --- groups shared with logbus consumers; codecs; timestamps; admin ------------------------------------
+
+
+def test_a_kafka_consumer_and_a_logbus_consumer_share_a_group(bus, gateway, topic_name):
+    import confluent_kafka as ck
+    from confluent_kafka.admin import AdminClient
+
+    partitions = 4
+    bus.admin.create_topic(topic_name, partitions=partitions)
+    with logbus.Producer(bus) as producer:
+        for i in range(2000):
+            producer.send(topic_name, value_of(i), key=key_of(i))
+    group = "mixed-group"
+    kafka = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": group, "auto.offset.reset": "earliest",
+                         "enable.auto.commit": False, "partition.assignment.strategy": "range", "session.timeout.ms": 10_000,
+                         "heartbeat.interval.ms": 500})
+    kafka.subscribe([topic_name])
+    native = logbus.Consumer(bus, topic_name, group_id=group, enable_auto_commit=False)
+    kafka_seen, native_seen = {}, {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for message in kafka.consume(1000, 0.2):
+                assert message.error() is None, message.error()
+                kafka_seen[(message.partition(), message.offset())] = message.key()
+            for r in _records_quick(native):
+                native_seen[(r.partition, r.offset)] = r.key
+            kafka_parts = {tp.partition for tp in kafka.assignment()}
+            native_parts = {tp.partition for tp in native.assignment()}
+            if len(kafka_parts) == len(native_parts) == 2 and len(kafka_seen) + len(native_seen) >= 2000:
+                break
+        assert kafka_parts.isdisjoint(native_parts) and kafka_parts | native_parts == set(range(partitions))
+        assert len(set(kafka_seen) | set(native_seen)) == 2000
+        members = bus.admin.describe_group(group)["members"]
+        assert len(members) == 2
+        # Kafka's admin tools see the one group, both members and their partitions (ListGroups, DescribeGroups).
+        admin = AdminClient({"bootstrap.servers": gateway.bootstrap_servers})
+        assert group in {g.group_id for g in admin.list_consumer_groups(request_timeout=30).result().valid}
+        [described] = admin.describe_consumer_groups([group], request_timeout=30).values()
+        description = described.result()
+        assert description.state == ck.ConsumerGroupState.STABLE and len(description.members) == 2
+        assigned = [tp.partition for m in description.members for tp in m.assignment.topic_partitions]
+        assert sorted(assigned) == list(range(partitions))
+    finally:
+        kafka.close()
+        native.close()
+
+
+def _records_quick(consumer):
+    return [r for records in consumer.poll(timeout_ms=100).values() for r in records]
+
+
+@pytest.mark.parametrize("codec", ["gzip", "snappy", "lz4", "zstd"])
+def test_compressed_batches_from_a_kafka_producer_are_stored_and_read_back(bus, gateway, topic_name, codec):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=1)
+    producer = ck.Producer({"bootstrap.servers": gateway.bootstrap_servers, "compression.type": codec, "linger.ms": 20})
+    for i in range(5000):
+        producer.produce(topic_name, key=key_of(i), value=value_of(i))
+    assert producer.flush(60) == 0
+    seen = logbus_view(bus, topic_name, 5000)
+    assert [seen[(0, i)][:2] for i in range(5000)] == [(key_of(i), value_of(i)) for i in range(5000)]
+
+
+def test_log_append_time_topics_report_the_append_time_to_both_kinds_of_client(bus, gateway, topic_name):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=1, config={"message.timestamp.type": "LogAppendTime"})
+    before = int(time.time() * 1000)
+    producer = ck.Producer({"bootstrap.servers": gateway.bootstrap_servers})
+    delivered = []
+    producer.produce(topic_name, value=b"v", timestamp=1_000, on_delivery=lambda err, msg: delivered.append((err, msg.timestamp())))
+    assert producer.flush(30) == 0
+    [(error, (kind, stamped))] = delivered
+    assert error is None and kind == ck.TIMESTAMP_LOG_APPEND_TIME and stamped >= before
+    consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": "lat", "auto.offset.reset": "earliest"})
+    consumer.subscribe([topic_name])
+    message = wait_for(lambda: next(iter(consumer.consume(1, 1.0)), None), timeout_s=60, message="the record")
+    consumer.close()
+    assert message.timestamp() == (ck.TIMESTAMP_LOG_APPEND_TIME, stamped)
+    [record] = logbus_view(bus, topic_name, 1).values()
+    assert record[2] == stamped
+
+
+def test_kafka_admin_creates_describes_lists_and_deletes(bus, gateway, topic_name):
+    from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": gateway.bootstrap_servers})
+    [future] = admin.create_topics([NewTopic(topic_name, num_partitions=2, replication_factor=1, config={"retention.ms": "60000"})]).values()
+    future.result(60)
+    assert bus.admin.describe_topic(topic_name).config == {"retention.ms": 60000}
+    [future] = admin.create_topics([NewTopic(topic_name, num_partitions=2, replication_factor=1)]).values()
+    with pytest.raises(Exception, match="TOPIC_ALREADY_EXISTS"):
+        future.result(60)
+    [described] = admin.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, topic_name)]).values()
+    configs = described.result(60)
+    assert configs["retention.ms"].value == "60000" and configs["segment.bytes"].is_default
+    assert topic_name in admin.list_topics(timeout=30).topics
+    [future] = admin.delete_topics([topic_name]).values()
+    future.result(60)
+    wait_for(lambda: topic_name not in bus.admin.list_topics(), timeout_s=30, message="the topic gone")
+
+
+def test_the_gateway_command_serves_until_stopped(bus, topic_name, capsys):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=1)
+    codes = []
+    command = threading.Thread(target=lambda: codes.append(cli.main(["--namespace", bus.namespace, "--data-dir", bus.data_dir,
+                                                                     "gateway", "--port", "0"])))
+    command.start()
+    printed = []
+
+    def bootstrap():
+        printed.append(capsys.readouterr().out)
+        line = next((l for l in "".join(printed).splitlines() if l.startswith("Kafka gateway serving: bootstrap.servers=")), None)
+        return line and line.split("=", 1)[1]
+
+    try:
+        servers = wait_for(bootstrap, timeout_s=60, message="the gateway's address")
+        assert servers.startswith("127.0.0.1:")  # loopback unless another address is asked for
+        producer = ck.Producer({"bootstrap.servers": servers, "acks": "all"})
+        producer.produce(topic_name, key=b"k", value=b"through the command")
+        assert producer.flush(30) == 0
+    finally:
+        cli.gateway_stop.set()
+        command.join(60)
+    assert codes == [0] and "Kafka gateway stopped." in capsys.readouterr().out
+    [(position, record)] = logbus_view(bus, topic_name, 1).items()
+    assert position == (0, 0) and record[:2] == (b"k", b"through the command")
+    with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens there any more
+        socket.create_connection(("127.0.0.1", int(servers.rsplit(":", 1)[1])), timeout=5)
+
+
+# --- raw requests: error codes and de-duplication --------------------------------------------------------
+
+
+class Raw:
+    """One connection speaking Kafka's protocol with kio's message types (what a client library does)."""
+
+    def __init__(self, gateway) -> None:
+        host, port = gateway.brokers[0][0], gateway.brokers[0][1]
+        self.sock = socket.create_connection((host, port), timeout=30)
+        self.correlation = 0
+
+    def send_frame(self, frame: bytes) -> None:
+        self.sock.sendall(struct.pack(">i", len(frame)) + frame)
+
+    def call(self, api_key: int, version: int, values: dict):
+        request_cls = load_request_schema(api_key, version)
+        self.correlation += 1
+        out = io.BytesIO()
+        entity_writer(request_cls.__header_schema__)(out, request_cls.__header_schema__(
+            request_api_key=api_key, request_api_version=version, correlation_id=self.correlation, client_id="raw"))
+        entity_writer(request_cls)(out, kg.build(request_cls, values))
+        self.send_frame(out.getvalue())
+        (size,) = struct.unpack(">i", self._read(4))
+        frame = self._read(size)
+        response_cls = load_response_schema(api_key, version)
+        header, used = entity_reader(response_cls.__header_schema__)(frame, 0)
+        assert header.correlation_id == self.correlation
+        body, _ = entity_reader(response_cls)(frame, used)
+        return body
+
+    def _read(self, size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = self.sock.recv(size - len(data))
+            if not chunk:
+                raise ConnectionError("the gateway closed the connection")
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def produce(raw: Raw, topic: str, records: bytes, acks: int = -1):
+    response = raw.call(kg.PRODUCE, 9, {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
+        {"name": topic, "partition_data": [{"index": 0, "records": records}]}]})
+    [partition] = response.responses[0].partition_responses
+    return partition
+
+
+def fetch(raw: Raw, topic: str, offset: int):
+    response = raw.call(kg.FETCH, 12, {"replica_id": -1, "max_wait": 0, "min_bytes": 1, "max_bytes": 1 << 20, "isolation_level": 0,
+                                       "session_id": 0, "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "", "topics": [
+        {"topic": topic, "partitions": [{"partition": 0, "current_leader_epoch": -1, "fetch_offset": offset, "last_fetched_epoch": -1,
+                                         "log_start_offset": -1, "partition_max_bytes": 1 << 20}]}]})
+    return response.responses[0].partitions[0]
+
+
+def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    raw = Raw(gateway)
+    producer_id = raw.call(kg.INIT_PRODUCER_ID, 4, {"transactional_id": None, "transaction_timeout": 60_000,
+                                                    "producer_id": -1, "producer_epoch": -1}).producer_id
+    batch = kafka_batch([(b"k", b"v%d" % i, 1_700_000_000_000, []) for i in range(10)], producer_id=producer_id, producer_epoch=0, base_sequence=0)
+    first = produce(raw, topic_name, batch)
+    again = produce(raw, topic_name, batch)  # a retry after a lost response
+    assert first.error_code == again.error_code == kg.ErrorCode.none
+    assert first.base_offset == again.base_offset == 0
+    after = produce(raw, topic_name, kafka_batch([(b"k", b"w", 1_700_000_000_000, [])], producer_id=producer_id,
+                                                 producer_epoch=0, base_sequence=10))
+    assert after.base_offset == 10
+    assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == 11
+    raw.close()
+
+
+def test_errors_reach_kafka_clients_as_kafka_codes(bus, gateway, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 4096})
+    raw = Raw(gateway)
+    small = kafka_batch([(None, b"x", 1_700_000_000_000, [])])
+    assert produce(raw, "no-such-topic", small).error_code == kg.ErrorCode.unknown_topic_or_partition
+    assert produce(raw, topic_name, kafka_batch([(None, b"x" * 10_000, 1_700_000_000_000, [])])).error_code == kg.ErrorCode.message_too_large
+    corrupt = bytearray(small)
+    corrupt[-1] ^= 0xFF
+    assert produce(raw, topic_name, bytes(corrupt)).error_code == kg.ErrorCode.corrupt_message
+    assert produce(raw, topic_name, small).error_code == kg.ErrorCode.none
+    assert fetch(raw, topic_name, 10**9).error_code == kg.ErrorCode.offset_out_of_range
+    assert fetch(raw, "no-such-topic", 0).error_code == kg.ErrorCode.unknown_topic_or_partition
+    heartbeat = raw.call(kg.HEARTBEAT, 4, {"group_id": "nobody", "generation_id": 1, "member_id": "ghost", "group_instance_id": None})
+    assert heartbeat.error_code == kg.ErrorCode.unknown_member_id
+    assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == 1
+    raw.close()
+
+
+def test_generations_are_checked_as_kafka_does(bus, gateway, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    raw = Raw(gateway)
+    subscription = kg.encode_subscription([topic_name])
+    joined = raw.call(kg.JOIN_GROUP, 7, {"group_id": "g", "session_timeout": 10_000, "rebalance_timeout": 10_000, "member_id": "",
+                                         "group_instance_id": None, "protocol_type": "consumer",
+                                         "protocols": [{"name": "range", "metadata": subscription}]})
+    assert joined.error_code == kg.ErrorCode.none and joined.leader != joined.member_id and joined.protocol_name == "range"
+    synced = raw.call(kg.SYNC_GROUP, 5, {"group_id": "g", "generation_id": joined.generation_id, "member_id": joined.member_id,
+                                         "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range", "assignments": []})
+    assert synced.error_code == kg.ErrorCode.none
+    assert kg.parse_assignment(synced.assignment) == (TopicPartition(topic_name, 0), TopicPartition(topic_name, 1))
+    stale = raw.call(kg.HEARTBEAT, 4, {"group_id": "g", "generation_id": joined.generation_id + 5, "member_id": joined.member_id,
+                                       "group_instance_id": None})
+    assert stale.error_code == kg.ErrorCode.illegal_generation
+    ok = raw.call(kg.HEARTBEAT, 4, {"group_id": "g", "generation_id": joined.generation_id, "member_id": joined.member_id,
+                                    "group_instance_id": None})
+    assert ok.error_code == kg.ErrorCode.none
+    left = raw.call(kg.LEAVE_GROUP, 5, {"group_id": "g", "members": [{"member_id": joined.member_id, "group_instance_id": None, "reason": None}]})
+    assert left.error_code == kg.ErrorCode.none and left.members[0].error_code == kg.ErrorCode.none
+    raw.close()
+
+
+# --- fuzz: bad frames cost their connection, never the gateway or the log ----------------------------------
+
+
+def test_random_and_truncated_frames_leave_the_gateway_serving_and_the_log_unchanged(bus, gateway, topic_name):
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=1)
+    with logbus.Producer(bus) as producer:
+        for i in range(100):
+            producer.send(topic_name, value_of(i), key=key_of(i))
+    before = bus.admin.describe_topic(topic_name).partitions[0].high_watermark
+    [stats_before] = gateway.stats()
+    generator = random.Random(2024)
+    valid = Raw(gateway)
+    metadata = {"topics": [{"name": topic_name, "topic_id": None}], "allow_auto_topic_creation": False,
+                "include_topic_authorized_operations": False}
+    good_batch = kafka_batch([(b"k", b"v", 1_700_000_000_000, [])])
+    for round_ in range(300):
+        raw = Raw(gateway)
+        kind = generator.choice(["random", "header", "truncated", "oversized", "produce"])
+        if kind == "random":
+            raw.sock.sendall(bytes(generator.randrange(256) for _ in range(generator.randrange(1, 200))))
+        elif kind == "header":
+            api_key = generator.choice(sorted(kg.API_VERSIONS_SERVED) + [7, 50, 1000])
+            body = struct.pack(">hhi", api_key, generator.randrange(-2, 16), round_) + bytes(generator.randrange(256) for _ in range(generator.randrange(80)))
+            raw.send_frame(body)
+        elif kind == "truncated":
+            raw.sock.sendall(struct.pack(">i", 1000) + bytes(generator.randrange(256) for _ in range(generator.randrange(1000))))
+        elif kind == "oversized":
+            raw.sock.sendall(struct.pack(">i", generator.choice([2**31 - 1, 200 << 20, -5, 3])))
+        else:
+            # A well-formed produce request whose records are damaged: bytes flipped in the batch's
+            # length, magic, CRC or what the CRC covers (not the base offset or partition leader epoch,
+            # which are the broker's to set), or cut short.
+            damaged = bytearray(good_batch)
+            for position in generator.sample([*range(8, 12), *range(16, len(damaged))], generator.randrange(1, 4)):
+                damaged[position] ^= generator.randrange(1, 256)
+            if generator.random() < 0.3:
+                damaged = damaged[: generator.randrange(len(damaged))]
+            response = produce(raw, topic_name, bytes(damaged))
+            assert response.error_code in (kg.ErrorCode.corrupt_message, kg.ErrorCode.invalid_record), response
+        raw.sock.settimeout(0.05)
+        try:
+            raw.sock.recv(1 << 16)
+        except (TimeoutError, OSError):
+            pass
+        raw.close()
+        if round_ % 25 == 0:
+            assert valid.call(kg.METADATA, 12, metadata).topics[0].name == topic_name  # a correct client is still served
+    valid.close()
+    assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == before  # nothing was written
+    [stats_after] = gateway.stats()
+    assert stats_after["pid"] == stats_before["pid"]  # the same process: nothing crashed it
+    assert stats_after["refused_frames"] > stats_before["refused_frames"]
+    native = logbus_view(bus, topic_name, before)
+    assert [native[(0, i)][:2] for i in range(before)] == [(key_of(i), value_of(i)) for i in range(before)]  # unchanged
+    # And real clients still work.
+    producer = ck.Producer({"bootstrap.servers": gateway.bootstrap_servers, "acks": "all"})
+    producer.produce(topic_name, key=b"after", value=b"fuzz")
+    assert producer.flush(30) == 0
+    assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == before + 1

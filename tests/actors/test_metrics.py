@@ -1,0 +1,65 @@
+"""The metrics operators expect, scraped from Ray's real Prometheus endpoint after known traffic."""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+import ray
+
+import logbus
+from logbus import TopicPartition
+from tests.conftest import wait_for
+
+
+def scrape() -> dict[str, list[tuple[dict, float]]]:
+    """Every sample of every node's endpoint: name -> [(labels, value)]."""
+    samples: dict[str, list[tuple[dict, float]]] = {}
+    line_re = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ([0-9.eE+-]+|NaN|\+Inf)$")
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        text = urllib.request.urlopen(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=10).read().decode()
+        for line in text.splitlines():
+            found = line_re.match(line)
+            if found and found.group(1).startswith("ray_logbus_"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(2) or ""))
+                samples.setdefault(found.group(1), []).append((labels, float(found.group(3))))
+    return samples
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(value for found, value in samples.get(name, []) if all(found.get(k) == v for k, v in labels.items()))
+
+
+def test_produce_fetch_latency_and_log_metrics_after_known_traffic(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2)
+    with logbus.Producer(bus, acks=1) as producer:
+        for i in range(100):
+            producer.send(topic_name, b"%03d" % i, partition=i % 2)
+    with logbus.Producer(bus, acks="all") as producer:
+        for i in range(50):
+            producer.send(topic_name, b"all-%03d" % i, partition=0)
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, 0), TopicPartition(topic_name, 1)])
+    got = []
+    wait_for(lambda: got.extend(consumer.poll(timeout_ms=300).values()) or sum(map(len, got)) >= 150, timeout_s=60, message="records")
+    consumer.close()
+
+    def exported():
+        samples = scrape()
+        done = (
+            total(samples, "ray_logbus_topic_messages_in_total", topic=topic_name) == 150
+            and total(samples, "ray_logbus_topic_messages_out_total", topic=topic_name) >= 150
+            and total(samples, "ray_logbus_log_size_bytes", topic=topic_name) > 0
+        )
+        return samples if done else None
+
+    samples = wait_for(exported, timeout_s=90, interval_s=1, message="metrics exported")
+    assert total(samples, "ray_logbus_topic_bytes_in_total", topic=topic_name) > 150 * 3  # every record's value, and framing
+    assert total(samples, "ray_logbus_topic_bytes_out_total", topic=topic_name) > 0
+    assert total(samples, "ray_logbus_request_latency_ms_count", request="produce") >= 1
+    assert total(samples, "ray_logbus_request_latency_ms_count", request="produce_acks_all") >= 1
+    assert total(samples, "ray_logbus_request_latency_ms_count", request="fetch") >= 1
+    assert {labels["partition"] for labels, _ in samples["ray_logbus_log_segments"] if labels.get("topic") == topic_name} == {"0", "1"}
+    assert "ray_logbus_producer_buffer_bytes" in samples

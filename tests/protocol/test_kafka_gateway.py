@@ -1,0 +1,162 @@
+"""The Kafka gateway's Ray-free parts: frames, ApiVersions, the consumer protocol's bytes, error codes.
+
+kafka-python's own protocol code (``KafkaProtocol``, its message classes) is
+the independent client here: it encodes the requests and decodes the
+responses. Everything that needs a cluster is in tests/actors/test_gateway.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+from kafka.protocol.old.consumer_protocol import ConsumerProtocolMemberAssignment_v0, ConsumerProtocolMemberMetadata_v0
+from kafka.protocol.parser import KafkaProtocol
+
+from logbus import errors
+from logbus.errors import KafkaProtocolError, LogbusError
+from logbus.protocol import kafka_gateway as kg
+from logbus.protocol.messages import TopicPartition
+
+
+def encoded(request) -> bytes:
+    """A request frame as kafka-python sends it, without the size prefix; and the protocol to read the reply."""
+    protocol = KafkaProtocol(client_id="test-client")
+    protocol.send_request(request)
+    return bytes(protocol.send_bytes())[4:], protocol
+
+
+@pytest.mark.parametrize("version", range(4))
+def test_api_versions_lists_what_is_served_in_every_version(version):
+    frame, protocol = encoded(ApiVersionsRequest[version](**({"client_software_name": "t", "client_software_version": "1"} if version >= 3 else {})))
+    handler = kg.KafkaHandler(backend=None)
+    [(correlation_id, response)] = protocol.receive_bytes(asyncio.run(handler.start(frame)))
+    assert response.error_code == 0
+    assert {k.api_key: (k.min_version, k.max_version) for k in response.api_keys} == kg.API_VERSIONS_SERVED
+    assert handler.requests_served == {(kg.API_VERSIONS, version): 1}
+
+
+def test_an_api_versions_request_newer_than_served_gets_version_0_with_unsupported_version():
+    frame = struct.pack(">hhi", kg.API_VERSIONS, 9, 1234) + struct.pack(">h", 1) + b"x" + b"garbage of a future version"
+    response = asyncio.run(kg.KafkaHandler(backend=None).start(frame))
+    (size, correlation_id, error, count) = struct.unpack_from(">iihi", response)
+    assert (size, correlation_id, error) == (len(response) - 4, 1234, 35)  # UNSUPPORTED_VERSION
+    assert count == len(kg.API_VERSIONS_SERVED)
+
+
+def test_bytes_after_a_request_are_ignored_as_kafka_does():
+    frame, _ = encoded(MetadataRequest[9](topics=[MetadataRequest.MetadataRequestTopic(name="events")], allow_auto_topic_creation=False,
+                                          include_topic_authorized_operations=False))
+    assert [t.name for t in kg.parse_request(frame + b"\0\0\0").body.topics] == ["events"]
+
+
+def test_parse_request_reads_what_a_client_sends():
+    frame, _ = encoded(MetadataRequest[9](topics=[MetadataRequest.MetadataRequestTopic(name="events")], allow_auto_topic_creation=False,
+                                          include_topic_authorized_operations=False))
+    request = kg.parse_request(frame)
+    assert (request.api_key, request.api_version, request.client_id) == (kg.METADATA, 9, "test-client")
+    assert [t.name for t in request.body.topics] == ["events"]
+    assert request.body.allow_auto_topic_creation is False
+
+
+def test_frames_that_cannot_be_served_raise_kafka_protocol_error():
+    frame, _ = encoded(MetadataRequest[9](topics=[MetadataRequest.MetadataRequestTopic(name="events")], allow_auto_topic_creation=False,
+                                          include_topic_authorized_operations=False))
+    for bad in (
+        frame[:5],  # no header
+        frame[:-1],  # cut short
+        struct.pack(">hhi", 67, 0, 1) + frame[8:],  # an API key not served
+        struct.pack(">hhi", kg.METADATA, 13, 1) + frame[8:],  # a version not served
+        struct.pack(">hhi", kg.PRODUCE, 2, 1) + frame[8:],  # below the versions served
+    ):
+        with pytest.raises(KafkaProtocolError):
+            kg.parse_request(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_random_frames_parse_or_raise_kafka_protocol_error(data):
+    api_key = data.draw(st.sampled_from(sorted(kg.API_VERSIONS_SERVED)))
+    low, high = kg.API_VERSIONS_SERVED[api_key]
+    version = data.draw(st.integers(low - 1, high + 1))
+    frame = struct.pack(">hhi", api_key, version, 1) + data.draw(st.binary(max_size=300))
+    try:
+        request = kg.parse_request(frame)
+    except KafkaProtocolError:
+        return
+    assert (request.api_key, request.api_version) == (api_key, version)
+
+
+def test_random_frames_of_every_api_key_raise_only_kafka_protocol_error():
+    generator = random.Random(11)
+    for _ in range(3000):
+        api_key = generator.choice(sorted(kg.API_VERSIONS_SERVED) + [7, 99, -1])
+        frame = struct.pack(">hhi", api_key, generator.randrange(-1, 15), 1) + bytes(generator.randrange(256) for _ in range(generator.randrange(40)))
+        try:
+            kg.parse_request(frame)
+        except KafkaProtocolError:
+            continue
+
+
+def test_subscriptions_and_assignments_match_kafka_pythons_encoding():
+    theirs = ConsumerProtocolMemberMetadata_v0(0, ["a", "b"], b"user").encode()
+    assert kg.parse_subscription(theirs) == (("a", "b"), ())
+    ours = kg.encode_assignment([TopicPartition("b", 1), TopicPartition("a", 2), TopicPartition("a", 0)])
+    decoded = ConsumerProtocolMemberAssignment_v0.decode(ours)
+    assert sorted((t, sorted(ps)) for t, ps in decoded.assigned_partitions) == [("a", [0, 2]), ("b", [1])]
+    assert kg.parse_assignment(ours) == (TopicPartition("a", 0), TopicPartition("a", 2), TopicPartition("b", 1))
+    assert ConsumerProtocolMemberMetadata_v0.decode(kg.encode_subscription(["x"])).topics == ["x"]
+
+
+def test_a_newer_subscription_version_is_read_for_its_topics_and_owned_partitions():
+    # Version 1 adds owned partitions (cooperative rebalancing): [topic, [partitions]].
+    body = struct.pack(">h", 1) + struct.pack(">i", 1) + struct.pack(">h", 1) + b"t" + struct.pack(">i", -1)
+    body += struct.pack(">i", 1) + struct.pack(">h", 1) + b"t" + struct.pack(">ii", 1, 3)
+    assert kg.parse_subscription(body) == (("t",), (TopicPartition("t", 3),))
+    with pytest.raises(errors.InvalidConfigError):
+        kg.parse_subscription(b"\0")
+
+
+# Errors a Kafka client never sees from the gateway (client-side, local channel, administration the
+# gateway does not serve) or that mean a bug; they are reported as UNKNOWN_SERVER_ERROR.
+UNMAPPED = {
+    "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
+    "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "DataDirectoryInUseError", "KafkaProtocolError",
+}
+
+
+@pytest.mark.parametrize("cls", [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, LogbusError)], ids=lambda c: c.__name__)
+def test_every_logbus_error_a_client_can_meet_has_a_kafka_code(cls):
+    error = cls("x", 0) if cls is errors.ChannelReplyTooLargeError else cls("x")
+    code = kg.error_code(error)
+    if cls.__name__ in UNMAPPED and cls is not errors.ChannelClosedError:
+        assert code == kg.ErrorCode.unknown_server_error or cls.__name__ in ("RetriableError",)
+    else:
+        assert code != kg.ErrorCode.unknown_server_error
+    if cls.retriable and code != kg.ErrorCode.unknown_server_error:
+        # What logbus retries, Kafka's clients retry too (after a metadata refresh where it says so).
+        assert code.retriable or code in (kg.ErrorCode.out_of_order_sequence_number, kg.ErrorCode.rebalance_in_progress,
+                                          kg.ErrorCode.unknown_topic_or_partition)
+
+
+def test_error_codes_of_the_data_path():
+    assert kg.error_code(errors.NotLeaderError("x")) == kg.ErrorCode.not_leader_or_follower
+    assert kg.error_code(errors.ChannelClosedError("x")) == kg.ErrorCode.not_leader_or_follower
+    assert kg.error_code(errors.OffsetOutOfRangeError("x")) == kg.ErrorCode.offset_out_of_range
+    assert kg.error_code(errors.RecordTooLargeError("x")) == kg.ErrorCode.message_too_large
+    assert kg.error_code(errors.CorruptRecordError("x")) == kg.ErrorCode.corrupt_message
+    assert kg.error_code(errors.IllegalGenerationError("x")) == kg.ErrorCode.illegal_generation
+    assert kg.error_code(errors.DuplicateSequenceError("x")) == kg.ErrorCode.duplicate_sequence_number
+    assert kg.error_code(asyncio.TimeoutError()) == kg.ErrorCode.request_timed_out
+    assert kg.error_code(ValueError("a bug")) == kg.ErrorCode.unknown_server_error
+
+
+def test_broker_ids_are_stable_int32s():
+    ids = {kg.broker_id_for(f"{n:056x}") for n in range(1000)}
+    assert len(ids) == 1000 and all(0 <= i < 2**31 for i in ids)
+    assert kg.broker_id_for("abc") == kg.broker_id_for("abc")

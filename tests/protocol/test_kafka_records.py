@@ -1,0 +1,230 @@
+"""Kafka v2 record batches <-> logbus batches, checked against kafka-python's own record format code.
+
+kafka-python's ``DefaultRecordBatchBuilder`` builds the Kafka batches a client
+would send, and its ``DefaultRecordBatch`` reads (and CRC-checks) what the
+gateway returns; logbus's side is read with ``record_batch.decode_batches``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import crc32c
+import cramjam
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+
+from logbus.errors import CorruptRecordError, InvalidRecordError
+from logbus.protocol import kafka_records as kr
+from logbus.storage import record_batch as rb
+
+BASE_MS = 1_700_000_000_000
+
+
+def kafka_batch(records, *, producer_id=-1, producer_epoch=-1, base_sequence=-1, transactional=False) -> bytes:
+    """An uncompressed Kafka batch of ``records`` [(key, value, timestamp, headers)], as a client builds it."""
+    builder = DefaultRecordBatchBuilder(
+        magic=2, compression_type=0, is_transactional=transactional, producer_id=producer_id,
+        producer_epoch=producer_epoch, base_sequence=base_sequence, batch_size=1 << 30,
+    )
+    for offset, (key, value, timestamp, headers) in enumerate(records):
+        builder.append(offset, timestamp=timestamp, key=key, value=value, headers=headers)
+    return bytes(builder.build())
+
+
+def with_codec(batch: bytes, codec: int) -> bytes:
+    """The same batch with its records compressed by ``codec``, as a client compresses them."""
+    records = batch[kr.HEADER_SIZE:]
+    compressed = {
+        kr.CODEC_GZIP: lambda b: bytes(cramjam.gzip.compress(b)),
+        kr.CODEC_SNAPPY: lambda b: bytes(cramjam.snappy.compress_raw(b)),
+        kr.CODEC_LZ4: lambda b: bytes(cramjam.lz4.compress(b)),
+        kr.CODEC_ZSTD: lambda b: bytes(cramjam.zstd.compress(b)),
+    }[codec](records)
+    return recrc(batch[: kr.HEADER_SIZE] + compressed, attributes_or=codec)
+
+
+def xerial(raw: bytes, block: int = 1000) -> bytes:
+    """Snappy in xerial's framing (Kafka's Java client): a header, then length-prefixed raw blocks."""
+    out = [b"\x82SNAPPY\x00", struct.pack(">ii", 1, 1)]
+    for start in range(0, len(raw), block):
+        chunk = bytes(cramjam.snappy.compress_raw(raw[start : start + block]))
+        out += [struct.pack(">i", len(chunk)), chunk]
+    return b"".join(out)
+
+
+def recrc(batch: bytes, attributes_or: int = 0) -> bytes:
+    """Fix a batch's length and CRC after its bytes changed (and set attribute bits)."""
+    out = bytearray(batch)
+    struct.pack_into(">i", out, 8, len(out) - kr.LOG_OVERHEAD)
+    (attributes,) = struct.unpack_from(">h", out, 21)
+    struct.pack_into(">h", out, 21, attributes | attributes_or)
+    struct.pack_into(">I", out, 17, crc32c.crc32c(bytes(out[21:])))
+    return bytes(out)
+
+
+def logbus_rows(encoded: bytes) -> tuple[rb.BatchHeader, list[dict]]:
+    [(header, records)] = rb.decode_batches(encoded)
+    return header, records.to_pylist()
+
+
+def kafka_rows(data: bytes) -> list[tuple]:
+    batch = DefaultRecordBatch(data)
+    assert batch.validate_crc()
+    return [(r.offset, r.key, r.value, r.timestamp, [tuple(h) for h in r.headers]) for r in batch]
+
+
+RECORDS = [
+    (b"k0", b"v0", BASE_MS, []),
+    (None, b"no key", BASE_MS + 5, [("trace", b"abc"), ("empty", b""), ("none", None)]),
+    (b"tombstone", None, BASE_MS - 3, []),
+    (b"", b"", BASE_MS + 10**6, [("h", b"x" * 300)]),
+]
+
+
+def test_a_kafka_batch_becomes_one_logbus_batch_with_the_same_records_and_producer_fields():
+    produced = kr.to_logbus(kafka_batch(RECORDS, producer_id=42, producer_epoch=3, base_sequence=17))
+    header, rows = logbus_rows(produced.encoded)
+    assert (header.producer_id, header.producer_epoch, header.base_sequence, header.record_count) == (42, 3, 17, 4)
+    assert header.reader_timestamp_type == rb.TIMESTAMP_TYPE_CREATE_TIME
+    assert [(r["key"], r["value"], r["timestamp"], r["headers"]) for r in rows] == [
+        (b"k0", b"v0", BASE_MS, None),  # no headers: null, as a logbus producer leaves them
+        (None, b"no key", BASE_MS + 5, [("trace", b"abc"), ("empty", b""), ("none", None)]),
+        (b"tombstone", None, BASE_MS - 3, None),
+        (b"", b"", BASE_MS + 10**6, [("h", b"x" * 300)]),
+    ]
+    assert produced.max_timestamp_ms == BASE_MS + 10**6
+    assert (header.first_timestamp_ms, header.max_timestamp_ms) == (BASE_MS, BASE_MS + 10**6)
+
+
+def test_a_logbus_batch_becomes_a_kafka_batch_a_kafka_client_reads():
+    encoded = rb.encode_batch(
+        [b"a", None, b"c" * 1000], keys=[None, b"k1", b"k2"], timestamps_ms=[BASE_MS, BASE_MS - 1, BASE_MS + 7],
+        headers=[None, [("x", b"1"), ("y", None)], []], producer_id=9, producer_epoch=1, base_sequence=30,
+    )
+    stamped, payload = rb.with_offset_and_epoch(encoded, 1000, 5)
+    kafka = kr.to_kafka(bytes(stamped) + bytes(payload))
+    assert kafka_rows(kafka) == [
+        (1000, None, b"a", BASE_MS, []),
+        (1001, b"k1", None, BASE_MS - 1, [("x", b"1"), ("y", None)]),
+        (1002, b"k2", b"c" * 1000, BASE_MS + 7, []),
+    ]
+    header = kr.read_header(kafka)
+    assert (header.base_offset, header.partition_leader_epoch, header.producer_id, header.producer_epoch, header.base_sequence) == (1000, 5, 9, 1, 30)
+    assert header.attributes == 0 and header.max_timestamp == BASE_MS + 7 and header.last_offset_delta == 2
+
+
+def test_a_log_append_time_batch_carries_the_append_time_as_kafka_does():
+    encoded = rb.encode_batch([b"a", b"b"], timestamps_ms=[BASE_MS, BASE_MS + 1])
+    stamped, payload = rb.with_offset_and_epoch(encoded, 0, 0, log_append_time_ms=BASE_MS + 5000)
+    kafka = kr.to_kafka(bytes(stamped) + bytes(payload))
+    header = kr.read_header(kafka)
+    assert header.attributes & kr.TIMESTAMP_TYPE_BIT
+    assert header.max_timestamp == BASE_MS + 5000
+    batch = DefaultRecordBatch(kafka)
+    assert batch.timestamp_type == 1  # LogAppendTime: kafka-python then reports the batch's max timestamp
+    assert [r.timestamp for r in batch] == [BASE_MS + 5000, BASE_MS + 5000]
+
+
+def test_several_logbus_batches_become_as_many_kafka_batches():
+    first = rb.with_offset_and_epoch(rb.encode_batch([b"a", b"b"]), 0, 0)
+    second = rb.with_offset_and_epoch(rb.encode_batch([b"c"]), 2, 1)
+    kafka = kr.to_kafka(b"".join(bytes(part) for pair in (first, second) for part in pair))
+    headers = [h for _, h in kr.iter_batches(kafka)]
+    assert [(h.base_offset, h.record_count, h.partition_leader_epoch) for h in headers] == [(0, 2, 0), (2, 1, 1)]
+
+
+@pytest.mark.parametrize("codec", [kr.CODEC_GZIP, kr.CODEC_SNAPPY, kr.CODEC_LZ4, kr.CODEC_ZSTD])
+def test_every_kafka_codec_is_read(codec):
+    batch = kafka_batch([(b"k%d" % i, b"value %d " % i * 20, BASE_MS + i, []) for i in range(500)])
+    _, rows = logbus_rows(kr.to_logbus(with_codec(batch, codec)).encoded)
+    assert [(r["key"], r["value"], r["timestamp"]) for r in rows] == [(b"k%d" % i, b"value %d " % i * 20, BASE_MS + i) for i in range(500)]
+
+
+def test_snappy_in_xerial_framing_is_read():
+    batch = kafka_batch([(b"k%d" % i, b"x" * 50, BASE_MS, []) for i in range(300)])
+    framed = recrc(batch[: kr.HEADER_SIZE] + xerial(batch[kr.HEADER_SIZE :]), attributes_or=kr.CODEC_SNAPPY)
+    _, rows = logbus_rows(kr.to_logbus(framed).encoded)
+    assert [r["key"] for r in rows] == [b"k%d" % i for i in range(300)]
+
+
+def test_a_batch_that_expands_past_the_limit_is_refused():
+    batch = with_codec(kafka_batch([(None, b"\0" * 100_000, BASE_MS, [])]), kr.CODEC_ZSTD)
+    with pytest.raises(CorruptRecordError, match="expand"):
+        kr.to_logbus(batch, decompressed_max_bytes=10_000)
+
+
+def test_transactional_batches_and_extra_batches_are_refused():
+    with pytest.raises(InvalidRecordError, match="transactional"):
+        kr.to_logbus(kafka_batch(RECORDS, producer_id=1, producer_epoch=0, base_sequence=0, transactional=True))
+    with pytest.raises(InvalidRecordError, match="exactly one"):
+        kr.to_logbus(kafka_batch(RECORDS) * 2)
+
+
+def test_offset_deltas_out_of_order_are_refused():
+    batch = bytearray(kafka_batch([(b"a", b"b", BASE_MS, []), (b"c", b"d", BASE_MS, [])]))
+    # The second record's offset delta (zigzag 1: the byte 2) after its length, attributes and timestamp delta.
+    second = kr.HEADER_SIZE + 1 + batch[kr.HEADER_SIZE] // 2
+    assert batch[second + 3] == 2
+    batch[second + 3] = 4  # offset delta 2
+    with pytest.raises(InvalidRecordError, match="offset deltas"):
+        kr.to_logbus(recrc(bytes(batch)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_damaged_batches_raise_only_record_errors(data):
+    batch = kafka_batch(RECORDS, producer_id=5, producer_epoch=0, base_sequence=0)
+    kind = data.draw(st.sampled_from(["truncate", "flip", "flip-recrc", "codec"]))
+    if kind == "truncate":
+        damaged = batch[: data.draw(st.integers(0, len(batch) - 1))]
+    elif kind == "codec":
+        damaged = recrc(batch, attributes_or=data.draw(st.integers(1, 7)))
+    else:
+        position = data.draw(st.integers(0, len(batch) - 1))
+        damaged = bytearray(batch)
+        damaged[position] ^= data.draw(st.integers(1, 255))
+        damaged = recrc(bytes(damaged)) if kind == "flip-recrc" and position >= kr.CRC_START else bytes(damaged)
+    try:
+        produced = kr.to_logbus(damaged)
+    except (CorruptRecordError, InvalidRecordError):
+        return
+    # A change the format cannot see (a key's or value's bytes, a timestamp) still makes a whole batch.
+    assert rb.decode_batches(produced.encoded)[0][0].record_count == produced.record_count
+
+
+def test_random_bytes_raise_only_record_errors():
+    import random
+
+    generator = random.Random(7)
+    for _ in range(2000):
+        size = generator.randrange(0, 200)
+        blob = bytes(generator.randrange(256) for _ in range(size))
+        if generator.random() < 0.5 and size >= kr.HEADER_SIZE:
+            blob = recrc(struct.pack(">q", 0) + blob[8:16] + b"\x02" + blob[17:])  # a plausible header
+        with pytest.raises((CorruptRecordError, InvalidRecordError)):
+            kr.to_logbus(blob)
+
+
+records_strategy = st.lists(
+    st.tuples(
+        st.none() | st.binary(max_size=40),
+        st.none() | st.binary(max_size=300),
+        st.integers(BASE_MS - 10**9, BASE_MS + 10**9),
+        st.lists(st.tuples(st.text(max_size=8), st.none() | st.binary(max_size=20)), max_size=3),
+    ),
+    min_size=1,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(records_strategy)
+def test_kafka_to_logbus_to_kafka_keeps_every_record(records):
+    produced = kr.to_logbus(kafka_batch(records))
+    stamped, payload = rb.with_offset_and_epoch(produced.encoded, 77, 2)
+    assert kafka_rows(kr.to_kafka(bytes(stamped) + bytes(payload))) == [
+        (77 + i, key, value, timestamp, [tuple(h) for h in headers]) for i, (key, value, timestamp, headers) in enumerate(records)
+    ]
