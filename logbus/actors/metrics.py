@@ -28,7 +28,8 @@ Each process creates the metrics it uses on first use (a replica never
 creates the controller's). Updates are made where the event happens (an
 append, a fetch, an ISR change, an election); the per-partition gauges are
 set at most once a second per partition, by the append that finds the last
-setting older than that: nothing runs on a timer.
+setting older than that, and at once when retention, a cleaning or
+delete_records shrinks the log: nothing runs on a timer.
 """
 
 from __future__ import annotations

@@ -356,12 +356,19 @@ class PartitionReplica:
 
     def _retention_due(self) -> None:
         try:
-            self.log.enforce_retention()
+            if self.log.enforce_retention():
+                self._log_shrank()
         except LogbusError as error:  # keep serving; try again in a while
             logger.warning("replica %s: retention failed: %s", self._label, error)
             self._arm("retention", 60.0, self._retention_due)
             return
         self._arm_retention()
+
+    def _log_shrank(self) -> None:
+        """Retention, a cleaning or delete_records changed the log's size: a leader's gauges say so now
+        (they are otherwise set by appends, which may not come)."""
+        if self.role == LEADER:
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), force=True)
 
     def _after_append(self) -> None:
         """Timers an append may need: the retention deadline of new data, an interval flush, a cleaning."""
@@ -432,6 +439,7 @@ class PartitionReplica:
                 done.append(cleaned)
             self.log.finish_cleaning(plan, done)
             self._clean_failures = 0
+            self._log_shrank()
             removed = sum(c.records_removed for c in done)
             logger.info(
                 "replica %s: cleaned offsets up to %d: %d records removed, %d -> %d bytes",
@@ -949,6 +957,7 @@ class PartitionReplica:
             )
         start = self.log.delete_records(offset)
         self._shared_read = None
+        self._log_shrank()
         self._arm_retention()
         return start
 

@@ -22,6 +22,7 @@ from logbus.storage.cleaner import CLEANED_SUFFIX, SWAP_SUFFIX
 from logbus.storage.log_config import LogConfig
 from logbus.storage.partition_log import CLEANER_CHECKPOINT_FILE
 from tests.actors.replica_files import committed_records
+from tests.actors.test_metrics import scrape, total
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -239,3 +240,21 @@ def test_a_cleaning_blocks_no_produce_or_fetch_and_a_replica_killed_mid_cleaning
     # The restarted replica cleans again: the log is compacted, as if nothing had happened.
     expected = [(offset, *written[offset]) for offset in sorted(kept)]
     wait_for(lambda: consume(bus, topic_name) == expected, timeout_s=120, message="the cleaning to finish")
+
+
+def test_a_leaders_log_gauges_follow_delete_records_without_another_append(bus, topic_name):
+    bus.admin.create_topic(topic_name, config={"segment.bytes": 1024})
+    tp = TopicPartition(topic_name, 0)
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        producer.send(topic_name, b"x" * 700).get(timeout=30)  # the first append sets the gauges: one big batch
+        for i in range(10):
+            producer.send(topic_name, b"%d" % i).get(timeout=30)  # then small ones, a segment each
+    assert bus.admin.delete_records({tp: -1}) == {tp: 11}
+    status = ray.get(bus.controller.replica_statuses.remote(topic_name))[0][0]
+
+    def exported():
+        samples = scrape()
+        found = (total(samples, "ray_logbus_log_size_bytes", topic=topic_name), total(samples, "ray_logbus_log_segments", topic=topic_name))
+        return found == (status["size_bytes"], status["segments"])
+
+    wait_for(exported, timeout_s=90, interval_s=1, message="the gauges to show the log after delete_records")
