@@ -104,7 +104,7 @@ from logbus.protocol.messages import (
     ProduceResponse,
 )
 from logbus.protocol.replica_state import LeaderState
-from logbus.storage import record_batch as rb
+from logbus.storage import batch_header as bh
 from logbus.storage.cleaner import build_offset_map, clean_group, discard
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
@@ -752,10 +752,10 @@ class PartitionReplica:
         fill, instead of failing with OutOfOrderSequenceError and a retry.
         """
         try:
-            header = rb.read_header(memoryview(batch).cast("B") if isinstance(batch, np.ndarray) else batch)
+            header = bh.read_header(memoryview(batch).cast("B") if isinstance(batch, np.ndarray) else batch)
         except Exception:  # noqa: BLE001 (a malformed batch is rejected by the append itself)
             return
-        if header.producer_id == rb.NO_PRODUCER_ID:
+        if header.producer_id == bh.NO_PRODUCER_ID:
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + REORDER_WAIT_S

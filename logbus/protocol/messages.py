@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from logbus.storage.record_batch import TIMESTAMP_TYPE_CREATE_TIME
+from logbus.storage.batch_header import TIMESTAMP_TYPE_CREATE_TIME
 
 
 class TopicPartition(NamedTuple):

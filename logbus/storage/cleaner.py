@@ -75,10 +75,9 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
-import pyarrow as pa
 
 from logbus.errors import CorruptRecordError, InternalStateError, StorageError
-from logbus.storage import record_batch as rb
+from logbus.storage import batch_header as bh
 from logbus.storage.files import write_atomically
 from logbus.storage.producer_state import BatchEntry, ProducerStateTable
 from logbus.storage.segment import (
@@ -234,7 +233,7 @@ def group_segments(sources: list[SourceSegment], max_bytes: int) -> tuple[tuple[
 # --- reading segment files from a thread ---------------------------------------------------------------
 
 
-def _batches(plan: CleaningPlan, source: SourceSegment) -> Iterator[tuple[rb.BatchHeader, bytes]]:
+def _batches(plan: CleaningPlan, source: SourceSegment) -> Iterator[tuple[bh.BatchHeader, bytes]]:
     """Every batch of a source segment as (header, its bytes), read through a file handle of our own.
 
     No map: the log's owner may truncate or delete the file meanwhile, and a
@@ -250,17 +249,17 @@ def _batches(plan: CleaningPlan, source: SourceSegment) -> Iterator[tuple[rb.Bat
         while position < source.size_bytes:
             if plan.stop.is_set():
                 raise StorageError(f"the cleaning of {plan.directory} was stopped")
-            head = file.read(rb.HEADER_SIZE)
-            if len(head) < rb.HEADER_SIZE:
+            head = file.read(bh.HEADER_SIZE)
+            if len(head) < bh.HEADER_SIZE:
                 raise StorageError(f"segment {source.log_path} shrank during cleaning")
-            size = rb.unpack_header(head).size_bytes
-            if size < rb.HEADER_SIZE or position + size > source.size_bytes:
+            size = bh.unpack_header(head).size_bytes
+            if size < bh.HEADER_SIZE or position + size > source.size_bytes:
                 raise CorruptRecordError(f"segment {source.log_path}: impossible batch length at position {position}")
-            rest = file.read(size - rb.HEADER_SIZE)
-            if len(rest) != size - rb.HEADER_SIZE:
+            rest = file.read(size - bh.HEADER_SIZE)
+            if len(rest) != size - bh.HEADER_SIZE:
                 raise StorageError(f"segment {source.log_path} shrank during cleaning")
             data = head + rest
-            header = rb.read_header(data)  # the checks of a header read from a segment
+            header = bh.read_header(data)  # the checks of a header read from a segment
             yield header, data
             position += size
 
@@ -272,10 +271,12 @@ def build_offset_map(plan: CleaningPlan) -> dict[bytes, int]:
     segments (Kafka bounds it with a dedupe buffer and cleans in parts; see
     docs/design.md).
     """
+    from logbus.storage.record_batch import decode_records  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
+
     offsets: dict[bytes, int] = {}
     for source in plan.dirty:
         for header, data in _batches(plan, source):
-            _, records = rb.decode_records(data)
+            _, records = decode_records(data)
             keys = records.column(0)
             base = header.base_offset
             if keys.null_count == 0:
@@ -288,7 +289,7 @@ def build_offset_map(plan: CleaningPlan) -> dict[bytes, int]:
 # --- cleaning one group -----------------------------------------------------------------------------
 
 
-def _keep(plan: CleaningPlan, offset_map: dict[bytes, int], header: rb.BatchHeader, records: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
+def _keep(plan: CleaningPlan, offset_map: dict[bytes, int], header: bh.BatchHeader, records: pa.RecordBatch) -> tuple[np.ndarray, np.ndarray]:
     """(which records of a batch survive, which of those are tombstones)."""
     count = header.record_count
     base = header.base_offset
@@ -304,7 +305,7 @@ def _keep(plan: CleaningPlan, offset_map: dict[bytes, int], header: rb.BatchHead
     tombstones = np.zeros(count, dtype=bool)
     if values.null_count:
         tombstones = values.is_null().to_numpy(zero_copy_only=False) & keep
-        if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+        if header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME:
             timestamps = np.full(count, header.max_timestamp_ms, dtype=np.int64)
         else:
             timestamps = records.column(2).to_numpy()
@@ -325,25 +326,29 @@ def _runs(kept: np.ndarray) -> list[tuple[int, int]]:
     return [(int(rows[s]), int(e - s)) for s, e in zip(starts, ends)]
 
 
-def _frame_run(header: rb.BatchHeader, records: pa.RecordBatch, first: int, count: int) -> bytes:
+def _frame_run(header: bh.BatchHeader, records: pa.RecordBatch, first: int, count: int) -> bytes:
     """Rows ``[first, first + count)`` of a batch as a batch of their own, at their own offsets.
 
     It keeps the batch's leader epoch, compression, timestamp type and
     producer, and the sequence number of its first record; a LogAppendTime
     batch keeps its append time.
     """
-    appended = header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME
+    import pyarrow as pa  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
+
+    from logbus.storage.record_batch import frame_record_batch  # noqa: PLC0415
+
+    appended = header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME
     # A copy of the rows, not a slice: Arrow serializes a sliced map column (headers) with the
     # whole batch's offsets, so a slice would carry bytes for every row of its batch.
     rows = records.take(pa.array(np.arange(first, first + count)))
-    return rb.frame_record_batch(
+    return frame_record_batch(
         rows,
         base_offset=header.base_offset + first,
         leader_epoch=header.leader_epoch,
         compression=header.compression,
         producer_id=header.producer_id,
         producer_epoch=header.producer_epoch,
-        base_sequence=rb.NO_SEQUENCE if header.base_sequence == rb.NO_SEQUENCE else header.base_sequence + first,
+        base_sequence=bh.NO_SEQUENCE if header.base_sequence == bh.NO_SEQUENCE else header.base_sequence + first,
         timestamp_type=header.timestamp_type,
         timestamp_range=(header.max_timestamp_ms, header.max_timestamp_ms) if appended else None,
     )
@@ -364,6 +369,8 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
     touches nothing the log's owner uses. Raises StorageError or
     CorruptRecordError (nothing is left behind) when a file changed or is damaged.
     """
+    from logbus.storage.record_batch import decode_records  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
+
     cleaned = CleanedSegment(plan.directory, group[0].base_offset, group[-1].end_offset, group)
     _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)  # leftovers of an attempt that failed
     out = LogSegment(plan.directory, cleaned.base_offset, plan.index_interval_bytes, file_suffix=CLEANED_SUFFIX)
@@ -377,14 +384,14 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
             for header, data in _batches(plan, source):
                 if summary is None or header.base_offset >= summary.end_offset:
                     producers.update(header)
-                _, records = rb.decode_records(data)  # checks the CRC: a damaged batch stops the cleaning
+                _, records = decode_records(data)  # checks the CRC: a damaged batch stops the cleaning
                 cleaned.bytes_before += header.size_bytes
                 keep, tombstones = _keep(plan, offset_map, header, records)
                 kept = int(keep.sum())
                 cleaned.records_kept += kept
                 cleaned.records_removed += header.record_count - kept
                 if tombstones.any():
-                    if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+                    if header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME:
                         oldest = header.max_timestamp_ms
                     else:
                         oldest = int(records.column(2).to_numpy()[tombstones].min())
@@ -396,7 +403,7 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                     parts = []
                     for first, count in _runs(keep):
                         framed = _frame_run(header, records, first, count)
-                        parts.append((rb.read_header(framed), framed))
+                        parts.append((bh.read_header(framed), framed))
                 for part_header, framed in parts:
                     if not out.can_hold(part_header):
                         raise InternalStateError(f"cleaned segment {out.log_path} cannot hold the batch at offset {part_header.base_offset}")

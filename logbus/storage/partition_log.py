@@ -60,7 +60,7 @@ from logbus.errors import (
     StorageError,
 )
 from logbus.clock import wall_ms
-from logbus.storage import record_batch as rb
+from logbus.storage import batch_header as bh
 from logbus.storage.files import write_atomically
 from logbus.storage.cleaner import (
     CleanedSegment,
@@ -80,6 +80,7 @@ from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.producer_state import ProducerStateTable
 from logbus.storage.segment import LOG_SUFFIX, LogSegment
+
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class PartitionLog:
             # the batches a truncation removed since; batches appended after that count by header.
             pending = [] if summary is None else [entry for entry in summary.producers if entry[4] < end]
             view = segment._view()
-            for _, header in rb.iter_headers(view, 0, segment.size_bytes):
+            for _, header in bh.iter_headers(view, 0, segment.size_bytes):
                 if summary is None or header.base_offset >= summary.end_offset:
                     for entry in pending:
                         self.producer_state.apply(entry)
@@ -309,20 +310,33 @@ class PartitionLog:
         if self._closed:
             raise StorageError(f"log {self.directory} is closed")
 
-    def _validate_incoming(self, buffer, position: int = 0, keyed: bool = False) -> rb.BatchHeader:
+    def _validate_copied(self, view: memoryview, position: int) -> bh.BatchHeader:
+        """Check a batch copied from the leader: its frame and CRC. The leader checked its records
+        and size when it took them (a follower needs no Arrow), and a batch the leader holds is
+        copied even if max.message.bytes was lowered since, as Kafka's followers do."""
+        try:
+            return bh.validate_batch(view, position)
+        except CorruptRecordError as error:
+            raise InvalidRecordError(f"batch failed validation: {error}") from None
+
+    def _validate_incoming(self, buffer, position: int = 0, keyed: bool = False) -> bh.BatchHeader:
         """Check one incoming batch completely before any byte of it is written (``keyed``: every
         record must have a key, as on a compacted topic)."""
         view = memoryview(buffer)
         try:
-            header = rb.read_header(view, position)
+            header = bh.read_header(view, position)
         except CorruptRecordError as error:
             raise InvalidRecordError(f"not a valid batch: {error}") from None
         if header.size_bytes > self.config.max_message_bytes:
             raise RecordTooLargeError(
                 f"batch of {header.size_bytes} bytes exceeds max.message.bytes={self.config.max_message_bytes}"
             )
+        # A leader checks the records themselves (Arrow; imported on the first produce, so a replica
+        # that only follows or idles never loads it); followers check CRCs (append_as_follower).
+        from logbus.storage.record_batch import decode_records  # noqa: PLC0415
+
         try:
-            _, records = rb.decode_records(view, position)  # checks CRC and that the payload holds record_count rows
+            _, records = decode_records(view, position)  # checks CRC and that the payload holds record_count rows
         except CorruptRecordError as error:
             raise InvalidRecordError(f"batch failed validation: {error}") from None
         if keyed and records.column(0).null_count:
@@ -332,7 +346,7 @@ class PartitionLog:
             )
         return header
 
-    def append(self, batch, *, leader_epoch: int = rb.NO_LEADER_EPOCH) -> AppendResult:
+    def append(self, batch, *, leader_epoch: int = bh.NO_LEADER_EPOCH) -> AppendResult:
         """Append one batch as leader: assign offsets from the log end and stamp ``leader_epoch``.
 
         ``batch`` is one framed batch (bytes, memoryview or a uint8 numpy array).
@@ -351,8 +365,8 @@ class PartitionLog:
             return AppendResult(base, last, header.record_count, max_timestamp_ms, self.log_end_offset, duplicate=True)
         base_offset = self.log_end_offset
         append_time = self.clock_ms() if self.config.message_timestamp_type == LOG_APPEND_TIME else None
-        new_header_bytes, payload = rb.with_offset_and_epoch(view, base_offset, leader_epoch, append_time)
-        stamped = header.stamped(base_offset, leader_epoch) if append_time is None else rb.unpack_header(new_header_bytes)
+        new_header_bytes, payload = bh.with_offset_and_epoch(view, base_offset, leader_epoch, append_time)
+        stamped = header.stamped(base_offset, leader_epoch) if append_time is None else bh.unpack_header(new_header_bytes)
         self._write(stamped, [new_header_bytes, payload])
         return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
 
@@ -376,7 +390,7 @@ class PartitionLog:
         position = 0
         first = last = None
         while position < len(view):
-            header = self._validate_incoming(view, position)
+            header = self._validate_copied(view, position)
             end = self.log_end_offset
             gap = header.base_offset > end and covered
             if header.base_offset < end <= header.last_offset and first is None and self._is_empty():
@@ -403,7 +417,7 @@ class PartitionLog:
     def _is_empty(self) -> bool:
         return len(self.segments) == 1 and self.active_segment.is_empty
 
-    def _write(self, header: rb.BatchHeader, parts: list, allow_gap: bool = False) -> None:
+    def _write(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False) -> None:
         self._maybe_roll(header)
         active = self.active_segment
         active.append(header, parts, allow_gap)
@@ -416,7 +430,7 @@ class PartitionLog:
             self.maybe_flush()
         active.release_page_cache(self.config.cache_tail_bytes)
 
-    def _maybe_roll(self, incoming: rb.BatchHeader) -> None:
+    def _maybe_roll(self, incoming: bh.BatchHeader) -> None:
         active = self.active_segment
         if active.is_empty:
             return

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError
-from logbus.storage.record_batch import NO_PRODUCER_ID, BatchHeader
+from logbus.storage.batch_header import NO_PRODUCER_ID, BatchHeader
 
 BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition with idempotence on
 # (producer id, epoch, first sequence, last sequence, base offset, max timestamp ms) of one batch

@@ -44,9 +44,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from logbus.errors import CorruptRecordError, InternalStateError, StorageError
-from logbus.storage import record_batch as rb
+from logbus.storage import batch_header as bh
 from logbus.storage.offset_index import OffsetIndex
 from logbus.storage.time_index import TimeIndex
+
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -125,11 +126,11 @@ class LogSegment:
         # forward from the last index entry to reach the end.
         try:
             view = self._view()
-            first = rb.read_header(view, 0)
+            first = bh.read_header(view, 0)
             self.first_timestamp_ms = first.first_timestamp_ms
             start = self.offset_index.lookup(RELATIVE_OFFSET_MAX)
             last = None
-            for _, last in rb.iter_headers(view, start, self.size_bytes):
+            for _, last in bh.iter_headers(view, start, self.size_bytes):
                 pass
         except CorruptRecordError:
             return False
@@ -164,7 +165,7 @@ class LogSegment:
             expected = max(expected, self.base_offset)
         while position < self.size_bytes:
             try:
-                header = rb.validate_batch(view, position)
+                header = bh.validate_batch(view, position)
             except CorruptRecordError as corrupt:
                 error = str(corrupt)
                 break
@@ -186,7 +187,7 @@ class LogSegment:
 
     # --- writing ------------------------------------------------------------------------------
 
-    def _index_batch(self, header: rb.BatchHeader, position: int) -> None:
+    def _index_batch(self, header: bh.BatchHeader, position: int) -> None:
         """Account for a batch now at ``position``: indexes, next offset, timestamps."""
         relative = header.base_offset - self.base_offset
         if self.first_timestamp_ms is None:
@@ -199,14 +200,14 @@ class LogSegment:
         self._bytes_since_index_entry += header.size_bytes
         self.next_offset = header.next_offset
 
-    def can_hold(self, header: rb.BatchHeader) -> bool:
+    def can_hold(self, header: bh.BatchHeader) -> bool:
         """Whether the batch fits this segment's relative offsets and uint32 positions."""
         return (
             header.last_offset - self.base_offset <= RELATIVE_OFFSET_MAX
             and self.size_bytes + header.size_bytes <= POSITION_MAX
         )
 
-    def append(self, header: rb.BatchHeader, parts: list, allow_gap: bool = False) -> int:
+    def append(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False) -> int:
         """Append one batch given as buffers (e.g. rewritten header and payload); return its position.
 
         The batch must continue the segment: its base offset is the segment's
@@ -283,7 +284,7 @@ class LogSegment:
             self._mapped_bytes = self.size_bytes
         return memoryview(self._map)
 
-    def find_batch(self, offset: int) -> tuple[int, rb.BatchHeader] | None:
+    def find_batch(self, offset: int) -> tuple[int, bh.BatchHeader] | None:
         """(position, header) of the batch holding ``offset`` (or, for an offset in a gap, of the next
         batch), or None if it lies past this segment."""
         if offset >= self.next_offset:
@@ -291,9 +292,9 @@ class LogSegment:
         view = self._view()
         hint = self._read_end
         if hint is not None and hint[0] == offset and hint[1] < self.size_bytes:
-            return hint[1], rb.read_header(view, hint[1])
+            return hint[1], bh.read_header(view, hint[1])
         start = self.offset_index.lookup(max(0, offset - self.base_offset))
-        for position, header in rb.iter_headers(view, start, self.size_bytes):
+        for position, header in bh.iter_headers(view, start, self.size_bytes):
             if header.last_offset >= offset:
                 return position, header
         return None
@@ -319,13 +320,13 @@ class LogSegment:
         view = self._view()
         end = start
         next_offset = first.base_offset
-        for position, header in rb.iter_headers(view, start, self.size_bytes):
+        for position, header in bh.iter_headers(view, start, self.size_bytes):
             if position > start and (position + header.size_bytes - start > max_bytes):
                 break
             if max_offset is not None and header.next_offset > max_offset:
                 break
             if verify_crc:
-                rb.validate_batch(view, position)
+                bh.validate_batch(view, position)
             end = position + header.size_bytes
             next_offset = header.next_offset
         self._read_end = (next_offset, end)
@@ -339,12 +340,14 @@ class LogSegment:
         relative = self.time_index.first_offset_reaching(timestamp_ms)
         start = 0 if relative is None else self.offset_index.lookup(relative)
         view = self._view()
-        for position, header in rb.iter_headers(view, start, self.size_bytes):
+        for position, header in bh.iter_headers(view, start, self.size_bytes):
             if header.max_timestamp_ms >= timestamp_ms and header.last_offset >= min_offset:
                 skip = max(0, min_offset - header.base_offset)  # records below the log start
-                if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME:
+                if header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME:
                     return header.base_offset + skip  # every record of the batch carries its append time
-                _, records = rb.decode_records(view, position)
+                from logbus.storage.record_batch import decode_records  # noqa: PLC0415 (Arrow only when asked)
+
+                _, records = decode_records(view, position)
                 reaching = records.column(2).to_numpy()[skip:] >= timestamp_ms
                 if reaching.any():
                     return header.base_offset + skip + int(np.argmax(reaching))
@@ -378,9 +381,9 @@ class LogSegment:
         if self.size_bytes == 0:
             return
         view = self._view()
-        self.first_timestamp_ms = rb.read_header(view, 0).first_timestamp_ms
+        self.first_timestamp_ms = bh.read_header(view, 0).first_timestamp_ms
         start = self.offset_index.lookup(RELATIVE_OFFSET_MAX)
-        for position, header in rb.iter_headers(view, start, self.size_bytes):
+        for position, header in bh.iter_headers(view, start, self.size_bytes):
             self.next_offset = header.next_offset
             self.max_timestamp_ms = max(self.max_timestamp_ms, header.max_timestamp_ms)
             self._bytes_since_index_entry = position + header.size_bytes - start
