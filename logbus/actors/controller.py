@@ -70,6 +70,7 @@ from logbus.errors import (
     InvalidTopicError,
     LeaderNotAvailableError,
     NodeCapacityError,
+    RequestTimedOutError,
     UnknownTopicError,
 )
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
@@ -837,7 +838,11 @@ class Controller:
 
         async def one(tp, offset):
             leader = self.leader_handle(tp.topic, tp.partition)
-            return await asyncio.wait_for(leader.delete_records.remote(offset), REPLICA_CALL_TIMEOUT_S)
+            try:
+                return await asyncio.wait_for(leader.delete_records.remote(offset), REPLICA_CALL_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise RequestTimedOutError(f"{tp.topic}-{tp.partition}: its leader did not answer delete_records "
+                                           f"within {REPLICA_CALL_TIMEOUT_S:.0f} s") from None
 
         found = await asyncio.gather(*(one(tp, offset) for tp, offset in tps), return_exceptions=True)
         for result in found:

@@ -445,11 +445,13 @@ class PartitionReplica:
                 "replica %s: cleaned offsets up to %d: %d records removed, %d -> %d bytes",
                 self._label, plan.end_offset, removed, sum(c.bytes_before for c in done), sum(c.bytes_after for c in done),
             )
-        except (LogbusError, OSError) as error:  # keep serving; try again in a while
+        except Exception as error:  # noqa: BLE001 (keep serving; try again in a while, whatever failed)
             retry_s = min(CLEAN_FAILED_RETRY_S * 2**self._clean_failures, CLEAN_FAILED_RETRY_MAX_S)
             self._clean_failures += 1
             if not self._deleted:
-                logger.warning("replica %s: log cleaning failed (trying again in %.0f s): %s", self._label, retry_s, error)
+                expected = isinstance(error, LogbusError | OSError)  # a damaged or changed file; else a bug, with its traceback
+                logger.warning("replica %s: log cleaning failed (trying again in %.0f s): %s", self._label, retry_s, error,
+                               exc_info=not expected)
         finally:
             self._cleaning_stop = None
             if not self._deleted:
