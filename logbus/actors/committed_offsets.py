@@ -34,7 +34,6 @@ from logbus.protocol.group_coordinator import (
     offset_commit_key,
 )
 from logbus.protocol.messages import FetchRequest, TopicPartition
-from logbus.storage import record_batch as rb
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +91,8 @@ class CommittedOffsets:
                 await asyncio.sleep(0.2)
 
     async def _read_all(self) -> dict[Key, OffsetAndMetadata]:
+        from logbus.storage import record_batch as rb  # noqa: PLC0415 (see _append)
+
         leader = self._host.leader_handle(OFFSETS_TOPIC, 0)
         offset, high_watermark, _ = await asyncio.wait_for(leader.offsets.remote(), 10)
         table = {}
@@ -140,6 +141,10 @@ class CommittedOffsets:
 
     async def _append(self, records: list[tuple[bytes, bytes | None]]) -> None:
         """Append records to ``__consumer_offsets`` with acks='all'; raise (retriable) if that fails."""
+        # Arrow is imported here, not with the module: every replica imports this module (Ray loads
+        # the controller's class for a handle to it), and pyarrow costs a replica ~5 MiB.
+        from logbus.storage import record_batch as rb  # noqa: PLC0415
+
         await self._ensure_topic()
         batch = rb.encode_batch([v for _, v in records], [k for k, _ in records])
         deadline = time.monotonic() + COMMIT_RETRY_S
