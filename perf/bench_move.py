@@ -8,11 +8,16 @@ machine:
 1. move      ``ray.cluster_utils.Cluster``: a head and four replica nodes (16 ``logbus_replica``
              slots each). A topic of one partition, replication factor 3, min.insync.replicas 2,
              filled with 1 GB of 1,000-byte records (``send_table``, acks="all"). Baseline: the
-             produce throughput of an acks="all" ``send_table`` producer for 10 s. Then the same
-             producer keeps sending while ``reassign_partitions`` moves the partition from nodes
-             A, B, C to B, C, D with a throttle (default 100 MB/s): the time the move takes, the
-             bytes/s the new replica copied (its log files' growth), and the produce throughput
-             during the move as a ratio to the baseline (target >= 0.7).
+             produce throughput of an acks="all" ``send_table`` producer for 10 s, paced at half
+             the throttle (``--produce-rate``, bytes/s). Then the same producer keeps sending
+             while ``reassign_partitions`` moves the partition from nodes A, B, C to B, C, D with
+             a throttle (default 100 MB/s): the time the move takes, the bytes/s the new replica
+             copied (its log files' growth), and the produce throughput during the move as a
+             ratio to the baseline (target >= 0.7). The producer is paced because a move only
+             ends when the copy outruns the writes (as in Kafka, the throttle must exceed the
+             partition's write rate): unpaced, this machine writes ~700 MB/s with acks="all",
+             and a move throttled to 100 MB/s would copy until the disk is full. The move is
+             cancelled, and the run fails, after ``MOVE_TIMEOUT_S``.
 2. autoscale the fake autoscaling cluster of ``tests/autoscaler`` (Ray's fake_multinode provider,
              autoscaler v1): from a head alone, ``create_topic`` with replication factor 2 needs
              two nodes; the time until the autoscaler's nodes are up (the autoscaler's part) and
@@ -45,6 +50,7 @@ from logbus.actors.placement import replica_directory
 RECORD_BYTES = 1_000
 TABLE_ROWS = 10_000
 BASELINE_S = 10.0
+MOVE_TIMEOUT_S = 600.0  # a move not done by then is cancelled and the run fails
 
 
 def value_table(rows: int) -> pa.Table:
@@ -54,11 +60,12 @@ def value_table(rows: int) -> pa.Table:
 
 
 class Sender:
-    """A producer in a thread sending the same table over and over, counting acknowledged records per second."""
+    """A producer in a thread sending the same table over and over at a paced rate, counting acknowledged records per second."""
 
-    def __init__(self, bus, topic: str, table: pa.Table) -> None:
+    def __init__(self, bus, topic: str, table: pa.Table, rate_bytes_per_s: float) -> None:
         self.producer = logbus.Producer(bus, acks="all")
         self.topic, self.table = topic, table
+        self.rate_bytes_per_s = rate_bytes_per_s  # pacing: a table is sent no sooner than the rate allows
         self.acked: list[tuple[float, int]] = []  # (time, records) per acknowledged send_table
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -66,8 +73,14 @@ class Sender:
 
     def _run(self) -> None:
         pending = []
+        table_bytes = self.table.num_rows * RECORD_BYTES
+        started, sent = time.monotonic(), 0
         while not self.stop_event.is_set():
+            wait_s = started + sent * table_bytes / self.rate_bytes_per_s - time.monotonic()
+            if wait_s > 0 and self.stop_event.wait(wait_s):
+                break
             pending.append(self.producer.send_table(self.topic, self.table))
+            sent += 1
             while len(pending) > 4:
                 pending.pop(0).result(timeout=300)
                 self.acked.append((time.monotonic(), self.table.num_rows))
@@ -95,7 +108,7 @@ def statuses_nodes(bus, topic: str) -> dict[int, str]:
     return {s["replica_id"]: s["node_id"] for s in reported if "node_id" in s}
 
 
-def bench_move(total_bytes: int, throttle: int) -> dict:
+def bench_move(total_bytes: int, throttle: int, produce_rate: float) -> dict:
     data_dir = tempfile.mkdtemp(prefix="logbus-bench-move-")
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
@@ -113,7 +126,7 @@ def bench_move(total_bytes: int, throttle: int) -> dict:
             futures = [producer.send_table(topic, table) for _ in range(total_bytes // (TABLE_ROWS * RECORD_BYTES))]
             for future in futures:
                 future.result(timeout=600)
-        sender = Sender(bus, topic, table)
+        sender = Sender(bus, topic, table, produce_rate)
         time.sleep(2.0)  # the sender's first requests are out of the measurement
         base_start = time.monotonic()
         time.sleep(BASELINE_S)  # the baseline window
@@ -127,6 +140,9 @@ def bench_move(total_bytes: int, throttle: int) -> dict:
         new_dir = replica_directory(bus.data_dir, topic, 0, moving[0]["adding"][0])
         samples = []
         while bus.admin.describe_reassignments():
+            if time.monotonic() - moved_start > MOVE_TIMEOUT_S:
+                bus.admin.cancel_reassignments([TopicPartition(topic, 0)])
+                raise RuntimeError(f"the move did not finish in {MOVE_TIMEOUT_S:.0f}s (cancelled)")
             samples.append((time.monotonic(), log_bytes(new_dir)))
             time.sleep(0.25)
         moved_end = time.monotonic()
@@ -139,7 +155,7 @@ def bench_move(total_bytes: int, throttle: int) -> dict:
             f"(throttle {throttle / 1e6:.0f} MB/s); produce {during:,.0f} records/s during, {baseline:,.0f} before")
         bus.admin.delete_topic(topic)
         return {"move_s": moved_end - moved_start, "copied_bytes": copied_bytes, "copy_bytes_per_s": copied_rate,
-                "throttle_bytes_per_s": throttle, "produce_before": baseline, "produce_during": during,
+                "throttle_bytes_per_s": throttle, "produce_rate_bytes_per_s": produce_rate, "produce_before": baseline, "produce_during": during,
                 "ratio": during / baseline if baseline else float("nan")}
     finally:
         shutdown_ray(cluster)
@@ -185,11 +201,14 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="100 MB instead of 1 GB")
     parser.add_argument("--throttle", type=int, default=100_000_000, help="bytes/s each moving replica may copy")
     parser.add_argument("--skip-autoscale", action="store_true", help="leave out the autoscaler part")
+    parser.add_argument("--produce-rate", type=float, default=None,
+                        help="bytes/s the producer is paced at before and during the move (default: half the throttle)")
     args = parser.parse_args()
     exit_on_sigterm()
     run = RunInfo(quick=bool(args.quick))
     log(f"mode={'quick' if args.quick else 'full'}, load average {run.load_start[0]:.1f} on {os.cpu_count()} CPUs")
-    move = bench_move(100_000_000 if args.quick else 1_000_000_000, args.throttle)
+    produce_rate = args.produce_rate or args.throttle / 2
+    move = bench_move(100_000_000 if args.quick else 1_000_000_000, args.throttle, produce_rate)
     scale = None if args.skip_autoscale else bench_autoscale()
     run.finish()
     rows = [
