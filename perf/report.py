@@ -122,6 +122,13 @@ def write_summary(results: dict[str, list[dict]], statuses: dict[str, str]) -> N
         file.write(text)
 
 
+def _is_throughput_ratio(line: dict) -> bool:
+    """A records/s figure against a same-run baseline (not a latency or cost ratio, where lower is better)."""
+    vs = line.get("ratio_vs") or ""
+    return (isinstance(line.get("ratio"), int | float) and vs not in ("", "none") and "lower is better" not in vs
+            and isinstance(line.get("records_per_s"), int | float) and "latency" not in line.get("case", ""))
+
+
 def draw_charts(results: dict[str, list[dict]]) -> list[str]:
     import matplotlib  # noqa: PLC0415 (only the report needs it)
 
@@ -132,7 +139,7 @@ def draw_charts(results: dict[str, list[dict]]) -> list[str]:
     drawn = []
 
     ratios = [(f"{n}: {l['case'][:38]}", l["ratio"]) for n in ("broker", "spark", "gateway", "move")
-              for l in results.get(n, []) if isinstance(l.get("ratio"), int | float) and l.get("ratio_vs") != "none"]
+              for l in results.get(n, []) if _is_throughput_ratio(l)]
     if ratios:
         fig, ax = plt.subplots(figsize=(9, 0.35 * len(ratios) + 1.2))
         ax.barh([r[0] for r in ratios], [r[1] for r in ratios], color="#4c72b0")
