@@ -72,9 +72,12 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
+
+if TYPE_CHECKING:  # Arrow is imported where a cleaning decodes batches, in its thread
+    import pyarrow as pa
 
 from logbus.errors import CorruptRecordError, InternalStateError, StorageError
 from logbus.storage import batch_header as bh

@@ -11,33 +11,16 @@ import time
 import uuid
 
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 import logbus
 from logbus import TopicPartition
 from tests.actors.replica_files import committed_records
-from tests.actors.test_replication import REPLICA_RESOURCE, SYSTEM_CONFIG, leader_status, statuses, wait_isr
+from tests.actors.test_replication import cluster, leader_status, statuses, wait_isr  # noqa: F401 (cluster: the three-node fixture)
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMPACTED = {"cleanup.policy": "compact", "segment.bytes": 1024, "min.cleanable.dirty.ratio": 0, "min.insync.replicas": 2}
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head node (driver and controller) plus three replica nodes; replaces the shared Ray session."""
-    if ray.is_initialized():
-        ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": SYSTEM_CONFIG})
-    for _ in range(3):
-        cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
 
 
 @pytest.fixture
