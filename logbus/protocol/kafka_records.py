@@ -54,7 +54,8 @@ all records at once with numpy (varints, offsets, timestamps), and keys and
 values are cut out with slices, joined and handed to Arrow in C-level calls.
 Headers, rare on the hot path, are handled per record.
 
-Errors: a batch that fails a length, CRC or format check raises
+Errors: a batch that fails a length, CRC or format check (among them: a
+record count larger than its bytes can hold, at ``MIN_RECORD_BYTES`` a record) raises
 :class:`~logbus.errors.CorruptRecordError` (Kafka's CORRUPT_MESSAGE); one that
 is well-formed but not acceptable (transactional or control batches, offset
 deltas out of order, a header key that is not UTF-8) raises
@@ -82,6 +83,10 @@ HEADER_SIZE = HEADER.size  # 61
 LOG_OVERHEAD = 12  # baseOffset and batchLength: the bytes batchLength does not count
 CRC_START = 21  # the CRC covers attributes to the end
 MIN_BATCH_LENGTH = HEADER_SIZE - LOG_OVERHEAD
+# The smallest record: its length, attributes, timestamp delta, offset delta, key length, value
+# length and header count, one byte each (null key and value, no headers). A batch claiming more
+# records than its bytes can hold is refused before anything is allocated per record.
+MIN_RECORD_BYTES = 7
 assert HEADER_SIZE == 61, "Kafka's batch header is 61 bytes"
 
 # Attributes.
@@ -156,6 +161,11 @@ def read_header(data, position: int = 0) -> KafkaBatchHeader:
     if header.record_count < 0 or (header.record_count and header.last_offset_delta != header.record_count - 1):
         raise CorruptRecordError(
             f"Kafka batch at position {position}: {header.record_count} records with last offset delta {header.last_offset_delta}"
+        )
+    records_bytes = header.batch_length - MIN_BATCH_LENGTH
+    if header.codec == CODEC_NONE and header.record_count > records_bytes // MIN_RECORD_BYTES:
+        raise CorruptRecordError(
+            f"Kafka batch at position {position} claims {header.record_count} records in {records_bytes} bytes"
         )
     return header
 
@@ -340,6 +350,10 @@ def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
     count = header.record_count
     if count == 0:
         raise InvalidRecordError("a Kafka batch without records")
+    if count > len(records) // MIN_RECORD_BYTES:
+        # Checked again after decompression: the header's count is the client's word, and the
+        # per-record work below allocates for that many records.
+        raise CorruptRecordError(f"a Kafka batch claims {count} records in {len(records)} bytes of records")
     body_starts, body_lengths = _record_bodies(records, count)
     buf = np.frombuffer(records, np.uint8)
     starts = np.array(body_starts, np.int64)
