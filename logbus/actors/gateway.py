@@ -19,19 +19,23 @@ needs no call to start after Ray restarts the actor.
 
 Each connection reads frames (4-byte size, then the request), refuses one
 over ``max_request_bytes`` or one that cannot be parsed by closing the
-connection, starts each request at once (produce batches leave for their
-leaders in the order they arrived), and writes the responses in request
+connection, starts each request at once, and writes the responses in request
 order, as Kafka clients require; at most ``IN_FLIGHT_MAX`` requests of a
-connection are open at once (then it stops reading).
+connection are open at once (then it stops reading). A connection's batches
+for one partition reach its leader in the order they were sent: the handler
+hands them over in that order, and keeps one in flight at a time unless they
+are an idempotent producer's (see ``KafkaHandler._produce_partition``).
 
-Leaders are cached per topic and asked for again on the next request after
-a reply says a leader moved (not leader, unavailable, closed channel) or
-after ``METADATA_MAX_AGE_S``; a Metadata request always asks the controller.
+Leaders are cached per topic and looked up again (one lookup at a time per
+topic, shared by the requests that need it) after a reply says a leader
+moved (not leader, unavailable, closed channel) or ``METADATA_MAX_AGE_S``
+after the last lookup; a Metadata request always asks the controller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import pickle
@@ -115,6 +119,7 @@ class ClusterBackend:
         self._dead_nodes: set[str] = set()
         self._topics: dict[str, _Topic] = {}
         self._stale: set[str] = set()
+        self._lookups: dict[str, asyncio.Future] = {}  # topic -> its lookup under way (see topic())
         self._channels = local_channels()
 
     # --- brokers --------------------------------------------------------------------------------------
@@ -161,28 +166,39 @@ class ClusterBackend:
             out[name] = view
         return out
 
-    def _cached_leader(self, topic: str, partition: int):
-        """The cached leader's handle; None if the cache cannot say (ask the controller)."""
-        cached = self._topics.get(topic)
-        if cached is None or topic in self._stale or time.monotonic() - cached.fetched_s > METADATA_MAX_AGE_S:
-            return None
-        if not 0 <= partition < len(cached.leaders):
-            return None
-        return cached.leaders[partition]
+    async def topic(self, name: str) -> kg.TopicView | None:
+        cached = self._topics.get(name)
+        if cached is not None and name not in self._stale and time.monotonic() - cached.fetched_s <= METADATA_MAX_AGE_S:
+            return cached.view
+        lookup = self._lookups.get(name)
+        if lookup is None:
+            # One lookup for every request that needs the topic meanwhile: each resumes from the same
+            # answer, in the order it started waiting, instead of from answers of its own in any order.
+            lookup = self._lookups[name] = asyncio.ensure_future(self.topics([name]))
+            lookup.add_done_callback(functools.partial(self._looked_up, name))
+        return (await asyncio.shield(lookup)).get(name)
 
-    async def _leader(self, topic: str, partition: int):
-        leader = self._cached_leader(topic, partition)
-        if leader is not None:
-            return leader
-        view = (await self.topics([topic])).get(topic)
-        if view is None:
+    def _looked_up(self, name: str, lookup: asyncio.Future) -> None:
+        if self._lookups.get(name) is lookup:
+            del self._lookups[name]
+        if not lookup.cancelled():
+            lookup.exception()  # its waiters have it (if any are left): not an unretrieved error
+
+    def _cached_leader(self, topic: str, partition: int):
+        """The leader's handle as the last lookup of ``topic`` found it."""
+        cached = self._topics.get(topic)
+        if cached is None:
             raise UnknownTopicError(f"topic {topic!r} does not exist")
-        if not 0 <= partition < len(view.partitions):
-            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(view.partitions) - 1}, not {partition}")
-        leader = self._topics[topic].leaders[partition]
+        if not 0 <= partition < len(cached.leaders):
+            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(cached.leaders) - 1}, not {partition}")
+        leader = cached.leaders[partition]
         if leader is None:
             raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
         return leader
+
+    async def _leader(self, topic: str, partition: int):
+        await self.topic(topic)
+        return self._cached_leader(topic, partition)
 
     def _check_moved(self, topic: str, error: BaseException) -> BaseException:
         """Mark a topic's leaders for a fresh look when a reply says a leader moved; return the error."""
@@ -193,18 +209,12 @@ class ClusterBackend:
     # --- produce and fetch ---------------------------------------------------------------------------
 
     def produce(self, topic: str, partition: int, batch: bytes, acks, timeout_ms: int):
-        leader = self._cached_leader(topic, partition)
-        timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
-        if leader is not None:
-            return self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
-        return self._produce_after_lookup(topic, partition, batch, acks, timeout_ms, timeout_s)
-
-    async def _produce_after_lookup(self, topic, partition, batch, acks, timeout_ms, timeout_s):
         try:
-            leader = await self._leader(topic, partition)
+            leader = self._cached_leader(topic, partition)
         except Exception as error:
             raise self._check_moved(topic, error) from None
-        return await self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
+        timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
+        return self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
 
     def _send_produce(self, leader, batch: bytes, acks, timeout_ms: int):
         """Send now: over the leader's local channel when it is on this node, else as an actor call."""
@@ -399,6 +409,7 @@ class Gateway:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self.connections_total += 1
+        connection = self.connections_total  # the handler keeps each connection's batches in order
         self._transports.add(writer.transport)
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -413,7 +424,7 @@ class Gateway:
                 if size < 8 or size > self.handler.max_request_bytes:
                     raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
                 frame = await reader.readexactly(size)
-                pending = self.handler.start(frame)
+                pending = self.handler.start(frame, connection)
                 await responses.put(asyncio.ensure_future(pending))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away

@@ -49,7 +49,7 @@ import typing
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Mapping, Protocol
+from typing import Any, Awaitable, Hashable, Mapping, Protocol
 
 from kio.index import load_request_schema, load_response_schema
 from kio.schema.consumer_protocol_assignment.v0 import ConsumerProtocolAssignment
@@ -162,8 +162,15 @@ class Backend(Protocol):
     async def topics(self, names: list[str] | None) -> dict[str, TopicView | None]:
         """The topics named (None for one that does not exist), or every topic but logbus's internal ones."""
 
+    async def topic(self, name: str) -> TopicView | None:
+        """One topic (None if it does not exist) for the data path: as last looked up, when that is
+        recent and no reply since said its leaders moved; else after one lookup, shared by every
+        request that asks for the topic while it is under way."""
+
     def produce(self, topic: str, partition: int, batch: bytes, acks: int | str, timeout_ms: int) -> Awaitable[ProduceResponse]:
-        """Send ``batch`` to the leader now (before returning), in call order; await its reply."""
+        """Hand ``batch`` to the partition's leader as the last ``topic()`` found it, now (before
+        returning); the awaitable gives the leader's reply. Raises UnknownTopicError or
+        LeaderNotAvailableError when there is no such leader to hand it to."""
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int) -> Awaitable[tuple[FetchResponse, Any]]:
         """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None)."""
@@ -437,6 +444,8 @@ class KafkaHandler:
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self._joins: dict[tuple[str, str], tuple[JoinResult, dict]] = {}  # (group, member) -> (result, options)
+        # (connection, topic, partition) -> the turn of the latest batch sent there (see _produce_partition).
+        self._turns: dict[tuple[Hashable, str, int], asyncio.Future] = {}
         self.requests_served: dict[tuple[int, int], int] = {}  # by (API key, version): for tests and `stats()`
         self._handlers = {
             API_VERSIONS: self._api_versions,
@@ -458,13 +467,16 @@ class KafkaHandler:
             LIST_GROUPS: self._list_groups,
         }
 
-    def start(self, frame: bytes) -> Awaitable[bytes | None]:
+    def start(self, frame: bytes, connection: Hashable = None) -> Awaitable[bytes | None]:
         """Begin serving one request frame; the awaitable gives the response frame (None: send nothing).
 
-        Parsing, and for produce requests decoding the batches and sending them
-        to their leaders, happen here, before this returns: requests of one
-        connection reach the leaders in the order they arrived. Raises
-        KafkaProtocolError for a frame that cannot be served (close the connection).
+        Parsing happens here, before this returns; raises KafkaProtocolError for
+        a frame that cannot be served (close the connection). ``connection``
+        identifies the connection the frame came on: a produce request's batches
+        take their turn behind the same connection's earlier batches for the
+        same partition (see ``_produce_partition``), so each connection's
+        records reach every partition in the order they were sent. Called on
+        the event loop that awaits the result.
         """
         api_key, api_version, correlation_id = peek_header(frame)
         if api_key == API_VERSIONS and api_version > API_VERSIONS_SERVED[API_VERSIONS][1]:
@@ -474,7 +486,7 @@ class KafkaHandler:
         served = (api_key, api_version)
         self.requests_served[served] = self.requests_served.get(served, 0) + 1
         if api_key == PRODUCE:
-            replies = self._send_produce(request)  # the batches are on their way
+            replies = self._send_produce(request, connection)  # each batch in its partition's turn
             if request.body.acks == 0:
                 return _discard(replies)
             return self._respond(request, self._produce_replies(replies))
@@ -549,8 +561,8 @@ class KafkaHandler:
 
     # --- Produce -------------------------------------------------------------------------------------
 
-    def _send_produce(self, request: Request) -> list[tuple[str, int, Awaitable | BaseException]]:
-        """Decode every partition's batch and send it to its leader now (see ``start``)."""
+    def _send_produce(self, request: Request, connection: Hashable) -> list[tuple[str, int, Awaitable | BaseException]]:
+        """Start every partition's batch on its way to its leader, in its turn (see ``_produce_partition``)."""
         body = request.body
         acks = body.acks
         timeout_ms = max(1, _ms(body.timeout))
@@ -568,13 +580,50 @@ class KafkaHandler:
                 if refused is not None:
                     replies.append((topic.name, partition.index, refused))
                     continue
-                try:
-                    produced = to_logbus(partition.records or b"", decompressed_max_bytes=limit)
-                    pending = self.backend.produce(topic.name, partition.index, produced.encoded, logbus_acks, timeout_ms)
-                except Exception as error:  # noqa: BLE001 (each partition answers for itself)
-                    pending = error
+                pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, limit)
                 replies.append((topic.name, partition.index, pending))
         return replies
+
+    def _produce_partition(self, connection: Hashable, topic: str, partition: int, records: bytes, acks, timeout_ms: int,
+                           limit: int) -> asyncio.Task:
+        """One partition's batch of a produce request, handed to the leader in its turn.
+
+        The batches a connection sends to one partition are handed to its
+        leader in the order they came: each waits for the previous one's turn
+        to end. A batch of an idempotent producer ends its turn once handed
+        over (the leader puts the producer's batches in sequence order, waiting
+        briefly for one that is late); any other batch ends it when its reply
+        comes, so one is in flight per partition and connection, as logbus's
+        own producer keeps without idempotence: a later batch could otherwise
+        overtake it on the way (an actor call and the local channel race, and
+        Ray may start one caller's calls out of order).
+        """
+        key = (connection, topic, partition)
+        previous = self._turns.get(key)
+        turn = asyncio.get_running_loop().create_future()
+        self._turns[key] = turn
+        return asyncio.ensure_future(self._produce_in_turn(key, previous, turn, records, acks, timeout_ms, limit))
+
+    async def _produce_in_turn(self, key: tuple, previous: asyncio.Future | None, turn: asyncio.Future, records: bytes, acks,
+                               timeout_ms: int, limit: int) -> ProduceResponse:
+        _, topic, partition = key
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # shielded: a cancelled waiter must not end the turn it waits for
+            produced = to_logbus(records, decompressed_max_bytes=limit)
+            await self.backend.topic(topic)  # the leader's whereabouts, looked up once for every request waiting on it
+            pending = self.backend.produce(topic, partition, produced.encoded, acks, timeout_ms)
+            if produced.header.producer_id >= 0:
+                self._end_turn(key, turn)
+            return await pending
+        finally:
+            self._end_turn(key, turn)
+
+    def _end_turn(self, key: tuple, turn: asyncio.Future) -> None:
+        if not turn.done():
+            turn.set_result(None)
+        if self._turns.get(key) is turn:
+            del self._turns[key]  # the last of its partition and connection: nothing is waiting for it
 
     async def _produce_replies(self, replies: list) -> dict:
         results = await asyncio.gather(*(_settle(pending) for _, _, pending in replies))

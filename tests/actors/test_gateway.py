@@ -387,6 +387,11 @@ class Raw:
         self.sock.sendall(struct.pack(">i", len(frame)) + frame)
 
     def call(self, api_key: int, version: int, values: dict):
+        self.send(api_key, version, values)
+        return self.receive(api_key, version, self.correlation)
+
+    def send(self, api_key: int, version: int, values: dict) -> int:
+        """Send a request without waiting for its response; its correlation id."""
         request_cls = load_request_schema(api_key, version)
         self.correlation += 1
         out = io.BytesIO()
@@ -394,11 +399,15 @@ class Raw:
             request_api_key=api_key, request_api_version=version, correlation_id=self.correlation, client_id="raw"))
         entity_writer(request_cls)(out, kg.build(request_cls, values))
         self.send_frame(out.getvalue())
+        return self.correlation
+
+    def receive(self, api_key: int, version: int, correlation: int):
+        """The next response, which must be the one to request ``correlation``."""
         (size,) = struct.unpack(">i", self._read(4))
         frame = self._read(size)
         response_cls = load_response_schema(api_key, version)
         header, used = entity_reader(response_cls.__header_schema__)(frame, 0)
-        assert header.correlation_id == self.correlation
+        assert header.correlation_id == correlation
         body, _ = entity_reader(response_cls)(frame, used)
         return body
 
@@ -415,9 +424,13 @@ class Raw:
         self.sock.close()
 
 
+def produce_request(topic: str, records: bytes, acks: int = -1, partition: int = 0) -> dict:
+    return {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
+        {"name": topic, "partition_data": [{"index": partition, "records": records}]}]}
+
+
 def produce(raw: Raw, topic: str, records: bytes, acks: int = -1):
-    response = raw.call(kg.PRODUCE, 9, {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
-        {"name": topic, "partition_data": [{"index": 0, "records": records}]}]})
+    response = raw.call(kg.PRODUCE, 9, produce_request(topic, records, acks))
     [partition] = response.responses[0].partition_responses
     return partition
 
@@ -445,6 +458,31 @@ def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
     assert after.base_offset == 10
     assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == 11
     raw.close()
+
+
+def test_a_connections_pipelined_batches_land_in_the_order_sent(bus, gateway, topic_name):
+    # Every request is sent before any response is read (as a client with many requests in flight
+    # does), to a topic the gateway has not looked up yet: partition 0 gets plain batches, partition 1
+    # an idempotent producer's.
+    bus.admin.create_topic(topic_name, partitions=2)
+    raw = Raw(gateway)
+    producer_id = raw.call(kg.INIT_PRODUCER_ID, 4, {"transactional_id": None, "transaction_timeout": 60_000,
+                                                    "producer_id": -1, "producer_epoch": -1}).producer_id
+    count = 400
+    sent = []
+    for i in range(count):
+        partition = i % 2
+        idempotent = {"producer_id": producer_id, "producer_epoch": 0, "base_sequence": i // 2} if partition else {}
+        batch = kafka_batch([(None, b"%d" % i, timestamp_of(i), [])], **idempotent)
+        sent.append(raw.send(kg.PRODUCE, 9, produce_request(topic_name, batch, acks=1, partition=partition)))
+    replies = [raw.receive(kg.PRODUCE, 9, correlation).responses[0].partition_responses[0] for correlation in sent]
+    raw.close()
+    assert [r.error_code for r in replies] == [kg.ErrorCode.none] * count
+    seen = logbus_view(bus, topic_name, count)
+    for partition in (0, 1):
+        stored = [int(seen[(partition, offset)][1]) for offset in range(count // 2)]
+        assert stored == list(range(partition, count, 2))
+        assert [r.base_offset for r in replies[partition::2]] == list(range(count // 2))
 
 
 def test_errors_reach_kafka_clients_as_kafka_codes(bus, gateway, topic_name):
