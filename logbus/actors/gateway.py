@@ -68,6 +68,7 @@ from logbus.errors import (
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class ClusterBackend:
                 continue
             view = kg.TopicView(name, raw["topic_id"], raw["config"], tuple(
                 kg.PartitionView(p["leader_node"], p["leader_epoch"], tuple(p["replica_nodes"]), tuple(p["isr_nodes"])) for p in raw["partitions"]
-            ))
+            ), LogConfig.from_dict(raw["config"]).max_message_bytes)
             self._topics[name] = _Topic(view, [p["leader"] for p in raw["partitions"]], now)
             self._stale.discard(name)
             out[name] = view

@@ -63,7 +63,7 @@ from kio.serial.errors import SerialError
 
 from logbus import errors as e
 from logbus.protocol.group_coordinator import JoinResult, OffsetAndMetadata
-from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, to_kafka, to_logbus
+from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
 from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.log_config import LogConfig
@@ -101,6 +101,7 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
 }
 
 MAX_REQUEST_BYTES_DEFAULT = 100 << 20  # Kafka's socket.request.max.bytes
+REQUEST_DECOMPRESSED_FACTOR = 4  # a produce request's batches may decompress to this many times max_request_bytes, in all
 CONSUMER_PROTOCOL = "consumer"
 COORDINATOR_LEADER = "logbus-coordinator"  # the group leader every member is told of: none of them
 GROUP_PROTOCOLS = ("range", "roundrobin", "cooperative-sticky")  # the strategies logbus's coordinator has
@@ -141,10 +142,14 @@ class PartitionView:
 
 @dataclass(frozen=True, slots=True)
 class TopicView:
+    """A topic as the handler needs it: its id, its config overrides, its partitions, and its
+    effective max.message.bytes (the most a produced batch may take)."""
+
     name: str
     topic_id: str
     config: dict
     partitions: tuple[PartitionView, ...]
+    max_message_bytes: int
 
 
 class Backend(Protocol):
@@ -430,6 +435,40 @@ def broker_id_for(node_id: str) -> int:
     return zlib.crc32(node_id.encode()) & 0x7FFFFFFF
 
 
+# --- produce: what a batch may cost to decode ----------------------------------------------------------
+
+
+class _DecompressionBudget:
+    """What the compressed batches of one produce request may still decompress to, in all."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, remaining: int) -> None:
+        self.remaining = remaining
+
+
+def _to_logbus(view: TopicView | None, topic: str, partition: int, records: bytes, budget: _DecompressionBudget) -> ProducedBatch:
+    """A partition's Kafka batch as the logbus batch to append, decoded only once the topic exists and
+    the batch is within its max.message.bytes.
+
+    Compressed records may expand to at most the least of the topic's
+    max.message.bytes (the gateway stores them uncompressed, and a logbus
+    batch is no smaller than the Kafka records it holds), what the request's
+    other batches left of its budget, and ``DECOMPRESSED_MAX_BYTES``;
+    RecordTooLargeError past that.
+    """
+    if view is None:
+        raise e.UnknownTopicError(f"topic {topic!r} does not exist")
+    if not 0 <= partition < len(view.partitions):
+        raise e.UnknownTopicError(f"topic {topic!r} has partitions 0..{len(view.partitions) - 1}, not {partition}")
+    if len(records) > view.max_message_bytes:
+        raise e.RecordTooLargeError(f"a batch of {len(records)} bytes exceeds max.message.bytes={view.max_message_bytes} of topic {topic!r}")
+    limit = min(view.max_message_bytes, budget.remaining, DECOMPRESSED_MAX_BYTES)
+    produced = to_logbus(records, decompressed_max_bytes=limit)
+    budget.remaining -= produced.decompressed_bytes
+    return produced
+
+
 # --- the handler ---------------------------------------------------------------------------------------
 
 
@@ -573,19 +612,19 @@ class KafkaHandler:
             refused = e.InvalidConfigError(f"acks must be 0, 1 or -1, not {acks}")
         else:
             refused = None
-        limit = min(DECOMPRESSED_MAX_BYTES, 4 * self.max_request_bytes)
+        budget = _DecompressionBudget(REQUEST_DECOMPRESSED_FACTOR * self.max_request_bytes)
         replies: list[tuple[str, int, Awaitable | BaseException]] = []
         for topic in body.topic_data:
             for partition in topic.partition_data:
                 if refused is not None:
                     replies.append((topic.name, partition.index, refused))
                     continue
-                pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, limit)
+                pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, budget)
                 replies.append((topic.name, partition.index, pending))
         return replies
 
     def _produce_partition(self, connection: Hashable, topic: str, partition: int, records: bytes, acks, timeout_ms: int,
-                           limit: int) -> asyncio.Task:
+                           budget: _DecompressionBudget) -> asyncio.Task:
         """One partition's batch of a produce request, handed to the leader in its turn.
 
         The batches a connection sends to one partition are handed to its
@@ -602,16 +641,18 @@ class KafkaHandler:
         previous = self._turns.get(key)
         turn = asyncio.get_running_loop().create_future()
         self._turns[key] = turn
-        return asyncio.ensure_future(self._produce_in_turn(key, previous, turn, records, acks, timeout_ms, limit))
+        return asyncio.ensure_future(self._produce_in_turn(key, previous, turn, records, acks, timeout_ms, budget))
 
     async def _produce_in_turn(self, key: tuple, previous: asyncio.Future | None, turn: asyncio.Future, records: bytes, acks,
-                               timeout_ms: int, limit: int) -> ProduceResponse:
+                               timeout_ms: int, budget: _DecompressionBudget) -> ProduceResponse:
         _, topic, partition = key
         try:
             if previous is not None:
                 await asyncio.shield(previous)  # shielded: a cancelled waiter must not end the turn it waits for
-            produced = to_logbus(records, decompressed_max_bytes=limit)
-            await self.backend.topic(topic)  # the leader's whereabouts, looked up once for every request waiting on it
+            # The topic first (cached, or looked up once for every request waiting on it): an unknown
+            # topic or a batch over its max.message.bytes is refused before anything is decoded.
+            view = await self.backend.topic(topic)
+            produced = _to_logbus(view, topic, partition, records, budget)
             pending = self.backend.produce(topic, partition, produced.encoded, acks, timeout_ms)
             if produced.header.producer_id >= 0:
                 self._end_turn(key, turn)

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-from logbus.errors import CorruptRecordError, InvalidRecordError
+from logbus.errors import CorruptRecordError, InvalidRecordError, RecordTooLargeError
 from logbus.protocol import kafka_records as kr
 from logbus.storage import record_batch as rb
 
@@ -150,10 +150,20 @@ def test_snappy_in_xerial_framing_is_read():
     assert [r["key"] for r in rows] == [b"k%d" % i for i in range(300)]
 
 
-def test_a_batch_that_expands_past_the_limit_is_refused():
-    batch = with_codec(kafka_batch([(None, b"\0" * 100_000, BASE_MS, [])]), kr.CODEC_ZSTD)
-    with pytest.raises(CorruptRecordError, match="expand"):
-        kr.to_logbus(batch, decompressed_max_bytes=10_000)
+@pytest.mark.parametrize("codec", [kr.CODEC_GZIP, kr.CODEC_SNAPPY, kr.CODEC_LZ4, kr.CODEC_ZSTD, "xerial"])
+def test_a_batch_that_expands_past_the_limit_is_too_large_and_one_that_does_not_decompress_is_corrupt(codec):
+    batch = kafka_batch([(None, b"\0" * 100_000, BASE_MS, [])])
+    if codec == "xerial":
+        compressed = recrc(batch[: kr.HEADER_SIZE] + xerial(batch[kr.HEADER_SIZE :]), attributes_or=kr.CODEC_SNAPPY)
+    else:
+        compressed = with_codec(batch, codec)
+    with pytest.raises(RecordTooLargeError, match="expand past 10000 bytes"):
+        kr.to_logbus(compressed, decompressed_max_bytes=10_000)
+    assert kr.to_logbus(compressed, decompressed_max_bytes=200_000).decompressed_bytes == len(batch) - kr.HEADER_SIZE
+    assert kr.to_logbus(batch, decompressed_max_bytes=10).decompressed_bytes == 0  # uncompressed: the limit is not for it
+    # Compressed bytes cut short (with a valid CRC), within the limit, are corrupt, not too large.
+    with pytest.raises(CorruptRecordError):
+        kr.to_logbus(recrc(compressed[: (kr.HEADER_SIZE + len(compressed)) // 2]), decompressed_max_bytes=200_000)
 
 
 def claiming(record_count: int, payload: bytes, codec: int = kr.CODEC_NONE) -> bytes:
