@@ -698,7 +698,18 @@ class KafkaHandler:
             results[(t, p)] = result
             if not isinstance(result, BaseException) and result[1] is not None:
                 total += len(result[1])
-        waiting = [w for w, r in zip(wanted, immediate) if not isinstance(r, BaseException) and r[1] is None]
+        waiting = []
+        for (t, p, offset, m), result in zip(wanted, immediate):
+            if isinstance(result, BaseException):
+                continue
+            meta, data = result
+            if data is None:
+                waiting.append((t, p, offset, m))
+            elif len(data) == 0 and meta.next_offset > offset:
+                # Only a compacted gap, up to the high watermark: wait from past it. A Kafka client
+                # cannot be told where the gap ends (it would fetch the same offset again at once),
+                # but takes batches that start past its position, as from Kafka's compacted logs.
+                waiting.append((t, p, meta.next_offset, m))
         if waiting and max_wait_ms > 0 and total < max(min_bytes, 1):
             # Then wait at the leaders for the first data (or the wait's end).
             tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms))): (t, p) for t, p, o, m in waiting}

@@ -29,6 +29,7 @@ from logbus import TopicPartition
 from logbus import cli
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
+from tests.api.test_compaction import consume
 from tests.conftest import wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
@@ -320,6 +321,41 @@ def test_log_append_time_topics_report_the_append_time_to_both_kinds_of_client(b
     assert message.timestamp() == (ck.TIMESTAMP_LOG_APPEND_TIME, stamped)
     [record] = logbus_view(bus, topic_name, 1).values()
     assert record[2] == stamped
+
+
+def test_a_kafka_consumer_reads_a_compacted_topic_to_its_end(bus, gateway, topic_name):
+    import confluent_kafka as ck
+
+    # One batch per segment (segment.bytes=1024), cleaned as soon as a segment closes.
+    bus.admin.create_topic(topic_name, config={"cleanup.policy": "compact", "segment.bytes": 1024, "min.cleanable.dirty.ratio": 0})
+    written = {}
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(41):  # the last in the active segment, which is never cleaned: a key of its own
+            key = b"key-%d" % (i % 7) if i < 40 else b"last"
+            written[producer.send(topic_name, b"value-%d" % i, key=key).get(timeout=30).offset] = key
+    latest = {key: offset for offset, key in sorted(written.items())}
+    expected = sorted((offset, written[offset], b"value-%d" % offset) for offset in latest.values())
+    wait_for(lambda: consume(bus, topic_name) == expected, timeout_s=60, message="the cleaner to compact the log")
+
+    consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": f"compacted-{topic_name}",
+                            "enable.partition.eof": True, "enable.auto.commit": False})
+    consumer.assign([ck.TopicPartition(topic_name, 0, ck.OFFSET_BEGINNING)])
+    seen, at_end = [], False
+    deadline = time.monotonic() + 60
+    try:
+        while not at_end:
+            assert time.monotonic() < deadline, f"the consumer did not reach the end; it read {seen}"
+            for message in consumer.consume(100, 1.0):
+                if message.error() is not None and message.error().code() == ck.KafkaError._PARTITION_EOF:
+                    at_end = True
+                    continue
+                assert message.error() is None, message.error()
+                seen.append((message.offset(), message.key(), message.value()))
+        [position] = consumer.position([ck.TopicPartition(topic_name, 0)])
+    finally:
+        consumer.close()
+    assert seen == expected  # the latest value of each key, at its own offset, with the gaps between
+    assert position.offset == max(written) + 1 == bus.admin.describe_topic(topic_name).partitions[0].high_watermark
 
 
 def test_kafka_admin_creates_describes_lists_and_deletes(bus, gateway, topic_name):

@@ -113,6 +113,41 @@ def test_the_batches_of_one_request_may_decompress_to_four_times_the_request_lim
     assert [logs.logs[("t", p)].log_end_offset for p in range(3)] == [18, 18, 18]
 
 
+def fetch_values(topic: str, offset: int, max_wait_ms: int) -> dict:
+    return {"replica_id": -1, "max_wait": max_wait_ms, "min_bytes": 1, "max_bytes": 1 << 20, "isolation_level": 0, "session_id": 0,
+            "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "", "topics": [
+                {"topic": topic, "partitions": [{"partition": 0, "current_leader_epoch": -1, "fetch_offset": offset, "last_fetched_epoch": -1,
+                                                 "log_start_offset": -1, "partition_max_bytes": 1 << 20}]}]}
+
+
+def test_a_fetch_at_a_compacted_gap_that_ends_at_the_high_watermark_waits_past_it_for_data(logs):
+    # Offsets 0-2 hold records; 3-9 were compacted away on the leader this log copied them from, so
+    # the log ends (and every reader's high watermark is) at 10, with no batch after 2.
+    logs.create_topic("compacted", config={"cleanup.policy": "compact"})
+    log = logs.logs[("compacted", 0)]
+    log.append(rb.encode_batch([b"a", b"b", b"c"], keys=[b"1", b"2", b"3"]))
+    log.append_as_follower(b"", first_offset=3, next_offset=10)
+    assert (log.log_end_offset, log.read(3, 1 << 20).next_offset, len(log.read(3, 1 << 20).data)) == (10, 10, 0)
+    handler = kg.KafkaHandler(logs)
+
+    async def fetch_while_appending() -> bytes:
+        logs.on_wait = asyncio.Event()
+        waited = asyncio.ensure_future(logs.on_wait.wait())
+        reply = asyncio.ensure_future(handler.start(kio_frame(kg.FETCH, 12, fetch_values("compacted", 3, 30_000))))
+        # The fetch waits at offset 10 (past the gap) instead of answering "nothing" at once: a Kafka
+        # client, which cannot learn where the gap ends, would fetch offset 3 again straight away.
+        await asyncio.wait({waited, reply}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        waited.cancel()
+        assert not reply.done() and logs.waits == [("compacted", 0, 10)], "answered without waiting for data"
+        await logs.produce("compacted", 0, rb.encode_batch([b"d"], keys=[b"4"]), 1, 1000)
+        return await asyncio.wait_for(reply, 10)
+
+    [partition] = kio_response(kg.FETCH, 12, asyncio.run(fetch_while_appending())).responses[0].partitions
+    assert partition.error_code == kg.ErrorCode.none and partition.high_watermark == 11
+    [(_, header)] = kr.iter_batches(partition.records)
+    assert (header.base_offset, header.record_count) == (10, 1)  # a batch past the client's position, as Kafka's compacted logs give
+
+
 def encoded(request) -> bytes:
     """A request frame as kafka-python sends it, without the size prefix; and the protocol to read the reply."""
     protocol = KafkaProtocol(client_id="test-client")
