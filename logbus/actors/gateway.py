@@ -322,6 +322,7 @@ class Gateway:
 
     def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int) -> None:
         node_id = ray.get_runtime_context().get_node_id()
+        self._settings = (host, port, advertised_host, max_request_bytes)  # as asked (see start_gateways)
         if advertised_host is None:
             advertised_host = ray.util.get_node_ip_address() if host in ANY_HOSTS else host
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=128)
@@ -373,6 +374,10 @@ class Gateway:
     def address(self) -> tuple[str, int, int, str]:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
+
+    def settings(self) -> tuple[str, int, str | None, int]:
+        """(host, port, advertised host, max request bytes) as they were asked for when it was started."""
+        return self._settings
 
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
         """Every gateway of the cluster, as ``address()`` gives them (Metadata advertises them as brokers)."""
@@ -521,12 +526,21 @@ def start_gateways(
     *,
     all_nodes: bool = False,
     advertised_host: str | None = None,
-    max_request_bytes: int = kg.MAX_REQUEST_BYTES_DEFAULT,
+    max_request_bytes: int | None = None,
 ) -> KafkaGateway:
-    """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``."""
+    """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
+
+    A gateway already running on a node is used as it is if it was started
+    with the same settings, and IllegalStateError is raised (nothing is
+    started or stopped) if it was started with others. If a gateway this call
+    started fails to start, the ones this call started are ended; gateways
+    that were running before are left running.
+    """
     if not isinstance(host, str):
         raise InvalidConfigError(f"host must be a str, not {host!r}")
     _check_port(port)
+    if max_request_bytes is None:
+        max_request_bytes = kg.MAX_REQUEST_BYTES_DEFAULT
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
         raise InvalidConfigError(f"max_request_bytes must be an int of at least 1024, not {max_request_bytes!r}")
     if all_nodes:
@@ -536,15 +550,21 @@ def start_gateways(
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    actors = []
+    asked = (host, port, advertised_host, max_request_bytes)
+    actors, created = [], []
     for node_id in nodes:
-        actors.append(
+        try:
+            actors.append(ray.get_actor(gateway_name(node_id), namespace=namespace))
+            continue
+        except ValueError:
+            pass  # none there yet
+        actor = (
             ray.remote(Gateway)
             .options(
                 name=gateway_name(node_id),
                 namespace=namespace,
                 lifetime="detached",  # until stop(): a handle dropped by the caller must not end it
-                get_if_exists=True,
+                get_if_exists=True,  # one started meanwhile by another caller is used (and checked) as well
                 max_restarts=-1,
                 max_task_retries=0,
                 num_cpus=0,
@@ -553,14 +573,30 @@ def start_gateways(
             )
             .remote(namespace, host, port, advertised_host, max_request_bytes)
         )
+        actors.append(actor)
+        created.append(actor)
     try:
         addresses = ray.get([a.address.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
+        settings = ray.get([a.settings.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
     except RayError as error:
         cause = unwrap(error)
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        _end(created)
         if isinstance(cause, OSError) or "Address already in use" in str(error):
             raise IllegalStateError(f"the Kafka gateway cannot listen on {host}:{port}: {error}") from None
         raise cause from None
+    for (_, _, _, node_id), found in zip(addresses, settings):
+        if tuple(found) != asked:
+            # Ours are the ones started with what was asked (another caller may have started one meanwhile).
+            _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes"), found))
+            raise IllegalStateError(
+                f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
+                f"to start one with other settings"
+            )
     ray.get([a.set_peers.remote(addresses) for a in actors], timeout=CONTROL_TIMEOUT_S)
     return KafkaGateway(namespace, tuple(tuple(a) for a in addresses))
+
+
+def _end(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -105,7 +105,9 @@ class Bus:
         ``advertised_host`` is the address clients are told to connect to
         (default: ``host``, or the node's IP when ``host`` is a wildcard).
         Requests over ``max_request_bytes`` close their connection. Calling it
-        again returns the gateways already running. The gateways run until
+        again returns the gateways already running, or raises
+        IllegalStateError if they were started with other settings (stop them
+        first). The gateways run until
         ``stop()`` on the returned :class:`~logbus.actors.gateway.KafkaGateway`
         (or the Ray cluster ends), whose ``bootstrap_servers`` clients take.
         """

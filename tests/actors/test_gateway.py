@@ -27,6 +27,7 @@ from kio.serial import entity_reader, entity_writer
 import logbus
 from logbus import TopicPartition
 from logbus import cli
+from logbus.errors import IllegalStateError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
@@ -406,6 +407,20 @@ def test_the_gateway_command_serves_until_stopped(bus, topic_name, capsys):
     assert position == (0, 0) and record[:2] == (b"k", b"through the command")
     with pytest.raises(ConnectionRefusedError):  # stopped: nothing listens there any more
         socket.create_connection(("127.0.0.1", int(servers.rsplit(":", 1)[1])), timeout=5)
+
+
+def test_starting_the_gateway_again_with_other_settings_is_refused_and_the_running_one_keeps_serving(bus, gateway):
+    [before] = gateway.stats()
+    assert bus.start_gateway(port=0).brokers == gateway.brokers  # asked the same: the gateway running
+    for other in ({"port": gateway.brokers[0][1] + 1}, {"port": 0, "host": "0.0.0.0"}, {"port": 0, "advertised_host": "example.com"},
+                  {"port": 0, "max_request_bytes": 1 << 20}):
+        with pytest.raises(IllegalStateError, match="already runs on node .* started with"):
+            bus.start_gateway(**other)
+    raw = Raw(gateway)
+    assert raw.call(kg.API_VERSIONS, 3, {"client_software_name": "t", "client_software_version": "1"}).error_code == kg.ErrorCode.none
+    raw.close()
+    [after] = gateway.stats()
+    assert after["pid"] == before["pid"]  # the same gateway, never restarted
 
 
 # --- raw requests: error codes and de-duplication --------------------------------------------------------
