@@ -841,7 +841,8 @@ class KafkaHandler:
 
     async def _delete_topics(self, request: Request) -> dict:
         body = request.body
-        names = list(_get(body, "topic_names", default=None) or [t.name for t in body.topics])
+        # Versions 1-5 name the topics (an empty list: none), version 6 lists topic entries.
+        names = list(body.topic_names) if hasattr(body, "topic_names") else [t.name for t in body.topics]
 
         async def one(name) -> dict:
             result = {"name": name, "topic_id": uuid.UUID(int=0), "error_code": ErrorCode.none, "error_message": None}

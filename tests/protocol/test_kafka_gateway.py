@@ -148,6 +148,16 @@ def test_a_fetch_at_a_compacted_gap_that_ends_at_the_high_watermark_waits_past_i
     assert (header.base_offset, header.record_count) == (10, 1)  # a batch past the client's position, as Kafka's compacted logs give
 
 
+@pytest.mark.parametrize("version", range(1, 7))
+def test_a_delete_topics_request_naming_no_topic_deletes_nothing_in_every_version(version):
+    values = {"timeout": 30_000, **({"topics": []} if version >= 6 else {"topic_names": []})}
+
+    async def run():
+        return await kg.KafkaHandler(backend=None).start(kio_frame(kg.DELETE_TOPICS, version, values))
+
+    assert kio_response(kg.DELETE_TOPICS, version, asyncio.run(run())).responses == ()
+
+
 def encoded(request) -> bytes:
     """A request frame as kafka-python sends it, without the size prefix; and the protocol to read the reply."""
     protocol = KafkaProtocol(client_id="test-client")
