@@ -525,6 +525,9 @@ class KafkaHandler:
         served = (api_key, api_version)
         self.requests_served[served] = self.requests_served.get(served, 0) + 1
         if api_key == PRODUCE:
+            if request.body.acks not in (0, 1, -1):
+                return self._respond(request, _done(_refused_produce(request.body, ErrorCode.invalid_required_acks,
+                                                                     f"acks must be 0, 1 or -1, not {request.body.acks}")))
             replies = self._send_produce(request, connection)  # each batch in its partition's turn
             if request.body.acks == 0:
                 return _discard(replies)
@@ -606,12 +609,7 @@ class KafkaHandler:
         acks = body.acks
         timeout_ms = max(1, _ms(body.timeout))
         logbus_acks: int | str = "all" if acks == -1 else int(acks)
-        if body.transactional_id is not None:
-            refused: BaseException | None = e.InvalidRecordError("transactional producers are not supported")
-        elif acks not in (0, 1, -1):
-            refused = e.InvalidConfigError(f"acks must be 0, 1 or -1, not {acks}")
-        else:
-            refused = None
+        refused = e.InvalidRecordError("transactional producers are not supported") if body.transactional_id is not None else None
         budget = _DecompressionBudget(REQUEST_DECOMPRESSED_FACTOR * self.max_request_bytes)
         replies: list[tuple[str, int, Awaitable | BaseException]] = []
         for topic in body.topic_data:
@@ -1089,6 +1087,13 @@ async def _settle(pending):
 
 async def _done(value):
     return value
+
+
+def _refused_produce(body, code: ErrorCode, message: str) -> dict:
+    """The response values of a produce request refused whole: every partition answers ``code``."""
+    return {"throttle_time": 0, "responses": [{"name": t.name, "partition_responses": [
+        {"index": p.index, "error_code": code, "base_offset": -1, "log_append_time": -1, "log_start_offset": -1, "record_errors": [],
+         "error_message": message} for p in t.partition_data]} for t in body.topic_data]}
 
 
 async def _discard(replies: list) -> None:

@@ -148,6 +148,15 @@ def test_a_fetch_at_a_compacted_gap_that_ends_at_the_high_watermark_waits_past_i
     assert (header.base_offset, header.record_count) == (10, 1)  # a batch past the client's position, as Kafka's compacted logs give
 
 
+def test_a_produce_with_acks_other_than_0_1_or_minus_1_is_refused_with_invalid_required_acks(logs):
+    logs.create_topic("t")
+    batch = kafka_batch([(None, b"v", BASE_MS, [])])
+    for acks in (2, -2, 5):
+        replies = produce_through(kg.KafkaHandler(logs), produce_values("t", {0: batch}, acks=acks))
+        assert replies == {0: (kg.ErrorCode.invalid_required_acks, -1)}
+    assert logs.logs[("t", 0)].log_end_offset == 0
+
+
 @pytest.mark.parametrize("version", range(1, 7))
 def test_a_delete_topics_request_naming_no_topic_deletes_nothing_in_every_version(version):
     values = {"timeout": 30_000, **({"topics": []} if version >= 6 else {"topic_names": []})}
