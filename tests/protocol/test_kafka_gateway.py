@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import pathlib
 import random
 import struct
+import subprocess
+import sys
 import time
 
 import cramjam
@@ -297,6 +301,18 @@ def test_error_codes_of_the_data_path():
     assert kg.error_code(errors.DuplicateSequenceError("x")) == kg.ErrorCode.duplicate_sequence_number
     assert kg.error_code(asyncio.TimeoutError()) == kg.ErrorCode.request_timed_out
     assert kg.error_code(ValueError("a bug")) == kg.ErrorCode.unknown_server_error
+
+
+def test_the_clients_do_not_load_the_gateway_or_its_dependencies():
+    # kio and cramjam are for processes that start a gateway, not for every logbus.connect() user.
+    code = ("import sys, logbus; logbus.connect, logbus.Bus, logbus.Producer, logbus.Consumer, logbus.Admin; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kio', 'cramjam') or m in "
+            "('logbus.actors.gateway', 'logbus.protocol.kafka_gateway', 'logbus.protocol.kafka_records')))")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_broker_ids_are_stable_int32s():
