@@ -81,6 +81,7 @@ ANY_HOSTS = ("0.0.0.0", "::", "")
 
 
 def gateway_name(node_id: str) -> str:
+    """The Ray actor name of the gateway on ``node_id`` (one per node, in the cluster's namespace)."""
     return GATEWAY_NAME_PREFIX + node_id
 
 
@@ -489,6 +490,7 @@ class KafkaGateway:
         return ",".join(f"{'[' + h + ']' if ':' in h else h}:{p}" for h, p, _, _ in self.brokers)
 
     def actors(self) -> list:
+        """The gateway actors' handles, in the order of ``brokers`` (ValueError if one is gone)."""
         return [ray.get_actor(gateway_name(node_id), namespace=self.namespace) for _, _, _, node_id in self.brokers]
 
     def stats(self) -> list[dict]:

@@ -62,7 +62,7 @@ from kio.serial import entity_reader, entity_writer
 from kio.serial.errors import SerialError
 
 from logbus import errors as e
-from logbus.protocol.group_coordinator import JoinResult, OffsetAndMetadata
+from logbus.protocol.group_coordinator import HeartbeatResult, JoinPending, JoinResult, OffsetAndMetadata
 from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
 from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
@@ -186,25 +186,36 @@ class Backend(Protocol):
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         """The first offset whose timestamp is >= ``timestamp_ms``, or -1."""
 
-    async def allocate_producer_id(self) -> int: ...
+    async def allocate_producer_id(self) -> int:
+        """A producer id no other producer has (InitProducerId)."""
 
-    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None: ...
+    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
+        """Create a topic; ``config`` maps Kafka topic config names to the values a client sent."""
 
-    async def delete_topic(self, name: str) -> None: ...
+    async def delete_topic(self, name: str) -> None:
+        """Delete a topic and its data."""
 
-    async def group_join(self, group_id: str, options: dict, wait_ms: int): ...
+    async def group_join(self, group_id: str, options: dict, wait_ms: int) -> JoinResult | JoinPending:
+        """The coordinator's join (``options``: its join arguments), waiting up to ``wait_ms`` for the
+        generation to form: a JoinResult, or JoinPending (join again with its member id)."""
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int): ...
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int) -> HeartbeatResult:
+        """A member's heartbeat; the result says whether it must join again."""
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool: ...
+    async def group_leave(self, group_id: str, member_id: str) -> bool:
+        """Take a member out of its group; False if it was not a member."""
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None: ...
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+        """Commit ``offsets`` ({TopicPartition: OffsetAndMetadata}) for a member of the generation."""
 
-    async def fetch_committed(self, group_id: str, partitions: list) -> dict: ...
+    async def fetch_committed(self, group_id: str, partitions: list) -> dict:
+        """{TopicPartition: OffsetAndMetadata or None}: the group's committed offsets of ``partitions``."""
 
-    async def describe_group(self, group_id: str) -> dict: ...
+    async def describe_group(self, group_id: str) -> dict:
+        """The group's state, protocol, members (with their assignments) and committed offsets per partition."""
 
-    async def list_groups(self) -> list: ...
+    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+        """(group id, state, protocol) of every group."""
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -404,6 +415,7 @@ def parse_subscription(metadata: bytes) -> tuple[tuple[str, ...], tuple[TopicPar
 
 
 def encode_subscription(topics) -> bytes:
+    """A ConsumerProtocolSubscription (version 0) of ``topics``, without user data: how DescribeGroups shows a member's subscription."""
     out = io.BytesIO()
     out.write(_VERSION.pack(0))
     entity_writer(SubscriptionV0)(out, SubscriptionV0(topics=tuple(topics), user_data=None))
