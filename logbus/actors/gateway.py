@@ -35,6 +35,7 @@ after the last lookup; a Metadata request always asks the controller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -208,6 +209,20 @@ class ClusterBackend:
             self._stale.add(topic)
         return error
 
+    @contextlib.contextmanager
+    def _leader_errors(self, topic: str, partition: int, what: str, timeout_s: float):
+        """Errors of a call to a partition's leader as logbus's: no answer in time is
+        RequestTimedOutError, a Ray error the error it carries, and one saying the leader moved
+        marks the topic for a fresh lookup (``_check_moved``)."""
+        try:
+            yield
+        except asyncio.TimeoutError:
+            raise RequestTimedOutError(f"the leader of {topic}-{partition} did not answer {what} within {timeout_s:.0f} s") from None
+        except RayError as error:
+            raise self._check_moved(topic, unwrap(error)) from None
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
     # --- produce and fetch ---------------------------------------------------------------------------
 
     def produce(self, topic: str, partition: int, batch: bytes, acks, timeout_ms: int):
@@ -216,7 +231,7 @@ class ClusterBackend:
         except Exception as error:
             raise self._check_moved(topic, error) from None
         timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
-        return self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
+        return self._await_produce(topic, partition, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
 
     def _send_produce(self, leader, batch: bytes, acks, timeout_ms: int):
         """Send now: over the leader's local channel when it is on this node, else as an actor call."""
@@ -230,17 +245,11 @@ class ClusterBackend:
         payload = batch if len(batch) <= PRODUCE_INLINE_MAX_BYTES else np.frombuffer(batch, np.uint8)
         return leader.produce.remote(payload, acks, None, timeout_ms)
 
-    async def _await_produce(self, topic: str, sent, timeout_s: float):
-        try:
+    async def _await_produce(self, topic: str, partition: int, sent, timeout_s: float):
+        with self._leader_errors(topic, partition, "a produce", timeout_s):
             if isinstance(sent, Future):
                 return await asyncio.wait_for(_wrapped(sent), timeout_s)
             return await _await_ref(sent, timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimedOutError(f"the leader of {topic} did not answer within {timeout_s:.0f} s") from None
-        except RayError as error:
-            raise self._check_moved(topic, unwrap(error)) from None
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
         return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
@@ -248,18 +257,12 @@ class ClusterBackend:
     async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
         timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
         request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
-        try:
+        with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
                 return await self._fetch_reply(send_fetch(leader, request, self._channels), timeout_s)
             except ChannelReplyTooLargeError:
                 return await self._fetch_reply(send_fetch(leader, request, None), timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimedOutError(f"the leader of {topic}-{partition} did not answer a fetch within {timeout_s:.0f} s") from None
-        except RayError as error:
-            raise self._check_moved(topic, unwrap(error)) from None
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     async def _fetch_reply(self, pending, timeout_s: float):
         if isinstance(pending, Future):
@@ -271,17 +274,13 @@ class ClusterBackend:
 
     async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
         leader = await self._leader(topic, partition)
-        try:
+        with self._leader_errors(topic, partition, "an offsets query", CALL_MARGIN_S):
             return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         leader = await self._leader(topic, partition)
-        try:
+        with self._leader_errors(topic, partition, "an offset query by time", CALL_MARGIN_S):
             return await _await_ref(leader.offset_for_timestamp.remote(timestamp_ms), CALL_MARGIN_S)
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     # --- the controller's other services ----------------------------------------------------------------
 
