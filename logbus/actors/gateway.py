@@ -19,19 +19,24 @@ needs no call to start after Ray restarts the actor.
 
 Each connection reads frames (4-byte size, then the request), refuses one
 over ``max_request_bytes`` or one that cannot be parsed by closing the
-connection, starts each request at once (produce batches leave for their
-leaders in the order they arrived), and writes the responses in request
+connection, starts each request at once, and writes the responses in request
 order, as Kafka clients require; at most ``IN_FLIGHT_MAX`` requests of a
-connection are open at once (then it stops reading).
+connection are open at once (then it stops reading). A connection's batches
+for one partition reach its leader in the order they were sent: the handler
+hands them over in that order, and keeps one in flight at a time unless they
+are an idempotent producer's (see ``KafkaHandler._produce_partition``).
 
-Leaders are cached per topic and asked for again on the next request after
-a reply says a leader moved (not leader, unavailable, closed channel) or
-after ``METADATA_MAX_AGE_S``; a Metadata request always asks the controller.
+Leaders are cached per topic and looked up again (one lookup at a time per
+topic, shared by the requests that need it) after a reply says a leader
+moved (not leader, unavailable, closed channel) or ``METADATA_MAX_AGE_S``
+after the last lookup; a Metadata request always asks the controller.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import os
 import pickle
@@ -64,6 +69,7 @@ from logbus.errors import (
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +82,7 @@ ANY_HOSTS = ("0.0.0.0", "::", "")
 
 
 def gateway_name(node_id: str) -> str:
+    """The Ray actor name of the gateway on ``node_id`` (one per node, in the cluster's namespace)."""
     return GATEWAY_NAME_PREFIX + node_id
 
 
@@ -115,6 +122,7 @@ class ClusterBackend:
         self._dead_nodes: set[str] = set()
         self._topics: dict[str, _Topic] = {}
         self._stale: set[str] = set()
+        self._lookups: dict[str, asyncio.Future] = {}  # topic -> its lookup under way (see topic())
         self._channels = local_channels()
 
     # --- brokers --------------------------------------------------------------------------------------
@@ -155,34 +163,45 @@ class ClusterBackend:
                 continue
             view = kg.TopicView(name, raw["topic_id"], raw["config"], tuple(
                 kg.PartitionView(p["leader_node"], p["leader_epoch"], tuple(p["replica_nodes"]), tuple(p["isr_nodes"])) for p in raw["partitions"]
-            ))
+            ), LogConfig.from_dict(raw["config"]).max_message_bytes)
             self._topics[name] = _Topic(view, [p["leader"] for p in raw["partitions"]], now)
             self._stale.discard(name)
             out[name] = view
         return out
 
-    def _cached_leader(self, topic: str, partition: int):
-        """The cached leader's handle; None if the cache cannot say (ask the controller)."""
-        cached = self._topics.get(topic)
-        if cached is None or topic in self._stale or time.monotonic() - cached.fetched_s > METADATA_MAX_AGE_S:
-            return None
-        if not 0 <= partition < len(cached.leaders):
-            return None
-        return cached.leaders[partition]
+    async def topic(self, name: str) -> kg.TopicView | None:
+        cached = self._topics.get(name)
+        if cached is not None and name not in self._stale and time.monotonic() - cached.fetched_s <= METADATA_MAX_AGE_S:
+            return cached.view
+        lookup = self._lookups.get(name)
+        if lookup is None:
+            # One lookup for every request that needs the topic meanwhile: each resumes from the same
+            # answer, in the order it started waiting, instead of from answers of its own in any order.
+            lookup = self._lookups[name] = asyncio.ensure_future(self.topics([name]))
+            lookup.add_done_callback(functools.partial(self._looked_up, name))
+        return (await asyncio.shield(lookup)).get(name)
 
-    async def _leader(self, topic: str, partition: int):
-        leader = self._cached_leader(topic, partition)
-        if leader is not None:
-            return leader
-        view = (await self.topics([topic])).get(topic)
-        if view is None:
+    def _looked_up(self, name: str, lookup: asyncio.Future) -> None:
+        if self._lookups.get(name) is lookup:
+            del self._lookups[name]
+        if not lookup.cancelled():
+            lookup.exception()  # its waiters have it (if any are left): not an unretrieved error
+
+    def _cached_leader(self, topic: str, partition: int):
+        """The leader's handle as the last lookup of ``topic`` found it."""
+        cached = self._topics.get(topic)
+        if cached is None:
             raise UnknownTopicError(f"topic {topic!r} does not exist")
-        if not 0 <= partition < len(view.partitions):
-            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(view.partitions) - 1}, not {partition}")
-        leader = self._topics[topic].leaders[partition]
+        if not 0 <= partition < len(cached.leaders):
+            raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(cached.leaders) - 1}, not {partition}")
+        leader = cached.leaders[partition]
         if leader is None:
             raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
         return leader
+
+    async def _leader(self, topic: str, partition: int):
+        await self.topic(topic)
+        return self._cached_leader(topic, partition)
 
     def _check_moved(self, topic: str, error: BaseException) -> BaseException:
         """Mark a topic's leaders for a fresh look when a reply says a leader moved; return the error."""
@@ -190,21 +209,29 @@ class ClusterBackend:
             self._stale.add(topic)
         return error
 
+    @contextlib.contextmanager
+    def _leader_errors(self, topic: str, partition: int, what: str, timeout_s: float):
+        """Errors of a call to a partition's leader as logbus's: no answer in time is
+        RequestTimedOutError, a Ray error the error it carries, and one saying the leader moved
+        marks the topic for a fresh lookup (``_check_moved``)."""
+        try:
+            yield
+        except asyncio.TimeoutError:
+            raise RequestTimedOutError(f"the leader of {topic}-{partition} did not answer {what} within {timeout_s:.0f} s") from None
+        except RayError as error:
+            raise self._check_moved(topic, unwrap(error)) from None
+        except Exception as error:
+            raise self._check_moved(topic, error) from None
+
     # --- produce and fetch ---------------------------------------------------------------------------
 
     def produce(self, topic: str, partition: int, batch: bytes, acks, timeout_ms: int):
-        leader = self._cached_leader(topic, partition)
-        timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
-        if leader is not None:
-            return self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
-        return self._produce_after_lookup(topic, partition, batch, acks, timeout_ms, timeout_s)
-
-    async def _produce_after_lookup(self, topic, partition, batch, acks, timeout_ms, timeout_s):
         try:
-            leader = await self._leader(topic, partition)
+            leader = self._cached_leader(topic, partition)
         except Exception as error:
             raise self._check_moved(topic, error) from None
-        return await self._await_produce(topic, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
+        timeout_s = timeout_ms / 1000 + CALL_MARGIN_S
+        return self._await_produce(topic, partition, self._send_produce(leader, batch, acks, timeout_ms), timeout_s)
 
     def _send_produce(self, leader, batch: bytes, acks, timeout_ms: int):
         """Send now: over the leader's local channel when it is on this node, else as an actor call."""
@@ -218,17 +245,11 @@ class ClusterBackend:
         payload = batch if len(batch) <= PRODUCE_INLINE_MAX_BYTES else np.frombuffer(batch, np.uint8)
         return leader.produce.remote(payload, acks, None, timeout_ms)
 
-    async def _await_produce(self, topic: str, sent, timeout_s: float):
-        try:
+    async def _await_produce(self, topic: str, partition: int, sent, timeout_s: float):
+        with self._leader_errors(topic, partition, "a produce", timeout_s):
             if isinstance(sent, Future):
                 return await asyncio.wait_for(_wrapped(sent), timeout_s)
             return await _await_ref(sent, timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimedOutError(f"the leader of {topic} did not answer within {timeout_s:.0f} s") from None
-        except RayError as error:
-            raise self._check_moved(topic, unwrap(error)) from None
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
         return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
@@ -236,18 +257,12 @@ class ClusterBackend:
     async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
         timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
         request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
-        try:
+        with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
                 return await self._fetch_reply(send_fetch(leader, request, self._channels), timeout_s)
             except ChannelReplyTooLargeError:
                 return await self._fetch_reply(send_fetch(leader, request, None), timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimedOutError(f"the leader of {topic}-{partition} did not answer a fetch within {timeout_s:.0f} s") from None
-        except RayError as error:
-            raise self._check_moved(topic, unwrap(error)) from None
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     async def _fetch_reply(self, pending, timeout_s: float):
         if isinstance(pending, Future):
@@ -259,17 +274,13 @@ class ClusterBackend:
 
     async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
         leader = await self._leader(topic, partition)
-        try:
+        with self._leader_errors(topic, partition, "an offsets query", CALL_MARGIN_S):
             return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         leader = await self._leader(topic, partition)
-        try:
+        with self._leader_errors(topic, partition, "an offset query by time", CALL_MARGIN_S):
             return await _await_ref(leader.offset_for_timestamp.remote(timestamp_ms), CALL_MARGIN_S)
-        except Exception as error:
-            raise self._check_moved(topic, error) from None
 
     # --- the controller's other services ----------------------------------------------------------------
 
@@ -311,6 +322,7 @@ class Gateway:
 
     def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int) -> None:
         node_id = ray.get_runtime_context().get_node_id()
+        self._settings = (host, port, advertised_host, max_request_bytes)  # as asked (see start_gateways)
         if advertised_host is None:
             advertised_host = ray.util.get_node_ip_address() if host in ANY_HOSTS else host
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=128)
@@ -363,6 +375,10 @@ class Gateway:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
 
+    def settings(self) -> tuple[str, int, str | None, int]:
+        """(host, port, advertised host, max request bytes) as they were asked for when it was started."""
+        return self._settings
+
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
         """Every gateway of the cluster, as ``address()`` gives them (Metadata advertises them as brokers)."""
         brokers = [kg.Broker(broker_id, host, port, node_id) for host, port, broker_id, node_id in peers]
@@ -399,6 +415,7 @@ class Gateway:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         self.connections_total += 1
+        connection = self.connections_total  # the handler keeps each connection's batches in order
         self._transports.add(writer.transport)
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -413,7 +430,7 @@ class Gateway:
                 if size < 8 or size > self.handler.max_request_bytes:
                     raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
                 frame = await reader.readexactly(size)
-                pending = self.handler.start(frame)
+                pending = self.handler.start(frame, connection)
                 await responses.put(asyncio.ensure_future(pending))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
@@ -472,6 +489,7 @@ class KafkaGateway:
         return ",".join(f"{'[' + h + ']' if ':' in h else h}:{p}" for h, p, _, _ in self.brokers)
 
     def actors(self) -> list:
+        """The gateway actors' handles, in the order of ``brokers`` (ValueError if one is gone)."""
         return [ray.get_actor(gateway_name(node_id), namespace=self.namespace) for _, _, _, node_id in self.brokers]
 
     def stats(self) -> list[dict]:
@@ -509,12 +527,21 @@ def start_gateways(
     *,
     all_nodes: bool = False,
     advertised_host: str | None = None,
-    max_request_bytes: int = kg.MAX_REQUEST_BYTES_DEFAULT,
+    max_request_bytes: int | None = None,
 ) -> KafkaGateway:
-    """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``."""
+    """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
+
+    A gateway already running on a node is used as it is if it was started
+    with the same settings, and IllegalStateError is raised (nothing is
+    started or stopped) if it was started with others. If a gateway this call
+    started fails to start, the ones this call started are ended; gateways
+    that were running before are left running.
+    """
     if not isinstance(host, str):
         raise InvalidConfigError(f"host must be a str, not {host!r}")
     _check_port(port)
+    if max_request_bytes is None:
+        max_request_bytes = kg.MAX_REQUEST_BYTES_DEFAULT
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
         raise InvalidConfigError(f"max_request_bytes must be an int of at least 1024, not {max_request_bytes!r}")
     if all_nodes:
@@ -524,15 +551,21 @@ def start_gateways(
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    actors = []
+    asked = (host, port, advertised_host, max_request_bytes)
+    actors, created = [], []
     for node_id in nodes:
-        actors.append(
+        try:
+            actors.append(ray.get_actor(gateway_name(node_id), namespace=namespace))
+            continue
+        except ValueError:
+            pass  # none there yet
+        actor = (
             ray.remote(Gateway)
             .options(
                 name=gateway_name(node_id),
                 namespace=namespace,
                 lifetime="detached",  # until stop(): a handle dropped by the caller must not end it
-                get_if_exists=True,
+                get_if_exists=True,  # one started meanwhile by another caller is used (and checked) as well
                 max_restarts=-1,
                 max_task_retries=0,
                 num_cpus=0,
@@ -541,14 +574,30 @@ def start_gateways(
             )
             .remote(namespace, host, port, advertised_host, max_request_bytes)
         )
+        actors.append(actor)
+        created.append(actor)
     try:
         addresses = ray.get([a.address.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
+        settings = ray.get([a.settings.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
     except RayError as error:
         cause = unwrap(error)
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        _end(created)
         if isinstance(cause, OSError) or "Address already in use" in str(error):
             raise IllegalStateError(f"the Kafka gateway cannot listen on {host}:{port}: {error}") from None
         raise cause from None
+    for (_, _, _, node_id), found in zip(addresses, settings):
+        if tuple(found) != asked:
+            # Ours are the ones started with what was asked (another caller may have started one meanwhile).
+            _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes"), found))
+            raise IllegalStateError(
+                f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
+                f"to start one with other settings"
+            )
     ray.get([a.set_peers.remote(addresses) for a in actors], timeout=CONTROL_TIMEOUT_S)
     return KafkaGateway(namespace, tuple(tuple(a) for a in addresses))
+
+
+def _end(actors: list) -> None:
+    for actor in actors:
+        ray.kill(actor, no_restart=True)

@@ -6,20 +6,22 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psutil
 import ray
 
 from logbus.actors import controller as controller_actor
-from logbus.actors.gateway import KafkaGateway, start_gateways
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
-from logbus.protocol.kafka_gateway import MAX_REQUEST_BYTES_DEFAULT
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
+
+if TYPE_CHECKING:
+    from logbus.actors.gateway import KafkaGateway
 
 DEFAULT_DATA_DIR = "logbus-data"
 DEFAULT_NAMESPACE = "logbus"
@@ -93,7 +95,7 @@ class Bus:
         *,
         all_nodes: bool = False,
         advertised_host: str | None = None,
-        max_request_bytes: int = MAX_REQUEST_BYTES_DEFAULT,
+        max_request_bytes: int | None = None,
     ) -> KafkaGateway:
         """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
 
@@ -104,11 +106,17 @@ class Bus:
         0 picks a free port per gateway (nodes sharing a machine need it).
         ``advertised_host`` is the address clients are told to connect to
         (default: ``host``, or the node's IP when ``host`` is a wildcard).
-        Requests over ``max_request_bytes`` close their connection. Calling it
-        again returns the gateways already running. The gateways run until
+        Requests over ``max_request_bytes`` (default 100 MiB, Kafka's
+        ``socket.request.max.bytes``) close their connection. Calling it
+        again returns the gateways already running, or raises
+        IllegalStateError if they were started with other settings (stop them
+        first). The gateways run until
         ``stop()`` on the returned :class:`~logbus.actors.gateway.KafkaGateway`
         (or the Ray cluster ends), whose ``bootstrap_servers`` clients take.
         """
+        # Imported here: the gateway's dependencies (kio, cramjam) are for those who start one.
+        from logbus.actors.gateway import start_gateways
+
         return start_gateways(
             self.namespace, self._controller, host, port,
             all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,

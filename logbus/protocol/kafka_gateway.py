@@ -49,7 +49,7 @@ import typing
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Mapping, Protocol
+from typing import Any, Awaitable, Hashable, Mapping, Protocol
 
 from kio.index import load_request_schema, load_response_schema
 from kio.schema.consumer_protocol_assignment.v0 import ConsumerProtocolAssignment
@@ -62,8 +62,8 @@ from kio.serial import entity_reader, entity_writer
 from kio.serial.errors import SerialError
 
 from logbus import errors as e
-from logbus.protocol.group_coordinator import JoinResult, OffsetAndMetadata
-from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, to_kafka, to_logbus
+from logbus.protocol.group_coordinator import HeartbeatResult, JoinPending, JoinResult, OffsetAndMetadata
+from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
 from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.log_config import LogConfig
@@ -101,6 +101,7 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
 }
 
 MAX_REQUEST_BYTES_DEFAULT = 100 << 20  # Kafka's socket.request.max.bytes
+REQUEST_DECOMPRESSED_FACTOR = 4  # a produce request's batches may decompress to this many times max_request_bytes, in all
 CONSUMER_PROTOCOL = "consumer"
 COORDINATOR_LEADER = "logbus-coordinator"  # the group leader every member is told of: none of them
 GROUP_PROTOCOLS = ("range", "roundrobin", "cooperative-sticky")  # the strategies logbus's coordinator has
@@ -141,10 +142,14 @@ class PartitionView:
 
 @dataclass(frozen=True, slots=True)
 class TopicView:
+    """A topic as the handler needs it: its id, its config overrides, its partitions, and its
+    effective max.message.bytes (the most a produced batch may take)."""
+
     name: str
     topic_id: str
     config: dict
     partitions: tuple[PartitionView, ...]
+    max_message_bytes: int
 
 
 class Backend(Protocol):
@@ -162,8 +167,15 @@ class Backend(Protocol):
     async def topics(self, names: list[str] | None) -> dict[str, TopicView | None]:
         """The topics named (None for one that does not exist), or every topic but logbus's internal ones."""
 
+    async def topic(self, name: str) -> TopicView | None:
+        """One topic (None if it does not exist) for the data path: as last looked up, when that is
+        recent and no reply since said its leaders moved; else after one lookup, shared by every
+        request that asks for the topic while it is under way."""
+
     def produce(self, topic: str, partition: int, batch: bytes, acks: int | str, timeout_ms: int) -> Awaitable[ProduceResponse]:
-        """Send ``batch`` to the leader now (before returning), in call order; await its reply."""
+        """Hand ``batch`` to the partition's leader as the last ``topic()`` found it, now (before
+        returning); the awaitable gives the leader's reply. Raises UnknownTopicError or
+        LeaderNotAvailableError when there is no such leader to hand it to."""
 
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int) -> Awaitable[tuple[FetchResponse, Any]]:
         """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None)."""
@@ -174,25 +186,36 @@ class Backend(Protocol):
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         """The first offset whose timestamp is >= ``timestamp_ms``, or -1."""
 
-    async def allocate_producer_id(self) -> int: ...
+    async def allocate_producer_id(self) -> int:
+        """A producer id no other producer has (InitProducerId)."""
 
-    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None: ...
+    async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
+        """Create a topic; ``config`` maps Kafka topic config names to the values a client sent."""
 
-    async def delete_topic(self, name: str) -> None: ...
+    async def delete_topic(self, name: str) -> None:
+        """Delete a topic and its data."""
 
-    async def group_join(self, group_id: str, options: dict, wait_ms: int): ...
+    async def group_join(self, group_id: str, options: dict, wait_ms: int) -> JoinResult | JoinPending:
+        """The coordinator's join (``options``: its join arguments), waiting up to ``wait_ms`` for the
+        generation to form: a JoinResult, or JoinPending (join again with its member id)."""
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int): ...
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int) -> HeartbeatResult:
+        """A member's heartbeat; the result says whether it must join again."""
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool: ...
+    async def group_leave(self, group_id: str, member_id: str) -> bool:
+        """Take a member out of its group; False if it was not a member."""
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None: ...
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+        """Commit ``offsets`` ({TopicPartition: OffsetAndMetadata}) for a member of the generation."""
 
-    async def fetch_committed(self, group_id: str, partitions: list) -> dict: ...
+    async def fetch_committed(self, group_id: str, partitions: list) -> dict:
+        """{TopicPartition: OffsetAndMetadata or None}: the group's committed offsets of ``partitions``."""
 
-    async def describe_group(self, group_id: str) -> dict: ...
+    async def describe_group(self, group_id: str) -> dict:
+        """The group's state, protocol, members (with their assignments) and committed offsets per partition."""
 
-    async def list_groups(self) -> list: ...
+    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+        """(group id, state, protocol) of every group."""
 
 
 # --- errors ----------------------------------------------------------------------------------------
@@ -392,6 +415,7 @@ def parse_subscription(metadata: bytes) -> tuple[tuple[str, ...], tuple[TopicPar
 
 
 def encode_subscription(topics) -> bytes:
+    """A ConsumerProtocolSubscription (version 0) of ``topics``, without user data: how DescribeGroups shows a member's subscription."""
     out = io.BytesIO()
     out.write(_VERSION.pack(0))
     entity_writer(SubscriptionV0)(out, SubscriptionV0(topics=tuple(topics), user_data=None))
@@ -423,6 +447,40 @@ def broker_id_for(node_id: str) -> int:
     return zlib.crc32(node_id.encode()) & 0x7FFFFFFF
 
 
+# --- produce: what a batch may cost to decode ----------------------------------------------------------
+
+
+class _DecompressionBudget:
+    """What the compressed batches of one produce request may still decompress to, in all."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, remaining: int) -> None:
+        self.remaining = remaining
+
+
+def _to_logbus(view: TopicView | None, topic: str, partition: int, records: bytes, budget: _DecompressionBudget) -> ProducedBatch:
+    """A partition's Kafka batch as the logbus batch to append, decoded only once the topic exists and
+    the batch is within its max.message.bytes.
+
+    Compressed records may expand to at most the least of the topic's
+    max.message.bytes (the gateway stores them uncompressed, and a logbus
+    batch is no smaller than the Kafka records it holds), what the request's
+    other batches left of its budget, and ``DECOMPRESSED_MAX_BYTES``;
+    RecordTooLargeError past that.
+    """
+    if view is None:
+        raise e.UnknownTopicError(f"topic {topic!r} does not exist")
+    if not 0 <= partition < len(view.partitions):
+        raise e.UnknownTopicError(f"topic {topic!r} has partitions 0..{len(view.partitions) - 1}, not {partition}")
+    if len(records) > view.max_message_bytes:
+        raise e.RecordTooLargeError(f"a batch of {len(records)} bytes exceeds max.message.bytes={view.max_message_bytes} of topic {topic!r}")
+    limit = min(view.max_message_bytes, budget.remaining, DECOMPRESSED_MAX_BYTES)
+    produced = to_logbus(records, decompressed_max_bytes=limit)
+    budget.remaining -= produced.decompressed_bytes
+    return produced
+
+
 # --- the handler ---------------------------------------------------------------------------------------
 
 
@@ -437,6 +495,8 @@ class KafkaHandler:
         self.backend = backend
         self.max_request_bytes = max_request_bytes
         self._joins: dict[tuple[str, str], tuple[JoinResult, dict]] = {}  # (group, member) -> (result, options)
+        # (connection, topic, partition) -> the turn of the latest batch sent there (see _produce_partition).
+        self._turns: dict[tuple[Hashable, str, int], asyncio.Future] = {}
         self.requests_served: dict[tuple[int, int], int] = {}  # by (API key, version): for tests and `stats()`
         self._handlers = {
             API_VERSIONS: self._api_versions,
@@ -458,13 +518,16 @@ class KafkaHandler:
             LIST_GROUPS: self._list_groups,
         }
 
-    def start(self, frame: bytes) -> Awaitable[bytes | None]:
+    def start(self, frame: bytes, connection: Hashable = None) -> Awaitable[bytes | None]:
         """Begin serving one request frame; the awaitable gives the response frame (None: send nothing).
 
-        Parsing, and for produce requests decoding the batches and sending them
-        to their leaders, happen here, before this returns: requests of one
-        connection reach the leaders in the order they arrived. Raises
-        KafkaProtocolError for a frame that cannot be served (close the connection).
+        Parsing happens here, before this returns; raises KafkaProtocolError for
+        a frame that cannot be served (close the connection). ``connection``
+        identifies the connection the frame came on: a produce request's batches
+        take their turn behind the same connection's earlier batches for the
+        same partition (see ``_produce_partition``), so each connection's
+        records reach every partition in the order they were sent. Called on
+        the event loop that awaits the result.
         """
         api_key, api_version, correlation_id = peek_header(frame)
         if api_key == API_VERSIONS and api_version > API_VERSIONS_SERVED[API_VERSIONS][1]:
@@ -474,7 +537,10 @@ class KafkaHandler:
         served = (api_key, api_version)
         self.requests_served[served] = self.requests_served.get(served, 0) + 1
         if api_key == PRODUCE:
-            replies = self._send_produce(request)  # the batches are on their way
+            if request.body.acks not in (0, 1, -1):
+                return self._respond(request, _done(_refused_produce(request.body, ErrorCode.invalid_required_acks,
+                                                                     f"acks must be 0, 1 or -1, not {request.body.acks}")))
+            replies = self._send_produce(request, connection)  # each batch in its partition's turn
             if request.body.acks == 0:
                 return _discard(replies)
             return self._respond(request, self._produce_replies(replies))
@@ -549,32 +615,66 @@ class KafkaHandler:
 
     # --- Produce -------------------------------------------------------------------------------------
 
-    def _send_produce(self, request: Request) -> list[tuple[str, int, Awaitable | BaseException]]:
-        """Decode every partition's batch and send it to its leader now (see ``start``)."""
+    def _send_produce(self, request: Request, connection: Hashable) -> list[tuple[str, int, Awaitable | BaseException]]:
+        """Start every partition's batch on its way to its leader, in its turn (see ``_produce_partition``)."""
         body = request.body
         acks = body.acks
         timeout_ms = max(1, _ms(body.timeout))
         logbus_acks: int | str = "all" if acks == -1 else int(acks)
-        if body.transactional_id is not None:
-            refused: BaseException | None = e.InvalidRecordError("transactional producers are not supported")
-        elif acks not in (0, 1, -1):
-            refused = e.InvalidConfigError(f"acks must be 0, 1 or -1, not {acks}")
-        else:
-            refused = None
-        limit = min(DECOMPRESSED_MAX_BYTES, 4 * self.max_request_bytes)
+        refused = e.InvalidRecordError("transactional producers are not supported") if body.transactional_id is not None else None
+        budget = _DecompressionBudget(REQUEST_DECOMPRESSED_FACTOR * self.max_request_bytes)
         replies: list[tuple[str, int, Awaitable | BaseException]] = []
         for topic in body.topic_data:
             for partition in topic.partition_data:
                 if refused is not None:
                     replies.append((topic.name, partition.index, refused))
                     continue
-                try:
-                    produced = to_logbus(partition.records or b"", decompressed_max_bytes=limit)
-                    pending = self.backend.produce(topic.name, partition.index, produced.encoded, logbus_acks, timeout_ms)
-                except Exception as error:  # noqa: BLE001 (each partition answers for itself)
-                    pending = error
+                pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, budget)
                 replies.append((topic.name, partition.index, pending))
         return replies
+
+    def _produce_partition(self, connection: Hashable, topic: str, partition: int, records: bytes, acks, timeout_ms: int,
+                           budget: _DecompressionBudget) -> asyncio.Task:
+        """One partition's batch of a produce request, handed to the leader in its turn.
+
+        The batches a connection sends to one partition are handed to its
+        leader in the order they came: each waits for the previous one's turn
+        to end. A batch of an idempotent producer ends its turn once handed
+        over (the leader puts the producer's batches in sequence order, waiting
+        briefly for one that is late); any other batch ends it when its reply
+        comes, so one is in flight per partition and connection, as logbus's
+        own producer keeps without idempotence: a later batch could otherwise
+        overtake it on the way (an actor call and the local channel race, and
+        Ray may start one caller's calls out of order).
+        """
+        key = (connection, topic, partition)
+        previous = self._turns.get(key)
+        turn = asyncio.get_running_loop().create_future()
+        self._turns[key] = turn
+        return asyncio.ensure_future(self._produce_in_turn(key, previous, turn, records, acks, timeout_ms, budget))
+
+    async def _produce_in_turn(self, key: tuple, previous: asyncio.Future | None, turn: asyncio.Future, records: bytes, acks,
+                               timeout_ms: int, budget: _DecompressionBudget) -> ProduceResponse:
+        _, topic, partition = key
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # shielded: a cancelled waiter must not end the turn it waits for
+            # The topic first (cached, or looked up once for every request waiting on it): an unknown
+            # topic or a batch over its max.message.bytes is refused before anything is decoded.
+            view = await self.backend.topic(topic)
+            produced = _to_logbus(view, topic, partition, records, budget)
+            pending = self.backend.produce(topic, partition, produced.encoded, acks, timeout_ms)
+            if produced.header.producer_id >= 0:
+                self._end_turn(key, turn)
+            return await pending
+        finally:
+            self._end_turn(key, turn)
+
+    def _end_turn(self, key: tuple, turn: asyncio.Future) -> None:
+        if not turn.done():
+            turn.set_result(None)
+        if self._turns.get(key) is turn:
+            del self._turns[key]  # the last of its partition and connection: nothing is waiting for it
 
     async def _produce_replies(self, replies: list) -> dict:
         results = await asyncio.gather(*(_settle(pending) for _, _, pending in replies))
@@ -608,7 +708,18 @@ class KafkaHandler:
             results[(t, p)] = result
             if not isinstance(result, BaseException) and result[1] is not None:
                 total += len(result[1])
-        waiting = [w for w, r in zip(wanted, immediate) if not isinstance(r, BaseException) and r[1] is None]
+        waiting = []
+        for (t, p, offset, m), result in zip(wanted, immediate):
+            if isinstance(result, BaseException):
+                continue
+            meta, data = result
+            if data is None:
+                waiting.append((t, p, offset, m))
+            elif len(data) == 0 and meta.next_offset > offset:
+                # Only a compacted gap, up to the high watermark: wait from past it. A Kafka client
+                # cannot be told where the gap ends (it would fetch the same offset again at once),
+                # but takes batches that start past its position, as from Kafka's compacted logs.
+                waiting.append((t, p, meta.next_offset, m))
         if waiting and max_wait_ms > 0 and total < max(min_bytes, 1):
             # Then wait at the leaders for the first data (or the wait's end).
             tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms))): (t, p) for t, p, o, m in waiting}
@@ -740,7 +851,8 @@ class KafkaHandler:
 
     async def _delete_topics(self, request: Request) -> dict:
         body = request.body
-        names = list(_get(body, "topic_names", default=None) or [t.name for t in body.topics])
+        # Versions 1-5 name the topics (an empty list: none), version 6 lists topic entries.
+        names = list(body.topic_names) if hasattr(body, "topic_names") else [t.name for t in body.topics]
 
         async def one(name) -> dict:
             result = {"name": name, "topic_id": uuid.UUID(int=0), "error_code": ErrorCode.none, "error_message": None}
@@ -987,6 +1099,13 @@ async def _settle(pending):
 
 async def _done(value):
     return value
+
+
+def _refused_produce(body, code: ErrorCode, message: str) -> dict:
+    """The response values of a produce request refused whole: every partition answers ``code``."""
+    return {"throttle_time": 0, "responses": [{"name": t.name, "partition_responses": [
+        {"index": p.index, "error_code": code, "base_offset": -1, "log_append_time": -1, "log_start_offset": -1, "record_errors": [],
+         "error_message": message} for p in t.partition_data]} for t in body.topic_data]}
 
 
 async def _discard(replies: list) -> None:

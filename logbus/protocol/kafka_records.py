@@ -44,8 +44,10 @@ Kafka batch layout (big-endian)::
 
 Produce requests may use any of Kafka's codecs (gzip, snappy in its raw or
 xerial framing, LZ4 frames, zstd: all through ``cramjam``); decompression
-writes into a buffer of bounded size, so a small frame cannot expand without
-limit. Fetch replies are uncompressed (the gateway runs beside its clients'
+writes into a buffer of the size the caller allows (at most
+``DECOMPRESSED_MAX_BYTES``), so a small frame cannot expand without limit:
+records that would expand past it raise
+:class:`~logbus.errors.RecordTooLargeError` (Kafka's MESSAGE_TOO_LARGE). Fetch replies are uncompressed (the gateway runs beside its clients'
 brokers; a codec would cost CPU on both ends to save loopback bytes).
 
 Speed. Records are variable-length, so finding where each begins is a loop
@@ -54,7 +56,8 @@ all records at once with numpy (varints, offsets, timestamps), and keys and
 values are cut out with slices, joined and handed to Arrow in C-level calls.
 Headers, rare on the hot path, are handled per record.
 
-Errors: a batch that fails a length, CRC or format check raises
+Errors: a batch that fails a length, CRC or format check (among them: a
+record count larger than its bytes can hold, at ``MIN_RECORD_BYTES`` a record) raises
 :class:`~logbus.errors.CorruptRecordError` (Kafka's CORRUPT_MESSAGE); one that
 is well-formed but not acceptable (transactional or control batches, offset
 deltas out of order, a header key that is not UTF-8) raises
@@ -73,7 +76,7 @@ import crc32c
 import numpy as np
 import pyarrow as pa
 
-from logbus.errors import CorruptRecordError, InvalidRecordError
+from logbus.errors import CorruptRecordError, InvalidRecordError, RecordTooLargeError
 from logbus.storage import record_batch as rb
 
 KAFKA_MAGIC = 2
@@ -82,6 +85,10 @@ HEADER_SIZE = HEADER.size  # 61
 LOG_OVERHEAD = 12  # baseOffset and batchLength: the bytes batchLength does not count
 CRC_START = 21  # the CRC covers attributes to the end
 MIN_BATCH_LENGTH = HEADER_SIZE - LOG_OVERHEAD
+# The smallest record: its length, attributes, timestamp delta, offset delta, key length, value
+# length and header count, one byte each (null key and value, no headers). A batch claiming more
+# records than its bytes can hold is refused before anything is allocated per record.
+MIN_RECORD_BYTES = 7
 assert HEADER_SIZE == 61, "Kafka's batch header is 61 bytes"
 
 # Attributes.
@@ -136,6 +143,7 @@ class ProducedBatch:
     encoded: bytes  # the framed logbus batch
     record_count: int
     max_timestamp_ms: int
+    decompressed_bytes: int = 0  # what the records decompressed to (0: they were not compressed)
 
 
 # --- reading Kafka batches ---------------------------------------------------------------------------
@@ -157,6 +165,11 @@ def read_header(data, position: int = 0) -> KafkaBatchHeader:
         raise CorruptRecordError(
             f"Kafka batch at position {position}: {header.record_count} records with last offset delta {header.last_offset_delta}"
         )
+    records_bytes = header.batch_length - MIN_BATCH_LENGTH
+    if header.codec == CODEC_NONE and header.record_count > records_bytes // MIN_RECORD_BYTES:
+        raise CorruptRecordError(
+            f"Kafka batch at position {position} claims {header.record_count} records in {records_bytes} bytes"
+        )
     return header
 
 
@@ -170,8 +183,15 @@ def iter_batches(data) -> Iterator[tuple[int, KafkaBatchHeader]]:
         position += header.size_bytes
 
 
+# What cramjam's errors say when the output buffer is full: Rust's io::ErrorKind::WriteZero (gzip,
+# LZ4 frames, zstd) and snappy's own check of the raw length. Any other error means damaged data.
+_OUTPUT_FULL = ("failed to write whole buffer", "is smaller than required")
+
+
 def _decompress(codec: int, payload: memoryview, limit: int) -> bytes:
+    """The records of a compressed batch; RecordTooLargeError if they expand to ``limit`` bytes or more."""
     out = np.empty(limit, np.uint8)  # untouched pages cost nothing: only what is written is backed
+    name = CODEC_NAMES.get(codec)
     try:
         if codec == CODEC_GZIP:
             size = cramjam.gzip.decompress_into(payload, out)
@@ -184,9 +204,11 @@ def _decompress(codec: int, payload: memoryview, limit: int) -> bytes:
         else:
             raise CorruptRecordError(f"unknown compression codec {codec}")
     except cramjam.DecompressionError as error:
-        raise CorruptRecordError(f"{CODEC_NAMES.get(codec)} records do not decompress (or expand past {limit} bytes): {error}") from None
+        if any(text in str(error) for text in _OUTPUT_FULL):
+            raise RecordTooLargeError(f"{name} records expand past {limit} bytes") from None
+        raise CorruptRecordError(f"{name} records do not decompress: {error}") from None
     if size >= limit:
-        raise CorruptRecordError(f"{CODEC_NAMES.get(codec)} records expand past {limit} bytes")
+        raise RecordTooLargeError(f"{name} records expand past {limit} bytes")
     return out[:size].tobytes()
 
 
@@ -340,6 +362,10 @@ def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
     count = header.record_count
     if count == 0:
         raise InvalidRecordError("a Kafka batch without records")
+    if count > len(records) // MIN_RECORD_BYTES:
+        # Checked again after decompression: the header's count is the client's word, and the
+        # per-record work below allocates for that many records.
+        raise CorruptRecordError(f"a Kafka batch claims {count} records in {len(records)} bytes of records")
     body_starts, body_lengths = _record_bodies(records, count)
     buf = np.frombuffer(records, np.uint8)
     starts = np.array(body_starts, np.int64)
@@ -383,6 +409,12 @@ def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
 def decode_batch(data, position: int = 0, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> tuple[KafkaBatchHeader, pa.RecordBatch]:
     """Check (lengths, CRC, attributes) and decode the Kafka batch at ``position``: (header, records)."""
     view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    header, records = _checked_records(view, position, decompressed_max_bytes)
+    return header, decode_records(header, records)
+
+
+def _checked_records(view: memoryview, position: int, decompressed_max_bytes: int) -> tuple[KafkaBatchHeader, bytes]:
+    """The header and the (decompressed) record bytes of the batch at ``position``, its lengths, CRC and attributes checked."""
     header = read_header(view, position)
     end = position + header.size_bytes
     if crc32c.crc32c(view[position + CRC_START : end]) != header.crc:
@@ -393,8 +425,7 @@ def decode_batch(data, position: int = 0, *, decompressed_max_bytes: int = DECOM
         raise InvalidRecordError("transactional batches are not supported")
     payload = view[position + HEADER_SIZE : end]
     codec = header.codec
-    records = bytes(payload) if codec == CODEC_NONE else _decompress(codec, payload, decompressed_max_bytes)
-    return header, decode_records(header, records)
+    return header, bytes(payload) if codec == CODEC_NONE else _decompress(codec, payload, decompressed_max_bytes)
 
 
 def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> ProducedBatch:
@@ -402,13 +433,16 @@ def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> 
 
     Kafka requires exactly one batch per partition in a produce request of
     magic 2 (InvalidRecordError otherwise), which keeps an idempotent
-    producer's batch and its sequence numbers one unit here too.
+    producer's batch and its sequence numbers one unit here too. Compressed
+    records that expand to ``decompressed_max_bytes`` or more raise
+    RecordTooLargeError.
     """
     view = memoryview(data).cast("B")
     header = read_header(view, 0)
     if header.size_bytes != len(view):
         raise InvalidRecordError("a produce request carries exactly one record batch per partition")
-    header, records = decode_batch(view, 0, decompressed_max_bytes=decompressed_max_bytes)
+    header, raw = _checked_records(view, 0, decompressed_max_bytes)
+    records = decode_records(header, raw)
     timestamps = records.column(2).to_numpy()
     timestamp_range = (int(timestamps[0]), int(timestamps.max()))
     encoded = rb.frame_record_batch(
@@ -418,7 +452,7 @@ def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> 
         base_sequence=header.base_sequence,
         timestamp_range=timestamp_range,
     )
-    return ProducedBatch(header, encoded, header.record_count, timestamp_range[1])
+    return ProducedBatch(header, encoded, header.record_count, timestamp_range[1], 0 if header.codec == CODEC_NONE else len(raw))
 
 
 # --- writing Kafka batches -------------------------------------------------------------------------

@@ -27,8 +27,10 @@ from kio.serial import entity_reader, entity_writer
 import logbus
 from logbus import TopicPartition
 from logbus import cli
+from logbus.errors import IllegalStateError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
+from tests.api.test_compaction import consume
 from tests.conftest import wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
@@ -322,6 +324,41 @@ def test_log_append_time_topics_report_the_append_time_to_both_kinds_of_client(b
     assert record[2] == stamped
 
 
+def test_a_kafka_consumer_reads_a_compacted_topic_to_its_end(bus, gateway, topic_name):
+    import confluent_kafka as ck
+
+    # One batch per segment (segment.bytes=1024), cleaned as soon as a segment closes.
+    bus.admin.create_topic(topic_name, config={"cleanup.policy": "compact", "segment.bytes": 1024, "min.cleanable.dirty.ratio": 0})
+    written = {}
+    with logbus.Producer(bus, linger_ms=0) as producer:
+        for i in range(41):  # the last in the active segment, which is never cleaned: a key of its own
+            key = b"key-%d" % (i % 7) if i < 40 else b"last"
+            written[producer.send(topic_name, b"value-%d" % i, key=key).get(timeout=30).offset] = key
+    latest = {key: offset for offset, key in sorted(written.items())}
+    expected = sorted((offset, written[offset], b"value-%d" % offset) for offset in latest.values())
+    wait_for(lambda: consume(bus, topic_name) == expected, timeout_s=60, message="the cleaner to compact the log")
+
+    consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": f"compacted-{topic_name}",
+                            "enable.partition.eof": True, "enable.auto.commit": False})
+    consumer.assign([ck.TopicPartition(topic_name, 0, ck.OFFSET_BEGINNING)])
+    seen, at_end = [], False
+    deadline = time.monotonic() + 60
+    try:
+        while not at_end:
+            assert time.monotonic() < deadline, f"the consumer did not reach the end; it read {seen}"
+            for message in consumer.consume(100, 1.0):
+                if message.error() is not None and message.error().code() == ck.KafkaError._PARTITION_EOF:
+                    at_end = True
+                    continue
+                assert message.error() is None, message.error()
+                seen.append((message.offset(), message.key(), message.value()))
+        [position] = consumer.position([ck.TopicPartition(topic_name, 0)])
+    finally:
+        consumer.close()
+    assert seen == expected  # the latest value of each key, at its own offset, with the gaps between
+    assert position.offset == max(written) + 1 == bus.admin.describe_topic(topic_name).partitions[0].high_watermark
+
+
 def test_kafka_admin_creates_describes_lists_and_deletes(bus, gateway, topic_name):
     from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
@@ -372,6 +409,20 @@ def test_the_gateway_command_serves_until_stopped(bus, topic_name, capsys):
         socket.create_connection(("127.0.0.1", int(servers.rsplit(":", 1)[1])), timeout=5)
 
 
+def test_starting_the_gateway_again_with_other_settings_is_refused_and_the_running_one_keeps_serving(bus, gateway):
+    [before] = gateway.stats()
+    assert bus.start_gateway(port=0).brokers == gateway.brokers  # asked the same: the gateway running
+    for other in ({"port": gateway.brokers[0][1] + 1}, {"port": 0, "host": "0.0.0.0"}, {"port": 0, "advertised_host": "example.com"},
+                  {"port": 0, "max_request_bytes": 1 << 20}):
+        with pytest.raises(IllegalStateError, match="already runs on node .* started with"):
+            bus.start_gateway(**other)
+    raw = Raw(gateway)
+    assert raw.call(kg.API_VERSIONS, 3, {"client_software_name": "t", "client_software_version": "1"}).error_code == kg.ErrorCode.none
+    raw.close()
+    [after] = gateway.stats()
+    assert after["pid"] == before["pid"]  # the same gateway, never restarted
+
+
 # --- raw requests: error codes and de-duplication --------------------------------------------------------
 
 
@@ -387,6 +438,11 @@ class Raw:
         self.sock.sendall(struct.pack(">i", len(frame)) + frame)
 
     def call(self, api_key: int, version: int, values: dict):
+        self.send(api_key, version, values)
+        return self.receive(api_key, version, self.correlation)
+
+    def send(self, api_key: int, version: int, values: dict) -> int:
+        """Send a request without waiting for its response; its correlation id."""
         request_cls = load_request_schema(api_key, version)
         self.correlation += 1
         out = io.BytesIO()
@@ -394,11 +450,15 @@ class Raw:
             request_api_key=api_key, request_api_version=version, correlation_id=self.correlation, client_id="raw"))
         entity_writer(request_cls)(out, kg.build(request_cls, values))
         self.send_frame(out.getvalue())
+        return self.correlation
+
+    def receive(self, api_key: int, version: int, correlation: int):
+        """The next response, which must be the one to request ``correlation``."""
         (size,) = struct.unpack(">i", self._read(4))
         frame = self._read(size)
         response_cls = load_response_schema(api_key, version)
         header, used = entity_reader(response_cls.__header_schema__)(frame, 0)
-        assert header.correlation_id == self.correlation
+        assert header.correlation_id == correlation
         body, _ = entity_reader(response_cls)(frame, used)
         return body
 
@@ -415,9 +475,13 @@ class Raw:
         self.sock.close()
 
 
+def produce_request(topic: str, records: bytes, acks: int = -1, partition: int = 0) -> dict:
+    return {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
+        {"name": topic, "partition_data": [{"index": partition, "records": records}]}]}
+
+
 def produce(raw: Raw, topic: str, records: bytes, acks: int = -1):
-    response = raw.call(kg.PRODUCE, 9, {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
-        {"name": topic, "partition_data": [{"index": 0, "records": records}]}]})
+    response = raw.call(kg.PRODUCE, 9, produce_request(topic, records, acks))
     [partition] = response.responses[0].partition_responses
     return partition
 
@@ -445,6 +509,31 @@ def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
     assert after.base_offset == 10
     assert bus.admin.describe_topic(topic_name).partitions[0].high_watermark == 11
     raw.close()
+
+
+def test_a_connections_pipelined_batches_land_in_the_order_sent(bus, gateway, topic_name):
+    # Every request is sent before any response is read (as a client with many requests in flight
+    # does), to a topic the gateway has not looked up yet: partition 0 gets plain batches, partition 1
+    # an idempotent producer's.
+    bus.admin.create_topic(topic_name, partitions=2)
+    raw = Raw(gateway)
+    producer_id = raw.call(kg.INIT_PRODUCER_ID, 4, {"transactional_id": None, "transaction_timeout": 60_000,
+                                                    "producer_id": -1, "producer_epoch": -1}).producer_id
+    count = 400
+    sent = []
+    for i in range(count):
+        partition = i % 2
+        idempotent = {"producer_id": producer_id, "producer_epoch": 0, "base_sequence": i // 2} if partition else {}
+        batch = kafka_batch([(None, b"%d" % i, timestamp_of(i), [])], **idempotent)
+        sent.append(raw.send(kg.PRODUCE, 9, produce_request(topic_name, batch, acks=1, partition=partition)))
+    replies = [raw.receive(kg.PRODUCE, 9, correlation).responses[0].partition_responses[0] for correlation in sent]
+    raw.close()
+    assert [r.error_code for r in replies] == [kg.ErrorCode.none] * count
+    seen = logbus_view(bus, topic_name, count)
+    for partition in (0, 1):
+        stored = [int(seen[(partition, offset)][1]) for offset in range(count // 2)]
+        assert stored == list(range(partition, count, 2))
+        assert [r.base_offset for r in replies[partition::2]] == list(range(count // 2))
 
 
 def test_errors_reach_kafka_clients_as_kafka_codes(bus, gateway, topic_name):

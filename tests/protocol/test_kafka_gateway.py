@@ -8,20 +8,167 @@ responses. Everything that needs a cluster is in tests/actors/test_gateway.py.
 from __future__ import annotations
 
 import asyncio
+import io
+import os
+import pathlib
 import random
 import struct
+import subprocess
+import sys
+import time
 
+import cramjam
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kafka.protocol.metadata import ApiVersionsRequest, MetadataRequest
+from kio.index import load_request_schema, load_response_schema
+from kio.serial import entity_reader, entity_writer
 from kafka.protocol.old.consumer_protocol import ConsumerProtocolMemberAssignment_v0, ConsumerProtocolMemberMetadata_v0
 from kafka.protocol.parser import KafkaProtocol
 
 from logbus import errors
 from logbus.errors import KafkaProtocolError, LogbusError
 from logbus.protocol import kafka_gateway as kg
+from logbus.protocol import kafka_records as kr
 from logbus.protocol.messages import TopicPartition
+from logbus.storage import record_batch as rb
+from tests.protocol.log_backend import LogBackend
+from tests.protocol.test_kafka_records import BASE_MS, claiming, kafka_batch, with_codec
+
+
+def kio_frame(api_key: int, version: int, values: dict, correlation_id: int = 1) -> bytes:
+    """A request frame (without its size prefix) built with kio's message types, as a client sends it."""
+    cls = load_request_schema(api_key, version)
+    out = io.BytesIO()
+    entity_writer(cls.__header_schema__)(out, cls.__header_schema__(request_api_key=api_key, request_api_version=version,
+                                                                   correlation_id=correlation_id, client_id="test"))
+    entity_writer(cls)(out, kg.build(cls, values))
+    return out.getvalue()
+
+
+def kio_response(api_key: int, version: int, frame: bytes):
+    """The body of a response frame (size prefix included), read with kio."""
+    cls = load_response_schema(api_key, version)
+    frame = frame[4:]
+    _, used = entity_reader(cls.__header_schema__)(frame, 0)
+    body, _ = entity_reader(cls)(frame, used)
+    return body
+
+
+def produce_values(topic: str, batches: dict[int, bytes], acks: int = -1) -> dict:
+    return {"transactional_id": None, "acks": acks, "timeout": 30_000, "topic_data": [
+        {"name": topic, "partition_data": [{"index": p, "records": b} for p, b in batches.items()]}]}
+
+
+def produce_through(handler: kg.KafkaHandler, values: dict) -> dict[int, tuple]:
+    """Run one produce request (v9) through the handler: {partition: (error code, base offset)}."""
+    async def run():
+        return await handler.start(kio_frame(kg.PRODUCE, 9, values))
+
+    response = kio_response(kg.PRODUCE, 9, asyncio.run(run()))
+    return {p.index: (p.error_code, p.base_offset) for t in response.responses for p in t.partition_responses}
+
+
+@pytest.fixture
+def logs(tmp_path):
+    backend = LogBackend(str(tmp_path))
+    yield backend
+    backend.close()
+
+
+def zeros(size: int) -> bytes:
+    """A zstd batch of ``size`` zero bytes of records (a valid CRC; records of length 0, so corrupt once decoded)."""
+    return claiming(1, b"\0" * size, kr.CODEC_ZSTD)
+
+
+def test_a_produce_to_an_unknown_topic_is_refused_before_any_batch_is_decoded(logs):
+    # 100 partitions of a small frame each, every one expanding to 64 MiB: nothing is decompressed.
+    bomb = zeros(64 << 20)
+    assert len(bomb) < 4096
+    started = time.monotonic()
+    replies = produce_through(kg.KafkaHandler(logs), produce_values("no-such-topic", {p: bomb for p in range(100)}))
+    assert replies == {p: (kg.ErrorCode.unknown_topic_or_partition, -1) for p in range(100)}
+    assert time.monotonic() - started < 5  # decompressing them would take minutes
+    assert logs.lookups == 100
+
+
+def test_a_batch_over_the_topics_max_message_bytes_is_refused_compressed_or_once_it_expands_past_it(logs):
+    logs.create_topic("small", partitions=3, config={"max.message.bytes": 4096})
+    big = with_codec(kafka_batch([(b"k%d" % i, bytes(random.Random(i).randbytes(100)), BASE_MS, []) for i in range(60)]), kr.CODEC_ZSTD)
+    assert len(big) > 4096  # random values do not compress
+    fits = with_codec(kafka_batch([(b"k", b"v" * 100, BASE_MS, [])] * 10), kr.CODEC_ZSTD)
+    replies = produce_through(kg.KafkaHandler(logs), produce_values("small", {0: big, 1: zeros(1 << 20), 2: fits}))
+    assert replies == {0: (kg.ErrorCode.message_too_large, -1), 1: (kg.ErrorCode.message_too_large, -1), 2: (kg.ErrorCode.none, 0)}
+    assert [logs.logs[("small", p)].log_end_offset for p in range(3)] == [0, 0, 10]
+
+
+def test_the_batches_of_one_request_may_decompress_to_four_times_the_request_limit_in_all(logs):
+    logs.create_topic("t", partitions=3)
+    batch = kafka_batch([(None, b"x" * 100, BASE_MS, [])] * 18)
+    records_bytes = len(batch) - kr.HEADER_SIZE
+    assert 1024 < records_bytes < 2048  # two fit in 4 x 1024 bytes, three do not
+    compressed = with_codec(batch, kr.CODEC_GZIP)
+    handler = kg.KafkaHandler(logs, max_request_bytes=1024)
+    replies = produce_through(handler, produce_values("t", {0: compressed, 1: compressed, 2: compressed}))
+    assert replies == {0: (kg.ErrorCode.none, 0), 1: (kg.ErrorCode.none, 0), 2: (kg.ErrorCode.message_too_large, -1)}
+    # The budget is per request: the next one has its own.
+    assert produce_through(handler, produce_values("t", {2: compressed})) == {2: (kg.ErrorCode.none, 0)}
+    assert [logs.logs[("t", p)].log_end_offset for p in range(3)] == [18, 18, 18]
+
+
+def fetch_values(topic: str, offset: int, max_wait_ms: int) -> dict:
+    return {"replica_id": -1, "max_wait": max_wait_ms, "min_bytes": 1, "max_bytes": 1 << 20, "isolation_level": 0, "session_id": 0,
+            "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "", "topics": [
+                {"topic": topic, "partitions": [{"partition": 0, "current_leader_epoch": -1, "fetch_offset": offset, "last_fetched_epoch": -1,
+                                                 "log_start_offset": -1, "partition_max_bytes": 1 << 20}]}]}
+
+
+def test_a_fetch_at_a_compacted_gap_that_ends_at_the_high_watermark_waits_past_it_for_data(logs):
+    # Offsets 0-2 hold records; 3-9 were compacted away on the leader this log copied them from, so
+    # the log ends (and every reader's high watermark is) at 10, with no batch after 2.
+    logs.create_topic("compacted", config={"cleanup.policy": "compact"})
+    log = logs.logs[("compacted", 0)]
+    log.append(rb.encode_batch([b"a", b"b", b"c"], keys=[b"1", b"2", b"3"]))
+    log.append_as_follower(b"", first_offset=3, next_offset=10)
+    assert (log.log_end_offset, log.read(3, 1 << 20).next_offset, len(log.read(3, 1 << 20).data)) == (10, 10, 0)
+    handler = kg.KafkaHandler(logs)
+
+    async def fetch_while_appending() -> bytes:
+        logs.on_wait = asyncio.Event()
+        waited = asyncio.ensure_future(logs.on_wait.wait())
+        reply = asyncio.ensure_future(handler.start(kio_frame(kg.FETCH, 12, fetch_values("compacted", 3, 30_000))))
+        # The fetch waits at offset 10 (past the gap) instead of answering "nothing" at once: a Kafka
+        # client, which cannot learn where the gap ends, would fetch offset 3 again straight away.
+        await asyncio.wait({waited, reply}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        waited.cancel()
+        assert not reply.done() and logs.waits == [("compacted", 0, 10)], "answered without waiting for data"
+        await logs.produce("compacted", 0, rb.encode_batch([b"d"], keys=[b"4"]), 1, 1000)
+        return await asyncio.wait_for(reply, 10)
+
+    [partition] = kio_response(kg.FETCH, 12, asyncio.run(fetch_while_appending())).responses[0].partitions
+    assert partition.error_code == kg.ErrorCode.none and partition.high_watermark == 11
+    [(_, header)] = kr.iter_batches(partition.records)
+    assert (header.base_offset, header.record_count) == (10, 1)  # a batch past the client's position, as Kafka's compacted logs give
+
+
+def test_a_produce_with_acks_other_than_0_1_or_minus_1_is_refused_with_invalid_required_acks(logs):
+    logs.create_topic("t")
+    batch = kafka_batch([(None, b"v", BASE_MS, [])])
+    for acks in (2, -2, 5):
+        replies = produce_through(kg.KafkaHandler(logs), produce_values("t", {0: batch}, acks=acks))
+        assert replies == {0: (kg.ErrorCode.invalid_required_acks, -1)}
+    assert logs.logs[("t", 0)].log_end_offset == 0
+
+
+@pytest.mark.parametrize("version", range(1, 7))
+def test_a_delete_topics_request_naming_no_topic_deletes_nothing_in_every_version(version):
+    values = {"timeout": 30_000, **({"topics": []} if version >= 6 else {"topic_names": []})}
+
+    async def run():
+        return await kg.KafkaHandler(backend=None).start(kio_frame(kg.DELETE_TOPICS, version, values))
+
+    assert kio_response(kg.DELETE_TOPICS, version, asyncio.run(run())).responses == ()
 
 
 def encoded(request) -> bytes:
@@ -154,6 +301,18 @@ def test_error_codes_of_the_data_path():
     assert kg.error_code(errors.DuplicateSequenceError("x")) == kg.ErrorCode.duplicate_sequence_number
     assert kg.error_code(asyncio.TimeoutError()) == kg.ErrorCode.request_timed_out
     assert kg.error_code(ValueError("a bug")) == kg.ErrorCode.unknown_server_error
+
+
+def test_the_clients_do_not_load_the_gateway_or_its_dependencies():
+    # kio and cramjam are for processes that start a gateway, not for every logbus.connect() user.
+    code = ("import sys, logbus; logbus.connect, logbus.Bus, logbus.Producer, logbus.Consumer, logbus.Admin; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('kio', 'cramjam') or m in "
+            "('logbus.actors.gateway', 'logbus.protocol.kafka_gateway', 'logbus.protocol.kafka_records')))")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])})
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_broker_ids_are_stable_int32s():

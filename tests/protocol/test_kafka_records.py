@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-from logbus.errors import CorruptRecordError, InvalidRecordError
+from logbus.errors import CorruptRecordError, InvalidRecordError, RecordTooLargeError
 from logbus.protocol import kafka_records as kr
 from logbus.storage import record_batch as rb
 
@@ -150,10 +150,67 @@ def test_snappy_in_xerial_framing_is_read():
     assert [r["key"] for r in rows] == [b"k%d" % i for i in range(300)]
 
 
-def test_a_batch_that_expands_past_the_limit_is_refused():
-    batch = with_codec(kafka_batch([(None, b"\0" * 100_000, BASE_MS, [])]), kr.CODEC_ZSTD)
-    with pytest.raises(CorruptRecordError, match="expand"):
-        kr.to_logbus(batch, decompressed_max_bytes=10_000)
+@pytest.mark.parametrize("codec", [kr.CODEC_GZIP, kr.CODEC_SNAPPY, kr.CODEC_LZ4, kr.CODEC_ZSTD, "xerial"])
+def test_a_batch_that_expands_past_the_limit_is_too_large_and_one_that_does_not_decompress_is_corrupt(codec):
+    batch = kafka_batch([(None, b"\0" * 100_000, BASE_MS, [])])
+    if codec == "xerial":
+        compressed = recrc(batch[: kr.HEADER_SIZE] + xerial(batch[kr.HEADER_SIZE :]), attributes_or=kr.CODEC_SNAPPY)
+    else:
+        compressed = with_codec(batch, codec)
+    with pytest.raises(RecordTooLargeError, match="expand past 10000 bytes"):
+        kr.to_logbus(compressed, decompressed_max_bytes=10_000)
+    assert kr.to_logbus(compressed, decompressed_max_bytes=200_000).decompressed_bytes == len(batch) - kr.HEADER_SIZE
+    assert kr.to_logbus(batch, decompressed_max_bytes=10).decompressed_bytes == 0  # uncompressed: the limit is not for it
+    # Compressed bytes cut short (with a valid CRC), within the limit, are corrupt, not too large.
+    with pytest.raises(CorruptRecordError):
+        kr.to_logbus(recrc(compressed[: (kr.HEADER_SIZE + len(compressed)) // 2]), decompressed_max_bytes=200_000)
+
+
+def claiming(record_count: int, payload: bytes, codec: int = kr.CODEC_NONE) -> bytes:
+    """A batch whose header claims ``record_count`` records over ``payload`` (compressed by ``codec``), with a
+    valid CRC: what a client can send, since it computes the CRC itself."""
+    if codec != kr.CODEC_NONE:
+        payload = bytes({kr.CODEC_ZSTD: cramjam.zstd.compress, kr.CODEC_GZIP: cramjam.gzip.compress}[codec](payload))
+    header = kr.HEADER.pack(0, 0, -1, kr.KAFKA_MAGIC, 0, codec, max(record_count - 1, 0), BASE_MS, BASE_MS, -1, -1, -1, record_count)
+    return recrc(header + payload)
+
+
+def test_a_record_count_the_bytes_cannot_hold_is_refused_before_anything_is_allocated_for_it():
+    import tracemalloc
+
+    # 2**31 - 1 records in 10 bytes: refused by the header check, whatever is decoded after it.
+    with pytest.raises(CorruptRecordError, match="claims 2147483647 records in 10 bytes"):
+        kr.read_header(claiming(kr.RECORDS_MAX, b"\x00" * 10))
+    # Two million records in 10 bytes, plain or compressed, must cost no per-record memory before the refusal.
+    for codec in (kr.CODEC_NONE, kr.CODEC_ZSTD, kr.CODEC_GZIP):
+        batch = claiming(2_000_000, b"\x00" * 10, codec)
+        tracemalloc.start()
+        try:
+            with pytest.raises(CorruptRecordError, match="claims 2000000 records in 10 bytes"):
+                kr.to_logbus(batch, decompressed_max_bytes=4096)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 256 << 10, f"{peak} bytes allocated to refuse a batch of {len(batch)} bytes"
+
+
+def test_a_batch_of_the_smallest_records_is_read():
+    # Null key, null value, no headers: 7 bytes a record, the least MIN_RECORD_BYTES allows.
+    batch = kafka_batch([(None, None, BASE_MS, [])] * 60)  # offset deltas below 64: one byte each
+    assert len(batch) - kr.HEADER_SIZE == 60 * kr.MIN_RECORD_BYTES
+    _, rows = logbus_rows(kr.to_logbus(batch).encoded)
+    assert [(r["key"], r["value"]) for r in rows] == [(None, None)] * 60
+    assert kr.to_logbus(with_codec(batch, kr.CODEC_ZSTD)).record_count == 60
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 100_000), st.binary(max_size=120), st.sampled_from([kr.CODEC_NONE, kr.CODEC_ZSTD]))
+def test_batches_with_a_valid_crc_and_any_record_count_decode_or_raise_record_errors(record_count, payload, codec):
+    try:
+        produced = kr.to_logbus(claiming(record_count, payload, codec), decompressed_max_bytes=4096)
+    except (CorruptRecordError, InvalidRecordError):
+        return
+    assert produced.record_count == record_count <= len(payload) // kr.MIN_RECORD_BYTES
 
 
 def test_transactional_batches_and_extra_batches_are_refused():
