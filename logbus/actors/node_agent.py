@@ -202,6 +202,7 @@ class NodeAgent:
         try:
             os.unlink(self.lease.path)
             os.rmdir(self.directory)
+            os.rmdir(os.path.dirname(self.directory))  # the cluster's directory, once no node of it is left here
         except OSError:
             pass  # something else still there
 

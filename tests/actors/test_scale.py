@@ -13,6 +13,7 @@ import pytest
 import ray
 
 import logbus
+from logbus.actors.lease_files import node_directory
 from logbus.errors import NodeCapacityError
 from tests.conftest import close_bus, wait_for
 
@@ -63,3 +64,5 @@ def test_a_topic_over_a_nodes_replica_limit_fails_and_leaves_nothing_behind(ray_
         bus.admin.create_partitions("fits", 4)  # exactly the limit
     finally:
         close_bus(bus)
+    # The cluster's lease and fence files on the node went with it (tmpfs is memory), directories too.
+    assert not os.path.exists(os.path.dirname(node_directory(namespace, nodes[0]["node_id"])))
