@@ -65,6 +65,7 @@ from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
     InvalidConfigError,
+    InvalidPartitionError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
     InvalidTopicError,
@@ -833,7 +834,7 @@ class Controller:
             topic, partition = tp
             state_topic = self.metadata.topic(topic)
             if not 0 <= partition < len(state_topic.partitions):
-                raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
+                raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
             tps.append((TopicPartition(topic, partition), offset))
 
         async def one(tp, offset):

@@ -114,7 +114,8 @@ class Admin:
         start). Whole segments below it are deleted; followers follow their
         leader's log start. An offset at or below the current log start changes
         nothing. Raises OffsetOutOfRangeError for an offset past the high
-        watermark (or below -1), UnknownTopicError for an unknown partition.
+        watermark (or below -1), UnknownTopicError for an unknown topic and
+        InvalidPartitionError for a partition the topic does not have.
         """
         if not isinstance(offsets, dict) or not offsets:
             raise InvalidConfigError("offsets must be a non-empty {TopicPartition: offset} dict")

@@ -16,7 +16,15 @@ import ray
 import logbus
 from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
-from logbus.errors import GroupNotEmptyError, InvalidConfigError, InvalidGroupIdError, InvalidRecordError, OffsetOutOfRangeError
+from logbus.errors import (
+    GroupNotEmptyError,
+    InvalidConfigError,
+    InvalidGroupIdError,
+    InvalidPartitionError,
+    InvalidRecordError,
+    OffsetOutOfRangeError,
+    UnknownTopicError,
+)
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC, decode_offset_commit_key
 from logbus.storage.cleaner import CLEANED_SUFFIX, SWAP_SUFFIX
 from logbus.storage.log_config import LogConfig
@@ -94,6 +102,10 @@ def test_delete_records_moves_the_log_start_and_consumers_below_it_reset(bus, to
         bus.admin.delete_records({tp: 31})
     with pytest.raises(OffsetOutOfRangeError):
         bus.admin.delete_records({tp: -2})
+    with pytest.raises(InvalidPartitionError, match="partitions 0..0"):  # bad input: not retriable
+        bus.admin.delete_records({TopicPartition(topic_name, 3): 1})
+    with pytest.raises(UnknownTopicError):
+        bus.admin.delete_records({TopicPartition(topic_name + "-none", 0): 1})
     assert bus.admin.delete_records({tp: 12}) == {tp: 12}
     assert bus.admin.describe_topic(topic_name).partitions[0].log_start_offset == 12
     assert bus.admin.delete_records({tp: 5}) == {tp: 12}  # below the start: nothing changes
