@@ -428,6 +428,24 @@ def high_watermarks(bus, topic: str) -> list[int]:
     return [p.high_watermark for p in bus.admin.describe_topic(topic).partitions]
 
 
+def consume_all(bus, topic: str, partitions: int, time_cap_s: float) -> tuple[int, float]:
+    """Read the whole topic from the start with poll_arrow; returns (records, seconds)."""
+    expected = sum(high_watermarks(bus, topic))
+    consumer = Consumer(bus)
+    try:
+        consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+        consumer.seek_to_beginning()
+        got = 0
+        start = time.perf_counter()
+        deadline = start + time_cap_s
+        while got < expected and time.perf_counter() < deadline:
+            got += consumer.poll_arrow(timeout_ms=1000).num_rows
+        elapsed = time.perf_counter() - start
+    finally:
+        consumer.close()
+    return got, elapsed
+
+
 # --- logbus load: a paced latency stream -----------------------------------------------------------
 
 

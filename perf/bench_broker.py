@@ -81,6 +81,7 @@ from _common import (
     Sent,
     arg_parser,
     best_rate,
+    consume_all,
     delete_topics,
     exit_on_sigterm,
     fmt,
@@ -104,7 +105,7 @@ from _common import (
 )
 
 import logbus
-from logbus import Consumer, Producer, TopicPartition
+from logbus import Producer
 
 POOL_SIZE = 10_000  # distinct values cycled through by the send() loops
 LATENCY_RATE = 10_000  # records/s
@@ -165,22 +166,6 @@ class ProducerWorker:
 
     def close(self) -> None:
         self.producer.close()
-
-
-def consume_all(bus, topic: str, partitions: int, time_cap_s: float) -> tuple[int, float]:
-    """Read the whole topic from the start with poll_arrow; returns (records, seconds)."""
-    expected = sum(high_watermarks(bus, topic))
-    consumer = Consumer(bus)
-    consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
-    consumer.seek_to_beginning()
-    got = 0
-    start = time.perf_counter()
-    deadline = start + time_cap_s
-    while got < expected and time.perf_counter() < deadline:
-        got += consumer.poll_arrow(timeout_ms=1000).num_rows
-    elapsed = time.perf_counter() - start
-    consumer.close()
-    return got, elapsed
 
 
 # --- the run -------------------------------------------------------------------------------------

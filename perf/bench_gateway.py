@@ -41,6 +41,7 @@ from _common import (
     VALUE_SIZE,
     RunInfo,
     arg_parser,
+    consume_all,
     delete_topics,
     exit_on_sigterm,
     fmt,
@@ -58,7 +59,7 @@ from _common import (
 )
 
 import logbus
-from logbus import Consumer, Producer, TopicPartition
+from logbus import Producer
 
 RATIO_TARGET = 0.5  # Kafka client through the gateway / native logbus client
 TIME_CAP_S = 90.0  # per repetition
@@ -126,19 +127,7 @@ def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> floa
 
 
 def native_consume(bus, topic: str, n: int) -> float:
-    tp = TopicPartition(topic, 0)
-    consumer = Consumer(bus)
-    try:
-        consumer.assign([tp])
-        consumer.seek(tp, 0)
-        total = 0
-        start = time.perf_counter()
-        deadline = start + TIME_CAP_S
-        while total < n and time.perf_counter() < deadline:
-            total += consumer.poll_arrow(timeout_ms=1000).num_rows
-        seconds = time.perf_counter() - start
-    finally:
-        consumer.close()
+    total, seconds = consume_all(bus, topic, 1, TIME_CAP_S)
     if total < n:
         raise RuntimeError(f"native consume read {total} of {n} records")
     return total / seconds
