@@ -336,14 +336,11 @@ def _frame_run(header: bh.BatchHeader, records: pa.RecordBatch, first: int, coun
     producer, and the sequence number of its first record; a LogAppendTime
     batch keeps its append time.
     """
-    import pyarrow as pa  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
-
-    from logbus.storage.record_batch import frame_record_batch  # noqa: PLC0415
+    from logbus.storage.record_batch import frame_record_batch  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
 
     appended = header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME
-    # A copy of the rows, not a slice: Arrow serializes a sliced map column (headers) with the
-    # whole batch's offsets, so a slice would carry bytes for every row of its batch.
-    rows = records.take(pa.array(np.arange(first, first + count)))
+    # A slice: frame_record_batch copies a sliced headers column so the run carries only its own rows.
+    rows = records.slice(first, count)
     return frame_record_batch(
         rows,
         base_offset=header.base_offset + first,
