@@ -1,7 +1,7 @@
 """NodeAgent: one actor per node of a logbus cluster, holding the node's lease and watching its replica processes.
 
 Liveness costs what the cluster has nodes, not what it has replicas: the
-agent heartbeats the controller (``node_heartbeat``, every 100 ms,
+agent heartbeats the controller (``node_heartbeat``, every 200 ms,
 pipelined) on behalf of every replica on its node, and writes the lease it
 gets into the node's lease file, which the node's leaders read before each
 write (``lease_files.py``). A node whose agent falls silent is dead to the

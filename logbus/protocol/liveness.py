@@ -18,9 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-LEASE_MS = 500  # a leader stops taking writes this long after sending its last acknowledged heartbeat
-LEASE_TIMEOUT_MS = 700  # the controller deposes a leader silent this long
-HEARTBEAT_INTERVAL_MS = 100  # replicas renew their lease this often
+# Each heartbeat is a Ray actor call, which costs its two processes about 1.2 ms of CPU each:
+# every 200 ms that is ~1.2 % of a core per node (agent and controller together), every
+# 100 ms twice that. 200 ms keeps node-kill failover near 1 s (900 ms of silence, a tick, an
+# election), within the 2 s bound, with three heartbeats of slack in a lease.
+LEASE_MS = 600  # a leader stops taking writes this long after sending its last acknowledged heartbeat
+LEASE_TIMEOUT_MS = 900  # the controller deposes a leader silent this long
+HEARTBEAT_INTERVAL_MS = 200  # node agents renew their node's lease this often
 STALL_MS = 200  # a controller tick this much later than its interval means the controller stalled
 STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
 RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in
