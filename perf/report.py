@@ -175,7 +175,8 @@ def draw_charts(results: dict[str, list[dict]]) -> list[str]:
         fig, ax = plt.subplots(figsize=(8, 3.5))
         for case, reps in kills.items():
             if reps:
-                ax.plot(range(1, len(reps) + 1), [r if r is not None else float("nan") for r in reps], marker="o", label=case.split(",")[0])
+                ax.plot(range(1, len(reps) + 1), [r if r is not None else float("nan") for r in reps], marker="o",
+                        label=", ".join(part for part in case.split(", ") if "kills" not in part))
         ax.axhline(1.0, color="grey", lw=1, ls="--")
         ax.set_xlabel("leader-node kill")
         ax.set_ylabel("seconds after the kill")

@@ -20,10 +20,10 @@ from collections.abc import Hashable
 
 # Each heartbeat is a Ray actor call, which costs its two processes about 1.2 ms of CPU each:
 # every 200 ms that is ~1.2 % of a core per node (agent and controller together), every
-# 100 ms twice that. 200 ms keeps node-kill failover near 1 s (900 ms of silence, a tick, an
-# election), within the 2 s bound, with three heartbeats of slack in a lease.
-LEASE_MS = 600  # a leader stops taking writes this long after sending its last acknowledged heartbeat
-LEASE_TIMEOUT_MS = 900  # the controller deposes a leader silent this long
+# 100 ms twice that. Failover of a whole frozen node is then 0.8 s of silence, a tick and an
+# election (p50 <= 1 s, max <= 2 s), and a heartbeat may answer 350 ms late before a lease lapses.
+LEASE_MS = 550  # a leader stops taking writes this long after sending its last acknowledged heartbeat
+LEASE_TIMEOUT_MS = 800  # the controller deposes a leader silent this long
 HEARTBEAT_INTERVAL_MS = 200  # node agents renew their node's lease this often
 STALL_MS = 200  # a controller tick this much later than its interval means the controller stalled
 STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
