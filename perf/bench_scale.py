@@ -20,7 +20,10 @@ imports nothing and does nothing (``Plain`` below). Cases:
 3. busy     with 128 replicas on the node: one record sent to every partition of a
             128-partition topic and read back from every partition (seconds), and the
             end-to-end latency (p50 / p99) of a 1-partition topic at 1,000 records/s, against
-            the same latency with 8 replicas on the node (target: p50 <= 1.5x).
+            the same latency with 8 replicas on the node (target: p50 <= 1.5x). Between the
+            two, a control: the latency with 8 replicas and 128 plain idle actors on the
+            node, which tells Ray's share of the difference (its idle worker processes)
+            from logbus's (info).
 
 CPU time is read from /proc through psutil (user + system of each process); Ray's own
 daemons (raylet, GCS) are shared by both sides and not counted. The machine is shared:
@@ -240,9 +243,19 @@ def main() -> int:
         bus.admin.create_topic("latency-8", partitions=1)
         topics.append("latency-8")
         p50_8, p99_8 = latency(bus, data_dir, "latency-8", mode["latency_s"])
-        # A fresh latency topic for the second measurement (the consumer reads from offset 0: the
-        # first run's records would count as sent a minute before).
-        for name in ("few", "latency-8"):
+        # Each measurement on a fresh latency topic (the consumer reads from offset 0: an earlier
+        # run's records would count as sent a minute before).
+        bus.admin.delete_topic("latency-8")
+        topics.remove("latency-8")
+        # The control: as many plain actors as the big topic has replicas, beside the 8 replicas.
+        actors, _, _ = start_plain(mode["busy_size"])
+        try:
+            bus.admin.create_topic("latency-plain", partitions=1)
+            topics.append("latency-plain")
+            p50_plain, p99_plain = latency(bus, data_dir, "latency-plain", mode["latency_s"])
+        finally:
+            stop_plain(actors)
+        for name in ("few", "latency-plain"):
             bus.admin.delete_topic(name)
             topics.remove(name)
         bus.admin.create_topic(busy_topic, partitions=mode["busy_size"])
@@ -253,10 +266,16 @@ def main() -> int:
         each_s = one_record_each(bus, busy_topic, mode["busy_size"])
         p50_n, p99_n = latency(bus, data_dir, "latency-n", mode["latency_s"])
         log(f"{replicas} replicas: one record each to and from {mode['busy_size']} partitions in {each_s:.2f}s; "
-            f"latency p50/p99 {p50_n:.2f}/{p99_n:.2f} ms against {p50_8:.2f}/{p99_8:.2f} ms with 8 replicas")
+            f"latency p50/p99 {p50_n:.2f}/{p99_n:.2f} ms against {p50_8:.2f}/{p99_8:.2f} ms with 8 replicas "
+            f"and {p50_plain:.2f}/{p99_plain:.2f} ms with 8 replicas and {mode['busy_size']} plain actors")
         emit(f"one record to and from each of {mode['busy_size']} partitions", each_s, None, "s", replicas=replicas)
         emit(f"latency p50 at {LATENCY_RATE}/s with {replicas} replicas", p50_n, p50_8, "ms", 1.5, replicas=replicas)
         emit(f"latency p99 at {LATENCY_RATE}/s with {replicas} replicas", p99_n, p99_8, "ms", None, replicas=replicas)
+        control = f"8 replicas and {mode['busy_size']} plain actors"
+        emit(f"latency p50 at {LATENCY_RATE}/s, {replicas} replicas vs {control} (info)", p50_n, p50_plain, "ms", None,
+             replicas=replicas)
+        emit(f"latency p99 at {LATENCY_RATE}/s, {replicas} replicas vs {control} (info)", p99_n, p99_plain, "ms", None,
+             replicas=replicas)
     finally:
         delete_topics(bus, topics)
         shutdown_ray()
