@@ -75,8 +75,9 @@ import cramjam
 import crc32c
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from logbus.errors import CorruptRecordError, InvalidRecordError, RecordTooLargeError
+from logbus.errors import CorruptRecordError, InternalStateError, InvalidRecordError, RecordTooLargeError
 from logbus.storage import record_batch as rb
 
 KAFKA_MAGIC = 2
@@ -305,23 +306,33 @@ def _varint_at(data, position: int, max_bytes: int = 5) -> tuple[int, int]:
 
 
 def _binary_column(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
-    """A binary array of ``data[start:start + length]`` per record; length -1 is null."""
+    """A binary array of ``data[start:start + length]`` per record; length -1 is null.
+
+    The pieces are gathered by Arrow, not by a Python loop: over ``data`` as it
+    is, the offsets start0, end0, start1, end1, ... make a binary array whose
+    even elements are the pieces (the odd ones are what lies between them), and
+    ``take`` of the even ones copies them out, back to back.
+    """
     count = starts.size
     nulls = lengths < 0
     sizes = np.where(nulls, 0, lengths)
-    offsets = np.zeros(count + 1, np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    if offsets[-1] >= 2**31:
+    if int(sizes.sum()) >= 2**31 or len(data) >= 2**31:
         raise InvalidRecordError("a batch holds over 2 GiB of keys or values")
-    ends = starts + sizes
-    joined = b"".join([data[s:e] for s, e in zip(starts.tolist(), ends.tolist())])
+    if count == 0:
+        return pa.array([], pa.binary())
+    bounds = np.empty(2 * count, np.int64)
+    bounds[0::2] = starts
+    bounds[1::2] = starts + sizes
+    if bounds[0] < 0 or bounds[-1] > len(data) or np.any(bounds[1:] < bounds[:-1]):
+        raise CorruptRecordError("a record's key or value lies outside the records, or out of order")
+    spans = pa.Array.from_buffers(pa.binary(), 2 * count - 1, [None, pa.py_buffer(bounds.astype(np.int32)), pa.py_buffer(data)])
+    pieces = spans.take(pa.array(np.arange(0, 2 * count, 2, dtype=np.int64)))
     validity = None
     null_count = int(nulls.sum())
     if null_count:
         validity = pa.py_buffer(np.packbits(~nulls, bitorder="little"))
-    return pa.Array.from_buffers(
-        pa.binary(), count, [validity, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(joined)], null_count=null_count
-    )
+    _, offsets, joined = pieces.buffers()
+    return pa.Array.from_buffers(pa.binary(), count, [validity, offsets, joined], null_count=null_count)
 
 
 def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> pa.Array:
@@ -528,16 +539,37 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, list[bytes] | None]:
     return counts, blobs
 
 
+def _binary_array(buffer: np.ndarray, sizes: np.ndarray) -> pa.Array:
+    """A binary array whose values are ``buffer`` cut into pieces of ``sizes`` bytes."""
+    offsets = np.zeros(sizes.size + 1, np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    return pa.Array.from_buffers(pa.binary(), sizes.size, [None, pa.py_buffer(offsets), pa.py_buffer(buffer)])
+
+
+def _piece_starts(sizes: np.ndarray) -> np.ndarray:
+    starts = np.zeros(sizes.size, np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    return starts
+
+
 def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes:
-    """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch."""
+    """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch.
+
+    A Kafka record is its varint fields, then its key, a varint, its value, then
+    its headers. The varints of every record are written at once with numpy
+    into three arrays of pieces (before the key, between key and value, after
+    the value); Arrow's ``binary_join_element_wise`` then lays out piece, key,
+    piece, value, piece record after record, with no Python loop per record
+    (only records with headers are visited one by one, as headers are rare).
+    """
     count = records.num_rows
     keys, values, timestamp_column, headers = (records.column(i) for i in range(4))
     timestamps = timestamp_column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     base_timestamp = int(timestamps[0])
     timestamp_raw = _zigzag(timestamps - base_timestamp)
     offset_raw = _zigzag(np.arange(count, dtype=np.int64))
-    key_lengths, key_offsets, key_data = _binary_parts(keys)
-    value_lengths, value_offsets, value_data = _binary_parts(values)
+    key_lengths, _, _ = _binary_parts(keys)
+    value_lengths, _, _ = _binary_parts(values)
     key_raw, value_raw = _zigzag(key_lengths), _zigzag(value_lengths)
     header_counts, header_blobs = _header_blobs(headers)
     header_raw = _zigzag(header_counts)
@@ -549,48 +581,50 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     body = 1 + ts_size + off_size + key_size + key_bytes + value_size + value_bytes + hdr_size + header_bytes
     body_raw = _zigzag(body)
     length_size = _varint_sizes(body_raw)
-    record_size = length_size + body
-    starts = np.zeros(count, np.int64)
-    np.cumsum(record_size[:-1], out=starts[1:])
-    total = int(starts[-1] + record_size[-1])
+    total = int((length_size + body).sum())
 
-    out = np.zeros(HEADER_SIZE + total, np.uint8)  # record attributes stay 0
-    at = starts + HEADER_SIZE
-    _write_varints(out, at, body_raw, length_size)
-    at = at + length_size + 1  # past the length and the attributes
-    _write_varints(out, at, timestamp_raw, ts_size)
+    # Before the key: length, attributes (0), timestamp delta, offset delta, key length.
+    before_sizes = length_size + 1 + ts_size + off_size + key_size
+    before = np.zeros(int(before_sizes.sum()), np.uint8)
+    at = _piece_starts(before_sizes)
+    _write_varints(before, at, body_raw, length_size)
+    at = at + length_size + 1
+    _write_varints(before, at, timestamp_raw, ts_size)
     at += ts_size
-    _write_varints(out, at, offset_raw, off_size)
+    _write_varints(before, at, offset_raw, off_size)
     at += off_size
-    _write_varints(out, at, key_raw, key_size)
-    key_at = at + key_size
-    at = key_at + key_bytes
-    _write_varints(out, at, value_raw, value_size)
-    value_at = at + value_size
-    at = value_at + value_bytes
-    _write_varints(out, at, header_raw, hdr_size)
-    header_at = at + hdr_size
-
-    target = memoryview(out)
-    for column_at, column_offsets, lengths, data in ((key_at, key_offsets, key_bytes, key_data), (value_at, value_offsets, value_bytes, value_data)):
-        if data is None:
-            continue
-        for dest, source, length in zip(column_at.tolist(), column_offsets.tolist(), lengths.tolist()):
-            if length:
-                target[dest : dest + length] = data[source : source + length]
+    _write_varints(before, at, key_raw, key_size)
+    # Between key and value: the value's length.
+    between = np.zeros(int(value_size.sum()), np.uint8)
+    _write_varints(between, _piece_starts(value_size), value_raw, value_size)
+    # After the value: the header count, then the headers.
+    after_sizes = hdr_size + header_bytes
+    after = np.zeros(int(after_sizes.sum()), np.uint8)
+    at = _piece_starts(after_sizes)
+    _write_varints(after, at, header_raw, hdr_size)
     if header_blobs is not None:
-        for dest, blob in zip(header_at.tolist(), header_blobs):
-            if blob:
-                target[dest : dest + len(blob)] = blob
+        target = memoryview(after)
+        for i in np.flatnonzero(header_counts).tolist():
+            dest = int(at[i] + hdr_size[i])
+            target[dest : dest + len(header_blobs[i])] = header_blobs[i]
+
+    joined = pc.binary_join_element_wise(
+        _binary_array(before, before_sizes), keys, _binary_array(between, value_size), values,
+        _binary_array(after, after_sizes), b"", null_handling="replace", null_replacement="",
+    )
+    records_bytes = memoryview(joined.buffers()[2]).cast("B")[:total] if total else memoryview(b"")
+    if len(records_bytes) != total:
+        raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes)} bytes, not {total}")
 
     attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
     max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
+    out = bytearray(HEADER_SIZE)
     HEADER.pack_into(
         out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,
         count - 1, base_timestamp, max_timestamp, header.producer_id, header.producer_epoch, header.base_sequence, count,
     )
-    struct.pack_into(">I", out, 17, crc32c.crc32c(target[CRC_START:]))
-    return out.tobytes()
+    struct.pack_into(">I", out, 17, crc32c.crc32c(records_bytes, crc32c.crc32c(memoryview(out)[CRC_START:])))
+    return b"".join((out, records_bytes))
 
 
 def to_kafka(buffer, *, verify_crc: bool = True) -> bytes:
