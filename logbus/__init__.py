@@ -11,7 +11,6 @@ import importlib
 
 from logbus import errors
 from logbus.errors import *  # noqa: F401,F403  (the error tree is part of the public API)
-from logbus.protocol.group_coordinator import OffsetAndMetadata
 from logbus.protocol.messages import (
     ConsumerRecord,
     OffsetAndTimestamp,
@@ -32,6 +31,7 @@ _LAZY = {
     "Bus": "logbus.api.client",
     "connect": "logbus.api.client",
     "Consumer": "logbus.api.consumer",
+    "OffsetAndMetadata": "logbus.protocol.group_coordinator",
     "Producer": "logbus.api.producer",
     "read_dataset": "logbus.api.dataset",
     "write_dataset": "logbus.api.dataset",

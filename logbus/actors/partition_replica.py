@@ -31,7 +31,8 @@ accepts writes for a partition at any time.
 
 Nothing runs on a timer while a replica is idle. A replica that starts (or
 that Ray restarted) tells its node agent its pid and asks the controller for
-its role once (``replica_started``); role changes come as calls. The leader
+its role once (``replica_started``, through the agent, so that the replica's
+process need not load the controller's class); role changes come as calls. The leader
 checks its ISR when something happens (a follower's fetch, a produce) and
 arms one timer only while an in-sync follower is behind; retention arms one
 timer for when its oldest data expires, and interval flushes one after an
@@ -66,6 +67,7 @@ idempotent.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -299,26 +301,28 @@ class PartitionReplica:
         return self._controller_handle
 
     async def _say_started(self) -> None:
-        """Once per process: the node agent watches this pid, and the controller says what our role is."""
+        """Once per process: the node agent watches this pid, and the controller (asked through the
+        agent, ``NodeAgent.replica_started``) says what our role is."""
         name = replica_file_name(self.topic_id, self.partition, self.replica_id)
         agent_name = agent_actor_name(ray.get_runtime_context().get_node_id())
+        agent = None
         registered = answered = False
         while not (registered and answered) and not self._deleted:
             try:
-                if not registered:
+                if agent is None:
                     agent = await asyncio.to_thread(ray.get_actor, agent_name, namespace=self.namespace)
+                if not registered:
                     await agent.register.remote(name, os.getpid())
                     registered = True
                 if not answered:
-                    controller = await self._controller()
-                    reply = await controller.replica_started.remote(self.topic, self.partition, self.replica_id)
+                    reply = await agent.replica_started.remote(self.topic, self.partition, self.replica_id)
                     answered = True
                     if reply.get("deleted"):
                         self._deleted = True
                         return
                     await self._reconcile(reply)
             except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
-                self._controller_handle = None
+                agent = None
                 await asyncio.sleep(START_RETRY_S)
 
     def _may_write(self) -> bool:
@@ -1039,6 +1043,14 @@ def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: in
     return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
 
 
+@functools.cache
+def _replica_actor_class():
+    """The Ray actor class of replicas, made once per process: each ``ray.remote(cls)`` is a new
+    actor class that Ray inspects and exports to the GCS (a blocking call) on its first use, which
+    made every replica the controller started pay for it."""
+    return ray.remote(PartitionReplica)
+
+
 def start_replica(
     *,
     namespace: str,
@@ -1059,7 +1071,7 @@ def start_replica(
     advertise them; see ``placement.uses_replica_slots``).
     """
     return (
-        ray.remote(PartitionReplica)
+        _replica_actor_class()
         .options(
             name=replica_actor_name(topic, topic_id, partition, replica_id),
             namespace=namespace,
