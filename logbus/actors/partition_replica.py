@@ -105,6 +105,7 @@ from logbus.protocol.messages import (
     FetchResponse,
     ProduceResponse,
 )
+from logbus.protocol.liveness import LEASE_MS
 from logbus.protocol.replica_state import LeaderState
 from logbus.storage import batch_header as bh
 from logbus.storage.cleaner import build_offset_map, clean_group, discard
@@ -121,6 +122,8 @@ OWNER_LOCK_FILE = "owner.lock"  # held for the process's lifetime: one process p
 OWNER_LOCK_WAIT_S = 30.0  # a restarted replica waits this long for a predecessor still exiting
 REPLICA_FETCH_WAIT_MS = 10_000  # at most (and at most half the lag time): an append answers a waiting fetch at once
 ALTER_ISR_TIMEOUT_S = 5.0
+LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this long for a renewal
+LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
@@ -330,6 +333,28 @@ class PartitionReplica:
         if self.controller_name is None:
             return True  # standalone (tests): no controller to hold a lease with
         return may_write(self._lease, self._fence, self.leader_epoch, monotonic_ms())
+
+    async def _lease_held(self) -> bool:
+        """``_may_write()``, waiting up to ``LEASE_WAIT_MS`` while only the node's lease has lapsed.
+
+        A lease lapses without a failure when a heartbeat's reply comes late
+        (both cores busy, say); the agent's next heartbeat renews it. A write
+        arriving meanwhile waits for that rather than failing. Nothing is
+        written while the lease is out: the caller checks again before its
+        append. A newer epoch in the fence file ends the wait at once.
+        """
+        if self._may_write():
+            return True
+        if self._fence is None or self._fence.current_epoch != self.leader_epoch:
+            return False
+        deadline = monotonic_ms() + LEASE_WAIT_MS
+        while monotonic_ms() < deadline:
+            await asyncio.sleep(LEASE_POLL_S)
+            if self._may_write():
+                return True
+            if self._fence.current_epoch != self.leader_epoch:
+                return False
+        return False
 
     # --- one-shot timers instead of periodic work ----------------------------------------------
 
@@ -718,7 +743,7 @@ class PartitionReplica:
         self._started()
         started_ms = monotonic_ms()
         state = self._check_leader(leader_epoch)
-        if not self._may_write():
+        if not await self._lease_held():
             raise NotLeaderError(
                 f"{self.topic}-{self.partition}: this leader may not take writes (its node's lease ran out, or "
                 f"epoch {self.leader_epoch} is no longer the partition's current one)"
@@ -950,7 +975,7 @@ class PartitionReplica:
         """
         self._started()
         self._check_leader(leader_epoch)
-        if not self._may_write():
+        if not await self._lease_held():
             raise NotLeaderError(f"{self.topic}-{self.partition}: this leader may not take writes now")
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < -1:
             raise OffsetOutOfRangeError(f"delete_records takes an offset >= 0 (or -1: the high watermark), not {offset!r}")

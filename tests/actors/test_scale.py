@@ -6,6 +6,7 @@ Real Ray actors on the test session's single node.
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 
@@ -13,8 +14,12 @@ import pytest
 import ray
 
 import logbus
-from logbus.actors.lease_files import node_directory
+from logbus.actors.lease_files import NodeLease, node_directory
+from logbus.actors.node_agent import agent_actor_name
+from logbus.actors.remote import get
+from logbus.clock import monotonic_ms
 from logbus.errors import NodeCapacityError
+from logbus.storage import encode_batch
 from tests.conftest import close_bus, wait_for
 
 WINDOW_S = 3.0
@@ -34,10 +39,31 @@ def test_an_idle_topic_of_32_partitions_does_not_raise_the_controllers_call_rate
     wait_for(lambda: ray.get(bus.controller.call_counts.remote()).get("replica_started", 0) >= 33, timeout_s=120,
              message="every replica said it started")
     many = calls_in_window(bus)
-    # Steady state: the node agent's heartbeats (about 10 a second for the node), nothing per replica.
+    # Steady state: the node agent's heartbeats (5 a second for the node), nothing per replica.
     assert sum(one.values()) <= 15 * WINDOW_S, one
     assert sum(many.values()) <= sum(one.values()) + 5, (one, many)
     assert all(count == 0 for name, count in many.items() if name != "node_heartbeat"), many
+
+
+def test_a_write_that_finds_the_nodes_lease_lapsed_waits_for_the_next_renewal(bus, topic_name):
+    """A late heartbeat reply lets the lease lapse with nothing wrong: writes wait for the renewal."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    node_id = ray.get_runtime_context().get_node_id()
+    lease = NodeLease(node_directory(bus.namespace, node_id))
+    agent_pid = get(ray.get_actor(agent_actor_name(node_id), namespace=bus.namespace).ping.remote())
+    assert get(leader.produce.remote(encode_batch([b"before"]))).base_offset == 0
+    os.kill(agent_pid, signal.SIGSTOP)  # no renewal until it continues (well inside the controller's 0.8 s)
+    try:
+        lease.revoke()  # the lapse a late reply makes
+        assert lease.expires_ms <= monotonic_ms()
+        pending = leader.produce.remote(encode_batch([b"after"]))
+        ready, _ = ray.wait([pending], timeout=0.1)
+        assert not ready  # waiting for the lease, neither written nor refused
+    finally:
+        os.kill(agent_pid, signal.SIGCONT)
+    assert get(pending).base_offset == 1
+    assert lease.expires_ms > monotonic_ms()
 
 
 def test_a_topic_over_a_nodes_replica_limit_fails_and_leaves_nothing_behind(ray_session, tmp_path):
