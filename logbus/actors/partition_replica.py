@@ -977,6 +977,7 @@ class PartitionReplica:
         self._check_leader(leader_epoch)
         if not await self._lease_held():
             raise NotLeaderError(f"{self.topic}-{self.partition}: this leader may not take writes now")
+        self._check_leader(leader_epoch)  # again: the role may have changed while the lease was awaited
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < -1:
             raise OffsetOutOfRangeError(f"delete_records takes an offset >= 0 (or -1: the high watermark), not {offset!r}")
         high_watermark = self.high_watermark
