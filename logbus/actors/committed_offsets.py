@@ -141,8 +141,9 @@ class CommittedOffsets:
 
     async def _append(self, records: list[tuple[bytes, bytes | None]]) -> None:
         """Append records to ``__consumer_offsets`` with acks='all'; raise (retriable) if that fails."""
-        # Arrow is imported here, not with the module: every replica imports this module (Ray loads
-        # the controller's class for a handle to it), and pyarrow costs a replica ~5 MiB.
+        # Arrow is imported here, not with the module: a leader with followers imports this module
+        # (it calls the controller to change its ISR, and Ray loads the controller's class for a
+        # handle to it), and has no use for Arrow.
         from logbus.storage import record_batch as rb  # noqa: PLC0415
 
         await self._ensure_topic()
