@@ -9,8 +9,8 @@ whose node is gone at live nodes (see ``placement.py``).
 
 Failure detection does not wait for Ray's node-death detection, and costs
 what the cluster has nodes, not replicas: one agent per node
-(``node_agent.py``) heartbeats ``node_heartbeat`` for every replica on its
-node, reports replica processes that exit or are stopped, and is told each
+(``node_agent.py``) heartbeats for every replica on its node (over a socket,
+``heartbeat_link.py``, or ``node_heartbeat`` while that is down), reports replica processes that exit or are stopped, and is told each
 partition's current leader epoch. The control loop checks only the nodes'
 leases (``protocol/liveness.py``); elections happen when a node's lease runs
 out or an agent reports a replica down, and a new leader is announced only
@@ -47,6 +47,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics
 from logbus.actors.group_service import GroupService
+from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
@@ -200,6 +201,7 @@ class Controller:
         self._throttles: dict[tuple[str, int], int | None] = {}  # reassignments' copy limits (bytes/s)
         self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
         self._last_preferred_check_ms = monotonic_ms()
+        self._heartbeats = HeartbeatServer(self._linked_heartbeat)
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
 
@@ -433,6 +435,9 @@ class Controller:
         """
         self._check_owner()
         self._calls["node_heartbeat"] += 1
+        return self._renew(node_id, incarnation, down, version)
+
+    def _renew(self, node_id: str, incarnation: str, down: list[str], version: list | None) -> dict:
         now = monotonic_ms()
         node = self._nodes.get(node_id)
         if node is None:
@@ -450,6 +455,19 @@ class Controller:
             asyncio.get_running_loop().create_task(self._check_replicas(names))
         current = version is not None and list(version) == node.version
         return {"version": node.version, "epochs": None if current else dict(node.epochs)}
+
+    async def heartbeat_address(self) -> dict:
+        """Where node agents send heartbeats (``heartbeat_link.py``): host, port and token."""
+        self._check_owner()
+        return await self._heartbeats.start(ray.util.get_node_ip_address())
+
+    async def _linked_heartbeat(self, message: dict) -> dict:
+        down, version = message["down"], message["version"]
+        if not isinstance(down, list) or not (version is None or isinstance(version, list)):
+            raise TypeError("a heartbeat's down must be a list and its version a list or null")
+        self._check_owner()
+        self._calls["node_heartbeat_link"] += 1
+        return self._renew(str(message["node"]), str(message["incarnation"]), down, version)
 
     async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
         """A replica process started (or Ray restarted it): its partition's current leadership."""

@@ -1,8 +1,9 @@
 """NodeAgent: one actor per node of a logbus cluster, holding the node's lease and watching its replica processes.
 
 Liveness costs what the cluster has nodes, not what it has replicas: the
-agent heartbeats the controller (``node_heartbeat``, every 200 ms,
-pipelined) on behalf of every replica on its node, and writes the lease it
+agent heartbeats the controller (every 200 ms, pipelined, over a socket:
+``heartbeat_link.py``; as a ``node_heartbeat`` actor call while the socket
+is down) on behalf of every replica on its node, and writes the lease it
 gets into the node's lease file, which the node's leaders read before each
 write (``lease_files.py``). A node whose agent falls silent is dead to the
 controller after ``LEASE_TIMEOUT_MS``, by which time its leaders' leases have
@@ -39,13 +40,17 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from logbus.actors.heartbeat_link import HeartbeatLink, HeartbeatRefused, LinkClosed
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
 from logbus.clock import monotonic_ms
-from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS
+from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIMEOUT_MS
 
 logger = logging.getLogger(__name__)
 
 HEARTBEATS_IN_FLIGHT_MAX = 5
+LINK_RETRY_MS = 1_000  # a heartbeat link that failed to open is tried again no sooner
+LINK_OPEN_TIMEOUT_S = 5.0
+LINK_SILENT_MS = 2 * LEASE_TIMEOUT_MS  # a link with a heartbeat unanswered this long is dropped and reopened
 REPLICA_FILE_PREFIX = "r-"
 
 
@@ -94,6 +99,9 @@ class NodeAgent:
         self._replicas: dict[str, _Watched] = {}  # replica file name -> what is watched
         self._down: set[str] = set()  # replicas whose process exited or is stopped
         self._controller_handle = None
+        self._link: HeartbeatLink | None = None  # the heartbeat's socket to the controller (heartbeat_link.py)
+        self._link_task: asyncio.Task | None = None
+        self._link_tried_ms = -LINK_RETRY_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -208,6 +216,8 @@ class NodeAgent:
         """The cluster is being torn down: stop heartbeating and remove this node's files."""
         if self._task is not None:
             self._task.cancel()
+        if self._link is not None:
+            self._link.close()
         for watched in self._replicas.values():
             self._unwatch(watched)
             watched.fence.remove()
@@ -283,14 +293,22 @@ class NodeAgent:
 
     async def _heartbeat(self, sequence: int) -> None:
         sent_ms = monotonic_ms()
+        down = sorted(self._down)
+        link = self._usable_link(sent_ms)
         try:
-            controller = await self._controller()
-            reply = await asyncio.wait_for(
-                controller.node_heartbeat.remote(self.node_id, self.incarnation, sorted(self._down), self.epochs_version),
-                timeout=LEASE_MS / 1000,
-            )
+            if link is not None:
+                message = {"node": self.node_id, "incarnation": self.incarnation, "down": down, "version": self.epochs_version}
+                reply = await asyncio.wait_for(link.call(message, sent_ms), timeout=LEASE_MS / 1000)
+            else:
+                controller = await self._controller()
+                reply = await asyncio.wait_for(
+                    controller.node_heartbeat.remote(self.node_id, self.incarnation, down, self.epochs_version),
+                    timeout=LEASE_MS / 1000,
+                )
         except asyncio.TimeoutError:
             return  # a slow controller: no renewal from this one; the next ones are on their way
+        except (LinkClosed, HeartbeatRefused):
+            return  # the link closed (reopened in the background) or the controller refused this one
         except Exception:  # noqa: BLE001 (the controller is restarting: look it up again)
             self._controller_handle = None
             return
@@ -301,6 +319,31 @@ class NodeAgent:
         self._heartbeat_applied = sequence
         if reply.get("version") == self.epochs_version:
             self.lease.extend(sent_ms + LEASE_MS)
+
+    def _usable_link(self, now_ms: int) -> HeartbeatLink | None:
+        """The open heartbeat link, or None (heartbeat through Ray) while one is being opened."""
+        link = self._link
+        if link is not None:
+            oldest = link.oldest_unanswered_ms()
+            if not link.closed and (oldest is None or now_ms - oldest <= LINK_SILENT_MS):
+                return link
+            logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
+            link.close()
+            self._link = None
+        if self._link_task is None and now_ms - self._link_tried_ms >= LINK_RETRY_MS:
+            self._link_tried_ms = now_ms
+            self._link_task = asyncio.get_running_loop().create_task(self._open_link())
+        return None
+
+    async def _open_link(self) -> None:
+        try:
+            controller = await self._controller()
+            address = await asyncio.wait_for(controller.heartbeat_address.remote(), LINK_OPEN_TIMEOUT_S)
+            self._link = await HeartbeatLink.open(address, LINK_OPEN_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 (heartbeats go through Ray until a later try succeeds)
+            logger.info("node %s: no heartbeat link yet (%s: %s)", self.node_id[:8], type(error).__name__, error)
+        finally:
+            self._link_task = None
 
 
 def agent_actor_name(node_id: str) -> str:

@@ -1,0 +1,143 @@
+"""The heartbeat link between node agents and the controller, on real loopback sockets (no Ray)."""
+
+import asyncio
+import json
+import random
+import struct
+
+import pytest
+
+from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatRefused, HeartbeatServer, LinkClosed, encode
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, 30))
+
+
+class Controller:
+    """The handler a controller gives the server: counts heartbeats per node, refuses one node."""
+
+    def __init__(self):
+        self.heard: dict[str, int] = {}
+
+    async def handle(self, message: dict) -> dict:
+        if message["node"] == "refused":
+            raise ValueError("not this node")
+        self.heard[message["node"]] = self.heard.get(message["node"], 0) + 1
+        return {"version": ["c", self.heard[message["node"]]], "epochs": None}
+
+
+async def serving():
+    controller = Controller()
+    server = HeartbeatServer(controller.handle)
+    address = await server.start("127.0.0.1")
+    return controller, server, address
+
+
+def test_heartbeats_pipelined_over_one_link_get_their_own_replies_in_order():
+    async def main():
+        controller, server, address = await serving()
+        link = await HeartbeatLink.open(address, 5)
+        replies = await asyncio.gather(*(link.call({"node": "n1"}, now_ms=i) for i in range(50)))
+        assert [reply["version"][1] for reply in replies] == list(range(1, 51))
+        assert controller.heard == {"n1": 50}
+        assert link.oldest_unanswered_ms() is None
+        link.close()
+        server.close()
+
+    run(main())
+
+
+def test_a_refused_heartbeat_raises_and_the_link_keeps_serving():
+    async def main():
+        controller, server, address = await serving()
+        link = await HeartbeatLink.open(address, 5)
+        with pytest.raises(HeartbeatRefused, match="not this node"):
+            await link.call({"node": "refused"}, now_ms=0)
+        assert (await link.call({"node": "n1"}, now_ms=0))["version"] == ["c", 1]
+        link.close()
+        server.close()
+
+    run(main())
+
+
+def test_a_wrong_token_gets_the_connection_closed_and_nothing_heard():
+    async def main():
+        controller, server, address = await serving()
+        link = await HeartbeatLink.open({**address, "token": "0" * 32}, 5)
+        with pytest.raises(LinkClosed):
+            await link.call({"node": "n1"}, now_ms=0)
+        assert link.closed and controller.heard == {}
+        server.close()
+
+    run(main())
+
+
+def test_garbage_and_truncated_frames_close_only_their_own_connection():
+    """A bounded fuzz: random bytes, bad lengths, non-JSON, JSON that is not an object, oversize
+    lengths, cut frames. Each closes its connection; a correct agent is served throughout."""
+
+    async def main():
+        controller, server, address = await serving()
+        good = await HeartbeatLink.open(address, 5)
+        rng = random.Random(17)
+        hello = encode({"token": address["token"]})
+        cases = [
+            struct.pack(">I", MAX_FRAME_BYTES + 1) + b"x",
+            struct.pack(">I", 5) + b"\xff\xfe\x00ab",
+            struct.pack(">I", 2) + b"[]",
+            encode({"seq": 1, "node": "n2", "incarnation": "i"})[:-3],  # cut, then the peer hangs up
+        ]
+        cases += [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 64))) for _ in range(40)]
+        for number, garbage in enumerate(cases):
+            reader, writer = await asyncio.open_connection(address["host"], address["port"])
+            writer.write((hello if number % 2 else b"") + garbage)
+            await writer.drain()
+            writer.write_eof()
+            # The server closes (or answers an error and then sees the end): never a reply for node n2's heartbeat.
+            data = await asyncio.wait_for(reader.read(), 10)
+            for reply in _frames(data):
+                assert "error" in reply, reply
+            writer.close()
+            assert (await good.call({"node": "n1"}, now_ms=0))["version"][1] == number + 1
+        assert set(controller.heard) == {"n1"}
+        good.close()
+        server.close()
+
+    run(main())
+
+
+def test_a_closing_server_fails_the_pending_heartbeats_at_once():
+    async def main():
+        stalled = asyncio.Event()
+
+        async def never(message):
+            await stalled.wait()
+
+        server = HeartbeatServer(never)
+        address = await server.start("127.0.0.1")
+        link = await HeartbeatLink.open(address, 5)
+        pending = asyncio.ensure_future(link.call({"node": "n1"}, now_ms=123))
+        while link.oldest_unanswered_ms() is None:
+            await asyncio.sleep(0.01)
+        assert link.oldest_unanswered_ms() == 123
+        server.close()  # the controller's process ends: its sockets close
+        with pytest.raises(LinkClosed):
+            await asyncio.wait_for(pending, 10)
+        assert link.closed
+
+    run(main())
+
+
+def test_frames_over_the_limit_are_refused_by_the_sender():
+    with pytest.raises(ValueError, match="over the"):
+        encode({"down": ["x" * MAX_FRAME_BYTES]})
+
+
+def _frames(data: bytes):
+    while len(data) >= 4:
+        (size,) = struct.unpack(">I", data[:4])
+        if len(data) < 4 + size:
+            return
+        yield json.loads(data[4 : 4 + size])
+        data = data[4 + size :]
