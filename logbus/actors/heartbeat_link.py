@@ -32,6 +32,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import struct
 from collections.abc import Awaitable, Callable
 
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20  # a node's epoch table: about 40 bytes per replica on the node
 WRITE_BUFFER_HIGH_BYTES = 1 << 20  # the controller waits for a slow agent's socket above this
+KEEPALIVE_S = (10, 5, 3)  # idle, interval, probes: a peer whose host vanished is noticed within 25 s
 
 
 class LinkClosed(ConnectionError):
@@ -55,6 +57,21 @@ def encode(message: dict) -> bytes:
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"heartbeat frame of {len(body)} bytes is over the {MAX_FRAME_BYTES}-byte limit")
     return LENGTH.pack(len(body)) + body
+
+
+def _keep_alive(writer: asyncio.StreamWriter) -> None:
+    """TCP keepalive, so that a connection to a host that vanished (no FIN, no RST) ends.
+
+    The agent notices a silent controller sooner, by its unanswered heartbeats;
+    the controller's end of a dead node's link would otherwise stay open for good.
+    """
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), KEEPALIVE_S):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict:
@@ -97,6 +114,7 @@ class HeartbeatServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
+        _keep_alive(writer)
         try:
             hello = await read_frame(reader)
             if not hmac.compare_digest(str(hello.get("token", "")), self._token):
