@@ -21,7 +21,11 @@ Each connection reads frames (4-byte size, then the request), refuses one
 over ``max_request_bytes`` or one that cannot be parsed by closing the
 connection, starts each request at once, and writes the responses in request
 order, as Kafka clients require; at most ``IN_FLIGHT_MAX`` requests of a
-connection are open at once (then it stops reading). A connection's batches
+connection are open at once (then it stops reading). Memory is bounded by
+bytes too: a request's frame is read only once the frames of the gateway's
+open requests, all connections together, leave room for it under
+``OPEN_BYTES_FACTOR`` x ``max_request_bytes`` (:class:`_Budget`; a request
+alone is always let in); connections wait for room in the order they asked. A connection's batches
 for one partition reach its leader in the order they were sent: the handler
 hands them over in that order, and keeps one in flight at a time unless they
 are an idempotent producer's (see ``KafkaHandler._produce_partition``).
@@ -35,6 +39,7 @@ after the last lookup; a Metadata request always asks the controller.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -75,6 +80,7 @@ logger = logging.getLogger(__name__)
 
 GATEWAY_NAME_PREFIX = "logbus-gateway:"
 IN_FLIGHT_MAX = 64  # requests of one connection open at once
+OPEN_BYTES_FACTOR = 4  # a gateway's open requests hold at most this many times max_request_bytes in all
 METADATA_MAX_AGE_S = 30.0
 CALL_MARGIN_S = 10.0  # beyond a request's own timeout, how long a call to a replica or the controller may take
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -101,6 +107,53 @@ async def _await_ref(ref, timeout_s: float):
         raise RequestTimedOutError(f"no reply within {timeout_s:.0f} s") from None
     except RayError as error:
         raise unwrap(error) from None
+
+
+class _Budget:
+    """Bytes of the gateway's open requests, bounded; requests wait for room first come, first served.
+
+    Lives on the listener's loop. A request bigger than the whole budget gets
+    in when nothing else is open, so any request within ``max_request_bytes``
+    is served eventually.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self.waited = 0  # requests that had to wait for room
+        self._waiting: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    def _fits(self, size: int) -> bool:
+        return self.used == 0 or self.used + size <= self.limit
+
+    def _take(self, size: int) -> None:
+        self.used += size
+        self.peak = max(self.peak, self.used)
+
+    async def acquire(self, size: int) -> None:
+        if not self._waiting and self._fits(size):
+            self._take(size)
+            return
+        self.waited += 1
+        room = asyncio.get_running_loop().create_future()
+        self._waiting.append((size, room))
+        try:
+            await room
+        except asyncio.CancelledError:
+            if room.done() and not room.cancelled():
+                self.release(size)  # handed over just as its waiter went away
+            else:
+                self._waiting.remove((size, room))
+            raise
+
+    def release(self, size: int) -> None:
+        self.used -= size
+        while self._waiting and self._fits(self._waiting[0][0]):
+            size, room = self._waiting.popleft()
+            if not room.done():
+                self._take(size)
+                room.set_result(None)
 
 
 @dataclass
@@ -334,6 +387,7 @@ class Gateway:
         self.connections = 0
         self.connections_total = 0
         self.refused_frames = 0
+        self._budget = _Budget(OPEN_BYTES_FACTOR * max_request_bytes)
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         started: Future = Future()
@@ -385,13 +439,19 @@ class Gateway:
         self._on_loop(self.backend.set_peers, brokers)
 
     def stats(self) -> dict:
-        """Connections now and since start, requests served by (API key, version), frames refused."""
+        """Connections now and since start, requests served by (API key, version), frames refused, and
+        the bytes of open requests: now, at most so far, the limit, and how many requests waited for room."""
+        budget = self._budget
         return {
             "pid": os.getpid(),
             "connections": self.connections,
             "connections_total": self.connections_total,
             "requests": dict(self.handler.requests_served),
             "refused_frames": self.refused_frames,
+            "open_request_bytes": budget.used,
+            "open_request_bytes_peak": budget.peak,
+            "open_request_bytes_limit": budget.limit,
+            "requests_waited_for_room": budget.waited,
         }
 
     def shutdown(self) -> None:
@@ -429,9 +489,15 @@ class Gateway:
                 size = int.from_bytes(prefix, "big", signed=True)
                 if size < 8 or size > self.handler.max_request_bytes:
                     raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
-                frame = await reader.readexactly(size)
-                pending = self.handler.start(frame, connection)
-                await responses.put(asyncio.ensure_future(pending))
+                await self._budget.acquire(size)
+                try:
+                    frame = await reader.readexactly(size)
+                    pending = asyncio.ensure_future(self.handler.start(frame, connection))
+                except BaseException:
+                    self._budget.release(size)
+                    raise
+                pending.add_done_callback(lambda _, size=size: self._budget.release(size))
+                await responses.put(pending)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away
         except KafkaProtocolError as error:

@@ -486,12 +486,50 @@ def produce(raw: Raw, topic: str, records: bytes, acks: int = -1):
     return partition
 
 
-def fetch(raw: Raw, topic: str, offset: int):
-    response = raw.call(kg.FETCH, 12, {"replica_id": -1, "max_wait": 0, "min_bytes": 1, "max_bytes": 1 << 20, "isolation_level": 0,
-                                       "session_id": 0, "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "", "topics": [
+def fetch_request(topic: str, offset: int, max_wait_ms: int = 0) -> dict:
+    return {"replica_id": -1, "max_wait": max_wait_ms, "min_bytes": 1, "max_bytes": 1 << 20, "isolation_level": 0,
+            "session_id": 0, "session_epoch": -1, "forgotten_topics_data": [], "rack_id": "", "topics": [
         {"topic": topic, "partitions": [{"partition": 0, "current_leader_epoch": -1, "fetch_offset": offset, "last_fetched_epoch": -1,
-                                         "log_start_offset": -1, "partition_max_bytes": 1 << 20}]}]})
+                                         "log_start_offset": -1, "partition_max_bytes": 1 << 20}]}]}
+
+
+def fetch(raw: Raw, topic: str, offset: int):
+    response = raw.call(kg.FETCH, 12, fetch_request(topic, offset))
     return response.responses[0].partitions[0]
+
+
+def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte_limit(bus, topic_name):
+    """Long-polling fetches from three connections ask for more room than the gateway has: the later
+    ones wait unread, and every one is answered once a record comes and the earlier ones finish."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    gateway = bus.start_gateway(port=0, max_request_bytes=1024)  # its open requests: 4 KiB in all
+    raws = []
+    try:
+        [stats] = gateway.stats()
+        assert stats["open_request_bytes_limit"] == 4096
+        raws = [Raw(gateway) for _ in range(3)]
+        sent = [[raw.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=60_000)) for _ in range(30)] for raw in raws]
+
+        def parked():
+            [now] = gateway.stats()
+            return now["requests_waited_for_room"] > 0 and now["open_request_bytes"] > 4096 - 200 and now
+
+        full = wait_for(parked, timeout_s=60, message="the gateway's room filled by parked fetches")
+        assert full["open_request_bytes"] <= 4096
+        with logbus.Producer(bus) as producer:
+            producer.send(topic_name, b"wakes them all").result(timeout=60)
+        for raw, correlations in zip(raws, sent):
+            for correlation in correlations:
+                partition = raw.receive(kg.FETCH, 12, correlation).responses[0].partitions[0]
+                assert partition.error_code == kg.ErrorCode.none and partition.high_watermark == 1
+                assert partition.records  # the record, to every fetch
+        [after] = gateway.stats()
+        assert after["open_request_bytes_peak"] <= 4096
+        assert after["open_request_bytes"] == 0
+    finally:
+        for raw in raws:
+            raw.close()
+        gateway.stop()
 
 
 def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
