@@ -184,6 +184,10 @@ class ClusterBackend:
         self._peers = {b.node_id: b for b in brokers}
         self._peers[self.broker.node_id] = self.broker
 
+    def add_peer(self, broker: kg.Broker) -> None:
+        if broker.node_id != self.broker.node_id:
+            self._peers[broker.node_id] = broker
+
     def brokers(self) -> list[kg.Broker]:
         return [b for n, b in self._peers.items() if n == self.broker.node_id or n not in self._dead_nodes]
 
@@ -395,6 +399,30 @@ class Gateway:
         self._thread.start()
         started.result(timeout=30)
         logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d)", node_id, host, bound_port, advertised_host, bound_port)
+        self._namespace = namespace
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            threading.Thread(target=self._rejoin, name="logbus-kafka-gateway-rejoin", daemon=True).start()
+
+    def _rejoin(self) -> None:
+        """Ray restarted this gateway: learn the other gateways' addresses and tell them this one's.
+
+        Without it the restarted gateway would advertise only itself, and the
+        others its old port (with ``port=0`` it listens on a new one).
+        """
+        mine = self.address()
+        peers = [mine]
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry["name"]
+            if entry["namespace"] != self._namespace or not name.startswith(GATEWAY_NAME_PREFIX) or name == gateway_name(self.broker.node_id):
+                continue
+            try:
+                other = ray.get_actor(name, namespace=self._namespace)
+                peers.append(tuple(ray.get(other.address.remote(), timeout=CONTROL_TIMEOUT_S)))
+                ray.get(other.add_peer.remote(mine), timeout=CONTROL_TIMEOUT_S)
+            except Exception as error:  # noqa: BLE001 (gone or restarting itself: it rejoins on its own)
+                logger.info("Kafka gateway: peer %s not reached after a restart: %s", name, error)
+        self.set_peers(peers)
+        logger.info("Kafka gateway restarted at %s:%d; %d peer(s) told", mine[0], mine[1], len(peers) - 1)
 
     def _run(self, started: Future) -> None:
         asyncio.set_event_loop(self._loop)
@@ -437,6 +465,11 @@ class Gateway:
         """Every gateway of the cluster, as ``address()`` gives them (Metadata advertises them as brokers)."""
         brokers = [kg.Broker(broker_id, host, port, node_id) for host, port, broker_id, node_id in peers]
         self._on_loop(self.backend.set_peers, brokers)
+
+    def add_peer(self, peer: tuple[str, int, int, str]) -> None:
+        """One gateway's (new) address, as ``address()`` gives it: a gateway that Ray restarted."""
+        host, port, broker_id, node_id = peer
+        self._on_loop(self.backend.add_peer, kg.Broker(broker_id, host, port, node_id))
 
     def stats(self) -> dict:
         """Connections now and since start, requests served by (API key, version), frames refused, and

@@ -11,12 +11,17 @@ gateways that remain.
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
 import pytest
+import ray
 
+from logbus.actors.gateway import KafkaGateway
 from logbus.protocol import kafka_gateway as kg
+from tests.actors.test_gateway import Raw
 
 from tests.actors.test_replication import (  # noqa: F401 (fixtures: the cluster, three replica nodes, a bus on it)
     REPLICA_RESOURCE,
@@ -131,4 +136,43 @@ def test_a_kafka_producer_follows_the_new_leader_when_the_leaders_node_dies(clus
     finally:
         if workload is not None:
             workload.stop()  # no producer thread may outlive its test
+        gateway.stop()
+
+
+def test_a_gateway_that_ray_restarts_rejoins_the_others(cluster, rbus):
+    """Its process killed, a gateway comes back on a new port (``port=0``): the other gateways advertise
+    the new address, and it advertises them, with no call from the driver."""
+    topic = "kafka-rejoin"
+    rbus.admin.create_topic(topic, partitions=3, replication_factor=1)
+    gateway = rbus.start_gateway(port=0, all_nodes=True)
+    try:
+        assert len(gateway.brokers) >= 2
+        victim, *others = gateway.brokers
+        actor = gateway.actors()[0]
+        old_pid = ray.get(actor.stats.remote(), timeout=60)["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+
+        def restarted():
+            try:
+                return ray.get(actor.stats.remote(), timeout=5)["pid"] != old_pid and tuple(ray.get(actor.address.remote(), timeout=5))
+            except ray.exceptions.RayError:
+                return None
+
+        new_address = wait_for(restarted, timeout_s=120, message="the gateway restarted by Ray")
+        assert new_address[2:] == victim[2:]  # the same broker id and node
+
+        def advertised(via) -> set:
+            raw = Raw(KafkaGateway(rbus.namespace, (via,)))
+            try:
+                response = raw.call(kg.METADATA, 12, {"topics": [], "allow_auto_topic_creation": False,
+                                                     "include_topic_authorized_operations": False})
+            finally:
+                raw.close()
+            return {(b.node_id, b.host, b.port) for b in response.brokers}
+
+        everyone = {(new_address[2], new_address[0], new_address[1])} | {(b[2], b[0], b[1]) for b in others}
+        for via in others:
+            wait_for(lambda via=via: advertised(via) == everyone, timeout_s=60, message=f"gateway {via[:2]} advertises the restarted one")
+        assert advertised(new_address) == everyone  # and the restarted one advertises every gateway
+    finally:
         gateway.stop()
