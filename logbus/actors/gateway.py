@@ -15,7 +15,9 @@ with actor calls.
 The listener runs on an event loop of its own, in a thread of the actor's
 process: Ray's calls to the actor (addresses, peers, statistics, shutdown)
 and the clients' traffic do not wait for one another, and the listener
-needs no call to start after Ray restarts the actor.
+needs no call to start after Ray restarts the actor. A restarted gateway
+finds the others by their actor names and exchanges addresses with them
+(``_rejoin``).
 
 Each connection reads frames (4-byte size, then the request), refuses one
 over ``max_request_bytes`` or one that cannot be parsed by closing the
