@@ -9,8 +9,9 @@ whose node is gone at live nodes (see ``placement.py``).
 
 Failure detection does not wait for Ray's node-death detection, and costs
 what the cluster has nodes, not replicas: one agent per node
-(``node_agent.py``) heartbeats for every replica on its node (over a socket,
-``heartbeat_link.py``, or ``node_heartbeat`` while that is down), reports replica processes that exit or are stopped, and is told each
+(``node_agent.py``) heartbeats for every replica on its node (over a
+socket, ``heartbeat_link.py``, or ``node_heartbeat`` while that is down),
+reports replica processes that exit or are stopped, and is told each
 partition's current leader epoch. The control loop checks only the nodes'
 leases (``protocol/liveness.py``); elections happen when a node's lease runs
 out or an agent reports a replica down, and a new leader is announced only

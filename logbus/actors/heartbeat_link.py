@@ -144,7 +144,8 @@ class HeartbeatLink:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader = reader
         self._writer = writer
-        self._pending: dict[int, tuple[asyncio.Future, int]] = {}  # seq -> (reply, sent at ms)
+        self._pending: dict[int, asyncio.Future] = {}  # seq -> its reply
+        self._unanswered_since_ms: int | None = None  # the first heartbeat sent since the last reply
         self._sequence = 0
         self.closed = False
         self._task = asyncio.get_running_loop().create_task(self._receive())
@@ -155,9 +156,13 @@ class HeartbeatLink:
         writer.write(encode({"token": address["token"]}))
         return cls(reader, writer)
 
-    def oldest_unanswered_ms(self) -> int | None:
-        """When the oldest heartbeat still waiting for its reply was sent (None if none is)."""
-        return min((sent for _, sent in self._pending.values()), default=None)
+    def unanswered_since_ms(self) -> int | None:
+        """When the first heartbeat sent since the last reply was sent (None if every one was answered).
+
+        Heartbeats whose callers stopped waiting count too: a peer that stopped
+        answering shows here however short the callers' timeouts.
+        """
+        return self._unanswered_since_ms
 
     async def call(self, message: dict, now_ms: int) -> dict:
         if self.closed:
@@ -165,7 +170,9 @@ class HeartbeatLink:
         self._sequence += 1
         seq = self._sequence
         future = asyncio.get_running_loop().create_future()
-        self._pending[seq] = (future, now_ms)
+        self._pending[seq] = future
+        if self._unanswered_since_ms is None:
+            self._unanswered_since_ms = now_ms
         try:
             self._writer.write(encode({**message, "seq": seq}))
             return await future
@@ -179,7 +186,7 @@ class HeartbeatLink:
         if self._task is not asyncio.current_task():
             self._task.cancel()
         self._writer.close()
-        for future, _ in self._pending.values():
+        for future in self._pending.values():
             if not future.done():
                 future.set_exception(LinkClosed("the heartbeat link closed"))
 
@@ -187,13 +194,14 @@ class HeartbeatLink:
         try:
             while True:
                 message = await read_frame(self._reader)
-                entry = self._pending.get(message.get("seq"))
-                if entry is None or entry[0].done():
+                self._unanswered_since_ms = None
+                future = self._pending.get(message.get("seq"))
+                if future is None or future.done():
                     continue  # its caller gave up waiting
                 if "error" in message:
-                    entry[0].set_exception(HeartbeatRefused(str(message["error"])))
+                    future.set_exception(HeartbeatRefused(str(message["error"])))
                 else:
-                    entry[0].set_result(message.get("reply"))
+                    future.set_result(message.get("reply"))
         except LinkClosed as error:
             logger.info("heartbeat link to the controller closed: %s", error)
         finally:

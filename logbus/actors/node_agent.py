@@ -324,8 +324,8 @@ class NodeAgent:
         """The open heartbeat link, or None (heartbeat through Ray) while one is being opened."""
         link = self._link
         if link is not None:
-            oldest = link.oldest_unanswered_ms()
-            if not link.closed and (oldest is None or now_ms - oldest <= LINK_SILENT_MS):
+            since = link.unanswered_since_ms()
+            if not link.closed and (since is None or now_ms - since <= LINK_SILENT_MS):
                 return link
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
