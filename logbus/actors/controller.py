@@ -1187,9 +1187,11 @@ class Controller:
         return out
 
     async def call_counts(self) -> dict[str, int]:
-        """How many calls of each kind this controller served since it started (for `logbus status`)."""
+        """How many calls of each kind this controller served since it started (for `logbus status`),
+        heartbeats over the agents' links (``node_heartbeat_link``) among them, and how many such
+        links agents opened (``heartbeat_links_opened``)."""
         self._check_owner()
-        return dict(self._calls)
+        return {**self._calls, "heartbeat_links_opened": self._heartbeats.links_opened}
 
     async def get_data_dir(self) -> str:
         if self._refused is not None:

@@ -27,10 +27,11 @@ connection are open at once (then it stops reading). Memory is bounded by
 bytes too: a request's frame is read only once the frames of the gateway's
 open requests, all connections together, leave room for it under
 ``OPEN_BYTES_FACTOR`` x ``max_request_bytes`` (:class:`_Budget`; a request
-alone is always let in); connections wait for room in the order they asked. A connection's batches
-for one partition reach its leader in the order they were sent: the handler
-hands them over in that order, and keeps one in flight at a time unless they
-are an idempotent producer's (see ``KafkaHandler._produce_partition``).
+alone is always let in); connections wait for room in the order they asked.
+A connection's batches for one partition reach its leader in the order they
+were sent: the handler hands them over in that order, and keeps one in
+flight at a time unless they are an idempotent producer's (see
+``KafkaHandler._produce_partition``).
 
 Leaders are cached per topic and looked up again (one lookup at a time per
 topic, shared by the requests that need it) after a reply says a leader
@@ -146,7 +147,8 @@ class _Budget:
             if room.done() and not room.cancelled():
                 self.release(size)  # handed over just as its waiter went away
             else:
-                self._waiting.remove((size, room))
+                with contextlib.suppress(ValueError):  # release() may have dropped it already
+                    self._waiting.remove((size, room))
             raise
 
     def release(self, size: int) -> None:
@@ -413,7 +415,12 @@ class Gateway:
         """
         mine = self.address()
         peers = [mine]
-        for entry in ray.util.list_named_actors(all_namespaces=True):
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except Exception as error:  # noqa: BLE001 (start_gateway again tells every gateway the others)
+            logger.warning("Kafka gateway: restarted, but could not list the other gateways: %s", error)
+            return
+        for entry in named:
             name = entry["name"]
             if entry["namespace"] != self._namespace or not name.startswith(GATEWAY_NAME_PREFIX) or name == gateway_name(self.broker.node_id):
                 continue

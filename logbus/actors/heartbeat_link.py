@@ -97,6 +97,7 @@ class HeartbeatServer:
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self.address: dict | None = None
+        self.links_opened = 0  # connections that passed the token check
 
     async def start(self, host: str) -> dict:
         """Listen on ``host`` (once); returns what an agent needs to connect: host, port and token."""
@@ -120,6 +121,7 @@ class HeartbeatServer:
             if not hmac.compare_digest(str(hello.get("token", "")), self._token):
                 logger.warning("heartbeat link from %s: wrong token; closed", writer.get_extra_info("peername"))
                 return
+            self.links_opened += 1
             while True:
                 message = await read_frame(reader)
                 try:

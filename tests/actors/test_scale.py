@@ -47,6 +47,28 @@ def test_an_idle_topic_of_32_partitions_does_not_raise_the_controllers_call_rate
     assert all(count == 0 for name, count in many.items() if name != "node_heartbeat_link"), many
 
 
+def test_a_controller_that_stops_answering_gets_a_new_heartbeat_link_once_it_runs_again(bus, topic_name):
+    """The agent drops a link whose heartbeats go unanswered (1.6 s), heartbeats through Ray meanwhile,
+    and opens a new link; the node's lease is renewed again and writes go on."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    node_id = ray.get_runtime_context().get_node_id()
+    lease = NodeLease(node_directory(bus.namespace, node_id))
+    wait_for(lambda: ray.get(bus.controller.call_counts.remote()).get("node_heartbeat_link", 0) > 0, timeout_s=60,
+             message="heartbeats over the link")
+    opened = ray.get(bus.controller.call_counts.remote())["heartbeat_links_opened"]
+    controller_pid = get(bus.controller.ping.remote())
+    os.kill(controller_pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.5)  # the fault: silent for longer than the agent's 1.6 s before it drops a link
+    finally:
+        os.kill(controller_pid, signal.SIGCONT)
+    wait_for(lambda: ray.get(bus.controller.call_counts.remote())["heartbeat_links_opened"] > opened, timeout_s=60,
+             message="a new heartbeat link")
+    wait_for(lambda: lease.expires_ms > monotonic_ms(), timeout_s=60, message="the node's lease renewed")
+    with logbus.Producer(bus) as producer:
+        assert producer.send(topic_name, b"after the pause").result(timeout=60).offset == 0
+
+
 def test_a_write_that_finds_the_nodes_lease_lapsed_waits_for_the_next_renewal(bus, topic_name):
     """A late heartbeat reply lets the lease lapse with nothing wrong: writes wait for the renewal."""
     bus.admin.create_topic(topic_name, partitions=1)
