@@ -209,6 +209,18 @@ class ChannelClosedError(LeaderNotAvailableError):
 # --- the Kafka gateway --------------------------------------------------------------
 
 
+class HeartbeatLinkClosedError(LogbusError, ConnectionError):
+    """A node agent's heartbeat link to the controller is gone (closed, garbage, or silent).
+
+    Internal: the agent heartbeats through an actor call meanwhile and opens a
+    new link (``actors/heartbeat_link.py``).
+    """
+
+
+class HeartbeatRefusedError(LogbusError):
+    """The controller answered a heartbeat on the link with an error: it renews nothing."""
+
+
 class KafkaProtocolError(LogbusError):
     """A Kafka client's request that the gateway cannot serve at all: a malformed frame, one over the
     gateway's maximum request size, or an API key or version it does not implement. The gateway

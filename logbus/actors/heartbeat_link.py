@@ -36,6 +36,8 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 
+from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
+
 logger = logging.getLogger(__name__)
 
 LENGTH = struct.Struct(">I")
@@ -44,12 +46,6 @@ WRITE_BUFFER_HIGH_BYTES = 1 << 20  # the controller waits for a slow agent's soc
 KEEPALIVE_S = (10, 5, 3)  # idle, interval, probes: a peer whose host vanished is noticed within 25 s
 
 
-class LinkClosed(ConnectionError):
-    """The heartbeat link is gone: its peer closed it, sent garbage, or stopped answering."""
-
-
-class HeartbeatRefused(Exception):
-    """The controller answered a heartbeat with an error (it renews nothing)."""
 
 
 def encode(message: dict) -> bytes:
@@ -75,16 +71,16 @@ def _keep_alive(writer: asyncio.StreamWriter) -> None:
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict:
-    """The next frame's message; raises LinkClosed at the end of the stream or on a bad frame."""
+    """The next frame's message; raises HeartbeatLinkClosedError at the end of the stream or on a bad frame."""
     try:
         (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
         if size > MAX_FRAME_BYTES:
-            raise LinkClosed(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+            raise HeartbeatLinkClosedError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
         message = json.loads(await reader.readexactly(size))
     except (asyncio.IncompleteReadError, ConnectionError, UnicodeDecodeError, ValueError) as error:
-        raise LinkClosed(str(error) or type(error).__name__) from None
+        raise HeartbeatLinkClosedError(str(error) or type(error).__name__) from None
     if not isinstance(message, dict):
-        raise LinkClosed("a frame is not a JSON object")
+        raise HeartbeatLinkClosedError("a frame is not a JSON object")
     return message
 
 
@@ -131,7 +127,7 @@ class HeartbeatServer:
                 writer.write(encode(reply))
                 if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH_BYTES:
                     await writer.drain()
-        except LinkClosed as error:
+        except HeartbeatLinkClosedError as error:
             logger.debug("heartbeat link closed: %s", error)
         except ConnectionError:
             pass
@@ -168,7 +164,7 @@ class HeartbeatLink:
 
     async def call(self, message: dict, now_ms: int) -> dict:
         if self.closed:
-            raise LinkClosed("the heartbeat link is closed")
+            raise HeartbeatLinkClosedError("the heartbeat link is closed")
         self._sequence += 1
         seq = self._sequence
         future = asyncio.get_running_loop().create_future()
@@ -190,7 +186,7 @@ class HeartbeatLink:
         self._writer.close()
         for future in self._pending.values():
             if not future.done():
-                future.set_exception(LinkClosed("the heartbeat link closed"))
+                future.set_exception(HeartbeatLinkClosedError("the heartbeat link closed"))
 
     async def _receive(self) -> None:
         try:
@@ -201,10 +197,10 @@ class HeartbeatLink:
                 if future is None or future.done():
                     continue  # its caller gave up waiting
                 if "error" in message:
-                    future.set_exception(HeartbeatRefused(str(message["error"])))
+                    future.set_exception(HeartbeatRefusedError(str(message["error"])))
                 else:
                     future.set_result(message.get("reply"))
-        except LinkClosed as error:
+        except HeartbeatLinkClosedError as error:
             logger.info("heartbeat link to the controller closed: %s", error)
         finally:
             self.close()

@@ -40,15 +40,17 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from logbus.actors.heartbeat_link import HeartbeatLink, HeartbeatRefused, LinkClosed
+from logbus.actors.heartbeat_link import HeartbeatLink
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
 from logbus.clock import monotonic_ms
+from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIMEOUT_MS
 
 logger = logging.getLogger(__name__)
 
 HEARTBEATS_IN_FLIGHT_MAX = 5
-LINK_RETRY_MS = 1_000  # a heartbeat link that failed to open is tried again no sooner
+LINK_RETRY_MS = 1_000  # a heartbeat link that failed to open is tried again no sooner (doubling each time)
+LINK_RETRY_MAX_MS = 60_000  # ... up to this: where the port cannot be reached, heartbeats stay actor calls
 LINK_OPEN_TIMEOUT_S = 5.0
 LINK_SILENT_MS = 2 * LEASE_TIMEOUT_MS  # a link with a heartbeat unanswered this long is dropped and reopened
 REPLICA_FILE_PREFIX = "r-"
@@ -102,6 +104,7 @@ class NodeAgent:
         self._link: HeartbeatLink | None = None  # the heartbeat's socket to the controller (heartbeat_link.py)
         self._link_task: asyncio.Task | None = None
         self._link_tried_ms = -LINK_RETRY_MS
+        self._link_retry_ms = LINK_RETRY_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -307,7 +310,7 @@ class NodeAgent:
                 )
         except asyncio.TimeoutError:
             return  # a slow controller: no renewal from this one; the next ones are on their way
-        except (LinkClosed, HeartbeatRefused):
+        except (HeartbeatLinkClosedError, HeartbeatRefusedError):
             return  # the link closed (reopened in the background) or the controller refused this one
         except Exception:  # noqa: BLE001 (the controller is restarting: look it up again)
             self._controller_handle = None
@@ -330,7 +333,7 @@ class NodeAgent:
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
             self._link = None
-        if self._link_task is None and now_ms - self._link_tried_ms >= LINK_RETRY_MS:
+        if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
             self._link_tried_ms = now_ms
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
         return None
@@ -340,8 +343,14 @@ class NodeAgent:
             controller = await self._controller()
             address = await asyncio.wait_for(controller.heartbeat_address.remote(), LINK_OPEN_TIMEOUT_S)
             self._link = await HeartbeatLink.open(address, LINK_OPEN_TIMEOUT_S)
+            self._link_retry_ms = LINK_RETRY_MS
         except Exception as error:  # noqa: BLE001 (heartbeats go through Ray until a later try succeeds)
-            logger.info("node %s: no heartbeat link yet (%s: %s)", self.node_id[:8], type(error).__name__, error)
+            retry_ms = min(2 * self._link_retry_ms, LINK_RETRY_MAX_MS)
+            # Said loudly once: tries keep failing (a firewall between nodes?), and heartbeats cost more.
+            log = logger.warning if retry_ms == LINK_RETRY_MAX_MS != self._link_retry_ms else logger.info
+            log("node %s: no heartbeat link to the controller (%s: %s); heartbeats are actor calls meanwhile, next try in %d s",
+                self.node_id[:8], type(error).__name__, error, retry_ms // 1000)
+            self._link_retry_ms = retry_ms
         finally:
             self._link_task = None
 

@@ -7,7 +7,8 @@ import struct
 
 import pytest
 
-from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatRefused, HeartbeatServer, LinkClosed, encode
+from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatServer, encode
+from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 
 
 def run(coroutine):
@@ -52,7 +53,7 @@ def test_a_refused_heartbeat_raises_and_the_link_keeps_serving():
     async def main():
         controller, server, address = await serving()
         link = await HeartbeatLink.open(address, 5)
-        with pytest.raises(HeartbeatRefused, match="not this node"):
+        with pytest.raises(HeartbeatRefusedError, match="not this node"):
             await link.call({"node": "refused"}, now_ms=0)
         assert (await link.call({"node": "n1"}, now_ms=0))["version"] == ["c", 1]
         link.close()
@@ -65,7 +66,7 @@ def test_a_wrong_token_gets_the_connection_closed_and_nothing_heard():
     async def main():
         controller, server, address = await serving()
         link = await HeartbeatLink.open({**address, "token": "0" * 32}, 5)
-        with pytest.raises(LinkClosed):
+        with pytest.raises(HeartbeatLinkClosedError):
             await link.call({"node": "n1"}, now_ms=0)
         assert link.closed and controller.heard == {}
         server.close()
@@ -122,7 +123,7 @@ def test_a_silent_peer_shows_in_unanswered_time_and_a_closing_one_fails_the_pend
         pending = asyncio.ensure_future(link.call({"node": "n1"}, now_ms=456))
         assert link.unanswered_since_ms() == 123  # the agent drops a link silent this long
         server.close()  # the controller's process ends: its sockets close
-        with pytest.raises(LinkClosed):
+        with pytest.raises(HeartbeatLinkClosedError):
             await asyncio.wait_for(pending, 10)
         assert link.closed
 
