@@ -269,11 +269,12 @@ def test_a_newer_subscription_version_is_read_for_its_topics_and_owned_partition
         kg.parse_subscription(b"\0")
 
 
-# Errors a Kafka client never sees from the gateway (client-side, local channel, administration the
-# gateway does not serve) or that mean a bug; they are reported as UNKNOWN_SERVER_ERROR.
+# Errors a Kafka client never sees from the gateway (client-side, local channel, node heartbeats,
+# administration the gateway does not serve) or that mean a bug; they are reported as UNKNOWN_SERVER_ERROR.
 UNMAPPED = {
     "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
     "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "DataDirectoryInUseError", "KafkaProtocolError",
+    "HeartbeatLinkClosedError", "HeartbeatRefusedError",
 }
 
 
