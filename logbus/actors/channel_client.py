@@ -73,6 +73,7 @@ class Connection:
         """
         future: Future = Future()
         request_id = next(self._ids)
+        future.channel_request = (self, request_id)  # for cancel_request()
         parts = wire.encode_parts(request_id, kind, args)
         with self._lock:
             if self.closed:
@@ -91,6 +92,36 @@ class Connection:
                 self._close_locked(f"send failed: {error}")
             raise ChannelClosedError(f"the local channel failed: {error}") from None
         return future
+
+    def cancel(self, request_id: int) -> bool:
+        """Tell the replica its reply to ``request_id`` is no longer wanted; the request's Future is cancelled.
+
+        Never blocks (callers may be on an event loop): if a send is under way
+        or the socket has no room, the request is forgotten here only, and its
+        reply, if it comes, is dropped. Returns whether the replica was told.
+        """
+        with self._lock:
+            future = self._pending.pop(request_id, None)
+            if future is None or self.closed:
+                return False
+        future.cancel()
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            frame = b"".join(bytes(part) for part in wire.encode_parts(request_id, wire.CANCEL, ()))
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            if sent < len(frame):
+                _send_parts(self._sock, [frame[sent:]])  # part of it went out: the rest must follow
+            return True
+        except OSError as error:
+            with self._lock:
+                self._close_locked(f"send failed: {error}")
+            return False
+        finally:
+            self._send_lock.release()
 
     def _read_replies(self) -> None:
         reason = "the replica closed the connection"
@@ -153,6 +184,12 @@ class Connection:
     def close(self) -> None:
         with self._lock:
             self._close_locked("closed by the client")
+
+
+def cancel_request(future: Future) -> bool:
+    """Cancel at the replica a request sent with ``Connection.call`` whose reply is no longer wanted."""
+    connection, request_id = getattr(future, "channel_request", (None, None))
+    return connection is not None and connection.cancel(request_id)
 
 
 def _send_parts(sock: socket.socket, parts: list) -> None:

@@ -111,7 +111,7 @@ class _Connection(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
         self._reader = wire.FrameReader()
         self._running = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[int, asyncio.Task] = {}  # request id -> its task
         self._write_paused = False
         self._read_paused = False
         self._write_copies = False
@@ -139,7 +139,7 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         self._server._connections.discard(self)
         self._transport = None
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()  # the client is gone: nobody waits for these replies
 
     def pause_writing(self) -> None:
@@ -177,14 +177,19 @@ class _Connection(asyncio.BufferedProtocol):
                 return
             if frame is None:
                 break
+            if frame[1] == wire.CANCEL:
+                task = self._tasks.get(frame[0])
+                if task is not None:
+                    task.cancel()  # its client stopped waiting (a long poll it no longer wants)
+                continue
             self._start_request(*frame)
         self._update_reading()
 
     def _start_request(self, request_id: int, kind: int, body) -> None:
         self._running += 1
         task = asyncio.get_running_loop().create_task(self._serve(request_id, kind, body))
-        self._tasks.add(task)
-        task.add_done_callback(self._finished)
+        self._tasks[request_id] = task
+        task.add_done_callback(lambda done: self._finished(request_id, done))
 
     def _update_reading(self) -> None:
         transport = self._transport
@@ -200,8 +205,9 @@ class _Connection(asyncio.BufferedProtocol):
             transport.resume_reading()
             self._read_paused = False
 
-    def _finished(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
+    def _finished(self, request_id: int, task: asyncio.Task) -> None:
+        if self._tasks.get(request_id) is task:
+            del self._tasks[request_id]
         self._running -= 1
         self._take_frames()  # frames that waited for a free slot
 

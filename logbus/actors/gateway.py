@@ -59,6 +59,7 @@ import ray
 from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from logbus.actors.channel_client import cancel_request
 from logbus.actors.channel_client import channels as local_channels
 from logbus.actors.controller import CONTROLLER_NAME
 from logbus.actors.fetcher import send_fetch
@@ -158,6 +159,18 @@ class _Budget:
             if not room.done():
                 self._take(size)
                 room.set_result(None)
+
+
+def _abandon(pending) -> None:
+    """Cancel, at the replica, a fetch sent with ``send_fetch`` whose reply is no longer wanted."""
+    if isinstance(pending, Future):
+        if not pending.done():
+            cancel_request(pending)
+        return
+    try:
+        ray.cancel(pending)  # an async actor's call: its coroutine is cancelled
+    except Exception:  # noqa: BLE001 (already finished, or the replica is gone)
+        pass
 
 
 @dataclass
@@ -326,9 +339,15 @@ class ClusterBackend:
                 return await self._fetch_reply(send_fetch(leader, request, None), timeout_s)
 
     async def _fetch_reply(self, pending, timeout_s: float):
-        if isinstance(pending, Future):
-            return await asyncio.wait_for(_wrapped(pending), timeout_s)
-        meta, data = await asyncio.wait_for(_wrapped(pending.future()), timeout_s)
+        try:
+            if isinstance(pending, Future):
+                return await asyncio.wait_for(_wrapped(pending), timeout_s)
+            meta, data = await asyncio.wait_for(_wrapped(pending.future()), timeout_s)
+        except (asyncio.CancelledError, asyncio.TimeoutError):
+            # Not wanted any more (another partition of the request answered first, or the client
+            # went away): the replica stops waiting for data too, rather than at the wait's end.
+            _abandon(pending)
+            raise
         if isinstance(data, ray.ObjectRef):
             data = await asyncio.wait_for(_wrapped(data.future()), timeout_s)
         return meta, data

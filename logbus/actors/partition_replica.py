@@ -171,6 +171,10 @@ class Wakeup:
                 except ValueError:
                     pass
 
+    def __len__(self) -> int:
+        """How many coroutines wait now."""
+        return len(self._waiters)
+
     def wake_all(self) -> None:
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
@@ -1054,6 +1058,8 @@ class PartitionReplica:
             "node_id": ray.get_runtime_context().get_node_id(),
             "size_bytes": self.log.size_bytes,
             "segments": len(self.log.segments),
+            # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
+            "fetches_waiting": len(self._appended),
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,

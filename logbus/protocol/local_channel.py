@@ -15,7 +15,7 @@ Frames, both ways (little-endian)::
     offset  size  field
     0       4     body length in bytes (the bytes after this 13-byte header)
     4       8     request id (chosen by the client; a reply carries its request's id)
-    12      1     kind: a request's method (PRODUCE, FETCH) or a reply's status (OK, ERROR)
+    12      1     kind: a request's method (PRODUCE, FETCH), CANCEL, or a reply's status (OK, ERROR)
     13      n     body
 
     body:
@@ -41,7 +41,10 @@ the caller receives into the buffer it offers). A body larger than
 frame keeps: neither process copies a large produce batch or fetch reply,
 and it is decoded in place.
 
-Replies may come back in any order. The listening socket is in Linux's
+Replies may come back in any order. A client that no longer wants a reply
+(a long poll another partition answered first) sends CANCEL with that
+request's id: the server cancels the request if it still runs, and neither
+frame is answered. The listening socket is in Linux's
 abstract namespace (no file to clean up; it vanishes with the process) and
 the server accepts only peers running as its own user. This module is
 Ray-free; the server lives in ``logbus/actors/channel_server.py``, the client
@@ -72,6 +75,10 @@ LARGE_BODY_BYTES = 64 << 10  # a frame body larger than this is received into a 
 PRODUCE = 1
 FETCH = 2
 REQUEST_KINDS = (PRODUCE, FETCH)
+# A client no longer wants the reply to the request whose id this frame carries (its body: an
+# empty tuple): the server cancels that request if it still runs (a fetch waiting for data) and
+# sends nothing back.
+CANCEL = 3
 
 # reply kinds
 OK = 0

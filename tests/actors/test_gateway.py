@@ -21,6 +21,7 @@ import threading
 import time
 
 import pytest
+import ray
 from kio.index import load_request_schema, load_response_schema
 from kio.serial import entity_reader, entity_writer
 
@@ -496,6 +497,32 @@ def fetch_request(topic: str, offset: int, max_wait_ms: int = 0) -> dict:
 def fetch(raw: Raw, topic: str, offset: int):
     response = raw.call(kg.FETCH, 12, fetch_request(topic, offset))
     return response.responses[0].partitions[0]
+
+
+def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, gateway, topic_name):
+    """A fetch of two partitions answers when one gets data; the other partition's long poll is
+    cancelled at its leader then, not left parked until the wait's end (30 s)."""
+    bus.admin.create_topic(topic_name, partitions=2)
+    leaders = bus.topic_metadata(topic_name).leaders
+
+    def waiting(partition: int) -> int:
+        return ray.get(leaders[partition].status.remote(), timeout=60)["fetches_waiting"]
+
+    request = fetch_request(topic_name, 0, max_wait_ms=30_000)
+    request["topics"][0]["partitions"].append({**request["topics"][0]["partitions"][0], "partition": 1})
+    raw = Raw(gateway)
+    try:
+        correlation = raw.send(kg.FETCH, 12, request)
+        wait_for(lambda: waiting(0) == 1 and waiting(1) == 1, timeout_s=60, message="both long polls parked at their leaders")
+        with logbus.Producer(bus) as producer:
+            producer.send(topic_name, b"to partition 0", partition=0).result(timeout=60)
+        started = time.monotonic()
+        answered = {p.partition_index: p for p in raw.receive(kg.FETCH, 12, correlation).responses[0].partitions}
+        assert answered[0].records and not answered[1].records
+        wait_for(lambda: waiting(1) == 0, timeout_s=15, message="partition 1's long poll cancelled at its leader")
+        assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
+    finally:
+        raw.close()
 
 
 def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte_limit(bus, topic_name):

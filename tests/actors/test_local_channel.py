@@ -18,7 +18,7 @@ import logbus
 from logbus import TopicPartition
 from logbus.actors import channel_server
 from logbus.actors.channel_server import ChannelServer
-from logbus.actors.channel_client import Connection, channels
+from logbus.actors.channel_client import Connection, cancel_request, channels
 from logbus.errors import ChannelClosedError, NotLeaderError
 from logbus.protocol import local_channel as wire
 from tests.api.test_broker import drain
@@ -89,6 +89,36 @@ def test_results_errors_and_replies_out_of_order(loop):
         with pytest.raises(ValueError, match="unknown local channel request kind"):
             connection.call(77, ()).result(10)
         assert connection.requests_sent == 4
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_a_cancelled_request_stops_at_the_server_and_the_connection_goes_on(loop):
+    service = Service()
+    cancelled = []
+
+    async def handler(kind, args):
+        try:
+            return await service(kind, args)
+        except asyncio.CancelledError:
+            cancelled.append(args)
+            raise
+
+    server, address = start(loop, handler)
+    service.release = asyncio.Event()  # never set: the request waits until it is cancelled
+    connection = Connection(address)
+    try:
+        parked = connection.call(wire.FETCH, ("block",))
+        wait_for(lambda: service.started == 1, timeout_s=30, message="the request to reach the server")
+        assert cancel_request(parked)
+        assert parked.cancelled()
+        wait_for(lambda: cancelled == [("block",)], timeout_s=30, message="the server to cancel the request")
+        assert connection.call(wire.PRODUCE, (b"after",)).result(10) == (wire.PRODUCE, (b"after",))
+        assert not cancel_request(parked)  # once only
+        done = connection.call(wire.PRODUCE, (b"done",))
+        done.result(10)
+        assert not cancel_request(done)  # answered already: nothing to cancel
     finally:
         connection.close()
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
