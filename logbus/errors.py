@@ -221,6 +221,11 @@ class HeartbeatRefusedError(LogbusError):
     """The controller answered a heartbeat on the link with an error: it renews nothing."""
 
 
+class ChannelBusyError(ChannelClosedError):
+    """A request that was not to wait found the local channel busy (a send under way, or no room in
+    the socket): nothing was sent, and the caller sends it as an actor call instead."""
+
+
 class KafkaProtocolError(LogbusError):
     """A Kafka client's request that the gateway cannot serve at all: a malformed frame, one over the
     gateway's maximum request size, or an API key or version it does not implement. The gateway

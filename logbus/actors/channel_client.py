@@ -26,7 +26,7 @@ from concurrent.futures import Future
 
 import ray
 
-from logbus.errors import ChannelClosedError, FrameError, LogbusError
+from logbus.errors import ChannelBusyError, ChannelClosedError, FrameError, LogbusError
 from logbus.protocol import local_channel as wire
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,16 @@ class Connection:
         self._reader = threading.Thread(target=self._read_replies, name="logbus-local-channel", daemon=True)
         self._reader.start()
 
-    def call(self, kind: int, args: tuple) -> Future:
+    def call(self, kind: int, args: tuple, block: bool = True) -> Future:
         """Send one request; the Future holds its result or the error it raised.
 
         Raises ChannelClosedError if the connection is (or becomes) unusable
         before the request is sent: nothing was sent then, and the caller may
-        use an actor call instead.
+        use an actor call instead. With ``block=False`` (a caller on an event
+        loop, which must not wait for a replica that stopped reading) the
+        request goes only if the socket takes its start at once, else
+        ChannelBusyError (a ChannelClosedError: nothing was sent); the rest of
+        a frame the socket took only in part is sent by a thread of its own.
         """
         future: Future = Future()
         request_id = next(self._ids)
@@ -82,9 +86,16 @@ class Connection:
         try:
             # Not under self._lock: the reader thread must be able to take replies while a send
             # waits for room in the socket.
-            with self._send_lock:
-                _send_parts(self._sock, parts)
-                self.requests_sent += 1
+            if block:
+                with self._send_lock:
+                    _send_parts(self._sock, parts)
+            else:
+                self._send_without_waiting(parts)
+            self.requests_sent += 1
+        except ChannelBusyError:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
         except OSError as error:
             # Part of the frame may have gone out: the stream is out of step, so it closes.
             with self._lock:
@@ -92,6 +103,35 @@ class Connection:
                 self._close_locked(f"send failed: {error}")
             raise ChannelClosedError(f"the local channel failed: {error}") from None
         return future
+
+    def _send_without_waiting(self, parts: list) -> None:
+        if not self._send_lock.acquire(blocking=False):
+            raise ChannelBusyError("another send to this replica is under way")
+        finishing = False
+        try:
+            views = [memoryview(part).cast("B") for part in parts if len(part)]
+            try:
+                sent = self._sock.sendmsg(views[:SEND_PARTS_MAX], (), socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                raise ChannelBusyError("the replica is not reading its socket fast enough") from None
+            _advance(views, sent)
+            if views:
+                # Part of the frame went out: the rest must follow before anything else does.
+                threading.Thread(target=self._finish_send, args=(views,), name="logbus-local-channel-send", daemon=True).start()
+                finishing = True
+        finally:
+            if not finishing:
+                self._send_lock.release()
+
+    def _finish_send(self, views: list) -> None:
+        """The rest of a frame ``_send_without_waiting`` started, holding the send lock it took."""
+        try:
+            _send_views(self._sock, views)
+        except OSError as error:
+            with self._lock:
+                self._close_locked(f"send failed: {error}")
+        finally:
+            self._send_lock.release()
 
     def cancel(self, request_id: int) -> bool:
         """Tell the replica its reply to ``request_id`` is no longer wanted; the request's Future is cancelled.
@@ -194,16 +234,23 @@ def cancel_request(future: Future) -> bool:
 
 def _send_parts(sock: socket.socket, parts: list) -> None:
     """Write ``parts`` in order with scatter-gather sends (an out-of-band batch is not joined or copied here)."""
-    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    _send_views(sock, [memoryview(part).cast("B") for part in parts if len(part)])
+
+
+def _send_views(sock: socket.socket, views: list) -> None:
     while views:
-        sent = sock.sendmsg(views[:SEND_PARTS_MAX])
-        while sent:
-            if sent >= views[0].nbytes:
-                sent -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][sent:]
-                sent = 0
+        _advance(views, sock.sendmsg(views[:SEND_PARTS_MAX]))
+
+
+def _advance(views: list, sent: int) -> None:
+    """Drop from ``views`` the ``sent`` bytes a send took (in place)."""
+    while sent:
+        if sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        else:
+            views[0] = views[0][sent:]
+            sent = 0
 
 
 class _Entry:

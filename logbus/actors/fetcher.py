@@ -32,11 +32,12 @@ from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES, FETCH
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, FetchRequest, FetchResponse
 
 
-def send_fetch(leader, request: FetchRequest, channels=None):
+def send_fetch(leader, request: FetchRequest, channels=None, block: bool = True):
     """Send ``request`` to ``leader`` (an actor handle); returns a Future (local channel) or an ObjectRef.
 
     ``channels`` is this process's local channel registry (``channel_client.channels()``),
-    or None to use actor calls only.
+    or None to use actor calls only. ``block=False``: a channel that cannot take the
+    request at once is passed over for an actor call (callers on an event loop).
     """
     if channels is not None:
         connection = channels.connection(leader)
@@ -44,9 +45,9 @@ def send_fetch(leader, request: FetchRequest, channels=None):
             if request.max_bytes > CHANNEL_FETCH_MAX_BYTES:
                 request = dataclasses.replace(request, max_bytes=CHANNEL_FETCH_MAX_BYTES)
             try:
-                return connection.call(FETCH, (request,))
+                return connection.call(FETCH, (request,), block=block)
             except ChannelClosedError:
-                pass  # nothing was sent: an actor call carries the fetch
+                pass  # nothing was sent (closed, or busy): an actor call carries the fetch
     return leader.fetch.remote(request)
 
 

@@ -313,9 +313,13 @@ class ClusterBackend:
             connection = self._channels.connection(leader)
             if connection is not None:
                 try:
-                    return connection.call(PRODUCE, (pickle.PickleBuffer(batch), acks, None, timeout_ms))
+                    # Never waiting here: this is the loop of every connection. A replica that is
+                    # not reading (busy, stopped) gets the batch as an actor call instead, which is
+                    # safe for order: a partition's next batch of a connection goes only after this
+                    # one's reply, except an idempotent producer's, which the leader puts in order.
+                    return connection.call(PRODUCE, (pickle.PickleBuffer(batch), acks, None, timeout_ms), block=False)
                 except ChannelClosedError:
-                    pass  # nothing was sent: an actor call carries it
+                    pass  # nothing was sent (closed, or busy): an actor call carries it
         payload = batch if len(batch) <= PRODUCE_INLINE_MAX_BYTES else np.frombuffer(batch, np.uint8)
         return leader.produce.remote(payload, acks, None, timeout_ms)
 
@@ -334,7 +338,7 @@ class ClusterBackend:
         with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
-                return await self._fetch_reply(send_fetch(leader, request, self._channels), timeout_s)
+                return await self._fetch_reply(send_fetch(leader, request, self._channels, block=False), timeout_s)
             except ChannelReplyTooLargeError:
                 return await self._fetch_reply(send_fetch(leader, request, None), timeout_s)
 

@@ -19,7 +19,7 @@ from logbus import TopicPartition
 from logbus.actors import channel_server
 from logbus.actors.channel_server import ChannelServer
 from logbus.actors.channel_client import Connection, cancel_request, channels
-from logbus.errors import ChannelClosedError, NotLeaderError
+from logbus.errors import ChannelBusyError, ChannelClosedError, NotLeaderError
 from logbus.protocol import local_channel as wire
 from tests.api.test_broker import drain
 from tests.conftest import wait_for
@@ -119,6 +119,43 @@ def test_a_cancelled_request_stops_at_the_server_and_the_connection_goes_on(loop
         done = connection.call(wire.PRODUCE, (b"done",))
         done.result(10)
         assert not cancel_request(done)  # answered already: nothing to cancel
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_a_request_that_may_not_wait_is_refused_while_the_replica_is_not_reading(loop, monkeypatch):
+    """``block=False`` (the gateway's event loop): no waiting for a replica that stopped reading.
+    A frame the socket took in part is finished by a thread; the next request is refused, unsent."""
+    monkeypatch.setattr(channel_server, "MAX_CONCURRENT_PER_CONNECTION", 1)
+    service = Service()
+
+    async def handler(kind, args):
+        if args[0] == "payload":  # what arrived, without sending it all back
+            service.started += 1
+            return ("payload", len(args[1]), zlib.crc32(args[1]))
+        return await service(kind, args)
+
+    server, address = start(loop, handler)
+    service.release = asyncio.Event()
+    connection = Connection(address)
+    try:
+        first = connection.call(wire.FETCH, ("block",))
+        wait_for(lambda: service.started == 1, timeout_s=30, message="the first request to start")
+        # One request at a time: the server stops reading, and what follows fills the socket.
+        big = pickle.PickleBuffer(b"x" * (1 << 20))
+        sent = []
+        with pytest.raises(ChannelBusyError) as refused:
+            for _ in range(64):  # 64 MiB: far more than a socket holds
+                sent.append(connection.call(wire.PRODUCE, ("payload", big), block=False))
+        assert refused.value.retriable and not connection.closed
+        assert 1 <= len(sent) < 64
+        loop.call_soon_threadsafe(service.release.set)
+        assert first.result(30) == (wire.FETCH, ("block",))
+        for future in sent:
+            assert future.result(60) == ("payload", 1 << 20, zlib.crc32(b"x" * (1 << 20)))  # each frame whole, in step
+        assert connection.call(wire.PRODUCE, (b"after",), block=False).result(30) == (wire.PRODUCE, (b"after",))
+        assert service.started == 1 + len(sent) + 1  # the refused one never reached the server
     finally:
         connection.close()
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
