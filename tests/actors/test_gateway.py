@@ -14,6 +14,7 @@ import io
 import os
 import random
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -523,6 +524,38 @@ def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, 
         assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
     finally:
         raw.close()
+
+
+def test_a_replica_that_stops_reading_does_not_hold_up_the_gateways_other_connections(bus, gateway, topic_name):
+    """A batch larger than a socket holds, sent to a stopped (SIGSTOP) leader, must not stall the
+    gateway's loop: a produce to another partition on another connection is answered meanwhile."""
+    stuck, other = topic_name + "-stuck", topic_name + "-other"
+    for name in (stuck, other):
+        bus.admin.create_topic(name, partitions=1)
+    to_stuck, to_other = Raw(gateway), Raw(gateway)
+    small = kafka_batch([(None, b"warm", 1_700_000_000_000, [])])
+    try:
+        for raw, name in ((to_stuck, stuck), (to_other, other)):  # leaders looked up, channels open
+            assert produce(raw, name, small).error_code == kg.ErrorCode.none
+        pid = ray.get(bus.topic_metadata(stuck).leaders[0].status.remote(), timeout=60)["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            big = kafka_batch([(None, b"x" * (600 << 10), 1_700_000_000_000, [])])  # about 3 times a socket's room
+            correlation = to_stuck.send(kg.PRODUCE, 9, produce_request(stuck, big, acks=1))
+            time.sleep(0.5)  # the fault's duration before the other request: the gateway is handing the batch over
+            started = time.monotonic()
+            assert produce(to_other, other, small).error_code == kg.ErrorCode.none
+            answered_s = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Waiting for the socket would have held the gateway's loop for the channel's 5 s send timeout.
+        assert answered_s < 2.5, answered_s
+        response = to_stuck.receive(kg.PRODUCE, 9, correlation).responses[0].partition_responses[0]
+        assert response.error_code in (kg.ErrorCode.none, kg.ErrorCode.not_leader_or_follower, kg.ErrorCode.request_timed_out,
+                                       kg.ErrorCode.leader_not_available), response  # the stopped leader may have been deposed
+    finally:
+        to_stuck.close()
+        to_other.close()
 
 
 def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte_limit(bus, topic_name):
