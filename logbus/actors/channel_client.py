@@ -15,6 +15,7 @@ again (Ray restarts a replica under the same actor id, with a new socket).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -34,6 +35,7 @@ logger = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 5.0  # a replica that stops reading its socket fails the send after this long
 RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this long
 SEND_PARTS_MAX = 64  # buffers per sendmsg call (Linux allows 1,024)
+BACKLOG_MAX_BYTES = 64 << 20  # frames queued for a replica's socket by callers that may not wait
 LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
 
 
@@ -57,6 +59,12 @@ class Connection:
         self._on_close = on_close
         self._lock = threading.Lock()  # guards _pending and closed
         self._send_lock = threading.Lock()  # one frame at a time on the socket
+        # Frames of callers that may not wait, queued behind a frame the socket took only in part
+        # (see _send_without_waiting); guarded by _backlog_lock.
+        self._backlog_lock = threading.Lock()
+        self._backlog: collections.deque[list] = collections.deque()
+        self._backlog_bytes = 0
+        self._sender_active = False
         self._pending: dict[int, Future] = {}
         self._ids = itertools.count(1)
         self.closed = False
@@ -70,10 +78,11 @@ class Connection:
         Raises ChannelClosedError if the connection is (or becomes) unusable
         before the request is sent: nothing was sent then, and the caller may
         use an actor call instead. With ``block=False`` (a caller on an event
-        loop, which must not wait for a replica that stopped reading) the
-        request goes only if the socket takes its start at once, else
-        ChannelBusyError (a ChannelClosedError: nothing was sent); the rest of
-        a frame the socket took only in part is sent by a thread of its own.
+        loop, which must not wait for a replica that stopped reading) it never
+        waits: what the socket cannot take at once is sent by a thread of the
+        connection's own, in order, up to ``BACKLOG_MAX_BYTES`` queued; past
+        that, or while another thread is sending, ChannelBusyError (a
+        ChannelClosedError: nothing was sent).
         """
         future: Future = Future()
         request_id = next(self._ids)
@@ -105,33 +114,59 @@ class Connection:
         return future
 
     def _send_without_waiting(self, parts: list) -> None:
-        if not self._send_lock.acquire(blocking=False):
-            raise ChannelBusyError("another send to this replica is under way")
-        finishing = False
-        try:
-            views = [memoryview(part).cast("B") for part in parts if len(part)]
-            try:
-                sent = self._sock.sendmsg(views[:SEND_PARTS_MAX], (), socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                raise ChannelBusyError("the replica is not reading its socket fast enough") from None
-            _advance(views, sent)
-            if views:
-                # Part of the frame went out: the rest must follow before anything else does.
-                threading.Thread(target=self._finish_send, args=(views,), name="logbus-local-channel-send", daemon=True).start()
-                finishing = True
-        finally:
-            if not finishing:
-                self._send_lock.release()
+        """Send what the socket takes now; the rest, and frames after it, go to a sender thread.
 
-    def _finish_send(self, views: list) -> None:
-        """The rest of a frame ``_send_without_waiting`` started, holding the send lock it took."""
+        Frames keep their order: while the sender thread has frames to send,
+        later ones queue behind them (up to ``BACKLOG_MAX_BYTES``, then
+        ChannelBusyError, nothing sent).
+        """
+        views = [memoryview(part).cast("B") for part in parts if len(part)]
+        with self._backlog_lock:
+            if self._sender_active:
+                size = sum(view.nbytes for view in views)
+                if self._backlog_bytes + size > BACKLOG_MAX_BYTES:
+                    raise ChannelBusyError("the replica is not reading its socket fast enough")
+                self._backlog.append(views)
+                self._backlog_bytes += size
+                return
+            if not self._send_lock.acquire(blocking=False):
+                raise ChannelBusyError("another send to this replica is under way")
         try:
-            _send_views(self._sock, views)
-        except OSError as error:
-            with self._lock:
-                self._close_locked(f"send failed: {error}")
-        finally:
+            sent = self._sock.sendmsg(views[:SEND_PARTS_MAX], (), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except BaseException:
             self._send_lock.release()
+            raise
+        _advance(views, sent)
+        if not views:
+            self._send_lock.release()
+            return
+        # The socket is full: the rest of this frame, and frames after it, go from a thread of
+        # their own, which holds the send lock until the backlog is empty.
+        with self._backlog_lock:
+            self._sender_active = True
+            self._backlog.append(views)
+            self._backlog_bytes += sum(view.nbytes for view in views)
+        threading.Thread(target=self._send_backlog, name="logbus-local-channel-send", daemon=True).start()
+
+    def _send_backlog(self) -> None:
+        """Send the queued frames in order, holding the send lock ``_send_without_waiting`` took."""
+        while True:
+            with self._backlog_lock:
+                if not self._backlog or self.closed:
+                    self._backlog.clear()
+                    self._backlog_bytes = 0
+                    self._sender_active = False
+                    self._send_lock.release()
+                    return
+                views = self._backlog.popleft()
+                self._backlog_bytes -= sum(view.nbytes for view in views)
+            try:
+                _send_views(self._sock, views)
+            except OSError as error:
+                with self._lock:
+                    self._close_locked(f"send failed: {error}")  # every request still waiting fails
 
     def cancel(self, request_id: int) -> bool:
         """Tell the replica its reply to ``request_id`` is no longer wanted; the request's Future is cancelled.

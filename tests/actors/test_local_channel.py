@@ -16,7 +16,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
-from logbus.actors import channel_server
+from logbus.actors import channel_client, channel_server
 from logbus.actors.channel_server import ChannelServer
 from logbus.actors.channel_client import Connection, cancel_request, channels
 from logbus.errors import ChannelBusyError, ChannelClosedError, NotLeaderError
@@ -124,16 +124,19 @@ def test_a_cancelled_request_stops_at_the_server_and_the_connection_goes_on(loop
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 
-def test_a_request_that_may_not_wait_is_refused_while_the_replica_is_not_reading(loop, monkeypatch):
-    """``block=False`` (the gateway's event loop): no waiting for a replica that stopped reading.
-    A frame the socket took in part is finished by a thread; the next request is refused, unsent."""
+def test_requests_that_may_not_wait_queue_behind_a_full_socket_in_order_then_are_refused(loop, monkeypatch):
+    """``block=False`` (the gateway's event loop) never waits for a replica that stopped reading:
+    what the socket cannot take goes from a thread of the connection's own, in order, up to a
+    bound; past it a request is refused unsent (ChannelBusyError: the caller uses an actor call)."""
     monkeypatch.setattr(channel_server, "MAX_CONCURRENT_PER_CONNECTION", 1)
+    monkeypatch.setattr(channel_client, "BACKLOG_MAX_BYTES", 4 << 20)
     service = Service()
+    arrived = []
 
     async def handler(kind, args):
         if args[0] == "payload":  # what arrived, without sending it all back
-            service.started += 1
-            return ("payload", len(args[1]), zlib.crc32(args[1]))
+            arrived.append(args[1])
+            return ("payload", args[1], len(args[2]), zlib.crc32(args[2]))
         return await service(kind, args)
 
     server, address = start(loop, handler)
@@ -143,19 +146,19 @@ def test_a_request_that_may_not_wait_is_refused_while_the_replica_is_not_reading
         first = connection.call(wire.FETCH, ("block",))
         wait_for(lambda: service.started == 1, timeout_s=30, message="the first request to start")
         # One request at a time: the server stops reading, and what follows fills the socket.
-        big = pickle.PickleBuffer(b"x" * (1 << 20))
+        payloads = [bytes([i]) * (1 << 20) for i in range(64)]  # 64 MiB: far more than a socket and the queue hold
         sent = []
         with pytest.raises(ChannelBusyError) as refused:
-            for _ in range(64):  # 64 MiB: far more than a socket holds
-                sent.append(connection.call(wire.PRODUCE, ("payload", big), block=False))
+            for i, payload in enumerate(payloads):
+                sent.append(connection.call(wire.PRODUCE, ("payload", i, pickle.PickleBuffer(payload)), block=False))
         assert refused.value.retriable and not connection.closed
-        assert 1 <= len(sent) < 64
+        assert 2 <= len(sent) <= 6  # the socket's share of one, then 4 MiB queued
         loop.call_soon_threadsafe(service.release.set)
         assert first.result(30) == (wire.FETCH, ("block",))
-        for future in sent:
-            assert future.result(60) == ("payload", 1 << 20, zlib.crc32(b"x" * (1 << 20)))  # each frame whole, in step
+        for i, future in enumerate(sent):
+            assert future.result(60) == ("payload", i, 1 << 20, zlib.crc32(payloads[i]))  # each frame whole, in step
+        assert arrived == list(range(len(sent)))  # in the order sent; the refused one never went
         assert connection.call(wire.PRODUCE, (b"after",), block=False).result(30) == (wire.PRODUCE, (b"after",))
-        assert service.started == 1 + len(sent) + 1  # the refused one never reached the server
     finally:
         connection.close()
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
