@@ -36,8 +36,9 @@ def send_fetch(leader, request: FetchRequest, channels=None, block: bool = True)
     """Send ``request`` to ``leader`` (an actor handle); returns a Future (local channel) or an ObjectRef.
 
     ``channels`` is this process's local channel registry (``channel_client.channels()``),
-    or None to use actor calls only. ``block=False``: a channel that cannot take the
-    request at once is passed over for an actor call (callers on an event loop).
+    or None to use actor calls only. ``block=False`` (callers on an event loop): the
+    channel never waits for its socket (see ``Connection.call``); when its queue is full
+    the request goes as an actor call.
     """
     if channels is not None:
         connection = channels.connection(leader)

@@ -313,10 +313,11 @@ class ClusterBackend:
             connection = self._channels.connection(leader)
             if connection is not None:
                 try:
-                    # Never waiting here: this is the loop of every connection. A replica that is
-                    # not reading (busy, stopped) gets the batch as an actor call instead, which is
-                    # safe for order: a partition's next batch of a connection goes only after this
-                    # one's reply, except an idempotent producer's, which the leader puts in order.
+                    # Never waiting here: this is the loop of every connection. What the socket
+                    # cannot take now is sent by the connection's sender thread, in order; once
+                    # 64 MiB wait there (a replica not reading), batches go as actor calls, which
+                    # is safe for order: a partition's next batch of a connection goes only after
+                    # this one's reply, except an idempotent producer's, which the leader orders.
                     return connection.call(PRODUCE, (pickle.PickleBuffer(batch), acks, None, timeout_ms), block=False)
                 except ChannelClosedError:
                     pass  # nothing was sent (closed, or busy): an actor call carries it
