@@ -349,8 +349,8 @@ class ClusterBackend:
                 return await asyncio.wait_for(_wrapped(pending), timeout_s)
             meta, data = await asyncio.wait_for(_wrapped(pending.future()), timeout_s)
         except (asyncio.CancelledError, asyncio.TimeoutError):
-            # Not wanted any more (another partition of the request answered first, or the client
-            # went away): the replica stops waiting for data too, rather than at the wait's end.
+            # Not wanted any more (another partition of the request answered first, or no reply
+            # in time): the replica stops waiting for data too, rather than at the wait's end.
             _abandon(pending)
             raise
         if isinstance(data, ray.ObjectRef):
