@@ -75,10 +75,13 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
     try:
         (size,) = LENGTH.unpack(await reader.readexactly(LENGTH.size))
         if size > MAX_FRAME_BYTES:
-            raise HeartbeatLinkClosedError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
-        message = json.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError, UnicodeDecodeError, ValueError) as error:
+            message = None
+        else:
+            message = json.loads(await reader.readexactly(size))
+    except (asyncio.IncompleteReadError, ConnectionError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
         raise HeartbeatLinkClosedError(str(error) or type(error).__name__) from None
+    if size > MAX_FRAME_BYTES:
+        raise HeartbeatLinkClosedError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
     if not isinstance(message, dict):
         raise HeartbeatLinkClosedError("a frame is not a JSON object")
     return message
