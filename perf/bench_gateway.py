@@ -24,6 +24,13 @@ every topic has one partition; acks=1 everywhere. Cases:
             second each time 100,000 records wait in its queue, which caps a fast
             consumer near 270 k records/s whatever the broker); and, as information,
             the same with librdkafka's defaults.
+3. wire     (info) the gateway's own capacity, with a bare protocol client
+            (``perf/_kafka_wire.py``) whose cost per record is near zero:
+            Produce v9 requests each holding one pre-built 10,000-record Kafka
+            batch, five in flight, until N records; and Fetch v12 requests of up
+            to 4 MiB from offset 0 of the native topic until N records, counted
+            from the batches' headers (nothing decoded per record). What a Kafka
+            client library reaches is below this; the gap is the library's.
 
 Each case runs once unmeasured as a warm-up, then ``reps`` times (3; quick 1);
 the best repetition is reported. Target: each Kafka figure >= 50% of its native
@@ -63,6 +70,7 @@ from _common import (
     start_local_ray,
 )
 
+import _kafka_wire as wire  # noqa: I001  (after _common: it imports logbus)
 import logbus
 from logbus import Producer
 
@@ -167,6 +175,20 @@ def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None
 
 
 DEFAULTS_CASE = "kafka consume, librdkafka's default queue settings (info)"
+WIRE_PRODUCE = "wire produce, bare protocol client (info)"
+WIRE_CONSUME = "wire consume, bare protocol client (info)"
+
+
+def wire_batch(pool: list[bytes]) -> bytes:
+    """One uncompressed Kafka batch of the pool's values (null keys), built as a client builds it."""
+    from kafka.record.default_records import DefaultRecordBatchBuilder
+
+    builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False, producer_id=-1, producer_epoch=-1,
+                                        base_sequence=-1, batch_size=1 << 30)
+    now_ms = int(time.time() * 1000)
+    for offset, value in enumerate(pool):
+        builder.append(offset, timestamp=now_ms, key=None, value=value, headers=[])
+    return bytes(builder.build())
 
 
 def main() -> int:
@@ -194,15 +216,17 @@ def main() -> int:
     topics: list[str] = []
     samples: dict[str, list[float]] = {
         "native produce": [], "kafka produce": [], "native consume": [], "kafka consume": [], DEFAULTS_CASE: [],
+        WIRE_PRODUCE: [], WIRE_CONSUME: [],
     }
+    batch = wire_batch(pool)
     try:
         start_local_ray(namespace)
         bus = logbus.connect(data_dir=data_dir, namespace=namespace)
         gateway = bus.start_gateway(port=0)
         log(f"gateway at {gateway.bootstrap_servers}")
         for rep in range(mode.reps + 1):  # the first is the warm-up
-            native_topic, kafka_topic = f"native-{rep}", f"kafka-{rep}"
-            for topic in (native_topic, kafka_topic):
+            native_topic, kafka_topic, wire_topic = f"native-{rep}", f"kafka-{rep}", f"wire-{rep}"
+            for topic in (native_topic, kafka_topic, wire_topic):
                 bus.admin.create_topic(topic, partitions=1)
                 topics.append(topic)
             figures = {
@@ -211,6 +235,8 @@ def main() -> int:
                 "native consume": native_consume(bus, native_topic, n),
                 "kafka consume": kafka_consume(gateway.bootstrap_servers, native_topic, n, KAFKA_CONSUMER_TUNING),
                 DEFAULTS_CASE: kafka_consume(gateway.bootstrap_servers, native_topic, n),
+                WIRE_PRODUCE: wire.produce(gateway.bootstrap_servers, wire_topic, batch, len(pool), n, TIME_CAP_S),
+                WIRE_CONSUME: wire.consume(gateway.bootstrap_servers, native_topic, n, TIME_CAP_S),
             }
             log(("warm-up: " if rep == 0 else f"rep {rep}: ") + ", ".join(f"{k} {fmt_rate(v)}/s" for k, v in figures.items()))
             if rep > 0:
@@ -233,7 +259,8 @@ def main() -> int:
         kafka.ratio = kafka.records_per_s / native.records_per_s
         kafka.target = f">= {RATIO_TARGET:.0%} of native {kind}"
         kafka.meets_target = kafka.ratio >= RATIO_TARGET
-    by_case[DEFAULTS_CASE].ratio = by_case[DEFAULTS_CASE].records_per_s / by_case["native consume"].records_per_s
+    for case, native in ((DEFAULTS_CASE, "native consume"), (WIRE_PRODUCE, "native produce"), (WIRE_CONSUME, "native consume")):
+        by_case[case].ratio = by_case[case].records_per_s / by_case[native].records_per_s
     wall = run.finish()
     print_table(
         ("case", "records/s", "MB/s", "vs native", "target", "meets"),
