@@ -231,6 +231,24 @@ def _snappy_into(payload: memoryview, out: np.ndarray) -> int:
     return written
 
 
+def _int64_array(values: np.ndarray) -> pa.Array:
+    """``values`` as an Arrow int64 array, built from its buffer.
+
+    ``pa.array`` and ``Array.to_numpy`` import pandas on first use when it is
+    installed (to look for a Series): a second's stall and tens of MiB in a
+    gateway that never needs it. Building from buffers does not.
+    """
+    values = np.ascontiguousarray(values, np.int64)
+    return pa.Array.from_buffers(pa.int64(), values.size, [None, pa.py_buffer(values)])
+
+
+def _int64_values(array: pa.Array) -> np.ndarray:
+    """The values of an int64 array without nulls, as a numpy view of its buffer (see :func:`_int64_array`)."""
+    if array.null_count:
+        raise InvalidRecordError("a batch has records without a timestamp")
+    return np.frombuffer(array.buffers()[1], np.int64)[array.offset : array.offset + len(array)]
+
+
 def _zigzag_decode(raw: np.ndarray) -> np.ndarray:
     return (raw >> np.uint64(1)).astype(np.int64) ^ -(raw & np.uint64(1)).astype(np.int64)
 
@@ -320,14 +338,14 @@ def _binary_column(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.A
     if int(sizes.sum()) >= 2**31 or len(data) >= 2**31:
         raise InvalidRecordError("a batch holds over 2 GiB of keys or values")
     if count == 0:
-        return pa.array([], pa.binary())
+        return pa.Array.from_buffers(pa.binary(), 0, [None, pa.py_buffer(np.zeros(1, np.int32)), pa.py_buffer(b"")])
     bounds = np.empty(2 * count, np.int64)
     bounds[0::2] = starts
     bounds[1::2] = starts + sizes
     if bounds[0] < 0 or bounds[-1] > len(data) or np.any(bounds[1:] < bounds[:-1]):
         raise CorruptRecordError("a record's key or value lies outside the records, or out of order")
     spans = pa.Array.from_buffers(pa.binary(), 2 * count - 1, [None, pa.py_buffer(bounds.astype(np.int32)), pa.py_buffer(data)])
-    pieces = spans.take(pa.array(np.arange(0, 2 * count, 2, dtype=np.int64)))
+    pieces = spans.take(_int64_array(np.arange(0, 2 * count, 2, dtype=np.int64)))
     validity = None
     null_count = int(nulls.sum())
     if null_count:
@@ -411,7 +429,7 @@ def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
         if not np.array_equal(position, ends):
             raise CorruptRecordError("a record has bytes left after its fields")
         headers = pa.nulls(count, rb.HEADERS_TYPE)
-    timestamps = pa.array(timestamp_deltas + header.base_timestamp)
+    timestamps = _int64_array(timestamp_deltas + header.base_timestamp)
     return pa.RecordBatch.from_arrays(
         [_binary_column(records, key_starts, key_lengths), _binary_column(records, value_starts, value_lengths), timestamps, headers],
         schema=rb.SCHEMA,
@@ -455,7 +473,7 @@ def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> 
         raise InvalidRecordError("a produce request carries exactly one record batch per partition")
     header, raw = _checked_records(view, 0, decompressed_max_bytes)
     records = decode_records(header, raw)
-    timestamps = records.column(2).to_numpy()
+    timestamps = _int64_values(records.column(2))
     timestamp_range = (int(timestamps[0]), int(timestamps.max()))
     encoded = rb.frame_record_batch(
         records,
@@ -515,7 +533,8 @@ def _binary_lengths(array: pa.Array) -> np.ndarray:
     offsets = np.frombuffer(array.buffers()[1], np.int32)[array.offset : array.offset + count + 1].astype(np.int64)
     lengths = np.diff(offsets)
     if array.null_count:
-        lengths[np.asarray(array.is_null())] = -1
+        bits = np.unpackbits(np.frombuffer(array.buffers()[0], np.uint8), bitorder="little")
+        lengths[bits[array.offset : array.offset + count] == 0] = -1  # the validity bitmap (is_null() would import pandas)
     return lengths
 
 
@@ -564,7 +583,7 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     """
     count = records.num_rows
     keys, values, timestamp_column, headers = (records.column(i) for i in range(4))
-    timestamps = timestamp_column.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    timestamps = _int64_values(timestamp_column)
     base_timestamp = int(timestamps[0])
     timestamp_raw = _zigzag(timestamps - base_timestamp)
     offset_raw = _zigzag(np.arange(count, dtype=np.int64))
@@ -609,8 +628,9 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
 
     joined = pc.binary_join_element_wise(
         _binary_array(before, before_sizes), keys, _binary_array(between, value_size), values,
-        _binary_array(after, after_sizes), b"", null_handling="replace", null_replacement="",
-    )
+        _binary_array(after, after_sizes), _binary_array(np.zeros(0, np.uint8), np.zeros(count, np.int64)),
+        null_handling="replace", null_replacement="",
+    )  # the separator, an array of empty values: a Python b"" would go through pa.scalar, which imports pandas
     records_bytes = memoryview(joined.buffers()[2]).cast("B")[:total] if total else memoryview(b"")
     if len(records_bytes) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes)} bytes, not {total}")

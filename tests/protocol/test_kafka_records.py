@@ -7,7 +7,10 @@ gateway returns; logbus's side is read with ``record_batch.decode_batches``.
 
 from __future__ import annotations
 
+import pathlib
 import struct
+import subprocess
+import sys
 
 import crc32c
 import cramjam
@@ -285,3 +288,24 @@ def test_kafka_to_logbus_to_kafka_keeps_every_record(records):
     assert kafka_rows(kr.to_kafka(bytes(stamped) + bytes(payload))) == [
         (77 + i, key, value, timestamp, [tuple(h) for h in headers]) for i, (key, value, timestamp, headers) in enumerate(records)
     ]
+
+
+def test_translating_batches_without_headers_does_not_import_pandas():
+    # pyarrow imports pandas, when installed, the first time pa.array or to_numpy runs: a stall of
+    # about a second and tens of MiB in a gateway process that never needs it.
+    script = """
+import sys
+from kafka.record.default_records import DefaultRecordBatchBuilder
+from logbus.protocol import kafka_records as kr
+builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False, producer_id=-1,
+                                    producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
+for i in range(50):
+    builder.append(i, timestamp=1_700_000_000_000 + i, key=None if i % 2 else b"k%d" % i, value=b"v" * i, headers=[])
+produced = kr.to_logbus(bytes(builder.build()))
+assert kr.to_kafka(produced.encoded)
+print("pandas" in sys.modules)
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
