@@ -276,11 +276,12 @@ def _read_varints(buf: np.ndarray, positions: np.ndarray, ends: np.ndarray, max_
     return _zigzag_decode(raw), sizes
 
 
-def _record_bodies(data: bytes, count: int) -> tuple[list[int], list[int]]:
+def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     """Where each record's body starts and how long it is: the one loop over the records.
 
     Each record begins with its length (a zigzag varint): nothing else tells
-    where the next one starts.
+    where the next one starts (and records differ in size even with values of
+    one size: the offset delta's varint grows at 64 and 8,192).
     """
     starts = [0] * count
     lengths = [0] * count
@@ -309,7 +310,7 @@ def _record_bodies(data: bytes, count: int) -> tuple[list[int], list[int]]:
         raise CorruptRecordError("the records are cut short") from None
     if position != len(data):
         raise CorruptRecordError(f"the records take {position} bytes; the batch holds {len(data)}")
-    return starts, lengths
+    return np.array(starts, np.int64), np.array(lengths, np.int64)
 
 
 def _varint_at(data, position: int, max_bytes: int = 5) -> tuple[int, int]:
@@ -396,10 +397,9 @@ def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
         # Checked again after decompression: the header's count is the client's word, and the
         # per-record work below allocates for that many records.
         raise CorruptRecordError(f"a Kafka batch claims {count} records in {len(records)} bytes of records")
-    body_starts, body_lengths = _record_bodies(records, count)
+    starts, body_lengths = _record_bodies(records, count)
     buf = np.frombuffer(records, np.uint8)
-    starts = np.array(body_starts, np.int64)
-    ends = starts + np.array(body_lengths, np.int64)
+    ends = starts + body_lengths
     position = starts + 1  # past the record's attributes (unused, as in Kafka)
     if not (position <= ends).all():
         raise CorruptRecordError("a record ends before its fields")
@@ -506,6 +506,18 @@ def _varint_sizes(raw: np.ndarray) -> np.ndarray:
 
 def _write_varints(out: np.ndarray, positions: np.ndarray, raw: np.ndarray, sizes: np.ndarray) -> None:
     """Write ``raw`` (zigzagged) as varints of ``sizes`` bytes at ``positions``."""
+    if not raw.size:
+        return
+    longest = int(sizes.max())
+    if int(sizes.min()) == longest:  # one size for all (most fields of most batches): no masks
+        rest = raw
+        for k in range(longest):
+            piece = (rest & _LOW7).astype(np.uint8)
+            if k + 1 < longest:
+                piece |= 0x80
+            out[positions + k] = piece
+            rest = rest >> _SEVEN
+        return
     active = np.arange(raw.size)
     rest = raw.copy()
     k = 0

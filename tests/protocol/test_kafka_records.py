@@ -290,6 +290,19 @@ def test_kafka_to_logbus_to_kafka_keeps_every_record(records):
     ]
 
 
+def test_a_batch_of_ten_thousand_records_keeps_every_record_both_ways():
+    # Offset deltas take 1, 2 and 3 bytes; values of one size (one varint size for all) in one
+    # half, of many sizes in the other; one timestamp for most records, a spread for the rest.
+    records = [(None if i % 3 else b"key%d" % i, b"v" * 100 if i < 5_000 else b"w" * (i % 300),
+                BASE_MS if i < 8_000 else BASE_MS + i * 1_000, []) for i in range(10_000)]
+    produced = kr.to_logbus(kafka_batch(records))
+    assert produced.record_count == 10_000
+    stamped, payload = rb.with_offset_and_epoch(produced.encoded, 5, 1)
+    assert kafka_rows(kr.to_kafka(bytes(stamped) + bytes(payload))) == [
+        (5 + i, key, value, timestamp, []) for i, (key, value, timestamp, _) in enumerate(records)
+    ]
+
+
 def test_translating_batches_without_headers_does_not_import_pandas():
     # pyarrow imports pandas, when installed, the first time pa.array or to_numpy runs: a stall of
     # about a second and tens of MiB in a gateway process that never needs it.
