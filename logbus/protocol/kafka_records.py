@@ -276,36 +276,105 @@ def _read_varints(buf: np.ndarray, positions: np.ndarray, ends: np.ndarray, max_
     return _zigzag_decode(raw), sizes
 
 
+_RUN_PROBE_FIRST = 64  # records a first look for a run of one size checks; each look after a full one doubles it
+_RUN_PROBE_MAX = 8192
+_RUN_MIN = 16  # a look that finds a shorter run backs off: more records one by one before the next
+
+
 def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where each record's body starts and how long it is: the one loop over the records.
+    """Where each record's body starts and how long it is.
 
     Each record begins with its length (a zigzag varint): nothing else tells
-    where the next one starts (and records differ in size even with values of
-    one size: the offset delta's varint grows at 64 and 8,192).
+    where the next one starts, so this walks the records one by one, except
+    where they come in runs of one size, as records of same-sized keys and
+    values do (their size still changes where the offset delta's varint grows,
+    at 64 and 8,192). After a record, the bytes where the next ones would start
+    if they were its size are compared, with numpy, to its length prefix; each
+    that matches is a record of the same length, so a run of them is taken at
+    once. Where runs are short (records of many sizes) the looks back off.
     """
-    starts = [0] * count
-    lengths = [0] * count
+    starts: list[int] = []
+    lengths: list[int] = []
+    buf = np.frombuffer(data, np.uint8)
+    end = len(data)
     position = 0
+    one_by_one = 0  # records still to walk before the next look for a run
+    backoff = 8
     try:
-        for i in range(count):
+        while len(starts) < count:
             b = data[position]
             if b < 0x80:
-                n = b
-                position += 1
+                n, size = b, 1
             else:
                 b1 = data[position + 1]
                 if b1 < 0x80:
-                    n = (b & 0x7F) | (b1 << 7)
-                    position += 2
+                    n, size = (b & 0x7F) | (b1 << 7), 2
                 else:
                     n, size = _varint_at(data, position)
-                    position += size
+            length = (n >> 1) ^ -(n & 1)
+            if length <= 0:
+                raise CorruptRecordError(f"record {len(starts)} has length {length}")
+            head = position
+            position += size
+            starts.append(position)
+            lengths.append(length)
+            position += length
+            if one_by_one:
+                one_by_one -= 1
+                continue
+            run = _same_size_run(buf, data, head, size, length, count - len(starts), end)
+            if run:
+                stride = size + length
+                starts.extend(range(position + size, position + size + run * stride, stride))
+                lengths.extend([length] * run)
+                position += run * stride
+            if run < _RUN_MIN:
+                one_by_one, backoff = backoff, min(2 * backoff, 1024)
+            else:
+                backoff = 8
+    except IndexError:
+        raise CorruptRecordError("the records are cut short") from None
+    if position != end:
+        raise CorruptRecordError(f"the records take {position} bytes; the batch holds {end}")
+    return np.array(starts, np.int64), np.array(lengths, np.int64)
+
+
+def _same_size_run(buf: np.ndarray, data: bytes, head: int, size: int, length: int, left: int, end: int) -> int:
+    """How many records right after the one at ``head`` start with its length prefix (so have its size)."""
+    stride = size + length
+    prefix = data[head : head + size]
+    next_head = head + stride
+    run = 0
+    probe = _RUN_PROBE_FIRST
+    while left > run:
+        m = min(left - run, (end - next_head) // stride, probe)
+        if m <= 0:
+            break
+        heads = next_head + np.arange(m, dtype=np.int64) * stride
+        same = buf[heads] == prefix[0]
+        for k in range(1, size):
+            same &= buf[heads + k] == prefix[k]
+        if not same.all():
+            return run + int(np.argmin(same))
+        run += m
+        next_head += m * stride
+        probe = min(2 * probe, _RUN_PROBE_MAX)
+    return run
+
+
+def _record_bodies_one_by_one(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_record_bodies` without the runs: the reference it is tested against."""
+    starts, lengths = [], []
+    position = 0
+    try:
+        for i in range(count):
+            n, size = _varint_at(data, position)
             length = (n >> 1) ^ -(n & 1)
             if length <= 0:
                 raise CorruptRecordError(f"record {i} has length {length}")
-            starts[i] = position
-            lengths[i] = length
-            position += length
+            starts.append(position + size)
+            lengths.append(length)
+            position += size + length
     except IndexError:
         raise CorruptRecordError("the records are cut short") from None
     if position != len(data):

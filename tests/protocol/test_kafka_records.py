@@ -303,6 +303,49 @@ def test_a_batch_of_ten_thousand_records_keeps_every_record_both_ways():
     ]
 
 
+def zigzag_varint(value: int) -> bytes:
+    raw, out = (value << 1) ^ (value >> 63), bytearray()
+    while raw >= 0x80:
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+    return bytes(out + bytes([raw]))
+
+
+def record_bodies_both_ways(data: bytes, count: int):
+    """What the run-taking walk and the one-by-one reference make of the same bytes: results or error types."""
+    outcomes = []
+    for walk in (kr._record_bodies, kr._record_bodies_one_by_one):
+        try:
+            starts, lengths = walk(data, count)
+            outcomes.append((starts.tolist(), lengths.tolist()))
+        except CorruptRecordError:
+            outcomes.append(CorruptRecordError)
+    return outcomes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 200), st.integers(1, 300)) | st.tuples(st.integers(8180, 8200), st.integers(1, 20)),
+                min_size=1, max_size=8), st.data())
+def test_records_in_runs_of_one_size_are_found_as_one_by_one(runs, data):
+    # Runs of same-length records (lengths whose varints take 1 to 3 bytes), then a count that may be
+    # off, and bytes that may be cut: the walk that takes runs at once agrees with the reference.
+    body = b"".join(zigzag_varint(length) + bytes([i % 251]) * length for length, repeat in runs for i in range(repeat))
+    count = sum(repeat for _, repeat in runs) + data.draw(st.sampled_from([0, 0, 0, -1, 1]))
+    cut = data.draw(st.sampled_from([0, 0, 0, 1, 7]))
+    body = body[: len(body) - cut]
+    by_runs, one_by_one = record_bodies_both_ways(body, max(count, 1))
+    assert by_runs == one_by_one
+    if count > 0 and not cut and count == sum(repeat for _, repeat in runs):
+        assert by_runs != CorruptRecordError and by_runs[1] == [length for length, repeat in runs for _ in range(repeat)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400), st.integers(1, 80))
+def test_any_bytes_walk_the_same_way_with_or_without_runs(data, count):
+    by_runs, one_by_one = record_bodies_both_ways(data, count)
+    assert by_runs == one_by_one
+
+
 def test_translating_batches_without_headers_does_not_import_pandas():
     # pyarrow imports pandas, when installed, the first time pa.array or to_numpy runs: a stall of
     # about a second and tens of MiB in a gateway process that never needs it.
