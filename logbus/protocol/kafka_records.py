@@ -293,45 +293,51 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     that matches is a record of the same length, so a run of them is taken at
     once. Where runs are short (records of many sizes) the looks back off.
     """
-    starts: list[int] = []
-    lengths: list[int] = []
+    starts = [0] * count
+    lengths = [0] * count
     buf = np.frombuffer(data, np.uint8)
     end = len(data)
-    position = 0
-    one_by_one = 0  # records still to walk before the next look for a run
+    position = i = 0
+    stretch = 1  # records to walk one by one before the next look for a run
     backoff = 8
     try:
-        while len(starts) < count:
-            b = data[position]
-            if b < 0x80:
-                n, size = b, 1
-            else:
-                b1 = data[position + 1]
-                if b1 < 0x80:
-                    n, size = (b & 0x7F) | (b1 << 7), 2
+        while i < count:
+            for i in range(i, min(count, i + stretch)):
+                b = data[position]
+                if b < 0x80:
+                    n = b
+                    position += 1
                 else:
-                    n, size = _varint_at(data, position)
-            length = (n >> 1) ^ -(n & 1)
-            if length <= 0:
-                raise CorruptRecordError(f"record {len(starts)} has length {length}")
-            head = position
-            position += size
-            starts.append(position)
-            lengths.append(length)
-            position += length
-            if one_by_one:
-                one_by_one -= 1
-                continue
-            run = _same_size_run(buf, data, head, size, length, count - len(starts), end)
+                    b1 = data[position + 1]
+                    if b1 < 0x80:
+                        n = (b & 0x7F) | (b1 << 7)
+                        position += 2
+                    else:
+                        n, size = _varint_at(data, position)
+                        position += size
+                length = (n >> 1) ^ -(n & 1)
+                if length <= 0:
+                    raise CorruptRecordError(f"record {i} has length {length}")
+                starts[i] = position
+                lengths[i] = length
+                position += length
+            i += 1
+            if i == count:
+                break
+            # The last record walked: its length prefix ran from its head to its body's start.
+            size = max(1, (n.bit_length() + 6) // 7)
+            head = starts[i - 1] - size
+            run = _same_size_run(buf, data, head, size, length, count - i, end)
             if run:
                 stride = size + length
-                starts.extend(range(position + size, position + size + run * stride, stride))
-                lengths.extend([length] * run)
+                starts[i : i + run] = range(position + size, position + size + run * stride, stride)
+                lengths[i : i + run] = [length] * run
                 position += run * stride
+                i += run
             if run < _RUN_MIN:
-                one_by_one, backoff = backoff, min(2 * backoff, 1024)
+                stretch, backoff = backoff, min(2 * backoff, 1024)
             else:
-                backoff = 8
+                stretch, backoff = 1, 8
     except IndexError:
         raise CorruptRecordError("the records are cut short") from None
     if position != end:
