@@ -293,8 +293,8 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     that matches is a record of the same length, so a run of them is taken at
     once. Where runs are short (records of many sizes) the looks back off.
     """
-    starts = [0] * count
-    lengths = [0] * count
+    starts = np.empty(count, np.int64)
+    lengths = np.empty(count, np.int64)
     buf = np.frombuffer(data, np.uint8)
     end = len(data)
     position = i = 0
@@ -302,6 +302,8 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     backoff = 8
     try:
         while i < count:
+            walked_starts, walked_lengths = [], []
+            first = i
             for i in range(i, min(count, i + stretch)):
                 b = data[position]
                 if b < 0x80:
@@ -318,20 +320,21 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
                 length = (n >> 1) ^ -(n & 1)
                 if length <= 0:
                     raise CorruptRecordError(f"record {i} has length {length}")
-                starts[i] = position
-                lengths[i] = length
+                walked_starts.append(position)
+                walked_lengths.append(length)
                 position += length
             i += 1
+            starts[first:i] = walked_starts
+            lengths[first:i] = walked_lengths
             if i == count:
                 break
-            # The last record walked: its length prefix ran from its head to its body's start.
+            # The last record walked: its length prefix ends where its body starts.
             size = max(1, (n.bit_length() + 6) // 7)
-            head = starts[i - 1] - size
-            run = _same_size_run(buf, data, head, size, length, count - i, end)
+            run = _same_size_run(buf, data, walked_starts[-1] - size, size, length, count - i, end)
             if run:
                 stride = size + length
-                starts[i : i + run] = range(position + size, position + size + run * stride, stride)
-                lengths[i : i + run] = [length] * run
+                starts[i : i + run] = np.arange(position + size, position + size + run * stride, stride, dtype=np.int64)
+                lengths[i : i + run] = length
                 position += run * stride
                 i += run
             if run < _RUN_MIN:
@@ -342,7 +345,7 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
         raise CorruptRecordError("the records are cut short") from None
     if position != end:
         raise CorruptRecordError(f"the records take {position} bytes; the batch holds {end}")
-    return np.array(starts, np.int64), np.array(lengths, np.int64)
+    return starts, lengths
 
 
 def _same_size_run(buf: np.ndarray, data: bytes, head: int, size: int, length: int, left: int, end: int) -> int:
