@@ -549,6 +549,7 @@ class Gateway:
         responses: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT_MAX)
         sender = asyncio.ensure_future(self._send_responses(responses, writer))
         peer = writer.get_extra_info("peername")
+        fetches: set[asyncio.Future] = set()  # this connection's open fetches
         try:
             while not sender.done():
                 prefix = await reader.readexactly(4)
@@ -563,9 +564,18 @@ class Gateway:
                     self._budget.release(size)
                     raise
                 pending.add_done_callback(lambda _, size=size: self._budget.release(size))
+                if kg.peek_header(frame)[0] == kg.FETCH:
+                    fetches.add(pending)
+                    pending.add_done_callback(fetches.discard)
                 await responses.put(pending)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away
+            # The client went away (Kafka clients never half-close): nobody reads the replies. Its
+            # fetches end now rather than at their wait's end, at the replicas too (see
+            # ClusterBackend._fetch_reply); the requests behind one are then cancelled as after a
+            # failed write (a batch already handed to its leader is appended or not, unacknowledged,
+            # as when any Kafka client's connection drops).
+            for pending in list(fetches):
+                pending.cancel()
         except KafkaProtocolError as error:
             self.refused_frames += 1
             logger.warning("Kafka gateway: closing the connection from %s: %s", peer, error)
@@ -597,7 +607,11 @@ class Gateway:
                 if frame is not None:
                     writer.write(frame)
                     await writer.drain()
-            except (ConnectionError, asyncio.CancelledError):
+            except asyncio.CancelledError:
+                if not pending.cancelled():
+                    raise  # this sender itself is cancelled
+                closing = True  # a fetch of a client that went away: nothing more is written
+            except ConnectionError:
                 closing = True
             except Exception:  # noqa: BLE001 (a request that failed unexpectedly closes its connection)
                 logger.exception("Kafka gateway: a request failed; closing its connection")

@@ -725,18 +725,21 @@ class KafkaHandler:
             tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms))): (t, p) for t, p, o, m in waiting}
             deadline = time.monotonic() + max_wait_ms / 1000
             pending = set(tasks)
-            while pending and total < max(min_bytes, 1):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    result = task.result()
-                    results[tasks[task]] = result
-                    if not isinstance(result, BaseException) and result[1] is not None:
-                        total += len(result[1])
-            for task in pending:
-                task.cancel()  # its reply, if any, is dropped: the client fetches the partition again
+            try:
+                while pending and total < max(min_bytes, 1):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        result = task.result()
+                        results[tasks[task]] = result
+                        if not isinstance(result, BaseException) and result[1] is not None:
+                            total += len(result[1])
+            finally:
+                # Also when this request is cancelled (its client went away): asyncio.wait leaves them.
+                for task in pending:
+                    task.cancel()  # its reply, if any, is dropped: the client fetches the partition again
         by_topic: dict[str, list] = {}
         budget = total_max
         for t, p, offset, _ in wanted:

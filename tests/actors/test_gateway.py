@@ -526,6 +526,33 @@ def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, 
         raw.close()
 
 
+def test_a_long_poll_whose_client_went_away_ends_at_the_replica(bus, gateway, topic_name):
+    """A client that closes its connection during a 30 s long poll: the fetch ends at the leader then
+    (and the gateway goes on serving), not at the wait's end."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+
+    def waiting() -> int:
+        return ray.get(leader.status.remote(), timeout=60)["fetches_waiting"]
+
+    raw = Raw(gateway)
+    try:
+        raw.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=30_000))
+        wait_for(lambda: waiting() == 1, timeout_s=60, message="the long poll parked at the leader")
+    finally:
+        raw.close()
+    started = time.monotonic()
+    wait_for(lambda: waiting() == 0, timeout_s=15, message="the long poll cancelled at the leader")
+    assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
+    again = Raw(gateway)
+    try:
+        now_ms = int(time.time() * 1000)  # (a record years old would be past the topic's retention)
+        assert produce(again, topic_name, kafka_batch([(None, b"after", now_ms, [])])).error_code == kg.ErrorCode.none
+        assert fetch(again, topic_name, 0).records
+    finally:
+        again.close()
+
+
 def test_a_replica_that_stops_reading_does_not_hold_up_the_gateways_other_connections(bus, gateway, topic_name):
     """A batch larger than a socket holds, sent to a stopped (SIGSTOP) leader, must not stall the
     gateway's loop: a produce to another partition on another connection is answered meanwhile."""
