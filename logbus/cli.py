@@ -559,7 +559,8 @@ def cmd_gateway(args) -> int:
         previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         with _connected(args) as bus:
-            limits = {} if args.max_request_bytes is None else {"max_request_bytes": args.max_request_bytes}
+            limits = {name: value for name, value in (("max_request_bytes", args.max_request_bytes),
+                                                      ("max_connections", args.max_connections)) if value is not None}
             gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits)
             try:
                 sys.stdout.write(f"Kafka gateway serving: bootstrap.servers={gateway.bootstrap_servers}\n")
@@ -1059,6 +1060,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--all-nodes", action="store_true", help="one gateway on every node that hosts replicas (else: this node only)")
     gateway.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
                          help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
+    gateway.add_argument("--max-connections", type=_positive_int, metavar="N",
+                         help="client connections per gateway; one more is closed when accepted (default: 4096)")
     gateway.set_defaults(func=cmd_gateway)
 
     # status

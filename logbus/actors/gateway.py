@@ -85,6 +85,8 @@ logger = logging.getLogger(__name__)
 GATEWAY_NAME_PREFIX = "logbus-gateway:"
 IN_FLIGHT_MAX = 64  # requests of one connection open at once
 OPEN_BYTES_FACTOR = 4  # a gateway's open requests hold at most this many times max_request_bytes in all
+MAX_CONNECTIONS_DEFAULT = 4096  # per gateway; one more is closed as soon as it is accepted
+REFUSED_WARNING_INTERVAL_S = 60.0
 METADATA_MAX_AGE_S = 30.0
 CALL_MARGIN_S = 10.0  # beyond a request's own timeout, how long a call to a replica or the controller may take
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -405,9 +407,13 @@ class ClusterBackend:
 class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
 
-    def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int) -> None:
+    def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int,
+                 max_connections: int = MAX_CONNECTIONS_DEFAULT) -> None:
         node_id = ray.get_runtime_context().get_node_id()
-        self._settings = (host, port, advertised_host, max_request_bytes)  # as asked (see start_gateways)
+        self._settings = (host, port, advertised_host, max_request_bytes, max_connections)  # as asked (see start_gateways)
+        self.max_connections = max_connections
+        self.connections_refused = 0
+        self._refused_warned_s = -REFUSED_WARNING_INTERVAL_S
         if advertised_host is None:
             advertised_host = ray.util.get_node_ip_address() if host in ANY_HOSTS else host
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False, backlog=128)
@@ -490,8 +496,8 @@ class Gateway:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
 
-    def settings(self) -> tuple[str, int, str | None, int]:
-        """(host, port, advertised host, max request bytes) as they were asked for when it was started."""
+    def settings(self) -> tuple[str, int, str | None, int, int]:
+        """(host, port, advertised host, max request bytes, max connections) as asked for when it was started."""
         return self._settings
 
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
@@ -505,13 +511,16 @@ class Gateway:
         self._on_loop(self.backend.add_peer, kg.Broker(broker_id, host, port, node_id))
 
     def stats(self) -> dict:
-        """Connections now and since start, requests served by (API key, version), frames refused, and
-        the bytes of open requests: now, at most so far, the limit, and how many requests waited for room."""
+        """Connections now, since start, their limit and how many were refused over it; requests served by
+        (API key, version); frames refused; and the bytes of open requests: now, at most so far, the
+        limit, and how many requests waited for room."""
         budget = self._budget
         return {
             "pid": os.getpid(),
             "connections": self.connections,
             "connections_total": self.connections_total,
+            "connections_limit": self.max_connections,
+            "connections_refused": self.connections_refused,
             "requests": dict(self.handler.requests_served),
             "refused_frames": self.refused_frames,
             "open_request_bytes": budget.used,
@@ -539,6 +548,17 @@ class Gateway:
     # --- connections ---------------------------------------------------------------------------------------
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.max_connections:
+            # Over the limit: closed at once, unread (the client reconnects after its backoff, as from a
+            # Kafka broker at max.connections). Each connection holds a socket and buffers.
+            self.connections_refused += 1
+            now = time.monotonic()
+            if now - self._refused_warned_s >= REFUSED_WARNING_INTERVAL_S:
+                self._refused_warned_s = now
+                logger.warning("Kafka gateway: %d connections open, the limit (max_connections); closing new ones "
+                               "(%d so far)", self.connections, self.connections_refused)
+            writer.transport.abort()
+            return
         self.connections += 1
         self.connections_total += 1
         connection = self.connections_total  # the handler keeps each connection's batches in order
@@ -674,6 +694,7 @@ def start_gateways(
     all_nodes: bool = False,
     advertised_host: str | None = None,
     max_request_bytes: int | None = None,
+    max_connections: int | None = None,
 ) -> KafkaGateway:
     """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
 
@@ -690,6 +711,10 @@ def start_gateways(
         max_request_bytes = kg.MAX_REQUEST_BYTES_DEFAULT
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
         raise InvalidConfigError(f"max_request_bytes must be an int of at least 1024, not {max_request_bytes!r}")
+    if max_connections is None:
+        max_connections = MAX_CONNECTIONS_DEFAULT
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+        raise InvalidConfigError(f"max_connections must be a positive int, not {max_connections!r}")
     if all_nodes:
         nodes = [n["node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
         here = ray.get_runtime_context().get_node_id()
@@ -697,7 +722,7 @@ def start_gateways(
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    asked = (host, port, advertised_host, max_request_bytes)
+    asked = (host, port, advertised_host, max_request_bytes, max_connections)
     actors, created = [], []
     for node_id in nodes:
         try:
@@ -718,7 +743,7 @@ def start_gateways(
                 max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             )
-            .remote(namespace, host, port, advertised_host, max_request_bytes)
+            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections)
         )
         actors.append(actor)
         created.append(actor)
@@ -735,7 +760,7 @@ def start_gateways(
         if tuple(found) != asked:
             # Ours are the ones started with what was asked (another caller may have started one meanwhile).
             _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
-            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes"), found))
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections"), found))
             raise IllegalStateError(
                 f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
                 f"to start one with other settings"

@@ -96,6 +96,7 @@ class Bus:
         all_nodes: bool = False,
         advertised_host: str | None = None,
         max_request_bytes: int | None = None,
+        max_connections: int | None = None,
     ) -> KafkaGateway:
         """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
 
@@ -107,7 +108,10 @@ class Bus:
         ``advertised_host`` is the address clients are told to connect to
         (default: ``host``, or the node's IP when ``host`` is a wildcard).
         Requests over ``max_request_bytes`` (default 100 MiB, Kafka's
-        ``socket.request.max.bytes``) close their connection. Calling it
+        ``socket.request.max.bytes``) close their connection. A gateway
+        holds at most ``max_connections`` client connections (default 4096);
+        one more is closed as soon as it is accepted, and the client
+        reconnects after its backoff. Calling it
         again returns the gateways already running, or raises
         IllegalStateError if they were started with other settings (stop them
         first). The gateways run until
@@ -120,6 +124,7 @@ class Bus:
         return start_gateways(
             self.namespace, self._controller, host, port,
             all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,
+            max_connections=max_connections,
         )
 
 

@@ -29,7 +29,7 @@ from kio.serial import entity_reader, entity_writer
 import logbus
 from logbus import TopicPartition
 from logbus import cli
-from logbus.errors import IllegalStateError
+from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
@@ -415,7 +415,7 @@ def test_starting_the_gateway_again_with_other_settings_is_refused_and_the_runni
     [before] = gateway.stats()
     assert bus.start_gateway(port=0).brokers == gateway.brokers  # asked the same: the gateway running
     for other in ({"port": gateway.brokers[0][1] + 1}, {"port": 0, "host": "0.0.0.0"}, {"port": 0, "advertised_host": "example.com"},
-                  {"port": 0, "max_request_bytes": 1 << 20}):
+                  {"port": 0, "max_request_bytes": 1 << 20}, {"port": 0, "max_connections": 10}):
         with pytest.raises(IllegalStateError, match="already runs on node .* started with"):
             bus.start_gateway(**other)
     raw = Raw(gateway)
@@ -524,6 +524,34 @@ def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, 
         assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
     finally:
         raw.close()
+
+
+def api_versions_ok(raw: Raw) -> bool:
+    return raw.call(kg.API_VERSIONS, 3, {"client_software_name": "t", "client_software_version": "1"}).error_code == kg.ErrorCode.none
+
+
+def test_connections_over_the_limit_are_closed_and_the_open_ones_keep_serving(bus):
+    gw = bus.start_gateway(port=0, max_connections=2)
+    opened = []
+    try:
+        opened += [Raw(gw), Raw(gw)]
+        assert all(api_versions_ok(raw) for raw in opened)
+        opened.append(Raw(gw))  # accepted by the kernel, then closed by the gateway unread
+        with pytest.raises(ConnectionError):
+            api_versions_ok(opened[-1])
+        [stats] = gw.stats()
+        assert (stats["connections"], stats["connections_limit"], stats["connections_refused"]) == (2, 2, 1)
+        assert api_versions_ok(opened[1])
+        opened[0].close()
+        wait_for(lambda: gw.stats()[0]["connections"] == 1, timeout_s=30, message="the closed connection counted out")
+        opened.append(Raw(gw))  # room again
+        assert api_versions_ok(opened[-1])
+    finally:
+        for raw in opened:
+            raw.close()
+        gw.stop()
+    with pytest.raises(InvalidConfigError, match="max_connections"):
+        bus.start_gateway(port=0, max_connections=0)
 
 
 def test_a_long_poll_whose_client_went_away_ends_at_the_replica(bus, gateway, topic_name):
