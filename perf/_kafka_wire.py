@@ -47,8 +47,8 @@ def _response(api_key: int, version: int, frame: bytes):
 
 class _Connection:
     def __init__(self, bootstrap: str) -> None:
-        host, port = bootstrap.rsplit(",", 1)[0].rsplit(":", 1)
-        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        host, port = bootstrap.split(",", 1)[0].rsplit(":", 1)
+        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.reader = self.sock.makefile("rb", buffering=1 << 20)
 

@@ -589,13 +589,7 @@ class Gateway:
                     pending.add_done_callback(fetches.discard)
                 await responses.put(pending)
         except (asyncio.IncompleteReadError, ConnectionError):
-            # The client went away (Kafka clients never half-close): nobody reads the replies. Its
-            # fetches end now rather than at their wait's end, at the replicas too (see
-            # ClusterBackend._fetch_reply); the requests behind one are then cancelled as after a
-            # failed write (a batch already handed to its leader is appended or not, unacknowledged,
-            # as when any Kafka client's connection drops).
-            for pending in list(fetches):
-                pending.cancel()
+            pass  # the client went away (Kafka clients never half-close a connection)
         except KafkaProtocolError as error:
             self.refused_frames += 1
             logger.warning("Kafka gateway: closing the connection from %s: %s", peer, error)
@@ -603,14 +597,20 @@ class Gateway:
             self.refused_frames += 1
             logger.exception("Kafka gateway: closing the connection from %s after an unexpected error", peer)
         finally:
-            await responses.put(None)
+            # However the connection ends, nobody reads its replies any more: its fetches end now
+            # rather than at their wait's end, at the replicas too (ClusterBackend._fetch_reply), and
+            # the requests behind one are cancelled as after a failed write (a batch already handed
+            # to its leader is appended or not, unacknowledged, as when a Kafka client's connection drops).
+            for pending in list(fetches):
+                pending.cancel()
             try:
-                await sender
-            except Exception:  # noqa: BLE001
-                pass
-            self.connections -= 1
-            self._transports.discard(writer.transport)
-            writer.close()
+                await responses.put(None)
+                with contextlib.suppress(Exception):
+                    await sender
+            finally:
+                self.connections -= 1
+                self._transports.discard(writer.transport)
+                writer.close()
 
     async def _send_responses(self, responses: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
         """Write each request's response in the order the requests came."""
@@ -628,9 +628,9 @@ class Gateway:
                     writer.write(frame)
                     await writer.drain()
             except asyncio.CancelledError:
-                if not pending.cancelled():
-                    raise  # this sender itself is cancelled
-                closing = True  # a fetch of a client that went away: nothing more is written
+                if asyncio.current_task().cancelling():
+                    raise  # this sender itself is cancelled (which cancels the request it awaited too)
+                closing = True  # a fetch of a connection that ended: nothing more is written
             except ConnectionError:
                 closing = True
             except Exception:  # noqa: BLE001 (a request that failed unexpectedly closes its connection)

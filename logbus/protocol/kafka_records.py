@@ -50,12 +50,13 @@ records that would expand past it raise
 :class:`~logbus.errors.RecordTooLargeError` (Kafka's MESSAGE_TOO_LARGE). Fetch replies are uncompressed (the gateway runs beside its clients'
 brokers; a codec would cost CPU on both ends to save loopback bytes).
 
-Speed. Records are variable-length, so finding where each begins is a loop
-over the records (one varint each); everything else is done per field for
-all records at once with numpy (varints, offsets, timestamps), and keys and
-values are gathered by Arrow (``take`` when reading, ``binary_join_element_wise``
-when writing), not copied one by one.
-Headers, rare on the hot path, are handled per record.
+Speed. Records are variable-length, so finding where each begins walks the
+records (one varint each), except through runs of records of one size, which
+numpy finds at once (see ``_record_bodies``); everything else is done per
+field for all records at once with numpy (varints, offsets, timestamps), and
+keys and values are gathered by Arrow (``take`` when reading,
+``binary_join_element_wise`` when writing), not copied one by one. Headers,
+rare on the hot path, are handled per record.
 
 Errors: a batch that fails a length, CRC or format check (among them: a
 record count larger than its bytes can hold, at ``MIN_RECORD_BYTES`` a record) raises
@@ -287,8 +288,8 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
     Each record begins with its length (a zigzag varint): nothing else tells
     where the next one starts, so this walks the records one by one, except
     where they come in runs of one size, as records of same-sized keys and
-    values do (their size still changes where the offset delta's varint grows,
-    at 64 and 8,192). After a record, the bytes where the next ones would start
+    values do (their size still steps where the varint of the offset delta, or
+    of the timestamp delta, grows: at 64 and 8,192 records or milliseconds). After a record, the bytes where the next ones would start
     if they were its size are compared, with numpy, to its length prefix; each
     that matches is a record of the same length, so a run of them is taken at
     once. Where runs are short (records of many sizes) the looks back off.
@@ -305,6 +306,7 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
             walked_starts, walked_lengths = [], []
             first = i
             for i in range(i, min(count, i + stretch)):
+                head = position
                 b = data[position]
                 if b < 0x80:
                     n = b
@@ -328,9 +330,10 @@ def _record_bodies(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
             lengths[first:i] = walked_lengths
             if i == count:
                 break
-            # The last record walked: its length prefix ends where its body starts.
-            size = max(1, (n.bit_length() + 6) // 7)
-            run = _same_size_run(buf, data, walked_starts[-1] - size, size, length, count - i, end)
+            # The last record walked: its length prefix, as written (a varint may be padded), from
+            # ``head`` to where its body starts. Records that begin with these very bytes decode alike.
+            size = walked_starts[-1] - head
+            run = _same_size_run(buf, data, head, size, length, count - i, end)
             if run:
                 stride = size + length
                 starts[i : i + run] = np.arange(position + size, position + size + run * stride, stride, dtype=np.int64)

@@ -554,9 +554,10 @@ def test_connections_over_the_limit_are_closed_and_the_open_ones_keep_serving(bu
         bus.start_gateway(port=0, max_connections=0)
 
 
-def test_a_long_poll_whose_client_went_away_ends_at_the_replica(bus, gateway, topic_name):
-    """A client that closes its connection during a 30 s long poll: the fetch ends at the leader then
-    (and the gateway goes on serving), not at the wait's end."""
+@pytest.mark.parametrize("ending", ["the client closes it", "a frame over the size limit"])
+def test_a_long_poll_whose_connection_ends_ends_at_the_replica(bus, gateway, topic_name, ending):
+    """A connection that ends during a 30 s long poll, closed by its client or by the gateway over a
+    bad frame: the fetch ends at the leader then (and the gateway goes on serving), not at the wait's end."""
     bus.admin.create_topic(topic_name, partitions=1)
     leader = bus.topic_metadata(topic_name).leaders[0]
 
@@ -567,6 +568,12 @@ def test_a_long_poll_whose_client_went_away_ends_at_the_replica(bus, gateway, to
     try:
         raw.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=30_000))
         wait_for(lambda: waiting() == 1, timeout_s=60, message="the long poll parked at the leader")
+        if ending != "the client closes it":
+            raw.sock.sendall(struct.pack(">i", kg.MAX_REQUEST_BYTES_DEFAULT + 1))
+            try:  # the gateway closes the connection, with no reply to the fetch
+                assert raw.sock.recv(1) == b""
+            except ConnectionResetError:
+                pass
     finally:
         raw.close()
     started = time.monotonic()

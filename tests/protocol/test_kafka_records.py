@@ -339,6 +339,16 @@ def test_records_in_runs_of_one_size_are_found_as_one_by_one(runs, data):
         assert by_runs != CorruptRecordError and by_runs[1] == [length for length, repeat in runs for _ in range(repeat)]
 
 
+def test_padded_length_varints_walk_the_same_way_with_or_without_runs():
+    # 0x82 0x00 is 2 (a length of 1) padded to two bytes, which a varint reader accepts. A run is
+    # the records that begin with the very bytes of the one before, not merely its length's.
+    assert record_bodies_both_ways(bytes([0x82, 0, 0x41, 0, 0x41]), 2) == [CorruptRecordError] * 2
+    padded = bytes([0x82, 0x00, 0x41]) * 40
+    assert record_bodies_both_ways(padded, 40) == [([3 * i + 2 for i in range(40)], [1] * 40)] * 2
+    mixed = bytes([0x82, 0x00, 0x41]) * 20 + bytes([0x02, 0x41]) * 20
+    assert record_bodies_both_ways(mixed, 40)[0] == record_bodies_both_ways(mixed, 40)[1]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400), st.integers(1, 80))
 def test_any_bytes_walk_the_same_way_with_or_without_runs(data, count):
