@@ -55,8 +55,9 @@ records (one varint each), except through runs of records of one size, which
 numpy finds at once (see ``_record_bodies``); everything else is done per
 field for all records at once with numpy (varints, offsets, timestamps), and
 keys and values are gathered by Arrow (``take`` when reading,
-``binary_join_element_wise`` when writing), not copied one by one. Headers,
-rare on the hot path, are handled per record.
+``binary_join_element_wise`` when writing), not copied one by one; so are
+headers, read in rounds (every record's first header, then every second
+one, ...) and written all at once.
 
 Errors: a batch that fails a length, CRC or format check (among them: a
 record count larger than its bytes can hold, at ``MIN_RECORD_BYTES`` a record) raises
@@ -437,36 +438,53 @@ def _binary_column(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.A
 
 
 def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> pa.Array:
-    """The headers of every record (null where a record has none); per record, as headers are rare."""
-    rows: list = [None] * starts.size
-    for i in np.flatnonzero(counts).tolist():
-        position, end, entries = int(starts[i]), int(ends[i]), []
-        try:
-            for _ in range(int(counts[i])):
-                raw, size = _varint_at(data, position)
-                key_length = (raw >> 1) ^ -(raw & 1)
-                position += size
-                if key_length < 0 or position + key_length > end:
-                    raise CorruptRecordError(f"record {i}: a header key runs past the record")
-                try:
-                    key = data[position : position + key_length].decode()
-                except UnicodeDecodeError:
-                    raise InvalidRecordError(f"record {i}: a header key is not UTF-8") from None
-                position += key_length
-                raw, size = _varint_at(data, position)
-                value_length = (raw >> 1) ^ -(raw & 1)
-                position += size
-                if value_length < -1 or position + max(value_length, 0) > end:
-                    raise CorruptRecordError(f"record {i}: a header value runs past the record")
-                value = None if value_length < 0 else data[position : position + value_length]
-                position += max(value_length, 0)
-                entries.append((key, value))
-        except IndexError:
-            raise CorruptRecordError(f"record {i}: its headers are cut short") from None
-        if position != end:
-            raise CorruptRecordError(f"record {i}: {end - position} bytes left after its headers")
-        rows[i] = entries
-    return pa.array(rows, rb.HEADERS_TYPE)
+    """The headers of every record (null where a record has none), read for all records at once.
+
+    A record's headers follow one another, so they are read in rounds: the
+    first header of every record that has one, then the second, and so on (as
+    many rounds as the most headers a record has), each round with numpy.
+    """
+    count = starts.size
+    room = ends - starts
+    if (counts * 2 > room).any():  # a header takes two bytes at least: refused before anything is allocated
+        raise CorruptRecordError("a record claims more headers than its bytes hold")
+    buf = np.frombuffer(data, np.uint8)
+    bounds = np.zeros(count + 1, np.int64)
+    np.cumsum(counts, out=bounds[1:])
+    total = int(bounds[-1])
+    key_starts, key_lengths = np.empty(total, np.int64), np.empty(total, np.int64)
+    value_starts, value_lengths = np.empty(total, np.int64), np.empty(total, np.int64)
+    holders = np.flatnonzero(counts)
+    position = starts[holders].copy()
+    round_ = 0
+    while holders.size:
+        end = ends[holders]
+        key_length, size = _read_varints(buf, position, end, 5)
+        position = position + size
+        if (key_length < 0).any() or (position + key_length > end).any():
+            raise CorruptRecordError("a header key runs past its record")
+        at = bounds[holders] + round_
+        key_starts[at], key_lengths[at] = position, key_length
+        position = position + key_length
+        value_length, size = _read_varints(buf, position, end, 5)
+        position = position + size
+        if (value_length < -1).any() or (position + np.maximum(value_length, 0) > end).any():
+            raise CorruptRecordError("a header value runs past its record")
+        value_starts[at], value_lengths[at] = position, value_length
+        position = position + np.maximum(value_length, 0)
+        round_ += 1
+        more = counts[holders] > round_
+        if not (position[~more] == end[~more]).all():
+            raise CorruptRecordError("a record has bytes left after its headers")
+        holders, position = holders[more], position[more]
+    try:
+        keys = _binary_column(data, key_starts, key_lengths).cast(pa.string())
+    except pa.ArrowInvalid:
+        raise InvalidRecordError("a header key is not UTF-8") from None
+    values = _binary_column(data, value_starts, value_lengths)
+    without = pa.Array.from_buffers(pa.bool_(), count, [None, pa.py_buffer(np.packbits(counts == 0, bitorder="little"))])
+    offsets = pa.Array.from_buffers(pa.int32(), count + 1, [None, pa.py_buffer(bounds.astype(np.int32))])
+    return pa.MapArray.from_arrays(offsets, keys, values, type=rb.HEADERS_TYPE, mask=without)  # null: no headers
 
 
 def decode_records(header: KafkaBatchHeader, records: bytes) -> pa.RecordBatch:
@@ -631,11 +649,51 @@ def _binary_lengths(array: pa.Array) -> np.ndarray:
     return lengths
 
 
-def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, list[bytes] | None]:
-    """Per record: the header count and (where any) the encoded header entries."""
+def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, pa.Array | None]:
+    """Per record: its header count, and a binary array of its encoded header entries (None: no headers).
+
+    Every entry of every record is encoded at once, as the records' fields
+    are (varints with numpy, ``binary_join_element_wise`` for key length, key,
+    value length, value); the entries of a record lie back to back, so a
+    record's part is a span of the joined bytes, cut by the map's offsets.
+    """
     count = len(headers)
     if headers.null_count == count:
         return np.zeros(count, np.int64), None
+    offsets = np.frombuffer(headers.buffers()[1], np.int32)[headers.offset : headers.offset + count + 1].astype(np.int64)
+    counts = np.diff(offsets)
+    if headers.null_count:
+        bits = np.unpackbits(np.frombuffer(headers.buffers()[0], np.uint8), bitorder="little")
+        nulls = bits[headers.offset : headers.offset + count] == 0
+        if counts[nulls].any():
+            return _header_blobs_one_by_one(headers)  # a null that spans entries (not how logbus writes them)
+    first, last = int(offsets[0]), int(offsets[-1])
+    keys = headers.keys.slice(first, last - first)
+    values = headers.items.slice(first, last - first)
+    if keys.null_count:
+        raise InvalidRecordError("a header has a null key")
+    key_lengths, value_lengths = _binary_lengths(keys), _binary_lengths(values)
+    key_raw, value_raw = _zigzag(key_lengths), _zigzag(value_lengths)
+    key_size, value_size = _varint_sizes(key_raw), _varint_sizes(value_raw)
+    before = np.zeros(int(key_size.sum()), np.uint8)
+    _write_varints(before, _piece_starts(key_size), key_raw, key_size)
+    between = np.zeros(int(value_size.sum()), np.uint8)
+    _write_varints(between, _piece_starts(value_size), value_raw, value_size)
+    entries = pc.binary_join_element_wise(
+        _binary_array(before, key_size), keys.view(pa.binary()), _binary_array(between, value_size), values,
+        _binary_array(np.zeros(0, np.uint8), np.zeros(len(keys), np.int64)), null_handling="replace", null_replacement="",
+    )
+    entry_offsets = np.frombuffer(entries.buffers()[1], np.int32)[entries.offset : entries.offset + len(entries) + 1]
+    record_offsets = entry_offsets[offsets - first]
+    if headers.null_count:
+        counts[nulls] = 0
+    return counts, pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(np.ascontiguousarray(record_offsets)),
+                                                              entries.buffers()[2]])
+
+
+def _header_blobs_one_by_one(headers: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """:func:`_header_blobs` record by record, for maps whose null slots span entries."""
+    count = len(headers)
     counts = np.zeros(count, np.int64)
     blobs: list[bytes] = [b""] * count
     for i, entries in enumerate(headers.to_pylist()):
@@ -648,7 +706,8 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, list[bytes] | None]:
             parts += [_varint_bytes(-1)] if value is None else [_varint_bytes(len(value)), value]
         counts[i] = len(entries)
         blobs[i] = b"".join(parts)
-    return counts, blobs
+    sizes = np.array([len(b) for b in blobs], np.int64)
+    return counts, _binary_array(np.frombuffer(b"".join(blobs), np.uint8), sizes)
 
 
 def _binary_array(buffer: np.ndarray, sizes: np.ndarray) -> pa.Array:
@@ -671,8 +730,9 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     its headers. The varints of every record are written at once with numpy
     into three arrays of pieces (before the key, between key and value, after
     the value); Arrow's ``binary_join_element_wise`` then lays out piece, key,
-    piece, value, piece record after record, with no Python loop per record
-    (only records with headers are visited one by one, as headers are rare).
+    piece, value, piece (and the record's headers, encoded for all records at
+    once by :func:`_header_blobs`) record after record, with no Python loop
+    per record.
     """
     count = records.num_rows
     keys, values, timestamp_column, headers = (records.column(i) for i in range(4))
@@ -684,7 +744,7 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     key_raw, value_raw = _zigzag(key_lengths), _zigzag(value_lengths)
     header_counts, header_blobs = _header_blobs(headers)
     header_raw = _zigzag(header_counts)
-    header_bytes = np.zeros(count, np.int64) if header_blobs is None else np.array([len(b) for b in header_blobs], np.int64)
+    header_bytes = np.zeros(count, np.int64) if header_blobs is None else _binary_lengths(header_blobs)
 
     sizes = [_varint_sizes(x) for x in (timestamp_raw, offset_raw, key_raw, value_raw, header_raw)]
     ts_size, off_size, key_size, value_size, hdr_size = sizes
@@ -708,22 +768,15 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     # Between key and value: the value's length.
     between = np.zeros(int(value_size.sum()), np.uint8)
     _write_varints(between, _piece_starts(value_size), value_raw, value_size)
-    # After the value: the header count, then the headers.
-    after_sizes = hdr_size + header_bytes
-    after = np.zeros(int(after_sizes.sum()), np.uint8)
-    at = _piece_starts(after_sizes)
-    _write_varints(after, at, header_raw, hdr_size)
+    # After the value: the header count, then (if any) the headers.
+    after = np.zeros(int(hdr_size.sum()), np.uint8)
+    _write_varints(after, _piece_starts(hdr_size), header_raw, hdr_size)
+    pieces = [_binary_array(before, before_sizes), keys, _binary_array(between, value_size), values, _binary_array(after, hdr_size)]
     if header_blobs is not None:
-        target = memoryview(after)
-        for i in np.flatnonzero(header_counts).tolist():
-            dest = int(at[i] + hdr_size[i])
-            target[dest : dest + len(header_blobs[i])] = header_blobs[i]
-
-    joined = pc.binary_join_element_wise(
-        _binary_array(before, before_sizes), keys, _binary_array(between, value_size), values,
-        _binary_array(after, after_sizes), _binary_array(np.zeros(0, np.uint8), np.zeros(count, np.int64)),
-        null_handling="replace", null_replacement="",
-    )  # the separator, an array of empty values: a Python b"" would go through pa.scalar, which imports pandas
+        pieces.append(header_blobs)
+    # The separator, an array of empty values: a Python b"" would go through pa.scalar, which imports pandas.
+    pieces.append(_binary_array(np.zeros(0, np.uint8), np.zeros(count, np.int64)))
+    joined = pc.binary_join_element_wise(*pieces, null_handling="replace", null_replacement="")
     records_bytes = memoryview(joined.buffers()[2]).cast("B")[:total] if total else memoryview(b"")
     if len(records_bytes) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes)} bytes, not {total}")

@@ -14,6 +14,7 @@ import sys
 
 import crc32c
 import cramjam
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -356,7 +357,22 @@ def test_any_bytes_walk_the_same_way_with_or_without_runs(data, count):
     assert by_runs == one_by_one
 
 
-def test_translating_batches_without_headers_does_not_import_pandas():
+def test_headers_of_a_slice_and_of_null_maps_that_span_entries_are_written_as_kafka_reads_them():
+    headers = pa.MapArray.from_arrays(
+        pa.array([0, 1, 3, 3, 5], pa.int32()), pa.array(["a", "b", "c", "hidden", "gone"]),
+        pa.array([b"1", None, b"3", b"x", b"y"]), type=rb.HEADERS_TYPE,
+        mask=pa.array([False, False, True, True]),  # the last two are null, the last one over two entries
+    )
+    count = len(headers)
+    batch = pa.RecordBatch.from_arrays([pa.array([None] * count, pa.binary()), pa.array([b"v%d" % i for i in range(count)]),
+                                        pa.array([BASE_MS] * count, pa.int64()), headers], schema=rb.SCHEMA)
+    [(header, _)] = rb.decode_batches(rb.frame_record_batch(batch, base_offset=10))
+    for records, first in ((batch, 0), (batch.slice(1, 3), 1)):  # the whole batch, and a slice of it
+        expected = [[("a", b"1")], [("b", None), ("c", b"3")], [], []][first : first + len(records)]
+        assert [headers for *_, headers in kafka_rows(kr.encode_kafka_batch(header, records))] == expected
+
+
+def test_translating_batches_does_not_import_pandas():
     # pyarrow imports pandas, when installed, the first time pa.array or to_numpy runs: a stall of
     # about a second and tens of MiB in a gateway process that never needs it.
     script = """
@@ -366,7 +382,8 @@ from logbus.protocol import kafka_records as kr
 builder = DefaultRecordBatchBuilder(magic=2, compression_type=0, is_transactional=False, producer_id=-1,
                                     producer_epoch=-1, base_sequence=-1, batch_size=1 << 20)
 for i in range(50):
-    builder.append(i, timestamp=1_700_000_000_000 + i, key=None if i % 2 else b"k%d" % i, value=b"v" * i, headers=[])
+    builder.append(i, timestamp=1_700_000_000_000 + i, key=None if i % 2 else b"k%d" % i, value=b"v" * i,
+                   headers=[("trace", b"t%d" % i), ("none", None)] if i % 3 == 0 else [])
 produced = kr.to_logbus(bytes(builder.build()))
 assert kr.to_kafka(produced.encoded)
 print("pandas" in sys.modules)
