@@ -163,6 +163,28 @@ class _Budget:
                 room.set_result(None)
 
 
+class _Release:
+    """Gives a request's bytes back to the budget, once: when the request ends, before anyone awaiting
+    it can see it done (its response is written after), or when it is cancelled before it ran."""
+
+    __slots__ = ("budget", "size")
+
+    def __init__(self, budget: _Budget, size: int) -> None:
+        self.budget, self.size = budget, size
+
+    def __call__(self, _done=None) -> None:
+        if self.size:
+            size, self.size = self.size, 0
+            self.budget.release(size)
+
+
+async def _released_after(awaitable, release: _Release):
+    try:
+        return await awaitable
+    finally:
+        release()
+
+
 def _abandon(pending) -> None:
     """Cancel, at the replica, a fetch sent with ``send_fetch`` whose reply is no longer wanted."""
     if isinstance(pending, Future):
@@ -577,13 +599,14 @@ class Gateway:
                 if size < 8 or size > self.handler.max_request_bytes:
                     raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
                 await self._budget.acquire(size)
+                release = _Release(self._budget, size)
                 try:
                     frame = await reader.readexactly(size)
-                    pending = asyncio.ensure_future(self.handler.start(frame, connection))
+                    pending = asyncio.ensure_future(_released_after(self.handler.start(frame, connection), release))
                 except BaseException:
-                    self._budget.release(size)
+                    release()
                     raise
-                pending.add_done_callback(lambda _, size=size: self._budget.release(size))
+                pending.add_done_callback(release)  # also when cancelled before it ran
                 if kg.peek_header(frame)[0] == kg.FETCH:
                     fetches.add(pending)
                     pending.add_done_callback(fetches.discard)
