@@ -624,13 +624,16 @@ class Gateway:
             # rather than at their wait's end, at the replicas too (ClusterBackend._fetch_reply), and
             # the requests behind one are cancelled as after a failed write (a batch already handed
             # to its leader is appended or not, unacknowledged, as when a Kafka client's connection drops).
+            loop = asyncio.get_running_loop()
             for pending in list(fetches):
-                pending.cancel()
+                loop.call_soon(pending.cancel)  # after its first step: a request never started is never awaited
             try:
                 await responses.put(None)
                 with contextlib.suppress(Exception):
                     await sender
             finally:
+                if not sender.done():
+                    sender.cancel()  # this connection's task was cancelled (the gateway stops)
                 self.connections -= 1
                 self._transports.discard(writer.transport)
                 writer.close()
@@ -643,7 +646,7 @@ class Gateway:
             if pending is None:
                 return
             if closing:
-                pending.cancel()
+                asyncio.get_running_loop().call_soon(pending.cancel)  # after its first step, as above
                 continue
             try:
                 frame = await pending

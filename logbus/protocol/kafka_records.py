@@ -437,17 +437,24 @@ def _binary_column(data: bytes, starts: np.ndarray, lengths: np.ndarray) -> pa.A
     return pa.Array.from_buffers(pa.binary(), count, [validity, offsets, joined], null_count=null_count)
 
 
+_HEADER_ROUND_MIN = 16  # records still reading headers for a round with numpy to pay; fewer go one header at a time
+
+
 def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: np.ndarray) -> pa.Array:
     """The headers of every record (null where a record has none), read for all records at once.
 
     A record's headers follow one another, so they are read in rounds: the
-    first header of every record that has one, then the second, and so on (as
-    many rounds as the most headers a record has), each round with numpy.
+    first header of every record that has one, then the second, and so on,
+    each round with numpy. Once few records are left with more headers (one
+    record with thousands, say), those are read one header at a time, so the
+    work stays linear in the headers.
     """
     count = starts.size
     room = ends - starts
     if (counts * 2 > room).any():  # a header takes two bytes at least: refused before anything is allocated
         raise CorruptRecordError("a record claims more headers than its bytes hold")
+    if not (room[counts == 0] == 0).all():
+        raise CorruptRecordError("a record has bytes left after its fields")
     buf = np.frombuffer(data, np.uint8)
     bounds = np.zeros(count + 1, np.int64)
     np.cumsum(counts, out=bounds[1:])
@@ -457,7 +464,7 @@ def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: n
     holders = np.flatnonzero(counts)
     position = starts[holders].copy()
     round_ = 0
-    while holders.size:
+    while holders.size >= _HEADER_ROUND_MIN:
         end = ends[holders]
         key_length, size = _read_varints(buf, position, end, 5)
         position = position + size
@@ -477,6 +484,28 @@ def _headers_column(data: bytes, starts: np.ndarray, counts: np.ndarray, ends: n
         if not (position[~more] == end[~more]).all():
             raise CorruptRecordError("a record has bytes left after its headers")
         holders, position = holders[more], position[more]
+    for record, at in zip(holders.tolist(), position.tolist()):
+        end = int(ends[record])
+        try:
+            for entry in range(int(bounds[record]) + round_, int(bounds[record + 1])):
+                raw, size = _varint_at(data, at)
+                key_length = (raw >> 1) ^ -(raw & 1)
+                at += size
+                if key_length < 0 or at + key_length > end:
+                    raise CorruptRecordError("a header key runs past its record")
+                key_starts[entry], key_lengths[entry] = at, key_length
+                at += key_length
+                raw, size = _varint_at(data, at)
+                value_length = (raw >> 1) ^ -(raw & 1)
+                at += size
+                if value_length < -1 or at + max(value_length, 0) > end:
+                    raise CorruptRecordError("a header value runs past its record")
+                value_starts[entry], value_lengths[entry] = at, value_length
+                at += max(value_length, 0)
+        except IndexError:
+            raise CorruptRecordError("a record's headers are cut short") from None
+        if at != end:
+            raise CorruptRecordError("a record has bytes left after its headers")
     try:
         keys = _binary_column(data, key_starts, key_lengths).cast(pa.string())
     except pa.ArrowInvalid:
@@ -668,8 +697,11 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, pa.Array | None]:
         if counts[nulls].any():
             return _header_blobs_one_by_one(headers)  # a null that spans entries (not how logbus writes them)
     first, last = int(offsets[0]), int(offsets[-1])
-    keys = headers.keys.slice(first, last - first)
-    values = headers.items.slice(first, last - first)
+    if first == last:
+        return np.zeros(count, np.int64), None  # only empty or null maps: no headers to write
+    entries = headers.values  # the maps' (key, value) structs; field() applies the struct's own offset
+    keys = entries.field(0).slice(first, last - first)
+    values = entries.field(1).slice(first, last - first)
     if keys.null_count:
         raise InvalidRecordError("a header has a null key")
     key_lengths, value_lengths = _binary_lengths(keys), _binary_lengths(values)

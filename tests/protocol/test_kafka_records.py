@@ -367,9 +367,25 @@ def test_headers_of_a_slice_and_of_null_maps_that_span_entries_are_written_as_ka
     batch = pa.RecordBatch.from_arrays([pa.array([None] * count, pa.binary()), pa.array([b"v%d" % i for i in range(count)]),
                                         pa.array([BASE_MS] * count, pa.int64()), headers], schema=rb.SCHEMA)
     [(header, _)] = rb.decode_batches(rb.frame_record_batch(batch, base_offset=10))
-    for records, first in ((batch, 0), (batch.slice(1, 3), 1)):  # the whole batch, and a slice of it
+    # The whole batch and a slice over the null that spans entries (written map by map); slices
+    # without it (written all at once, from an offset into the maps).
+    for records, first in ((batch, 0), (batch.slice(1, 3), 1), (batch.slice(1, 2), 1), (batch.slice(0, 2), 0)):
         expected = [[("a", b"1")], [("b", None), ("c", b"3")], [], []][first : first + len(records)]
         assert [headers for *_, headers in kafka_rows(kr.encode_kafka_batch(header, records))] == expected
+
+
+def test_empty_and_null_header_maps_write_no_headers_and_a_long_run_of_headers_reads_back():
+    headers = pa.array([[], None, []], rb.HEADERS_TYPE)
+    batch = pa.RecordBatch.from_arrays([pa.array([None] * 3, pa.binary()), pa.array([b"a", b"b", b"c"]),
+                                        pa.array([BASE_MS] * 3, pa.int64()), headers], schema=rb.SCHEMA)
+    [(header, _)] = rb.decode_batches(rb.frame_record_batch(batch))
+    assert [h for *_, h in kafka_rows(kr.encode_kafka_batch(header, batch))] == [[], [], []]
+    # One record with many headers among records with few: rounds, then one header at a time.
+    many = [("h%d" % j, None if j % 7 == 0 else b"%d" % j) for j in range(3_000)]
+    records = [(None, b"v%d" % i, BASE_MS, many if i == 5 else [("t", b"%d" % i)] * (i % 3)) for i in range(40)]
+    produced = kr.to_logbus(kafka_batch(records))
+    _, rows = logbus_rows(produced.encoded)
+    assert [r["headers"] for r in rows] == [h or None for *_, h in records]
 
 
 def test_translating_batches_does_not_import_pandas():
