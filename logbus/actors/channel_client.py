@@ -171,32 +171,27 @@ class Connection:
     def cancel(self, request_id: int) -> bool:
         """Tell the replica its reply to ``request_id`` is no longer wanted; the request's Future is cancelled.
 
-        Never blocks (callers may be on an event loop): if a send is under way
-        or the socket has no room, the request is forgotten here only, and its
-        reply, if it comes, is dropped. Returns whether the replica was told.
+        Never blocks (callers may be on an event loop): the CANCEL frame goes
+        as requests sent with ``block=False`` do, queued behind frames the
+        connection's sender thread still has to send. If it cannot go (a
+        blocking send is under way, or the queue is full), the request is
+        forgotten here only, and its reply, if it comes, is dropped. Returns
+        whether the replica will be told.
         """
         with self._lock:
             future = self._pending.pop(request_id, None)
             if future is None or self.closed:
                 return False
         future.cancel()
-        if not self._send_lock.acquire(blocking=False):
-            return False
         try:
-            frame = b"".join(bytes(part) for part in wire.encode_parts(request_id, wire.CANCEL, ()))
-            try:
-                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return False
-            if sent < len(frame):
-                _send_parts(self._sock, [frame[sent:]])  # part of it went out: the rest must follow
+            self._send_without_waiting(wire.encode_parts(request_id, wire.CANCEL, ()))
             return True
+        except ChannelBusyError:
+            return False
         except OSError as error:
             with self._lock:
                 self._close_locked(f"send failed: {error}")
             return False
-        finally:
-            self._send_lock.release()
 
     def _read_replies(self) -> None:
         reason = "the replica closed the connection"

@@ -164,6 +164,45 @@ def test_requests_that_may_not_wait_queue_behind_a_full_socket_in_order_then_are
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 
+def test_a_cancel_queues_behind_frames_the_sender_thread_still_has_and_reaches_the_server(loop, monkeypatch):
+    """While the connection's sender thread works through frames a full socket could not take, a
+    cancel goes in the same queue, in order, rather than being skipped (the reply merely dropped)."""
+    monkeypatch.setattr(channel_server, "MAX_CONCURRENT_PER_CONNECTION", 2)
+    events = {"A": asyncio.Event(), "B": asyncio.Event()}
+    started, cancelled = [], []
+
+    async def handler(kind, args):
+        if args[0] == "wait":
+            started.append(args[1])
+            try:
+                await events[args[1]].wait()
+            except asyncio.CancelledError:
+                cancelled.append(args[1])
+                raise
+            return args[1]
+        return ("payload", args[1], len(args[2]))
+
+    server, address = start(loop, handler)
+    connection = Connection(address)
+    try:
+        parked = connection.call(wire.FETCH, ("wait", "A"))
+        other = connection.call(wire.FETCH, ("wait", "B"))
+        wait_for(lambda: started == ["A", "B"], timeout_s=30, message="both requests to start")
+        # Two requests at a time: the server reads no more frames, and these fill the socket and the queue.
+        payload = b"p" * (1 << 20)
+        sent = [connection.call(wire.PRODUCE, ("payload", i, pickle.PickleBuffer(payload)), block=False) for i in range(8)]
+        assert cancel_request(parked) and parked.cancelled()
+        assert cancelled == []  # queued behind the payloads
+        loop.call_soon_threadsafe(events["B"].set)
+        assert other.result(30) == "B"
+        assert [future.result(60) for future in sent] == [("payload", i, 1 << 20) for i in range(8)]
+        wait_for(lambda: cancelled == ["A"], timeout_s=30, message="the cancel to reach the server")
+        assert connection.call(wire.PRODUCE, ("payload", 99, b"after"), block=False).result(30) == ("payload", 99, 5)
+    finally:
+        connection.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
 def test_outstanding_requests_fail_retriably_when_the_server_goes_away(loop):
     service = Service()
     server, address = start(loop, service)
