@@ -375,26 +375,6 @@ def _same_size_run(buf: np.ndarray, data: bytes, head: int, size: int, length: i
     return run
 
 
-def _record_bodies_one_by_one(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_record_bodies` without the runs: the reference it is tested against."""
-    starts, lengths = [], []
-    position = 0
-    try:
-        for i in range(count):
-            n, size = _varint_at(data, position)
-            length = (n >> 1) ^ -(n & 1)
-            if length <= 0:
-                raise CorruptRecordError(f"record {i} has length {length}")
-            starts.append(position + size)
-            lengths.append(length)
-            position += size + length
-    except IndexError:
-        raise CorruptRecordError("the records are cut short") from None
-    if position != len(data):
-        raise CorruptRecordError(f"the records take {position} bytes; the batch holds {len(data)}")
-    return np.array(starts, np.int64), np.array(lengths, np.int64)
-
-
 def _varint_at(data, position: int, max_bytes: int = 5) -> tuple[int, int]:
     """(raw unsigned value, size) of the varint at ``position``."""
     value = shift = 0
@@ -667,14 +647,33 @@ def _varint_bytes(value: int) -> bytes:
     return bytes(out)
 
 
+def _offsets(array: pa.Array) -> np.ndarray:
+    """The offsets of a binary, string or map array (``len + 1`` of them, absolute into its data), as int64."""
+    return np.frombuffer(array.buffers()[1], np.int32)[array.offset : array.offset + len(array) + 1].astype(np.int64)
+
+
+def _null_mask(array: pa.Array) -> np.ndarray:
+    """True where ``array`` is null, from its validity bitmap (``is_null()`` would import pandas)."""
+    bits = np.unpackbits(np.frombuffer(array.buffers()[0], np.uint8), bitorder="little")
+    return bits[array.offset : array.offset + len(array)] == 0
+
+
+def _join(*pieces: pa.Array) -> pa.Array:
+    """Each row's pieces laid end to end (``binary_join_element_wise``), nulls as nothing.
+
+    The separator is an array of empty values: a Python ``b""`` would go
+    through ``pa.scalar``, which imports pandas.
+    """
+    empty = _binary_array(np.zeros(0, np.uint8), np.zeros(len(pieces[0]), np.int64))
+    return pc.binary_join_element_wise(*pieces, empty, null_handling="replace", null_replacement="")
+
+
 def _binary_lengths(array: pa.Array) -> np.ndarray:
     """The length of each value of a binary array, -1 for null."""
     count = len(array)
-    offsets = np.frombuffer(array.buffers()[1], np.int32)[array.offset : array.offset + count + 1].astype(np.int64)
-    lengths = np.diff(offsets)
+    lengths = np.diff(_offsets(array))
     if array.null_count:
-        bits = np.unpackbits(np.frombuffer(array.buffers()[0], np.uint8), bitorder="little")
-        lengths[bits[array.offset : array.offset + count] == 0] = -1  # the validity bitmap (is_null() would import pandas)
+        lengths[_null_mask(array)] = -1
     return lengths
 
 
@@ -689,19 +688,18 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, pa.Array | None]:
     count = len(headers)
     if headers.null_count == count:
         return np.zeros(count, np.int64), None
-    offsets = np.frombuffer(headers.buffers()[1], np.int32)[headers.offset : headers.offset + count + 1].astype(np.int64)
+    offsets = _offsets(headers)
     counts = np.diff(offsets)
     if headers.null_count:
-        bits = np.unpackbits(np.frombuffer(headers.buffers()[0], np.uint8), bitorder="little")
-        nulls = bits[headers.offset : headers.offset + count] == 0
+        nulls = _null_mask(headers)
         if counts[nulls].any():
             return _header_blobs_one_by_one(headers)  # a null that spans entries (not how logbus writes them)
     first, last = int(offsets[0]), int(offsets[-1])
     if first == last:
         return np.zeros(count, np.int64), None  # only empty or null maps: no headers to write
-    entries = headers.values  # the maps' (key, value) structs; field() applies the struct's own offset
-    keys = entries.field(0).slice(first, last - first)
-    values = entries.field(1).slice(first, last - first)
+    pairs = headers.values  # the maps' (key, value) structs; field() applies the struct's own offset
+    keys = pairs.field(0).slice(first, last - first)
+    values = pairs.field(1).slice(first, last - first)
     if keys.null_count:
         raise InvalidRecordError("a header has a null key")
     key_lengths, value_lengths = _binary_lengths(keys), _binary_lengths(values)
@@ -711,16 +709,11 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, pa.Array | None]:
     _write_varints(before, _piece_starts(key_size), key_raw, key_size)
     between = np.zeros(int(value_size.sum()), np.uint8)
     _write_varints(between, _piece_starts(value_size), value_raw, value_size)
-    entries = pc.binary_join_element_wise(
-        _binary_array(before, key_size), keys.view(pa.binary()), _binary_array(between, value_size), values,
-        _binary_array(np.zeros(0, np.uint8), np.zeros(len(keys), np.int64)), null_handling="replace", null_replacement="",
-    )
-    entry_offsets = np.frombuffer(entries.buffers()[1], np.int32)[entries.offset : entries.offset + len(entries) + 1]
-    record_offsets = entry_offsets[offsets - first]
+    entries = _join(_binary_array(before, key_size), keys.view(pa.binary()), _binary_array(between, value_size), values)
+    record_offsets = _offsets(entries)[offsets - first].astype(np.int32)
     if headers.null_count:
         counts[nulls] = 0
-    return counts, pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(np.ascontiguousarray(record_offsets)),
-                                                              entries.buffers()[2]])
+    return counts, pa.Array.from_buffers(pa.binary(), count, [None, pa.py_buffer(record_offsets), entries.buffers()[2]])
 
 
 def _header_blobs_one_by_one(headers: pa.Array) -> tuple[np.ndarray, pa.Array]:
@@ -806,9 +799,7 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     pieces = [_binary_array(before, before_sizes), keys, _binary_array(between, value_size), values, _binary_array(after, hdr_size)]
     if header_blobs is not None:
         pieces.append(header_blobs)
-    # The separator, an array of empty values: a Python b"" would go through pa.scalar, which imports pandas.
-    pieces.append(_binary_array(np.zeros(0, np.uint8), np.zeros(count, np.int64)))
-    joined = pc.binary_join_element_wise(*pieces, null_handling="replace", null_replacement="")
+    joined = _join(*pieces)
     records_bytes = memoryview(joined.buffers()[2]).cast("B")[:total] if total else memoryview(b"")
     if len(records_bytes) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes)} bytes, not {total}")

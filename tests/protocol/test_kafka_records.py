@@ -14,6 +14,7 @@ import sys
 
 import crc32c
 import cramjam
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
@@ -312,10 +313,30 @@ def zigzag_varint(value: int) -> bytes:
     return bytes(out + bytes([raw]))
 
 
+def record_bodies_one_by_one(data: bytes, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """kr._record_bodies without the runs: the reference it is tested against."""
+    starts, lengths = [], []
+    position = 0
+    try:
+        for i in range(count):
+            n, size = kr._varint_at(data, position)
+            length = (n >> 1) ^ -(n & 1)
+            if length <= 0:
+                raise CorruptRecordError(f"record {i} has length {length}")
+            starts.append(position + size)
+            lengths.append(length)
+            position += size + length
+    except IndexError:
+        raise CorruptRecordError("the records are cut short") from None
+    if position != len(data):
+        raise CorruptRecordError(f"the records take {position} bytes; the batch holds {len(data)}")
+    return np.array(starts, np.int64), np.array(lengths, np.int64)
+
+
 def record_bodies_both_ways(data: bytes, count: int):
     """What the run-taking walk and the one-by-one reference make of the same bytes: results or error types."""
     outcomes = []
-    for walk in (kr._record_bodies, kr._record_bodies_one_by_one):
+    for walk in (kr._record_bodies, record_bodies_one_by_one):
         try:
             starts, lengths = walk(data, count)
             outcomes.append((starts.tolist(), lengths.tolist()))
