@@ -17,6 +17,9 @@ import pytest
 # Ray cluster that is being torn down: Ray ends a process whose cluster vanishes under it, which
 # would cut the run short without a report.
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+# Ray's processes export metrics every 10 s by default; tests that read the Prometheus endpoint
+# would wait that long for each value. Every Ray process the tests start inherits this.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
 

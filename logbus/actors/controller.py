@@ -94,6 +94,7 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
+REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
@@ -1139,11 +1140,15 @@ class Controller:
         """Every replica's own view (role, epoch, offsets, last recovery): for `logbus status` and tools."""
         await self._ready()
         topic = self.metadata.topic(name)
-        out = []
-        for p, state in enumerate(topic.partitions):
-            handles = [self._replica_handle(topic, p, r) for r in state.replicas]
-            found = await asyncio.gather(*(asyncio.wait_for(h.status.remote(), 5) for h in handles), return_exceptions=True)
-            out.append([f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)} for r, f in zip(state.replicas, found)])
+        # Every replica is asked at once: one that does not answer costs its 5 s once, not once per partition.
+        asked = [(p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
+        found = await asyncio.gather(
+            *(asyncio.wait_for(self._replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S) for p, r in asked),
+            return_exceptions=True,
+        )
+        out: list[list[dict]] = [[] for _ in topic.partitions]
+        for (p, r), f in zip(asked, found):
+            out[p].append(f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)})
         return out
 
     async def nodes(self) -> list[dict]:

@@ -114,15 +114,28 @@ def leader_status(bus, topic):
             if not error.retriable or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-    for status in statuses(bus, topic):
-        if status.get("replica_id") == described.leader and status.get("role") == "leader":
-            return described, status
+    # Asked of the leader alone: a paused or unreachable follower would hold up a question to every replica.
+    controller = ray.get_actor(CONTROLLER_NAME, namespace=bus.namespace)
+    while True:
+        try:
+            handle = ray.get(controller.topic_metadata.remote(topic), timeout=60)["partitions"][0]["leader"]
+            break
+        except ray.exceptions.RayError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    try:
+        status = ray.get(handle.status.remote(), timeout=5) if handle is not None else None
+    except ray.exceptions.RayError:
+        status = None
+    if status is not None and status.get("replica_id") == described.leader and status.get("role") == "leader":
+        return described, status
     return described, None
 
 
 def wait_isr(bus, topic, size, timeout_s=90):
     return wait_for(
-        lambda: len(leader_status(bus, topic)[0].isr) == size and leader_status(bus, topic)[1],
+        lambda: (lambda described, status: len(described.isr) == size and status)(*leader_status(bus, topic)),
         timeout_s=timeout_s,
         interval_s=0.2,
         message=f"ISR of {size}",
