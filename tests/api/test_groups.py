@@ -61,10 +61,10 @@ class GroupWorker:
         self.consumer = logbus.Consumer(bus, group_id=group_id, **options)
         self.consumer.subscribe([topic])
 
-    def step(self, polls=5, max_records=200):
+    def step(self, polls=5, max_records=200, timeout_ms=200):
         processed = []
         for _ in range(polls):
-            for tp, records in self.consumer.poll(timeout_ms=200, max_records=max_records).items():
+            for tp, records in self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records).items():
                 processed += [(tp.partition, r.offset) for r in records]
             if processed:
                 try:
@@ -104,8 +104,8 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
     processed_by = {i: [] for i in range(3)}
     assignments = {}
 
-    def step(indices, polls=2):
-        results = ray.get([workers[i].step.remote(polls, 50) for i in indices], timeout=120)
+    def step(indices, polls=2, timeout_ms=200):
+        results = ray.get([workers[i].step.remote(polls, 50, timeout_ms) for i in indices], timeout=120)
         for i, (processed, assigned) in zip(indices, results):
             processed_by[i] += processed
             assignments[i] = assigned
@@ -124,7 +124,8 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
     assert moved_after_s < 3.0 + 30  # session timeout plus a rebalance, with room for a busy machine
 
     def drained():
-        step([0, 1], polls=4)
+        # Short polls: a member with nothing left must not hold up the one still reading.
+        step([0, 1], polls=4, timeout_ms=20)
         seen = {r for i in processed_by for r in processed_by[i]}
         return seen >= all_records(partitions, per_partition)
 
