@@ -85,6 +85,7 @@ logger = logging.getLogger(__name__)
 GATEWAY_NAME_PREFIX = "logbus-gateway:"
 IN_FLIGHT_MAX = 64  # requests of one connection open at once
 OPEN_BYTES_FACTOR = 4  # a gateway's open requests hold at most this many times max_request_bytes in all
+CONNECTION_BYTES_FACTOR = 2  # and one connection's at most this many times (half the gateway's room)
 MAX_CONNECTIONS_DEFAULT = 4096  # per gateway; one more is closed as soon as it is accepted
 REFUSED_WARNING_INTERVAL_S = 60.0
 METADATA_MAX_AGE_S = 30.0
@@ -137,8 +138,11 @@ class _Budget:
         self.used += size
         self.peak = max(self.peak, self.used)
 
+    def must_wait(self, size: int) -> bool:
+        return bool(self._waiting) or not self._fits(size)
+
     async def acquire(self, size: int) -> None:
-        if not self._waiting and self._fits(size):
+        if not self.must_wait(size):
             self._take(size)
             return
         self.waited += 1
@@ -164,18 +168,20 @@ class _Budget:
 
 
 class _Release:
-    """Gives a request's bytes back to the budget, once: when the request ends, before anyone awaiting
-    it can see it done (its response is written after), or when it is cancelled before it ran."""
+    """Gives a request's bytes back to its budgets (its connection's, the gateway's), once: when the
+    request ends, before anyone awaiting it can see it done (its response is written after), or when
+    it is cancelled before it ran."""
 
-    __slots__ = ("budget", "size")
+    __slots__ = ("budgets", "size")
 
-    def __init__(self, budget: _Budget, size: int) -> None:
-        self.budget, self.size = budget, size
+    def __init__(self, budgets: tuple[_Budget, ...], size: int) -> None:
+        self.budgets, self.size = budgets, size
 
     def __call__(self, _done=None) -> None:
         if self.size:
             size, self.size = self.size, 0
-            self.budget.release(size)
+            for budget in self.budgets:
+                budget.release(size)
 
 
 async def _released_after(awaitable, release: _Release):
@@ -448,6 +454,7 @@ class Gateway:
         self.connections_total = 0
         self.refused_frames = 0
         self._budget = _Budget(OPEN_BYTES_FACTOR * max_request_bytes)
+        self.requests_waited_for_connection_room = 0  # behind their own connection's share, not the gateway's room
         self._loop = asyncio.new_event_loop()
         self._server: asyncio.base_events.Server | None = None
         started: Future = Future()
@@ -535,7 +542,8 @@ class Gateway:
     def stats(self) -> dict:
         """Connections now, since start, their limit and how many were refused over it; requests served by
         (API key, version); frames refused; and the bytes of open requests: now, at most so far, the
-        limit, and how many requests waited for room."""
+        limit, and how many requests waited for room; one connection's limit, and how many requests waited
+        for their connection's share."""
         budget = self._budget
         return {
             "pid": os.getpid(),
@@ -549,6 +557,8 @@ class Gateway:
             "open_request_bytes_peak": budget.peak,
             "open_request_bytes_limit": budget.limit,
             "requests_waited_for_room": budget.waited,
+            "open_request_bytes_connection_limit": CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes,
+            "requests_waited_for_connection_room": self.requests_waited_for_connection_room,
         }
 
     def shutdown(self) -> None:
@@ -591,28 +601,35 @@ class Gateway:
         responses: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT_MAX)
         sender = asyncio.ensure_future(self._send_responses(responses, writer))
         peer = writer.get_extra_info("peername")
-        fetches: set[asyncio.Future] = set()  # this connection's open fetches
+        # This connection's share of the gateway's room: however slow its requests (long polls, produce
+        # requests waiting for acks), it leaves the other half to the other connections.
+        own = _Budget(CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes)
+        requests: dict[asyncio.Future, bool] = {}  # this connection's open requests: is it a fetch
+        gone = False
         try:
             while not sender.done():
                 prefix = await reader.readexactly(4)
                 size = int.from_bytes(prefix, "big", signed=True)
                 if size < 8 or size > self.handler.max_request_bytes:
                     raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
-                await self._budget.acquire(size)
-                release = _Release(self._budget, size)
+                if own.must_wait(size):
+                    self.requests_waited_for_connection_room += 1
+                await own.acquire(size)
+                release = _Release((own,), size)
                 try:
+                    await self._budget.acquire(size)
+                    release = _Release((own, self._budget), size)
                     frame = await reader.readexactly(size)
                     pending = asyncio.ensure_future(_released_after(self.handler.start(frame, connection), release))
                 except BaseException:
                     release()
                     raise
                 pending.add_done_callback(release)  # also when cancelled before it ran
-                if kg.peek_header(frame)[0] == kg.FETCH:
-                    fetches.add(pending)
-                    pending.add_done_callback(fetches.discard)
+                requests[pending] = kg.peek_header(frame)[0] == kg.FETCH
+                pending.add_done_callback(requests.pop)
                 await responses.put(pending)
         except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away (Kafka clients never half-close a connection)
+            gone = True  # the client went away (Kafka clients never half-close a connection)
         except KafkaProtocolError as error:
             self.refused_frames += 1
             logger.warning("Kafka gateway: closing the connection from %s: %s", peer, error)
@@ -620,13 +637,16 @@ class Gateway:
             self.refused_frames += 1
             logger.exception("Kafka gateway: closing the connection from %s after an unexpected error", peer)
         finally:
-            # However the connection ends, nobody reads its replies any more: its fetches end now
+            # However the connection ends, nobody reads its fetches' replies any more: they end now
             # rather than at their wait's end, at the replicas too (ClusterBackend._fetch_reply), and
-            # the requests behind one are cancelled as after a failed write (a batch already handed
+            # the requests behind one are cancelled as after a failed write. A client that went away
+            # reads no reply at all: every request of its ends now, so its connection's slot is free
+            # at once rather than when a produce waiting for acks is answered (a batch already handed
             # to its leader is appended or not, unacknowledged, as when a Kafka client's connection drops).
             loop = asyncio.get_running_loop()
-            for pending in list(fetches):
-                loop.call_soon(pending.cancel)  # after its first step: a request never started is never awaited
+            for pending, is_fetch in list(requests.items()):
+                if is_fetch or gone:
+                    loop.call_soon(pending.cancel)  # after its first step: a request never started is never awaited
             try:
                 await responses.put(None)
                 with contextlib.suppress(Exception):

@@ -658,6 +658,67 @@ def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte
         gateway.stop()
 
 
+def test_one_connection_holds_at_most_half_the_gateways_room(bus, topic_name):
+    """A connection whose long polls would fill the gateway's room holds half of it: its later requests
+    wait unread, and another connection is served meanwhile."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    gateway = bus.start_gateway(port=0, max_request_bytes=1024)  # 4 KiB for the gateway, 2 KiB a connection
+    greedy = other = None
+    try:
+        greedy = Raw(gateway)
+        sent = [greedy.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=60_000)) for _ in range(60)]  # ~9 KiB
+
+        def held():
+            [now] = gateway.stats()
+            return now["requests_waited_for_connection_room"] > 0 and now["open_request_bytes"] > 1024 and now
+
+        full = wait_for(held, timeout_s=60, message="the connection's share filled by its parked fetches")
+        assert full["open_request_bytes_connection_limit"] == 2048 and full["open_request_bytes"] <= 2048
+        other = Raw(gateway)  # served at once, while the first connection's fetches still wait (60 s)
+        versions = other.call(kg.API_VERSIONS, 3, {"client_software_name": "raw", "client_software_version": "1"})
+        assert versions.error_code == kg.ErrorCode.none
+        assert fetch(other, topic_name, 0).error_code == kg.ErrorCode.none
+        with logbus.Producer(bus) as producer:
+            producer.send(topic_name, b"wakes them all").result(timeout=60)
+        for correlation in sent:
+            partition = greedy.receive(kg.FETCH, 12, correlation).responses[0].partitions[0]
+            assert partition.error_code == kg.ErrorCode.none and partition.records
+        [after] = gateway.stats()
+        assert after["open_request_bytes_peak"] <= 4096 and after["open_request_bytes"] == 0
+    finally:
+        for raw in (greedy, other):
+            if raw is not None:
+                raw.close()
+        gateway.stop()
+
+
+def test_a_client_that_goes_away_frees_its_connection_slot_at_once(bus, gateway, topic_name):
+    """A JoinGroup held by the coordinator (the group waits for its other member to rejoin) does not keep
+    the connection of a client that closed it counted until the join is answered."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    join = {"group_id": "held", "session_timeout": 60_000, "rebalance_timeout": 60_000, "member_id": "", "group_instance_id": None,
+            "protocol_type": "consumer", "protocols": [{"name": "range", "metadata": kg.encode_subscription([topic_name])}]}
+    first = Raw(gateway)
+    joined = first.call(kg.JOIN_GROUP, 7, join)
+    assert joined.error_code == kg.ErrorCode.none
+    synced = first.call(kg.SYNC_GROUP, 5, {"group_id": "held", "generation_id": joined.generation_id, "member_id": joined.member_id,
+                                           "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range", "assignments": []})
+    assert synced.error_code == kg.ErrorCode.none
+    [before] = gateway.stats()
+    second = Raw(gateway)
+    second.send(kg.JOIN_GROUP, 7, join)  # held: the first member does not rejoin (it would have 60 s to)
+    wait_for(lambda: ray.get(bus.controller.describe_group.remote("held"))["state"] == "PreparingRebalance", timeout_s=60,
+             message="the group rebalancing")
+    assert gateway.stats()[0]["connections"] == before["connections"] + 1
+    second.close()
+    # Long before the join's answer (up to 60 s): the slot is free once the gateway sees the close.
+    wait_for(lambda: gateway.stats()[0]["connections"] == before["connections"], timeout_s=20, message="the slot freed")
+    left = first.call(kg.LEAVE_GROUP, 5, {"group_id": "held", "members": [{"member_id": joined.member_id, "group_instance_id": None,
+                                                                             "reason": None}]})
+    assert left.error_code == kg.ErrorCode.none
+    first.close()
+
+
 def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
     bus.admin.create_topic(topic_name, partitions=1)
     raw = Raw(gateway)
