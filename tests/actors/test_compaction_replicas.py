@@ -15,7 +15,7 @@ import pytest
 import logbus
 from logbus import TopicPartition
 from tests.actors.replica_files import committed_records
-from tests.actors.test_replication import cluster, leader_status, statuses, wait_isr  # noqa: F401 (cluster: the three-node fixture)
+from tests.actors.test_replication import cluster, leader_status, serving_leader, statuses, wait_isr  # noqa: F401 (cluster: the three-node fixture)
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -96,7 +96,7 @@ def test_replicas_compact_their_own_copies_and_a_new_replica_copies_the_compacte
              message="every replica to follow the log start")
 
     # The leader dies; the new replica leads, and serves its own copy from the log start.
-    described, status = leader_status(rbus, topic)
+    described, status = serving_leader(rbus, topic)
     os.kill(status["pid"], signal.SIGKILL)
 
     def new_replica_leads():

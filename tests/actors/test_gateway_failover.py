@@ -28,7 +28,7 @@ from tests.actors.test_replication import (  # noqa: F401 (fixtures: the cluster
     check_invariants,
     cluster,
     kill_node,
-    leader_status,
+    serving_leader,
     rbus,
     three_replica_nodes,
     wait_isr,
@@ -109,7 +109,7 @@ def test_a_kafka_producer_follows_the_new_leader_when_the_leaders_node_dies(clus
         assert len(gateway.brokers) == 3  # one per replica node
         workload = KafkaWorkload(gateway.bootstrap_servers, topic)
         wait_for(lambda: workload.acknowledged_count() > 2000, timeout_s=60, message="progress through the gateway")
-        described, status = leader_status(rbus, topic)
+        described, status = serving_leader(rbus, topic)
         node = next(n for n in cluster.worker_nodes if n.node_id == status["node_id"])
         kill_node(cluster, node)  # the leader and that node's gateway, at once
         failover_s = wait_new_leader(rbus, topic, described.leader_epoch)
@@ -173,6 +173,7 @@ def test_a_gateway_that_ray_restarts_rejoins_the_others(cluster, rbus):
         everyone = {(new_address[2], new_address[0], new_address[1])} | {(b[2], b[0], b[1]) for b in others}
         for via in others:
             wait_for(lambda via=via: advertised(via) == everyone, timeout_s=60, message=f"gateway {via[:2]} advertises the restarted one")
-        assert advertised(new_address) == everyone  # and the restarted one advertises every gateway
+        # And the restarted one advertises every gateway (it learns them as it tells them its own).
+        wait_for(lambda: advertised(new_address) == everyone, timeout_s=60, message="the restarted gateway advertises every gateway")
     finally:
         gateway.stop()

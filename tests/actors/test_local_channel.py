@@ -79,11 +79,12 @@ def test_results_errors_and_replies_out_of_order(loop):
     server, address = start(loop, service)
     connection = Connection(address)
     try:
-        slow = connection.call(wire.FETCH, ("sleep", 0.5))
+        slow = connection.call(wire.FETCH, ("block",))
         fast = connection.call(wire.PRODUCE, (b"batch", 1))
         assert fast.result(10) == (wire.PRODUCE, (b"batch", 1))
         assert not slow.done()  # the slow request does not hold up the one behind it
-        assert slow.result(10) == (wire.FETCH, ("sleep", 0.5))
+        loop.call_soon_threadsafe(service.release.set)
+        assert slow.result(10) == (wire.FETCH, ("block",))
         with pytest.raises(NotLeaderError, match="not the leader"):  # the replica's error, as raised there
             connection.call(wire.PRODUCE, ("raise",)).result(10)
         with pytest.raises(ValueError, match="unknown local channel request kind"):

@@ -284,7 +284,8 @@ def test_a_full_buffer_makes_the_sender_wait_not_the_loop(bus, topic_name):
 
     waited, lateness = asyncio.run(main())
     assert waited >= 1.4  # the send waited out max_block_ms ...
-    assert len(lateness) >= 100 and max(lateness) < 0.25, max(lateness)  # ... while the loop ran on
+    # ... while the loop ran on: a loop held by the send would show one tick late by the whole 1.5 s.
+    assert len(lateness) >= 100 and max(lateness) < 0.5, max(lateness)
 
 
 @pytest.mark.timeout(180)
@@ -678,10 +679,11 @@ def test_consumer_in_an_async_actor_keeps_the_loop_responsive_under_load(bus, to
         count, elapsed, count / elapsed, len(steady), percentile(steady, 50) * 1000, p99_ms, max(steady) * 1000,
         len(opening), max(opening, default=0) * 1000, percentile(idle, 99) * 1000,
     )
-    assert elapsed < seconds * 1.5  # the load was what it says
+    assert elapsed < seconds * 2  # the load was near what it says
     assert len(values) == count and np.array_equal(np.sort(values), np.arange(count))  # each record once
     for partition in range(partitions):
         assert np.array_equal(offsets[partition], np.arange(count // partitions))
     assert len(steady) >= seconds * 50
-    # (A busy machine delays every process: the idle actor's figure tells that case apart.)
-    assert p99_ms <= 50, f"p99 lateness {p99_ms:.1f} ms; an idle actor's p99 meanwhile: {percentile(idle, 99) * 1000:.1f} ms"
+    # A busy machine delays every process: the idle actor's figure, taken meanwhile, allows for that.
+    idle_p99_ms = percentile(idle, 99) * 1000
+    assert p99_ms <= max(50, 2 * idle_p99_ms + 10), f"p99 lateness {p99_ms:.1f} ms; an idle actor's p99 meanwhile: {idle_p99_ms:.1f} ms"

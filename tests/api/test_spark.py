@@ -305,7 +305,7 @@ def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(s
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 ALL_CPUS_APP = r"""
-import json, sys
+import json, sys, time
 import ray
 import pyarrow as pa
 import logbus, logbus.spark
@@ -319,6 +319,9 @@ with logbus.Producer(bus) as producer:
     for i in range(records):
         producer.send("events", b"%d" % i, key=b"k%d" % (i % 50))
 spark = logbus.spark.init_spark("all-cpus", num_executors=1, executor_cores=2, configs={"spark.ui.showConsoleProgress": "false"})
+deadline = time.monotonic() + 60  # Ray's view of free resources follows the executor's start shortly after
+while ray.available_resources().get("CPU", 0.0) > 0 and time.monotonic() < deadline:
+    time.sleep(0.2)
 report = {"cpus": ray.cluster_resources().get("CPU"), "free_cpus": ray.available_resources().get("CPU", 0.0)}
 
 df = logbus.spark.read(spark, "events", bus=bus)
