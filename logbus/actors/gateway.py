@@ -87,6 +87,9 @@ IN_FLIGHT_MAX = 64  # requests of one connection open at once
 OPEN_BYTES_FACTOR = 4  # a gateway's open requests hold at most this many times max_request_bytes in all
 CONNECTION_BYTES_FACTOR = 2  # and one connection's at most this many times (half the gateway's room)
 MAX_CONNECTIONS_DEFAULT = 4096  # per gateway; one more is closed as soon as it is accepted
+# Requests that only wait for something to answer, ended when their connection ends (nobody reads the
+# reply); every other request runs to its end, as a Kafka broker serves every request it has read.
+ABANDONED_AT_CLOSE = frozenset({kg.FETCH, kg.JOIN_GROUP, kg.SYNC_GROUP, kg.HEARTBEAT})
 REFUSED_WARNING_INTERVAL_S = 60.0
 METADATA_MAX_AGE_S = 30.0
 CALL_MARGIN_S = 10.0  # beyond a request's own timeout, how long a call to a replica or the controller may take
@@ -604,7 +607,7 @@ class Gateway:
         # This connection's share of the gateway's room: however slow its requests (long polls, produce
         # requests waiting for acks), it leaves the other half to the other connections.
         own = _Budget(CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes)
-        requests: dict[asyncio.Future, bool] = {}  # this connection's open requests: is it a fetch
+        requests: dict[asyncio.Future, int] = {}  # this connection's open requests: their API keys
         gone = False
         try:
             while not sender.done():
@@ -625,7 +628,7 @@ class Gateway:
                     release()
                     raise
                 pending.add_done_callback(release)  # also when cancelled before it ran
-                requests[pending] = kg.peek_header(frame)[0] == kg.FETCH
+                requests[pending] = kg.peek_header(frame)[0]
                 pending.add_done_callback(requests.pop)
                 await responses.put(pending)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -637,16 +640,20 @@ class Gateway:
             self.refused_frames += 1
             logger.exception("Kafka gateway: closing the connection from %s after an unexpected error", peer)
         finally:
-            # However the connection ends, nobody reads its fetches' replies any more: they end now
-            # rather than at their wait's end, at the replicas too (ClusterBackend._fetch_reply), and
-            # the requests behind one are cancelled as after a failed write. A client that went away
-            # reads no reply at all: every request of its ends now, so its connection's slot is free
-            # at once rather than when a produce waiting for acks is answered (a batch already handed
-            # to its leader is appended or not, unacknowledged, as when a Kafka client's connection drops).
+            # However the connection ends, requests that only wait for something to answer (long
+            # polls, group joins and heartbeats the coordinator holds) end now rather than at their
+            # wait's end, at the replicas too (ClusterBackend._fetch_reply): nobody reads their replies.
+            # Requests that change something (produce, commit, ...) run to their end, as Kafka serves
+            # every request it has read; their replies are dropped if the client is gone.
             loop = asyncio.get_running_loop()
-            for pending, is_fetch in list(requests.items()):
-                if is_fetch or gone:
+            for pending, api_key in list(requests.items()):
+                if api_key in ABANDONED_AT_CLOSE:
                     loop.call_soon(pending.cancel)  # after its first step: a request never started is never awaited
+            # Nothing more is read: the connection no longer counts against max_connections, whatever
+            # its last requests still take (their bytes stay in the budgets until they end).
+            self.connections -= 1
+            if gone:
+                writer.transport.abort()  # the socket goes now; the sender writes nothing more
             try:
                 await responses.put(None)
                 with contextlib.suppress(Exception):
@@ -654,34 +661,36 @@ class Gateway:
             finally:
                 if not sender.done():
                     sender.cancel()  # this connection's task was cancelled (the gateway stops)
-                self.connections -= 1
                 self._transports.discard(writer.transport)
                 writer.close()
 
     async def _send_responses(self, responses: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
-        """Write each request's response in the order the requests came."""
-        closing = False
+        """Write each request's response in the order the requests came. Once one cannot be written (its
+        request abandoned, the connection lost), nothing more is: every request still runs to its end."""
+        mute = False
         while True:
             pending = await responses.get()
             if pending is None:
                 return
-            if closing:
-                asyncio.get_running_loop().call_soon(pending.cancel)  # after its first step, as above
-                continue
             try:
                 frame = await pending
-                if frame is not None:
-                    writer.write(frame)
-                    await writer.drain()
             except asyncio.CancelledError:
                 if asyncio.current_task().cancelling():
                     raise  # this sender itself is cancelled (which cancels the request it awaited too)
-                closing = True  # a fetch of a connection that ended: nothing more is written
-            except ConnectionError:
-                closing = True
+                mute = True  # abandoned as its connection ended: a reply after it would be out of order
+                continue
             except Exception:  # noqa: BLE001 (a request that failed unexpectedly closes its connection)
                 logger.exception("Kafka gateway: a request failed; closing its connection")
-                closing = True
+                mute = True
+                writer.transport.abort()
+                continue
+            if frame is None or mute or writer.transport.is_closing():
+                continue
+            try:
+                writer.write(frame)
+                await writer.drain()
+            except ConnectionError:
+                mute = True
                 writer.transport.abort()
 
 

@@ -666,15 +666,16 @@ def test_one_connection_holds_at_most_half_the_gateways_room(bus, topic_name):
     greedy = other = None
     try:
         greedy = Raw(gateway)
-        sent = [greedy.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=60_000)) for _ in range(60)]  # ~9 KiB
+        # ~9 KiB of long polls (the replica holds each at most 30 s: the rest of the test fits in that).
+        sent = [greedy.send(kg.FETCH, 12, fetch_request(topic_name, 0, max_wait_ms=30_000)) for _ in range(60)]
 
         def held():
             [now] = gateway.stats()
             return now["requests_waited_for_connection_room"] > 0 and now["open_request_bytes"] > 1024 and now
 
-        full = wait_for(held, timeout_s=60, message="the connection's share filled by its parked fetches")
+        full = wait_for(held, timeout_s=20, message="the connection's share filled by its parked fetches")
         assert full["open_request_bytes_connection_limit"] == 2048 and full["open_request_bytes"] <= 2048
-        other = Raw(gateway)  # served at once, while the first connection's fetches still wait (60 s)
+        other = Raw(gateway)  # served at once, while the first connection's fetches still wait
         versions = other.call(kg.API_VERSIONS, 3, {"client_software_name": "raw", "client_software_version": "1"})
         assert versions.error_code == kg.ErrorCode.none
         assert fetch(other, topic_name, 0).error_code == kg.ErrorCode.none
@@ -699,24 +700,52 @@ def test_a_client_that_goes_away_frees_its_connection_slot_at_once(bus, gateway,
     join = {"group_id": "held", "session_timeout": 60_000, "rebalance_timeout": 60_000, "member_id": "", "group_instance_id": None,
             "protocol_type": "consumer", "protocols": [{"name": "range", "metadata": kg.encode_subscription([topic_name])}]}
     first = Raw(gateway)
-    joined = first.call(kg.JOIN_GROUP, 7, join)
-    assert joined.error_code == kg.ErrorCode.none
-    synced = first.call(kg.SYNC_GROUP, 5, {"group_id": "held", "generation_id": joined.generation_id, "member_id": joined.member_id,
-                                           "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range", "assignments": []})
-    assert synced.error_code == kg.ErrorCode.none
-    [before] = gateway.stats()
-    second = Raw(gateway)
-    second.send(kg.JOIN_GROUP, 7, join)  # held: the first member does not rejoin (it would have 60 s to)
-    wait_for(lambda: ray.get(bus.controller.describe_group.remote("held"))["state"] == "PreparingRebalance", timeout_s=60,
-             message="the group rebalancing")
-    assert gateway.stats()[0]["connections"] == before["connections"] + 1
-    second.close()
-    # Long before the join's answer (up to 60 s): the slot is free once the gateway sees the close.
-    wait_for(lambda: gateway.stats()[0]["connections"] == before["connections"], timeout_s=20, message="the slot freed")
-    left = first.call(kg.LEAVE_GROUP, 5, {"group_id": "held", "members": [{"member_id": joined.member_id, "group_instance_id": None,
-                                                                             "reason": None}]})
-    assert left.error_code == kg.ErrorCode.none
-    first.close()
+    second = None
+    try:
+        joined = first.call(kg.JOIN_GROUP, 7, join)
+        assert joined.error_code == kg.ErrorCode.none
+        synced = first.call(kg.SYNC_GROUP, 5, {"group_id": "held", "generation_id": joined.generation_id, "member_id": joined.member_id,
+                                               "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range",
+                                               "assignments": []})
+        assert synced.error_code == kg.ErrorCode.none
+        [before] = gateway.stats()
+        second = Raw(gateway)
+        second.send(kg.JOIN_GROUP, 7, join)  # held: the first member does not rejoin (it would have 60 s to)
+        wait_for(lambda: ray.get(bus.controller.describe_group.remote("held"))["state"] == "PreparingRebalance", timeout_s=60,
+                 message="the group rebalancing")
+        assert gateway.stats()[0]["connections"] == before["connections"] + 1
+        second.close()
+        # Long before the join's answer (up to 60 s): the slot is free once the gateway sees the close.
+        wait_for(lambda: gateway.stats()[0]["connections"] == before["connections"], timeout_s=20, message="the slot freed")
+        left = first.call(kg.LEAVE_GROUP, 5, {"group_id": "held", "members": [{"member_id": joined.member_id, "group_instance_id": None,
+                                                                                 "reason": None}]})
+        assert left.error_code == kg.ErrorCode.none
+    finally:
+        for raw in (first, second):
+            if raw is not None:
+                raw.close()
+
+
+def test_produce_requests_read_before_the_client_closes_are_all_written(bus, gateway, topic_name):
+    """acks=0 batches a client sent just before closing its connection all land (Kafka serves every
+    request it has read), though the gateway sends the batches of one partition one after another."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    raw = Raw(gateway)
+    requests, per_request = 50, 20
+    now_ms = int(time.time() * 1000)  # (records of 2023 would be past the topic's retention, and gone at once)
+    for r in range(requests):
+        records = [(b"k", b"%d" % (r * per_request + i), now_ms, []) for i in range(per_request)]
+        raw.send(kg.PRODUCE, 9, produce_request(topic_name, kafka_batch(records), acks=0))
+    raw.close()  # at once: no reply is awaited with acks=0
+    wait_for(lambda: bus.admin.describe_topic(topic_name).partitions[0].high_watermark == requests * per_request, timeout_s=60,
+             message="every batch written")
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(topic_name, 0)])
+    values = []
+    wait_for(lambda: values.extend(consumer.poll_arrow(timeout_ms=200)["value"].to_pylist()) or len(values) >= requests * per_request,
+             timeout_s=60, message="the records read back")
+    consumer.close()
+    assert values == [b"%d" % i for i in range(requests * per_request)]  # each once, in the order sent
 
 
 def test_a_retried_idempotent_batch_is_written_once(bus, gateway, topic_name):
