@@ -108,7 +108,9 @@ class Bus:
         ``advertised_host`` is the address clients are told to connect to
         (default: ``host``, or the node's IP when ``host`` is a wildcard).
         Requests over ``max_request_bytes`` (default 100 MiB, Kafka's
-        ``socket.request.max.bytes``) close their connection. A gateway
+        ``socket.request.max.bytes``) close their connection; the requests
+        open at once hold at most 4 x ``max_request_bytes`` per gateway and
+        2 x per connection (the next ones wait unread). A gateway
         holds at most ``max_connections`` client connections (default 4096);
         one more is closed as soon as it is accepted, and the client
         reconnects after its backoff. Calling it
