@@ -32,6 +32,17 @@ every topic has one partition; acks=1 everywhere. Cases:
             to 4 MiB from offset 0 of the native topic until N records, counted
             from the batches' headers (nothing decoded per record). What a Kafka
             client library reaches is below this; the gap is the library's.
+4. client   (info) confluent-kafka's own cost per record: the produce case's
+            ``produce_batch()`` calls, same records and callback, into a
+            producer whose bootstrap address is a loopback port nobody listens
+            on, so nothing is sent and no delivery is reported; records/s until
+            N records are queued (then purged). No gateway can make the kafka
+            produce case faster than this.
+
+For the kafka cases the table also gives the client's CPU: the CPU time of
+this process (its Python thread and the client library's own threads) over
+the case's wall time, in cores. The gateway and the replica run in other
+processes; a client near a whole core sets the pace itself.
 
 Each case runs once unmeasured as a warm-up, then ``reps`` times (3; quick 1);
 the best repetition is reported. Target: each Kafka figure >= 50% of its native
@@ -43,6 +54,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import socket
 import sys
 import tempfile
 import time
@@ -97,6 +110,18 @@ class Result:
     ratio: float | None = None
     target: str | None = None
     meets_target: bool | None = None
+    client_cores: float | None = None  # the kafka cases: CPU this process (the client) used in the best repetition
+
+
+@dataclass
+class Rate:
+    records_per_s: float
+    client_cores: float  # CPU time of this process (all its threads, the client library's included) over the wall time
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def native_produce(bus, topic: str, table, n: int) -> float:
@@ -105,7 +130,7 @@ def native_produce(bus, topic: str, table, n: int) -> float:
     return sent.records / sent.seconds
 
 
-def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> float:
+def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> Rate:
     import confluent_kafka as ck
 
     producer = ck.Producer({
@@ -121,6 +146,7 @@ def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> floa
     # Ready before the clock starts: metadata and the connection to the leader's gateway.
     producer.list_topics(topic, timeout=30)
     sent = 0
+    cpu = _process_cpu_s()
     start = time.perf_counter()
     deadline = start + TIME_CAP_S
     while sent < n and time.perf_counter() < deadline:
@@ -138,9 +164,43 @@ def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> floa
         producer.poll(0)
     remaining = producer.flush(120)
     seconds = time.perf_counter() - start
+    cpu = _process_cpu_s() - cpu
     if remaining or failures:
         raise RuntimeError(f"kafka produce: {remaining} records without an outcome, {len(failures)} failed, e.g. {failures[:1]}")
-    return sent / seconds
+    return Rate(sent / seconds, cpu / seconds)
+
+
+def kafka_produce_client_only(pool: list[bytes], n: int) -> float:
+    """Records/s confluent-kafka's ``produce_batch()`` queues with no broker to send to: the client's own cost per record."""
+    import confluent_kafka as ck
+
+    with socket.socket() as probe:  # a loopback port that is free, and stays without a listener
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    producer = ck.Producer({
+        "bootstrap.servers": f"127.0.0.1:{port}", "acks": 1, "linger.ms": 5, "batch.size": 1 << 20, "enable.idempotence": False,
+        "queue.buffering.max.messages": n + len(pool), "queue.buffering.max.kbytes": 2_000_000, "message.timeout.ms": 600_000,
+        "log_level": 0,  # its connection attempts fail, as meant; not worth a log line each
+    })
+    failures = []
+
+    def delivered(error, _message) -> None:  # the produce case's callback; nothing is delivered here
+        if error is not None:
+            failures.append(error)
+
+    queued = 0
+    start = time.perf_counter()
+    deadline = start + TIME_CAP_S
+    while queued < n and time.perf_counter() < deadline:
+        batch = [{"value": value} for value in pool]
+        taken = producer.produce_batch("client-only", batch, on_delivery=delivered)
+        if taken != len(batch):
+            raise RuntimeError(f"client-only produce: {taken} of {len(batch)} queued; its queue should hold all {n}")
+        queued += taken
+    seconds = time.perf_counter() - start
+    producer.purge(in_queue=True, in_flight=True)
+    producer.flush(0)
+    return queued / seconds
 
 
 def native_consume(bus, topic: str, n: int) -> float:
@@ -153,7 +213,7 @@ def native_consume(bus, topic: str, n: int) -> float:
 KAFKA_CONSUMER_TUNING = {"fetch.queue.backoff.ms": 10, "queued.min.messages": 1_000_000}
 
 
-def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None) -> float:
+def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None) -> Rate:
     import confluent_kafka as ck
 
     consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.monotonic_ns()}", "enable.auto.commit": False,
@@ -162,6 +222,7 @@ def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None
         consumer.list_topics(topic, timeout=30)
         consumer.assign([ck.TopicPartition(topic, 0, 0)])
         total = 0
+        cpu = _process_cpu_s()
         start = time.perf_counter()
         deadline = start + TIME_CAP_S
         while total < n and time.perf_counter() < deadline:
@@ -171,16 +232,18 @@ def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None
                     raise RuntimeError(f"kafka consume: {message.error()}")
             total += len(messages)
         seconds = time.perf_counter() - start
+        cpu = _process_cpu_s() - cpu
     finally:
         consumer.close()
     if total < n:
         raise RuntimeError(f"kafka consume read {total} of {n} records")
-    return total / seconds
+    return Rate(total / seconds, cpu / seconds)
 
 
 DEFAULTS_CASE = "kafka consume, librdkafka's default queue settings (info)"
 WIRE_PRODUCE = "wire produce, bare protocol client (info)"
 WIRE_CONSUME = "wire consume, bare protocol client (info)"
+CLIENT_ONLY = "kafka produce, the client alone: queued, no broker (info)"
 
 
 def wire_batch(pool: list[bytes]) -> bytes:
@@ -220,8 +283,9 @@ def main() -> int:
     topics: list[str] = []
     samples: dict[str, list[float]] = {
         "native produce": [], "kafka produce": [], "native consume": [], "kafka consume": [], DEFAULTS_CASE: [],
-        WIRE_PRODUCE: [], WIRE_CONSUME: [],
+        WIRE_PRODUCE: [], WIRE_CONSUME: [], CLIENT_ONLY: [],
     }
+    cores: dict[str, list[float]] = {case: [] for case in ("kafka produce", "kafka consume", DEFAULTS_CASE)}
     batch = wire_batch(pool)
     try:
         start_local_ray(namespace)
@@ -241,11 +305,17 @@ def main() -> int:
                 DEFAULTS_CASE: kafka_consume(gateway.bootstrap_servers, native_topic, n),
                 WIRE_PRODUCE: wire.produce(gateway.bootstrap_servers, wire_topic, batch, len(pool), n, TIME_CAP_S),
                 WIRE_CONSUME: wire.consume(gateway.bootstrap_servers, native_topic, n, TIME_CAP_S),
+                CLIENT_ONLY: kafka_produce_client_only(pool, n),
             }
-            log(("warm-up: " if rep == 0 else f"rep {rep}: ") + ", ".join(f"{k} {fmt_rate(v)}/s" for k, v in figures.items()))
+            rates = {case: value for case, value in figures.items() if isinstance(value, Rate)}
+            figures.update((case, rate.records_per_s) for case, rate in rates.items())
+            log(("warm-up: " if rep == 0 else f"rep {rep}: ") + ", ".join(f"{k} {fmt_rate(v)}/s" for k, v in figures.items())
+                + "; client CPU " + ", ".join(f"{k} {rate.client_cores:.2f} cores" for k, rate in rates.items()))
             if rep > 0:
                 for case, value in figures.items():
                     samples[case].append(value)
+                for case, rate in rates.items():
+                    cores[case].append(rate.client_cores)
             delete_topics(bus, topics)  # their replicas and files: the next repetition starts as this one did
             topics.clear()
     finally:
@@ -257,19 +327,24 @@ def main() -> int:
         remove_dir(data_dir)
 
     results = [Result(case, max(values), values) for case, values in samples.items()]
+    for r in results:
+        if r.case in cores:
+            r.client_cores = cores[r.case][r.reps.index(r.records_per_s)]
     by_case = {r.case: r for r in results}
     for kind in ("produce", "consume"):
         kafka, native = by_case[f"kafka {kind}"], by_case[f"native {kind}"]
         kafka.ratio = kafka.records_per_s / native.records_per_s
         kafka.target = f">= {RATIO_TARGET:.0%} of native {kind}"
         kafka.meets_target = kafka.ratio >= RATIO_TARGET
-    for case, native in ((DEFAULTS_CASE, "native consume"), (WIRE_PRODUCE, "native produce"), (WIRE_CONSUME, "native consume")):
+    for case, native in ((DEFAULTS_CASE, "native consume"), (WIRE_PRODUCE, "native produce"), (WIRE_CONSUME, "native consume"),
+                         (CLIENT_ONLY, "native produce")):
         by_case[case].ratio = by_case[case].records_per_s / by_case[native].records_per_s
     wall = run.finish()
     print_table(
-        ("case", "records/s", "MB/s", "vs native", "target", "meets"),
+        ("case", "records/s", "MB/s", "vs native", "target", "meets", "client CPU"),
         [(r.case, fmt_rate(r.records_per_s), fmt(r.records_per_s * VALUE_SIZE / 1e6, 1), fmt(r.ratio), r.target or "",
-          "" if r.meets_target is None else ("yes" if r.meets_target else "NO")) for r in results],
+          "" if r.meets_target is None else ("yes" if r.meets_target else "NO"),
+          "" if r.client_cores is None else f"{r.client_cores:.2f} cores") for r in results],
     )
     log(f"done in {wall:.0f}s; best of {mode.reps}; load average {run.load_start[0]:.1f} at the start, "
         f"{run.load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
@@ -278,7 +353,7 @@ def main() -> int:
             "bench": "gateway", "case": r.case, "records_per_s": json_value(r.records_per_s),
             "mb_per_s": json_value(r.records_per_s * VALUE_SIZE / 1e6, 1), "ratio_vs": "native" if r.ratio is not None else None,
             "ratio": json_value(r.ratio), "target": r.target, "meets_target": r.meets_target, "reps": [json_value(x) for x in r.reps],
-            "records": n, "quick": run.quick, "date": run.date, "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
+            "client_cpu_cores": json_value(r.client_cores), "records": n, "quick": run.quick, "date": run.date, "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
         }))
     return 0
 
