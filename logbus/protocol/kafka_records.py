@@ -602,39 +602,58 @@ def _zigzag(values: np.ndarray) -> np.ndarray:
 
 
 def _varint_sizes(raw: np.ndarray) -> np.ndarray:
+    """The byte count of each zigzagged value's varint."""
     sizes = np.ones(raw.size, np.int64)
-    rest = raw >> _SEVEN
-    while True:
-        more = rest != 0
-        if not more.any():
-            return sizes
-        sizes += more
-        rest >>= _SEVEN
-
-
-def _write_varints(out: np.ndarray, positions: np.ndarray, raw: np.ndarray, sizes: np.ndarray) -> None:
-    """Write ``raw`` (zigzagged) as varints of ``sizes`` bytes at ``positions``."""
     if not raw.size:
-        return
-    longest = int(sizes.max())
-    if int(sizes.min()) == longest:  # one size for all (most fields of most batches): no masks
+        return sizes
+    top = int(raw.max())
+    bound = 1 << 7
+    while top >= bound:
+        sizes += raw >= np.uint64(bound)
+        bound <<= 7
+    return sizes
+
+
+def _varint_rows(fields: list[tuple[np.ndarray, np.ndarray]], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's varints, field after field: the bytes of every row back to back, and each row's byte count.
+
+    ``fields`` are pairs of zigzagged values and their varint sizes, one per
+    row; a size of 0 writes nothing for that row. The varints are written a
+    byte column at a time into a matrix as wide as the fields' longest
+    varints; the bytes each row uses are then taken out of it in row order.
+    A field with one value in every row is written as constant columns.
+    """
+    widths = [int(sizes.max()) if count else 0 for _, sizes in fields]
+    matrix = np.empty((count, sum(widths)), np.uint8)
+    used = np.ones(matrix.shape, np.bool_)
+    ragged = False
+    column = 0
+    row_sizes = np.zeros(count, np.int64)
+    for (raw, sizes), width in zip(fields, widths):
+        row_sizes += sizes
+        if not width:
+            continue
+        if int(sizes.min()) == width and int(raw.min()) == int(raw.max()):
+            value = int(raw[0])
+            for k in range(width):
+                matrix[:, column + k] = (value >> (7 * k)) & 0x7F | (0x80 if k + 1 < width else 0)
+            column += width
+            continue
+        uniform = int(sizes.min()) == width
         rest = raw
-        for k in range(longest):
+        for k in range(width):
             piece = (rest & _LOW7).astype(np.uint8)
-            if k + 1 < longest:
-                piece |= 0x80
-            out[positions + k] = piece
+            if uniform:
+                if k + 1 < width:
+                    piece |= 0x80
+            else:
+                piece |= (sizes > k + 1).view(np.uint8) << 7
+                np.greater(sizes, k, out=used[:, column + k])
+                ragged = True
+            matrix[:, column + k] = piece
             rest = rest >> _SEVEN
-        return
-    active = np.arange(raw.size)
-    rest = raw.copy()
-    k = 0
-    while active.size:
-        more = sizes[active] > k + 1
-        out[positions[active] + k] = (rest[active] & _LOW7).astype(np.uint8) | (more.astype(np.uint8) << 7)
-        rest[active] >>= _SEVEN
-        active = active[more]
-        k += 1
+        column += width
+    return (matrix[used] if ragged else matrix.reshape(-1)), row_sizes
 
 
 def _varint_bytes(value: int) -> bytes:
@@ -704,12 +723,10 @@ def _header_blobs(headers: pa.Array) -> tuple[np.ndarray, pa.Array | None]:
         raise InvalidRecordError("a header has a null key")
     key_lengths, value_lengths = _binary_lengths(keys), _binary_lengths(values)
     key_raw, value_raw = _zigzag(key_lengths), _zigzag(value_lengths)
-    key_size, value_size = _varint_sizes(key_raw), _varint_sizes(value_raw)
-    before = np.zeros(int(key_size.sum()), np.uint8)
-    _write_varints(before, _piece_starts(key_size), key_raw, key_size)
-    between = np.zeros(int(value_size.sum()), np.uint8)
-    _write_varints(between, _piece_starts(value_size), value_raw, value_size)
-    entries = _join(_binary_array(before, key_size), keys.view(pa.binary()), _binary_array(between, value_size), values)
+    entry_count = len(keys)
+    before = _binary_array(*_varint_rows([(key_raw, _varint_sizes(key_raw))], entry_count))
+    between = _binary_array(*_varint_rows([(value_raw, _varint_sizes(value_raw))], entry_count))
+    entries = _join(before, keys.view(pa.binary()), between, values)
     record_offsets = _offsets(entries)[offsets - first].astype(np.int32)
     if headers.null_count:
         counts[nulls] = 0
@@ -742,22 +759,19 @@ def _binary_array(buffer: np.ndarray, sizes: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.binary(), sizes.size, [None, pa.py_buffer(offsets), pa.py_buffer(buffer)])
 
 
-def _piece_starts(sizes: np.ndarray) -> np.ndarray:
-    starts = np.zeros(sizes.size, np.int64)
-    np.cumsum(sizes[:-1], out=starts[1:])
-    return starts
-
-
 def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes:
     """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch.
 
     A Kafka record is its varint fields, then its key, a varint, its value, then
     its headers. The varints of every record are written at once with numpy
-    into three arrays of pieces (before the key, between key and value, after
-    the value); Arrow's ``binary_join_element_wise`` then lays out piece, key,
-    piece, value, piece (and the record's headers, encoded for all records at
-    once by :func:`_header_blobs`) record after record, with no Python loop
-    per record.
+    (:func:`_varint_rows`) into pieces: the record's fields up to its key's
+    length (and the value's length too when no record has a key), preceded by
+    the previous record's header count when there are no headers to write;
+    then, with keys, the value's length between key and value; with headers,
+    the header count and the headers (encoded for all records at once by
+    :func:`_header_blobs`) after the value. Arrow's
+    ``binary_join_element_wise`` then lays the pieces out record after
+    record, with no Python loop per record.
     """
     count = records.num_rows
     keys, values, timestamp_column, headers = (records.column(i) for i in range(4))
@@ -779,40 +793,44 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     length_size = _varint_sizes(body_raw)
     total = int((length_size + body).sum())
 
-    # Before the key: length, attributes (0), timestamp delta, offset delta, key length.
-    before_sizes = length_size + 1 + ts_size + off_size + key_size
-    before = np.zeros(int(before_sizes.sum()), np.uint8)
-    at = _piece_starts(before_sizes)
-    _write_varints(before, at, body_raw, length_size)
-    at = at + length_size + 1
-    _write_varints(before, at, timestamp_raw, ts_size)
-    at += ts_size
-    _write_varints(before, at, offset_raw, off_size)
-    at += off_size
-    _write_varints(before, at, key_raw, key_size)
-    # Between key and value: the value's length.
-    between = np.zeros(int(value_size.sum()), np.uint8)
-    _write_varints(between, _piece_starts(value_size), value_raw, value_size)
-    # After the value: the header count, then (if any) the headers.
-    after = np.zeros(int(hdr_size.sum()), np.uint8)
-    _write_varints(after, _piece_starts(hdr_size), header_raw, hdr_size)
-    pieces = [_binary_array(before, before_sizes), keys, _binary_array(between, value_size), values, _binary_array(after, hdr_size)]
-    if header_blobs is not None:
-        pieces.append(header_blobs)
+    # The first piece of each record: its length, attributes (0), timestamp delta, offset delta and
+    # key length, and its value's length too when no record has a key. Without headers to write, a
+    # record's last byte is its header count (0), written at the start of the next record's first
+    # piece, and after the last record on its own.
+    fields = []
+    if header_blobs is None:
+        previous_raw, previous_size = np.zeros(count, _U64), np.zeros(count, np.int64)
+        previous_raw[1:], previous_size[1:] = header_raw[:-1], hdr_size[:-1]
+        fields.append((previous_raw, previous_size))
+    fields += [(body_raw, length_size), (np.zeros(count, _U64), np.ones(count, np.int64)), (timestamp_raw, ts_size),
+               (offset_raw, off_size), (key_raw, key_size)]
+    no_keys = keys.null_count == count
+    if no_keys:
+        fields.append((value_raw, value_size))
+    pieces = [_binary_array(*_varint_rows(fields, count))]
+    if not no_keys:
+        pieces += [keys, _binary_array(*_varint_rows([(value_raw, value_size)], count))]
+    pieces.append(values)
+    if header_blobs is None:
+        tail = _varint_bytes(int(header_counts[-1]))
+    else:
+        pieces += [_binary_array(*_varint_rows([(header_raw, hdr_size)], count)), header_blobs]
+        tail = b""
     joined = _join(*pieces)
-    records_bytes = memoryview(joined.buffers()[2]).cast("B")[:total] if total else memoryview(b"")
-    if len(records_bytes) != total:
-        raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes)} bytes, not {total}")
+    records_bytes = memoryview(joined.buffers()[2]).cast("B")[: total - len(tail)]
+    if len(records_bytes) + len(tail) != total:
+        raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
 
-    attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
-    max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
+    attributes_word = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
+    max_timestamp = header.max_timestamp_ms if attributes_word else int(timestamps.max())
     out = bytearray(HEADER_SIZE)
     HEADER.pack_into(
-        out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,
+        out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes_word,
         count - 1, base_timestamp, max_timestamp, header.producer_id, header.producer_epoch, header.base_sequence, count,
     )
-    struct.pack_into(">I", out, 17, crc32c.crc32c(records_bytes, crc32c.crc32c(memoryview(out)[CRC_START:])))
-    return b"".join((out, records_bytes))
+    crc = crc32c.crc32c(tail, crc32c.crc32c(records_bytes, crc32c.crc32c(memoryview(out)[CRC_START:])))
+    struct.pack_into(">I", out, 17, crc)
+    return b"".join((out, records_bytes, tail))
 
 
 def to_kafka(buffer, *, verify_crc: bool = True) -> bytes:

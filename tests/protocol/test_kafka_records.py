@@ -429,3 +429,47 @@ print("pandas" in sys.modules)
                             cwd=pathlib.Path(__file__).resolve().parents[2])
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def unsigned_varint(raw: int) -> bytes:
+    out = bytearray()
+    while raw >= 0x80:
+        out.append((raw & 0x7F) | 0x80)
+        raw >>= 7
+    return bytes(out + bytes([raw]))
+
+
+uint64s = st.integers(0, 2**64 - 1) | st.integers(0, 300) | st.sampled_from([127, 128, 16383, 16384, 2**63, 2**64 - 1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda rows: st.lists(
+    st.lists(st.tuples(uint64s, st.booleans()), min_size=rows, max_size=rows) | st.tuples(uint64s).map(lambda v: [(v[0], True)] * rows),
+    min_size=1, max_size=5)))
+def test_varint_rows_write_each_rows_varints_field_after_field(fields):
+    # Each field: a value per row (some fields one value in every row) and whether the row writes it.
+    rows = len(fields[0])
+    arrays = []
+    for field in fields:
+        raw = np.array([value for value, _ in field], np.uint64)
+        sizes = np.array([len(unsigned_varint(value)) if written else 0 for value, written in field], np.int64)
+        assert kr._varint_sizes(raw).tolist() == [len(unsigned_varint(value)) for value, _ in field]
+        arrays.append((raw, sizes))
+    data, row_sizes = kr._varint_rows(arrays, rows)
+    expected = [b"".join(unsigned_varint(field[row][0]) for field in fields if field[row][1]) for row in range(rows)]
+    assert data.tobytes() == b"".join(expected)
+    assert row_sizes.tolist() == [len(row) for row in expected]
+
+
+def test_a_keyed_and_a_keyless_batch_of_ten_thousand_records_read_back_through_kafka_python():
+    # The two layouts the writer takes: no key anywhere (one piece before each value) and keys.
+    values = [bytes([i % 251]) * (i % 300) for i in range(10_000)]
+    for keys in ([None] * 10_000, [b"key-%d" % i if i % 3 else None for i in range(10_000)]):
+        table = pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
+        kafka = kr.to_kafka(rb.encode_table(table))
+        batch = DefaultRecordBatch(kafka)
+        assert batch.validate_crc()
+        read = list(batch)
+        assert [r.key for r in read] == keys
+        assert [r.value for r in read] == values
+        assert [r.offset for r in read] == list(range(10_000))
