@@ -821,11 +821,11 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     if len(records_bytes) + len(tail) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
 
-    attributes_word = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
-    max_timestamp = header.max_timestamp_ms if attributes_word else int(timestamps.max())
+    attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
+    max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
     out = bytearray(HEADER_SIZE)
     HEADER.pack_into(
-        out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes_word,
+        out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,
         count - 1, base_timestamp, max_timestamp, header.producer_id, header.producer_epoch, header.base_sequence, count,
     )
     crc = crc32c.crc32c(tail, crc32c.crc32c(records_bytes, crc32c.crc32c(memoryview(out)[CRC_START:])))
