@@ -633,13 +633,13 @@ def _varint_rows(fields: list[tuple[np.ndarray, np.ndarray]], count: int) -> tup
         row_sizes += sizes
         if not width:
             continue
-        if int(sizes.min()) == width and int(raw.min()) == int(raw.max()):
+        uniform = int(sizes.min()) == width
+        if uniform and int(raw.min()) == int(raw.max()):
             value = int(raw[0])
             for k in range(width):
                 matrix[:, column + k] = (value >> (7 * k)) & 0x7F | (0x80 if k + 1 < width else 0)
             column += width
             continue
-        uniform = int(sizes.min()) == width
         rest = raw
         for k in range(width):
             piece = (rest & _LOW7).astype(np.uint8)
@@ -760,7 +760,12 @@ def _binary_array(buffer: np.ndarray, sizes: np.ndarray) -> pa.Array:
 
 
 def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes:
-    """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch.
+    """One logbus batch (its header and its whole Arrow batch) as one uncompressed Kafka batch."""
+    return b"".join(_kafka_batch_parts(header, records))
+
+
+def _kafka_batch_parts(header: rb.BatchHeader, records: pa.RecordBatch) -> tuple:
+    """:func:`encode_kafka_batch`'s batch in the parts it is built in (header, records, last byte), not yet joined.
 
     A Kafka record is its varint fields, then its key, a varint, its value, then
     its headers. The varints of every record are written at once with numpy
@@ -830,9 +835,11 @@ def encode_kafka_batch(header: rb.BatchHeader, records: pa.RecordBatch) -> bytes
     )
     crc = crc32c.crc32c(tail, crc32c.crc32c(records_bytes, crc32c.crc32c(memoryview(out)[CRC_START:])))
     struct.pack_into(">I", out, 17, crc)
-    return b"".join((out, records_bytes, tail))
+    return out, records_bytes, tail
 
 
 def to_kafka(buffer, *, verify_crc: bool = True) -> bytes:
     """A buffer of whole logbus batches (a fetch reply) as Kafka batches, one per logbus batch, uncompressed."""
-    return b"".join(encode_kafka_batch(header, records) for header, records in rb.decode_batches(buffer, verify_crc=verify_crc))
+    # One copy of every batch's bytes, into the reply, not one per batch and another for the reply.
+    return b"".join(part for header, records in rb.decode_batches(buffer, verify_crc=verify_crc)
+                    for part in _kafka_batch_parts(header, records))
