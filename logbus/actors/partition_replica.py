@@ -255,6 +255,7 @@ class PartitionReplica:
         self._tasks: list[asyncio.Task] = []
         self._follow_task: asyncio.Task | None = None
         self._deleted = False
+        self._removing = False  # delete() began: every call from here on gets NotLeaderError
         self._label = f"{topic}-{partition}/{replica_id}"
         self._channel = ChannelServer(self._channel_request, f"replica {self._label}")
         self._channel_started: asyncio.Task | None = None
@@ -285,7 +286,14 @@ class PartitionReplica:
     # --- loop-bound set-up and background work -------------------------------------------------
 
     def _started(self) -> None:
-        """Create loop-bound objects on first use (the constructor runs outside the event loop)."""
+        """Create loop-bound objects on first use (the constructor runs outside the event loop).
+
+        Every request starts here: one that reaches a replica being removed
+        gets NotLeaderError (retriable: the client asks where the partition's
+        leader is now), never the closed log's StorageError.
+        """
+        if self._removing:
+            raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} has been removed")
         if self._appended is not None:
             return
         self._appended = Wakeup()
@@ -843,7 +851,7 @@ class PartitionReplica:
         deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
         while True:
-            if self.leader_epoch != epoch:
+            if self.leader_epoch != epoch or self.role != LEADER:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
             start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
             result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=bool(request.verify_crc))
@@ -1004,6 +1012,7 @@ class PartitionReplica:
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
+        self._started()
         offset = self.log.offset_for_timestamp(timestamp_ms)
         if offset is None or offset >= self.high_watermark:
             return -1
@@ -1021,8 +1030,22 @@ class PartitionReplica:
         self._arm_cleaning()
 
     async def delete(self) -> None:
-        """Close and remove this replica's files; the actor is killed by the controller afterwards."""
+        """Close and remove this replica's files; the actor is killed by the controller afterwards.
+
+        A replica removed by a reassignment may still think it leads (the
+        controller elected the new leader elsewhere and told only the replicas
+        that stay). It steps down first, so fetches and acks="all" produces
+        waiting here end with NotLeaderError before the log closes under them.
+        """
+        if self._removing:
+            return  # asked again: the first call did the work
         self._deleted = True
+        self._removing = True
+        self.leader_state = None
+        self.role = UNKNOWN
+        if self._appended is not None:
+            self._signal("_appended")
+            self._signal("_hw_moved")
         self._stop_following()
         for timer in self._timers.values():
             timer.cancel()

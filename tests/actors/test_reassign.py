@@ -20,7 +20,16 @@ from ray.cluster_utils import Cluster
 import logbus
 from logbus import TopicPartition
 from logbus.actors.placement import replica_directory
-from logbus.errors import InvalidReassignmentError, InvalidReplicationFactorError, NodeCapacityError, ReassignmentInProgressError
+from logbus.actors.remote import get
+from logbus.errors import (
+    InvalidReassignmentError,
+    InvalidReplicationFactorError,
+    NodeCapacityError,
+    NotLeaderError,
+    ReassignmentInProgressError,
+)
+from logbus.protocol.messages import FETCH_WAIT_MS_MAX, FetchRequest
+from logbus.storage.record_batch import encode_batch
 from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
 
@@ -211,3 +220,31 @@ def test_a_cancelled_move_removes_the_new_replica_and_keeps_the_old_ones(cluster
     assert after == before and after_described.replicas == described.replicas
     wait_for(lambda: not os.path.exists(directory), timeout_s=60, message="the new replica's files to go")
     check_invariants(rbus, topic, acknowledged, 2)
+
+
+def test_a_removed_leader_answers_waiting_and_later_fetches_with_not_leader(cluster, rbus):
+    """A move that removes a partition's leader elects the new leader among the replicas that stay and
+    tells only them; the old leader learns nothing until the controller deletes it and kills its actor.
+    A consumer's long poll parked there when the delete begins, and a fetch that arrives between the
+    delete and the kill, must end with NotLeaderError (retriable: the consumer asks for the new
+    leader), never the closed log's StorageError. Here the controller's delete call is made directly,
+    so the window between it and the kill stays open."""
+    topic = "removed-leader"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=1)
+    with logbus.Producer(rbus, acks="all") as producer:
+        producer.send(topic, b"one").result(timeout=60)
+    leader = ray.get(rbus.controller.leader_handle.remote(topic, 0), timeout=60)
+    assert get(leader.fetch.remote(FetchRequest(0)), timeout_s=60)[0].next_offset == 1
+    parked = leader.fetch.remote(FetchRequest(1, max_wait_ms=FETCH_WAIT_MS_MAX))  # nothing at offset 1: it waits
+    ready, _ = ray.wait([parked], timeout=1.0)
+    assert not ready, "the fetch should be waiting for data"
+    started = time.monotonic()
+    get(leader.delete.remote(), timeout_s=60)
+    with pytest.raises(NotLeaderError):
+        get(parked, timeout_s=60)
+    assert time.monotonic() - started < FETCH_WAIT_MS_MAX / 1000 / 2, "the parked fetch waited for its deadline"
+    for call in (leader.fetch.remote(FetchRequest(0)), leader.produce.remote(encode_batch([b"two"]), acks="all"),
+                 leader.offsets.remote()):
+        with pytest.raises(NotLeaderError):
+            get(call, timeout_s=60)
+    get(leader.delete.remote(), timeout_s=60)  # asked again: nothing left to do, no error
