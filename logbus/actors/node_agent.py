@@ -42,6 +42,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.heartbeat_link import HeartbeatLink
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
+from logbus.actors.logs import configure_logging
 from logbus.clock import monotonic_ms
 from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIMEOUT_MS
@@ -89,6 +90,7 @@ class NodeAgent:
     """The node's lease holder and replica watcher (see the module docstring)."""
 
     def __init__(self, namespace: str, node_id: str, controller_name: str) -> None:
+        configure_logging()
         self.namespace = namespace
         self.node_id = node_id
         self.controller_name = controller_name

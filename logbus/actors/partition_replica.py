@@ -125,6 +125,14 @@ ALTER_ISR_TIMEOUT_S = 5.0
 LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this long for a renewal
 LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
+# A follower's fetch ends by its own deadline: its wait plus this slack. One sent into a cut network
+# (or on a connection that died) would otherwise wait until the transport gives up, many seconds.
+FOLLOWER_FETCH_SLACK_MS = 1_000
+# After a fetch that failed or timed out, the follower asks with this short wait (deadline: this plus
+# the slack) until one succeeds: once the leader can be reached again, a fetch ends and is sent again
+# within 2 s, and the follower is back in the ISR at its next fetch.
+FOLLOWER_RETRY_WAIT_MS = 500
+FOLLOWER_CALL_TIMEOUT_S = 5.0  # a follower's other calls to its leader (epoch ends, offsets)
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
 CLEAN_FAILED_RETRY_MAX_S = 3600.0
@@ -235,6 +243,9 @@ class PartitionReplica:
         self._lease: NodeLease | None = None  # the node's lease (None standalone: no controller)
         self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
+        self._agent_handle = None  # this node's agent (asked for our role on our behalf)
+        self._role_asked_epoch = -1  # the fence epoch we last asked our role for
+        self._role_question: asyncio.Task | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean"
         self._cleaning: asyncio.Task | None = None  # the log cleaning under way
         self._cleaning_stop = None  # set to stop it (the stop event of its plan)
@@ -315,30 +326,58 @@ class PartitionReplica:
             self._controller_handle = await asyncio.to_thread(ray.get_actor, self.controller_name, namespace=self.namespace)
         return self._controller_handle
 
+    async def _agent(self):
+        if self._agent_handle is None:
+            name = agent_actor_name(ray.get_runtime_context().get_node_id())
+            self._agent_handle = await asyncio.to_thread(ray.get_actor, name, namespace=self.namespace)
+        return self._agent_handle
+
     async def _say_started(self) -> None:
-        """Once per process: the node agent watches this pid, and the controller (asked through the
-        agent, ``NodeAgent.replica_started``) says what our role is."""
+        """Once per process: the node agent watches this pid; then the controller says what our role is
+        (``_ask_role``)."""
         name = replica_file_name(self.topic_id, self.partition, self.replica_id)
-        agent_name = agent_actor_name(ray.get_runtime_context().get_node_id())
-        agent = None
-        registered = answered = False
-        while not (registered and answered) and not self._deleted:
+        while not self._deleted:
             try:
-                if agent is None:
-                    agent = await asyncio.to_thread(ray.get_actor, agent_name, namespace=self.namespace)
-                if not registered:
-                    await agent.register.remote(name, os.getpid())
-                    registered = True
-                if not answered:
-                    reply = await agent.replica_started.remote(self.topic, self.partition, self.replica_id)
-                    answered = True
-                    if reply.get("deleted"):
-                        self._deleted = True
-                        return
-                    await self._reconcile(reply)
-            except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
-                agent = None
+                await (await self._agent()).register.remote(name, os.getpid())
+                break
+            except Exception:  # noqa: BLE001 (agent not up yet, or restarting: try again)
+                self._agent_handle = None
                 await asyncio.sleep(START_RETRY_S)
+        await self._ask_role()
+
+    def _check_fence(self) -> None:
+        """Ask the controller for our role when our fence holds an epoch past ours (one 8-byte read).
+
+        The agent writes a partition's new epoch into the fence before the
+        controller tells anyone their role; a replica that missed its role
+        change (a call lost in a cut network, say) finds out here, on its next
+        request or fetch, and asks once per fence epoch.
+        """
+        fence = self._fence
+        if fence is None or self._deleted:
+            return
+        current = fence.current_epoch
+        if current > self.leader_epoch and current > self._role_asked_epoch:
+            self._role_asked_epoch = current
+            if self._role_question is None or self._role_question.done():
+                logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role", self._label, current, self.leader_epoch)
+                self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+
+    async def _ask_role(self) -> None:
+        """Ask the controller (through the node agent, ``NodeAgent.replica_started``) for our role and
+        take it; retried until answered."""
+        while not self._deleted:
+            try:
+                reply = await (await self._agent()).replica_started.remote(self.topic, self.partition, self.replica_id)
+            except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
+                self._agent_handle = None
+                await asyncio.sleep(START_RETRY_S)
+                continue
+            if reply.get("deleted"):
+                self._deleted = True
+                return
+            await self._reconcile(reply)
+            return
 
     def _may_write(self) -> bool:
         """The node's lease holds and this leader's epoch is the partition's current one (no call)."""
@@ -358,6 +397,7 @@ class PartitionReplica:
         if self._may_write():
             return True
         if self._fence is None or self._fence.current_epoch != self.leader_epoch:
+            self._check_fence()
             return False
         deadline = monotonic_ms() + LEASE_WAIT_MS
         while monotonic_ms() < deadline:
@@ -660,7 +700,7 @@ class PartitionReplica:
         latest = self.log.epochs.latest_epoch
         if latest == UNDEFINED_EPOCH:
             return
-        leader_epoch, end_offset = await leader.end_offset_for_epoch.remote(latest)
+        leader_epoch, end_offset = await asyncio.wait_for(leader.end_offset_for_epoch.remote(latest), FOLLOWER_CALL_TIMEOUT_S)
         if leader_epoch == UNDEFINED_EPOCH:
             target = self.log.log_start_offset
         else:
@@ -672,7 +712,9 @@ class PartitionReplica:
     async def _follow(self, epoch: int, leader) -> None:
         truncated = False
         last_error = None
+        failing = False  # the last call to the leader failed or timed out: fetch with a short wait
         while not self._deleted and self.role == FOLLOWER and self.leader_epoch == epoch:
+            self._check_fence()  # a newer epoch in our fence: a role change we may have missed
             try:
                 if not truncated:
                     await self._truncate_by_epoch(leader)
@@ -680,12 +722,25 @@ class PartitionReplica:
                 # Wait at most half the lag time: a fetch waiting at the leader counts as in sync only
                 # that long, so an idle follower renews it before it stops counting.
                 wait_ms = min(REPLICA_FETCH_WAIT_MS, self.log.config.replica_lag_time_max_ms // 2)
+                if failing:
+                    wait_ms = min(wait_ms, FOLLOWER_RETRY_WAIT_MS)
                 max_bytes = REPLICA_FETCH_MAX_BYTES
                 if self.throttle_bytes_per_s:
                     # A throttled copy (a reassignment) asks for small slices, so its pace stays smooth.
                     max_bytes = max(THROTTLED_FETCH_MIN_BYTES, min(max_bytes, int(self.throttle_bytes_per_s * THROTTLE_SLICE_S)))
                 request = FetchRequest(self.log.log_end_offset, max_bytes, wait_ms, False, FETCH_INLINE_MAX_BYTES)
-                meta, data = await leader.replica_fetch.remote(self.replica_id, epoch, request)
+                try:
+                    meta, data = await asyncio.wait_for(
+                        leader.replica_fetch.remote(self.replica_id, epoch, request), (wait_ms + FOLLOWER_FETCH_SLACK_MS) / 1000
+                    )
+                except asyncio.TimeoutError:
+                    raise RequestTimedOutError(
+                        f"fetch from the leader not answered within its wait ({wait_ms} ms) and {FOLLOWER_FETCH_SLACK_MS} ms"
+                    ) from None
+                if failing:
+                    logger.info("replica %s: fetching from leader %s again", self._label, self.leader_id)
+                failing = False
+                last_error = None
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
                 if data is not None:
@@ -705,12 +760,18 @@ class PartitionReplica:
             except asyncio.CancelledError:
                 raise
             except OffsetOutOfRangeError:
-                start, _, end = await leader.offsets.remote()
+                try:
+                    start, _, end = await asyncio.wait_for(leader.offsets.remote(), FOLLOWER_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (the next fetch tries again)
+                    failing = True
+                    await asyncio.sleep(0.1)
+                    continue
                 if self.log.log_end_offset < start:
                     self.log.truncate_fully_and_start_at(start)
                 else:
                     truncated = False  # our log runs past the leader's: cut it by epoch again
             except Exception as error:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
+                failing = True
                 if repr(error) != last_error:  # say so once per kind of error, not every 100 ms
                     last_error = repr(error)
                     logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
@@ -741,6 +802,7 @@ class PartitionReplica:
     # --- data plane --------------------------------------------------------------------------------------
 
     def _check_leader(self, epoch: int | None = None) -> LeaderState:
+        self._check_fence()
         if self.role != LEADER or self.leader_state is None:
             raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} is not the leader")
         if epoch is not None and epoch != self.leader_epoch:
