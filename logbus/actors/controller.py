@@ -989,10 +989,11 @@ class Controller:
             overrides = self.metadata.alter_config(name, config)
             self._persist()
             topic = self.metadata.topic(name)
+        # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync
+        # replica: at once, before the replicas (one of them perhaps paused) are told the new config.
+        await self._check_partitions({(name, p) for p in range(len(topic.partitions))})
         handles = [self._replica_handle(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
         await asyncio.gather(*(h.update_config.remote(overrides) for h in handles))
-        # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync replica.
-        await self._check_partitions({(name, p) for p in range(len(topic.partitions))})
         return dict(overrides)
 
     async def delete_records(self, offsets: dict) -> dict:
