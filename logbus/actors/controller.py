@@ -13,11 +13,17 @@ what the cluster has nodes, not replicas: one agent per node
 socket, ``heartbeat_link.py``, or ``node_heartbeat`` while that is down),
 reports replica processes that exit or are stopped, and is told each
 partition's current leader epoch. The control loop checks only the nodes'
-leases (``protocol/liveness.py``); elections happen when a node's lease runs
-out or an agent reports a replica down, and a new leader is announced only
-once every live node hosting the partition has applied the new epoch
-(``_fenced``), so a deposed leader has stopped taking writes (a dead node's
-leaders stopped when its lease ran out). A replica whose node is gone for
+leases (``protocol/liveness.py``), pending role deliveries and the partitions
+without a leader (normally none). Elections happen on every event that may
+make a leader possible or lose one (``protocol/elections.py``): a node's
+lease runs out, an agent reports a replica down or up, a node is heard again
+(or for the first time), a replica starts, this controller starts, a topic's
+config changes. A new leader is announced only once every live node hosting
+the partition has applied the new epoch (``_fenced``), so a deposed leader
+has stopped taking writes (a dead node's leaders stopped when its lease ran
+out); each replica's role change then stays pending until the replica
+acknowledges it, sent again on a bounded backoff and at once when its node
+is heard again (``RoleDeliveries``). A replica whose node is gone for
 ``replica_replacement_ms`` is replaced by a new replica on another live node,
 which copies the log from the leader.
 

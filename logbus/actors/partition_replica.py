@@ -31,8 +31,12 @@ accepts writes for a partition at any time.
 
 Nothing runs on a timer while a replica is idle. A replica that starts (or
 that Ray restarted) tells its node agent its pid and asks the controller for
-its role once (``replica_started``, through the agent, so that the replica's
-process need not load the controller's class); role changes come as calls. The leader
+its role (``replica_started``, through the agent, so that the replica's
+process need not load the controller's class); role changes come as calls,
+which the controller sends again until they are acknowledged, and a replica
+that finds its fence epoch past its own (on a request, or a follower's
+fetch) asks again, once per fence epoch. A follower's fetch has a deadline
+of its own (its wait plus ``FOLLOWER_FETCH_SLACK_MS``). The leader
 checks its ISR when something happens (a follower's fetch, a produce) and
 arms one timer only while an in-sync follower is behind; retention arms one
 timer for when its oldest data expires, and interval flushes one after an

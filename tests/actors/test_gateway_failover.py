@@ -35,6 +35,7 @@ from tests.actors.test_replication import (  # noqa: F401 (fixtures: the cluster
     wait_new_leader,
 )
 from tests.conftest import wait_for
+from tests.healing import assert_healed
 
 pytestmark = [
     pytest.mark.slow,
@@ -133,6 +134,7 @@ def test_a_kafka_producer_follows_the_new_leader_when_the_leaders_node_dies(clus
         metadata = AdminClient({"bootstrap.servers": alive}).list_topics(topic, timeout=30)
         assert killed not in metadata.brokers
         assert metadata.topics[topic].partitions[0].leader in metadata.brokers
+        assert assert_healed(rbus, topic) == {0: stored}
     finally:
         if workload is not None:
             workload.stop()  # no producer thread may outlive its test

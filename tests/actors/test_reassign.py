@@ -32,6 +32,7 @@ from logbus.protocol.messages import FETCH_WAIT_MS_MAX, FetchRequest
 from logbus.storage.record_batch import encode_batch
 from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
+from tests.healing import assert_healed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -189,6 +190,7 @@ def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_pre
     assert ("drained", 0) in [tuple(m) for m in moved]
     final = rbus.admin.describe_topic("drained").partitions[0]
     assert final.leader == final.replicas[0]
+    assert_healed(rbus, "drained")
 
 
 def test_a_cancelled_move_removes_the_new_replica_and_keeps_the_old_ones(cluster, rbus):

@@ -21,6 +21,7 @@ from logbus.clock import monotonic_ms
 from logbus.errors import NodeCapacityError
 from logbus.storage import encode_batch
 from tests.conftest import close_bus, wait_for
+from tests.healing import assert_healed
 
 WINDOW_S = 3.0
 
@@ -67,6 +68,7 @@ def test_a_controller_that_stops_answering_gets_a_new_heartbeat_link_once_it_run
     wait_for(lambda: lease.expires_ms > monotonic_ms(), timeout_s=60, message="the node's lease renewed")
     with logbus.Producer(bus) as producer:
         assert producer.send(topic_name, b"after the pause").result(timeout=60).offset == 0
+    assert assert_healed(bus, topic_name) == {0: 1}
 
 
 def test_a_write_that_finds_the_nodes_lease_lapsed_waits_for_the_next_renewal(bus, topic_name):
@@ -88,6 +90,7 @@ def test_a_write_that_finds_the_nodes_lease_lapsed_waits_for_the_next_renewal(bu
         os.kill(agent_pid, signal.SIGCONT)
     assert get(pending).base_offset == 1
     assert lease.expires_ms > monotonic_ms()
+    assert assert_healed(bus, topic_name) == {0: 2}
 
 
 def test_a_topic_over_a_nodes_replica_limit_fails_and_leaves_nothing_behind(ray_session, tmp_path):
