@@ -23,7 +23,9 @@ replies whenever the agent is behind); the agent writes them into the
 replicas' fence files *before* it extends the lease. A deposed leader, even
 one paused while it was deposed, finds a newer epoch there and takes no more
 writes; the controller announces a new leader only once every live agent
-hosting the partition has applied the new epoch.
+hosting the partition has applied the new epoch. A replica whose epoch
+moved is told (``fence_moved``, given its handle when it registered), so
+that one whose role change from the controller does not come asks for it.
 
 After a restart (Ray restarts the agent like any actor) the agent starts
 with no lease, finds its node's replicas from their fence files, and is
@@ -77,13 +79,14 @@ def _process_state(pid: int, stat_fd: int | None = None) -> str | None:
 
 
 class _Watched:
-    __slots__ = ("fence", "pid", "pidfd", "stat_fd")
+    __slots__ = ("fence", "pid", "pidfd", "stat_fd", "replica")
 
     def __init__(self, fence: ReplicaFence) -> None:
         self.fence = fence
         self.pid = 0
         self.pidfd: int | None = None
         self.stat_fd: int | None = None
+        self.replica = None  # the replica actor's handle, told when its fence epoch moves
 
 
 class NodeAgent:
@@ -175,10 +178,14 @@ class NodeAgent:
         if self._urgent is not None:
             self._urgent.set()  # tell the controller now, not at the next tick
 
-    async def register(self, name: str, pid: int) -> None:
-        """A replica process started (or restarted) on this node: watch it."""
+    async def register(self, name: str, pid: int, replica=None) -> None:
+        """A replica process started (or restarted) on this node: watch it (and, given its handle,
+        tell it when its fence epoch moves)."""
         self._start()
-        self._watch(name, self._track(name), pid)
+        watched = self._track(name)
+        if replica is not None:
+            watched.replica = replica
+        self._watch(name, watched, pid)
 
     async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
         """A starting replica's question for the controller (its role), asked on its behalf.
@@ -211,11 +218,21 @@ class NodeAgent:
         return self.epochs_version
 
     def _apply_epochs(self, version: list, epochs: dict[str, int]) -> None:
+        """Write each replica's new epoch into its fence; then tell the replicas whose epoch moved on
+        (one call each, per election), so that one that misses its role change asks for it."""
+        moved = []
         for name, epoch in epochs.items():
             watched = self._track(name)
             if watched.fence.current_epoch != epoch:
+                if epoch > watched.fence.current_epoch and watched.replica is not None:
+                    moved.append(watched.replica)
                 watched.fence.current_epoch = epoch
         self.epochs_version = list(version)
+        for replica in moved:
+            try:
+                replica.fence_moved.remote()  # not awaited: the replica compares the fence with its own epoch
+            except Exception:  # noqa: BLE001 (a replica gone: Ray restarts it, and it asks when it starts)
+                pass
 
     async def shut_down(self) -> None:
         """The cluster is being torn down: stop heartbeating and remove this node's files."""

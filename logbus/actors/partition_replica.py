@@ -34,8 +34,9 @@ that Ray restarted) tells its node agent its pid and asks the controller for
 its role (``replica_started``, through the agent, so that the replica's
 process need not load the controller's class); role changes come as calls,
 which the controller sends again until they are acknowledged, and a replica
-that finds its fence epoch past its own (on a request, or a follower's
-fetch) asks again, once per fence epoch. A follower's fetch has a deadline
+whose fence epoch stays past its own for ``FENCE_ASK_DELAY_S`` (the agent
+says when it moves the fence; requests and a follower's fetches look too)
+asks again, once per fence epoch. A follower's fetch has a deadline
 of its own (its wait plus ``FOLLOWER_FETCH_SLACK_MS``). The leader
 checks its ISR when something happens (a follower's fetch, a produce) and
 arms one timer only while an in-sync follower is behind; retention arms one
@@ -137,6 +138,7 @@ FOLLOWER_FETCH_SLACK_MS = 1_000
 # within 2 s, and the follower is back in the ISR at its next fetch.
 FOLLOWER_RETRY_WAIT_MS = 500
 FOLLOWER_CALL_TIMEOUT_S = 5.0  # a follower's other calls to its leader (epoch ends, offsets)
+FENCE_ASK_DELAY_S = 1.0  # a fence epoch past ours this long (the controller's call did not come): ask for our role
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
 CLEAN_FAILED_RETRY_MAX_S = 3600.0
@@ -250,7 +252,7 @@ class PartitionReplica:
         self._agent_handle = None  # this node's agent (asked for our role on our behalf)
         self._role_asked_epoch = -1  # the fence epoch we last asked our role for
         self._role_question: asyncio.Task | None = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean"
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean", "role"
         self._cleaning: asyncio.Task | None = None  # the log cleaning under way
         self._cleaning_stop = None  # set to stop it (the stop event of its plan)
         # A cleaning due but held back by the high watermark: it starts once the watermark reaches this.
@@ -342,30 +344,49 @@ class PartitionReplica:
         name = replica_file_name(self.topic_id, self.partition, self.replica_id)
         while not self._deleted:
             try:
-                await (await self._agent()).register.remote(name, os.getpid())
+                await (await self._agent()).register.remote(name, os.getpid(), ray.get_runtime_context().current_actor)
                 break
             except Exception:  # noqa: BLE001 (agent not up yet, or restarting: try again)
                 self._agent_handle = None
                 await asyncio.sleep(START_RETRY_S)
         await self._ask_role()
 
-    def _check_fence(self) -> None:
-        """Ask the controller for our role when our fence holds an epoch past ours (one 8-byte read).
-
-        The agent writes a partition's new epoch into the fence before the
-        controller tells anyone their role; a replica that missed its role
-        change (a call lost in a cut network, say) finds out here, on its next
-        request or fetch, and asks once per fence epoch.
-        """
+    def _fence_ahead(self) -> int | None:
+        """Our fence's epoch if it is past ours and not yet asked about (one 8-byte read), else None."""
         fence = self._fence
         if fence is None or self._deleted:
-            return
+            return None
         current = fence.current_epoch
-        if current > self.leader_epoch and current > self._role_asked_epoch:
-            self._role_asked_epoch = current
-            if self._role_question is None or self._role_question.done():
-                logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role", self._label, current, self.leader_epoch)
-                self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+        return current if current > self.leader_epoch and current > self._role_asked_epoch else None
+
+    def _check_fence(self) -> None:
+        """Ask the controller for our role if our fence stays past our epoch for FENCE_ASK_DELAY_S.
+
+        The agent writes a partition's new epoch into the fence before the
+        controller tells anyone their role, and tells us (``fence_moved``);
+        every request and follower fetch looks too. The controller's own call
+        normally follows within milliseconds; a replica that missed it (a
+        call lost in a cut network, say) asks once per fence epoch, after a
+        one-shot timer, so that an election costs no second call per replica.
+        """
+        if self._fence_ahead() is not None and "role" not in self._timers:
+            self._arm("role", FENCE_ASK_DELAY_S, self._ask_if_behind)
+
+    def _ask_if_behind(self) -> None:
+        current = self._fence_ahead()
+        if current is None:
+            return  # the role change arrived meanwhile
+        self._role_asked_epoch = current
+        if self._role_question is None or self._role_question.done():
+            logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role", self._label, current, self.leader_epoch)
+            self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+
+    async def fence_moved(self) -> None:
+        """The node agent wrote a newer epoch into our fence: ask for our role if it is past ours."""
+        if self._removing:
+            return
+        self._started()
+        self._check_fence()
 
     async def _ask_role(self) -> None:
         """Ask the controller (through the node agent, ``NodeAgent.replica_started``) for our role and
