@@ -135,7 +135,7 @@ class Driver:
         self.stopping.set()
         self.threads[0].join(max(1.0, deadline - time.monotonic()))
         try:
-            self.producer.close(timeout=max(1.0, deadline - time.monotonic()))
+            self.producer.close(timeout_s=max(1.0, deadline - time.monotonic()))
         except Exception as error:  # noqa: BLE001
             self._error(f"producer close: {error!r}")
         settled = self._wait_settled(deadline)
@@ -326,11 +326,12 @@ class Workload:
                                  + open(self.stderr_path).read()[-3000:])
         return reply
 
-    def call(self, op: str, timeout_s: float = 300.0, **arguments) -> dict:
-        """Run one command; its reply (a reply with ``error`` raises AssertionError)."""
+    def call(self, op: str, reply_timeout_s: float = 300.0, **arguments) -> dict:
+        """Run one command (``arguments`` are its own); its reply, awaited up to ``reply_timeout_s`` (a reply with
+        ``error`` raises AssertionError)."""
         self.process.stdin.write(json.dumps({"op": op, **arguments}) + "\n")
         self.process.stdin.flush()
-        reply = self._wait_reply(op, timeout_s)
+        reply = self._wait_reply(op, reply_timeout_s)
         if "error" in reply:
             raise AssertionError(f"{op} failed in the workload driver: {reply['error']}\n{reply.get('traceback', '')}")
         return reply
