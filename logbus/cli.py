@@ -628,10 +628,7 @@ def cmd_join(args) -> int:
     from logbus.actors import ray_auth
     from logbus.actors.placement import embedded_slots
 
-    address = args.address or os.environ.get("RAY_ADDRESS")
-    if not address or address in ("auto", "local"):
-        args.parser.error("join needs the head's address: --address HOST:PORT")
-    args.address = address
+    address = args.address  # checked by _check()
     if args.replica_slots is None:
         import psutil
 
@@ -1182,6 +1179,10 @@ def _check(args) -> None:
             parser.error("--offset requires --partition")
         if args.offset is not None and args.from_beginning:
             parser.error("--offset and --from-beginning cannot be used together")
+    if args.command == "join":
+        args.address = args.address or os.environ.get("RAY_ADDRESS")
+        if not args.address or args.address in ("auto", "local"):
+            parser.error("join needs the head's address: --address HOST:PORT")
     if args.command == "topics" and args.action == "alter" and not args.config and args.partitions is None:
         parser.error("nothing to alter: give --config KEY=VALUE and/or --partitions N")
 

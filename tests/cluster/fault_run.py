@@ -34,6 +34,7 @@ machine-readable result ``tools/fault_run.py`` prints.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import sys
 import time
@@ -101,6 +102,8 @@ class FaultRunResult:
     full_isr: bool
     full_isr_after_s: float | None
     last_describe: dict
+    offline_partitions: list[int]  # with no leader at the end
+    final_read: bool  # whether the final read from every partition's start succeeded
     errors: list[str]
 
     def violations(self) -> dict[str, int]:
@@ -111,7 +114,7 @@ class FaultRunResult:
 
     @property
     def ok(self) -> bool:
-        return self.full_isr and not any(self.violations().values())
+        return self.full_isr and self.final_read and not self.offline_partitions and not any(self.violations().values())
 
     def as_dict(self) -> dict:
         return {"seed": self.seed, "ok": self.ok, "full_isr": self.full_isr, "full_isr_after_s": self.full_isr_after_s,
@@ -142,6 +145,7 @@ class FaultRun:
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.errors: list[str] = []
         self.applied: list[dict] = []
+        self.last_describe: dict = {}
         self._started = time.monotonic()
 
     def _say(self, text: str) -> None:
@@ -165,17 +169,22 @@ class FaultRun:
             full_isr = self._wait_full_isr(workload, FULL_ISR_TIMEOUT_S)
             full_isr_after_s = round(time.monotonic() - healed_at, 1) if full_isr else None
             self._say(f"full ISR: {full_isr} ({full_isr_after_s} s after the last heal)")
-            counts = workload.call("stop", timeout_s=STOP_TIMEOUT_S, reply_timeout_s=STOP_TIMEOUT_S + 60)
-            self._say(f"stopped: {counts}")
-            final = workload.call("read_all", topic=TOPIC, consumer="final", timeout_s=240.0, reply_timeout_s=400)
-            self._say(f"final read: {final}")
-            described = workload.call("describe", topic=TOPIC)
+            # What follows may fail on a cluster that did not heal (a partition with no leader): each step
+            # that fails is reported, and the history is judged on what was recorded.
+            counts = self._step(workload, "stop", {}, timeout_s=STOP_TIMEOUT_S, reply_timeout_s=STOP_TIMEOUT_S + 60)
+            final = self._step(workload, "read_all", None, topic=TOPIC, consumer="final", timeout_s=240.0, reply_timeout_s=400)
+            described = self._step(workload, "describe", self.last_describe, topic=TOPIC, reply_timeout_s=120)
         finally:
             workload.close()
         events = load(history_path)
-        replicas = {}
-        for partition in described["partitions"]:
-            high_watermark, logs = partition["high_watermark"], {}
+        replicas, offline = {}, []
+        for partition in described.get("partitions", []):
+            # Up to the high watermark; a partition with no leader has none: each replica's whole log, compared
+            # over their common prefix.
+            high_watermark = partition["high_watermark"] if partition["leader"] is not None else None
+            if high_watermark is None:
+                offline.append(partition["partition"])
+            logs = {}
             for replica in partition["replicas"]:
                 from logbus.actors.placement import replica_directory  # noqa: PLC0415 (imports Ray)
 
@@ -186,11 +195,21 @@ class FaultRun:
                     continue
                 events += replica_events(TOPIC, partition["partition"], replica, logs[replica])
             replicas[str(partition["partition"])] = compare_replicas(logs, bound=high_watermark)
-        report = check(events, complete_consumers=["live", "final"])
+        report = check(events, complete_consumers=["live", "final"] if final is not None else ["live"])
         for partition in replicas.values():  # byte values are not JSON: show them as text
             partition["disagree"] = {o: {_text(v): r for v, r in values.items()} for o, values in partition["disagree"].items()}
         return FaultRunResult(self.seed, self.duration_s, self.applied, counts, report.as_dict(), replicas, full_isr,
-                              full_isr_after_s, described, self.errors + counts.get("errors", []))
+                              full_isr_after_s, described, offline, final is not None, self.errors + counts.get("errors", []))
+
+    def _step(self, workload: Workload, op: str, otherwise, **arguments):
+        try:
+            reply = workload.call(op, **arguments)
+        except AssertionError as error:
+            self.errors.append(f"{op}: {str(error)[:3000]}")
+            self._say(f"{op} failed: {str(error)[:500]}")
+            return otherwise
+        self._say(f"{op}: {json.dumps(reply)[:500]}")
+        return reply
 
     # --- faults -----------------------------------------------------------------------------------------------
 
@@ -252,9 +271,9 @@ class FaultRun:
         while True:
             try:
                 described = workload.call("describe", topic=TOPIC, reply_timeout_s=120)
+                self.last_describe = described
                 if _full_isr(described):
                     return True
-                self.last_describe = described
             except AssertionError as error:  # the controller was away: ask again
                 self.last_describe = {"error": str(error)[:2000]}
             if time.monotonic() > deadline:

@@ -7,12 +7,12 @@ token authentication between hosts. Here each host is a network namespace
 a namespace of its own, and no namespace has a route out, so every address
 the cluster uses exists only inside namespaces this module made::
 
-    namespace lbn{pid}{k}-br:      bridge br0, one port per host (p-head, p-n1, ...), no address
-    namespace lbn{pid}{k}-head:    eth0 10.77.0.1/24  Ray head (GCS, the logbus controller), no replica slots
-    namespace lbn{pid}{k}-n1..nN:  eth0 10.77.0.11.. `logbus join` nodes with replica slots (logbus_replica), racks
-    namespace lbn{pid}{k}-client:  eth0 10.77.0.100   a Ray node without replica slots, for drivers
+    namespace lbn{pid}c{k}-br:      bridge br0, one port per host (p-head, p-n1, ...), no address
+    namespace lbn{pid}c{k}-head:    eth0 10.77.0.1/24  Ray head (GCS, the logbus controller), no replica slots
+    namespace lbn{pid}c{k}-n1..nN:  eth0 10.77.0.11.. `logbus join` nodes with replica slots (logbus_replica), racks
+    namespace lbn{pid}c{k}-client:  eth0 10.77.0.100   a Ray node without replica slots, for drivers
 
-(``pid`` is the creating process's, ``k`` a letter per cluster it made.) A
+(``pid`` is the creating process's, ``k`` counts the clusters it made.) A
 driver runs in the client namespace (:meth:`NetnsCluster.popen_python`):
 Ray attaches a driver to a raylet of its own host, so the client host runs
 a Ray node that offers no replica slots (logbus places no replica there).
@@ -62,13 +62,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import os
 import secrets
 import shutil
 import signal
-import string
 import subprocess
 import sys
 import tempfile
@@ -195,7 +195,7 @@ def cleanup_leftovers() -> list[str]:
     owners: dict[int, list[str]] = {}
     for name in netns_names():
         if name.startswith(PREFIX):
-            digits = "".join(c for c in name[len(PREFIX):].split("-")[0] if c.isdigit())
+            digits = "".join(itertools.takewhile(str.isdigit, name[len(PREFIX):]))
             if digits:
                 owners.setdefault(int(digits), []).append(name)
     states = {}
@@ -240,7 +240,7 @@ class Host:
         return self.directory / "ray"
 
 
-_cluster_letters = iter(string.ascii_lowercase)
+_cluster_numbers = itertools.count()
 
 
 class NetnsCluster:
@@ -257,7 +257,7 @@ class NetnsCluster:
             raise RuntimeError(reason)
         if not 1 <= nodes <= 80:
             raise ValueError("nodes must be between 1 and 80")
-        self.name = f"{PREFIX}{os.getpid()}{next(_cluster_letters)}"
+        self.name = f"{PREFIX}{os.getpid()}c{next(_cluster_numbers)}"
         self.directory = Path(tempfile.mkdtemp(prefix=f"{self.name}-"))
         self.keep_directory = keep_directory
         self.token_file = self.directory / "auth_token"

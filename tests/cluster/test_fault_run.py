@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.cluster.fault_run import FAULT_KINDS, FaultRun
+from tests.cluster.fault_run import FAULT_KINDS, FULL_ISR_TIMEOUT_S, FaultRun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -32,4 +32,5 @@ def test_every_fault_kind_mixed_by_a_seed_loses_nothing_and_heals(netns_cluster,
     violations = result.violations()
     assert not any(violations.values()), (violations, result.report["examples"], result.replicas)
     assert result.report["violations"]["unseen"] == 0
-    assert result.full_isr, f"no full ISR {240} s after the last heal: {json.dumps(result.last_describe)}"
+    assert not result.offline_partitions and result.final_read, (result.offline_partitions, result.errors)
+    assert result.full_isr, f"no full ISR {FULL_ISR_TIMEOUT_S:.0f} s after the last heal: {json.dumps(result.last_describe)}"

@@ -45,8 +45,8 @@ def _gone(pid: int) -> bool:
 
 def test_leftovers_of_a_dead_owner_are_cleaned_and_a_live_owners_are_not():
     dead = _dead_pid()
-    leftover, alive = f"{PREFIX}{dead}q-n1", f"{PREFIX}{os.getpid()}q-n1"
-    directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{dead}q-"))
+    leftover, alive = f"{PREFIX}{dead}c99-n1", f"{PREFIX}{os.getpid()}c99-n1"
+    directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{dead}c99-"))
     shm = Path(logbus_shm_directory(f"leftover-{dead}"))
     sleeper = None
     try:
@@ -58,7 +58,7 @@ def test_leftovers_of_a_dead_owner_are_cleaned_and_a_live_owners_are_not():
         while sleeper.pid not in pids_in_netns(leftover) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pids_in_netns(leftover) == [sleeper.pid]
-        (directory / STATE_FILE).write_text(json.dumps({"owner_pid": dead, "owner_start": 1, "name": f"{PREFIX}{dead}q",
+        (directory / STATE_FILE).write_text(json.dumps({"owner_pid": dead, "owner_start": 1, "name": f"{PREFIX}{dead}c99",
                                                         "logbus_namespaces": [f"leftover-{dead}"]}))
         shm.mkdir(parents=True)
         (shm / "lease").write_bytes(b"\0" * 64)
