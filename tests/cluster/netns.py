@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import logging
@@ -77,7 +76,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-PREFIX = "lbn"  # every namespace, directory and interface this module makes starts with it
+PREFIX = "lbn"  # every namespace and directory this module makes starts with it
 SUBNET = "10.77.0"  # /24; no namespace has a route anywhere else
 HEAD_IP = f"{SUBNET}.1"
 NODE_IP_BASE = 10  # node i (from 1) gets SUBNET.(NODE_IP_BASE + i)
@@ -164,8 +163,7 @@ def kill_netns_processes(name: str, timeout_s: float = SIGNAL_WAIT_S) -> None:
     """SIGKILL every process in namespace ``name`` until none is left (children forked meanwhile too)."""
     deadline = time.monotonic() + timeout_s
     while pids := pids_in_netns(name):
-        _signal_all(pids, signal.SIGCONT)  # a stopped process dies of SIGKILL too; this just keeps it simple
-        _signal_all(pids, signal.SIGKILL)
+        _signal_all(pids, signal.SIGKILL)  # stopped (paused) ones too
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} in namespace {name} outlived SIGKILL for {timeout_s} s")
         time.sleep(0.05)
@@ -173,10 +171,18 @@ def kill_netns_processes(name: str, timeout_s: float = SIGNAL_WAIT_S) -> None:
 
 def logbus_shm_directory(logbus_namespace: str) -> str:
     """Where logbus keeps one logbus namespace's lease and fence files (see logbus/actors/lease_files.py)."""
-    from logbus.actors.lease_files import base_directory
+    from logbus.actors.lease_files import node_directory  # noqa: PLC0415 (imports Ray; only for the cleanup)
 
-    digest = hashlib.sha1(logbus_namespace.encode()).hexdigest()[:12]
-    return os.path.join(base_directory(), f"logbus-{digest}")
+    return os.path.dirname(node_directory(logbus_namespace, "any-node"))
+
+
+def _process_state(pid: int) -> str | None:
+    """A process's state letter (R, S, D, T, Z, ...; field 3 of /proc/PID/stat), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            return file.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _process_start(pid: int) -> int | None:
@@ -534,19 +540,24 @@ class NetnsCluster:
         self.join(role)
 
     def pause(self, role: str) -> None:
-        """SIGSTOP every process of ``role`` (again until no running one is left: a fork may race the first pass)."""
+        """SIGSTOP every process of ``role``; returns once each one is stopped (a signal takes effect when its
+        process next runs, and a fork may race the first pass, so it signals again until none runs)."""
         deadline = time.monotonic() + SIGNAL_WAIT_S
-        stopped: set[int] = set()
-        while new := [pid for pid in self.pids(role) if pid not in stopped]:
-            _signal_all(new, signal.SIGSTOP)
-            stopped.update(new)
+        while running := [pid for pid in self.pids(role) if _process_state(pid) not in (None, "T", "t")]:
+            _signal_all(running, signal.SIGSTOP)
             if time.monotonic() > deadline:
-                raise RuntimeError(f"processes of {role} kept appearing while it was being paused")
+                raise RuntimeError(f"processes {running} of {role} still ran {SIGNAL_WAIT_S} s after SIGSTOP")
+            time.sleep(0.01)
         self.paused.add(role)
 
     def resume(self, role: str) -> None:
-        """SIGCONT every process of ``role``."""
-        _signal_all(self.pids(role), signal.SIGCONT)
+        """SIGCONT every process of ``role``; returns once none is stopped."""
+        deadline = time.monotonic() + SIGNAL_WAIT_S
+        while stopped := [pid for pid in self.pids(role) if _process_state(pid) in ("T", "t")]:
+            _signal_all(stopped, signal.SIGCONT)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"processes {stopped} of {role} still stopped {SIGNAL_WAIT_S} s after SIGCONT")
+            time.sleep(0.01)
         self.paused.discard(role)
 
     def heal_all(self) -> None:

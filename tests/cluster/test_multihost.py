@@ -22,7 +22,7 @@ import pytest
 from logbus.actors.controller import OWNER_LOCK_FILE
 from logbus.actors.placement import replica_directory
 from tests.cluster.history import check, compare_replicas, load, replica_records
-from tests.cluster.netns import CLIENT, HEAD, _run
+from tests.cluster.netns import CLIENT, HEAD, _process_state, _run
 from tests.cluster.workload import Workload
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -147,14 +147,7 @@ def test_a_cut_host_and_a_cut_pair_lose_exactly_their_paths(netns_cluster):
 
 
 def _states(pids):
-    states = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as file:
-                states.append(file.read().rsplit(")", 1)[1].split()[0])
-        except FileNotFoundError:
-            continue
-    return states
+    return [state for state in map(_process_state, pids) if state is not None]
 
 
 def test_a_host_paused_resumed_killed_and_joined_again(netns_cluster):

@@ -81,6 +81,7 @@ def test_leftovers_of_a_dead_owner_are_cleaned_and_a_live_owners_are_not():
 
 @pytest.mark.slow
 def test_shutdown_ends_every_process_and_deletes_every_namespace_and_file():
+    shm_before = set(os.listdir("/dev/shm"))
     cluster = NetnsCluster(nodes=1)
     try:
         cluster.start()
@@ -97,4 +98,5 @@ def test_shutdown_ends_every_process_and_deletes_every_namespace_and_file():
     assert not set(namespaces) & set(netns_names())
     assert not cluster.directory.exists()
     assert not shm.exists()
+    assert set(os.listdir("/dev/shm")) <= shm_before  # nor anything Ray put there
     cluster.shutdown()  # a second time does nothing
