@@ -52,7 +52,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
-from logbus.actors import metrics
+from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
@@ -136,7 +136,8 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
             "connect to that cluster, or use another data_dir"
         )
     context = ray.get_runtime_context()
-    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir})
+    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir,
+                     "ray_auth": ray_auth.cluster_auth()})  # how a process over the same directory joins (client.py)
     return lock
 
 
