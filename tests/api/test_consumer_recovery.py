@@ -9,22 +9,24 @@ has expired it. Nothing retriable reaches the caller; every record is read.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import os
 import signal
 import threading
+import time
 
 import pytest
 import ray
 
 import logbus
+import logbus.aio
 from logbus import TopicPartition
-from logbus.errors import CommitFailedError, RebalanceInProgressError, RequestTimedOutError
+from logbus.api.group_membership import GroupMembership
+from logbus.errors import CommitFailedError, IllegalGenerationError, RebalanceInProgressError, RequestTimedOutError
 from tests.api.test_consumer import leader_pid, produce_values
 from tests.conftest import wait_for
-
-pytestmark = [pytest.mark.slow]
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
 
@@ -50,6 +52,7 @@ def read_into(consumer, seen):
         seen[tp.partition].extend((r.offset, r.value) for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_leaderless_partition_does_not_hold_up_the_others(bus, topic_name):
     """One partition of four has no leader (its only replica is paused): the consumer reads the other
@@ -97,6 +100,48 @@ def test_a_leaderless_partition_does_not_hold_up_the_others(bus, topic_name):
     for p in range(partitions):
         assert seen[p] == list(enumerate(values[p] + more[p]))
     consumer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_asyncio_consumer_reads_and_commits_around_a_leaderless_partition(bus, topic_name):
+    """logbus.aio's consumer, over the same partitions: records of the three partitions with a leader
+    come while the fourth has none, and a commit while records are kept (getone() hands out one of
+    many) commits the partitions that have positions without waiting for the fourth."""
+    partitions, per_partition = 4, 200
+    bus.admin.create_topic(topic_name, partitions=partitions, replication_factor=1)
+    tps = [TopicPartition(topic_name, p) for p in range(partitions)]
+    for p in range(partitions):
+        produce_values(bus, topic_name, [b"%d-%d" % (p, i) for i in range(per_partition)], partition=p)
+    stopped = wait_for(lambda: leader_pid(bus, topic_name, 3), timeout_s=60, message="partition 3's leader pid")
+    seen = collections.defaultdict(list)
+
+    async def read_until(consumer, done, timeout_s=120):
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, f"timed out; read {dict((p, len(r)) for p, r in seen.items())}"
+            for tp, records in (await consumer.getmany(timeout_ms=200)).items():
+                seen[tp.partition].extend(r.offset for r in records)
+
+    async def run():
+        async with logbus.aio.Consumer(bus, group_id="aio-leaderless") as consumer:
+            with paused(stopped):
+                wait_for(lambda: leader_of(bus, topic_name, 3) is None, timeout_s=60, message="partition 3 leaderless")
+                await consumer.assign(tps)
+                first = await consumer.getone()  # the rest of its poll is kept for the next calls
+                seen[first.partition].append(first.offset)
+                await consumer.commit()
+                committed = await consumer.committed(tps)
+                assert committed[tps[first.partition]] == first.offset + 1
+                assert committed[tps[3]] is None  # no position yet: nothing to commit, and not waited for
+                await read_until(consumer, lambda: all(len(seen[p]) >= per_partition for p in range(3)))
+                assert 3 not in seen
+            await read_until(consumer, lambda: len(seen[3]) >= per_partition)
+            await consumer.commit()
+            assert await consumer.committed(tps) == {tp: per_partition for tp in tps}
+
+    asyncio.run(run())
+    assert {p: sorted(offsets) for p, offsets in seen.items()} == {p: list(range(per_partition)) for p in range(partitions)}
 
 
 class Recorder:
@@ -189,6 +234,7 @@ def check_everything_read(member, acknowledged):
     assert member.committed == ends  # everything read is committed, and nothing past it
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_member_rejoins_by_itself_after_the_controller_was_paused_past_its_session(bus, topic_name):
     """The controller (the group coordinator) stops past the member's session timeout, then runs on.
@@ -253,6 +299,7 @@ class RemoteMember:
         self.member.consumer.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_member_expired_by_the_coordinator_rejoins_by_itself(bus, topic_name):
     """A member's own process stops (a long GC pause, say) until the coordinator has removed it.
@@ -284,6 +331,7 @@ def test_a_member_expired_by_the_coordinator_rejoins_by_itself(bus, topic_name):
     ray.get(worker.finish.remote(acknowledged), timeout=120)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_commit_after_the_member_was_removed_fails_and_the_next_poll_rejoins(bus, topic_name):
     """The coordinator removes the member (as an expired session would): its commit raises
@@ -311,3 +359,48 @@ def test_a_commit_after_the_member_was_removed_fails_and_the_next_poll_rejoins(b
     consumer.commit()  # a member again: its commits succeed
     assert consumer.committed([TopicPartition(topic_name, 0)]) == {TopicPartition(topic_name, 0): 50}
     consumer.close()
+
+
+# --- the member's side of a generation's end, without Ray -------------------------------------------------
+
+
+def membership(member_id="m-1", generation=4, managed=True):
+    """A GroupMembership as a member of ``generation`` (no bus: its heartbeat thread waits for a member id
+    it is given only here, and is stopped before it could use one)."""
+    state = GroupMembership(None, "g", group_instance_id=None, client_id="c", protocols=("range",),
+                            session_timeout_ms=3000, heartbeat_interval_ms=300, max_poll_interval_ms=4000)
+    state.stop()
+    state.member_id, state.generation, state.needs_join, state.managed = member_id, generation, False, managed
+    return state
+
+
+@pytest.mark.parametrize("refusal, unknown", [(logbus.UnknownMemberIdError("gone"), True), (IllegalGenerationError("old"), False)])
+def test_a_commit_refused_for_a_past_generation_ends_it_and_raises_commit_failed(refusal, unknown):
+    state = membership()
+    failure = state._commit_refused(refusal, "m-1", 4)
+    assert isinstance(failure, CommitFailedError) and failure.__cause__ is refusal and not failure.retriable
+    assert isinstance(failure, (logbus.UnknownMemberIdError, IllegalGenerationError))  # what commit() raised before
+    assert (state.generation, state.needs_join) == (-1, True)
+    assert state.member_id == ("" if unknown else "m-1")  # an unknown member joins as a new one
+    assert state.take_lost() and not state.take_lost()  # the partitions are lost once, then rejoined
+    with pytest.raises(CommitFailedError, match="not a member"):
+        state._commit_identity()  # until it rejoins, a subscribed consumer commits nothing
+
+
+def test_a_refusal_about_an_older_generation_changes_nothing():
+    state = membership(generation=5)  # it rejoined after the commit was sent with generation 4
+    failure = state._commit_refused(logbus.UnknownMemberIdError("gone"), "m-1", 4)
+    assert isinstance(failure, CommitFailedError)
+    assert (state.member_id, state.generation, state.needs_join, state.take_lost()) == ("m-1", 5, False, False)
+
+
+def test_a_rebalance_in_progress_asks_for_a_rejoin_and_keeps_the_generation():
+    state = membership()
+    refusal = RebalanceInProgressError("rebalancing")
+    assert state._commit_refused(refusal, "m-1", 4) is refusal  # Kafka's RebalanceInProgressException
+    assert (state.generation, state.needs_join, state.take_lost()) == (4, True, False)
+
+
+def test_a_manually_assigned_consumer_commits_as_a_non_member():
+    assert membership(member_id="", generation=-1, managed=False)._commit_identity() == ("", -1)
+    assert membership()._commit_identity() == ("m-1", 4)
