@@ -852,7 +852,8 @@ class Consumer:
     async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit ``offsets`` (default: the position of every assigned partition) and wait.
 
-        Errors as :meth:`logbus.Consumer.commit` (IllegalGenerationError after a rebalance, ...).
+        Errors as :meth:`logbus.Consumer.commit` (CommitFailedError after the group went on without
+        this member, ...).
         """
         self._check_started()
         if offsets is not None:
@@ -865,8 +866,10 @@ class Consumer:
             if not undelivered:
                 consumer.commit()
                 return
-            # Partitions with records kept here are committed where those start.
-            positions = {tp: consumer.position(tp) for tp in consumer.assignment()}
+            # Partitions with records kept here are committed where those start; the others at their
+            # positions, as the sync commit() does (a partition with no position yet, its leader away
+            # say, is not waited for).
+            positions = consumer._positions()
             positions.update((tp, offset) for tp, offset in undelivered.items() if tp in positions)
             consumer.commit(positions)
 
