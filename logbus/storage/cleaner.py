@@ -124,16 +124,23 @@ def _summary_text(summary: SegmentSummary) -> str:
 
 
 def write_summary(path: str, summary: SegmentSummary) -> None:
-    """Write and sync a new summary file (the swap's renames make it visible)."""
-    with open(path, "w") as file:
-        file.write(_summary_text(summary))
-        file.flush()
-        os.fsync(file.fileno())
+    """Write and sync a new summary file (the swap's renames make it visible); StorageError naming it on failure."""
+    try:
+        with open(path, "w") as file:
+            file.write(_summary_text(summary))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        raise StorageError(f"writing segment summary {path} failed: {error}") from error
 
 
 def replace_summary(path: str, summary: SegmentSummary) -> None:
-    """Replace the summary of a segment in the log, atomically (after a truncation into it)."""
-    write_atomically(path, _summary_text(summary))
+    """Replace the summary of a segment in the log, atomically (after a truncation into it);
+    StorageError naming it on failure (then the file holds the old summary or the new one)."""
+    try:
+        write_atomically(path, _summary_text(summary))
+    except OSError as error:
+        raise StorageError(f"writing segment summary {path} failed: {error}") from error
 
 
 def read_summary(path: str) -> SegmentSummary | None:
@@ -410,7 +417,10 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                     out.append(part_header, [framed], allow_gap=True)
                     cleaned.bytes_after += part_header.size_bytes
         for index in (out.offset_index, out.time_index):
-            open(index.path, "ab").close()  # an emptied segment has no entries, but has its files
+            try:
+                open(index.path, "ab").close()  # an emptied segment has no entries, but has its files
+            except OSError as error:
+                raise StorageError(f"creating index {index.path} failed: {error}") from error
         out.flush()
         out.close()
         write_summary(cleaned.path(SUMMARY_SUFFIX), SegmentSummary(cleaned.end_offset, tuple(producers.entries())))
@@ -423,9 +433,13 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
 
 
 def discard(cleaned: CleanedSegment) -> None:
-    """Remove a cleaned segment's files that were not swapped in."""
+    """Remove a cleaned segment's files that were not swapped in. Best effort: a file that stays is
+    removed by the next cleaning of that group, or on open (``complete_swaps``)."""
     if cleaned.state == "written":
-        _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)
+        try:
+            _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)
+        except OSError as error:
+            logger.warning("cannot remove cleaned segment %s: %s", cleaned.base_offset, error)
         cleaned.state = "discarded"
 
 
