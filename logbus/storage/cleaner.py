@@ -379,7 +379,10 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
     from logbus.storage.record_batch import decode_records  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
 
     cleaned = CleanedSegment(plan.directory, group[0].base_offset, group[-1].end_offset, group)
-    _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)  # leftovers of an attempt that failed
+    try:
+        _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)  # leftovers of an attempt that failed
+    except OSError as error:
+        raise StorageError(f"removing the files of an earlier cleaning, {cleaned.path(LOG_SUFFIX)} and its indexes, failed: {error}") from error
     out = LogSegment(plan.directory, cleaned.base_offset, plan.index_interval_bytes, file_suffix=CLEANED_SUFFIX)
     producers = ProducerStateTable()
     try:
@@ -433,13 +436,14 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
 
 
 def discard(cleaned: CleanedSegment) -> None:
-    """Remove a cleaned segment's files that were not swapped in. Best effort: a file that stays is
-    removed by the next cleaning of that group, or on open (``complete_swaps``)."""
+    """Remove a cleaned segment's files that were not swapped in (``.cleaned``, and ``.swap`` of a
+    swap that did not commit). Best effort: a file that stays is removed by the next cleaning of
+    that group, or on open (``complete_swaps``)."""
     if cleaned.state == "written":
         try:
-            _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)
+            _remove(cleaned.path(suffix, stage) for suffix in SEGMENT_SUFFIXES for stage in (CLEANED_SUFFIX, SWAP_SUFFIX))
         except OSError as error:
-            logger.warning("cannot remove cleaned segment %s: %s", cleaned.base_offset, error)
+            logger.warning("cannot remove cleaned segment %s: %s", cleaned.path(LOG_SUFFIX), error)
         cleaned.state = "discarded"
 
 
@@ -475,24 +479,35 @@ def _finish_swap(directory: str, base_offset: int, end_offset: int) -> None:
 
 
 def commit_swap(cleaned: CleanedSegment) -> None:
-    """Swap a written cleaned segment in for its sources, on disk (steps 2 and 3 of the module docstring).
+    """Commit a written cleaned segment's swap (step 2 of the module docstring): its files are
+    renamed to ``.swap``, the log file last, and the directory is synced.
 
-    The caller (the log's owner) has closed the source segments' files and
-    opens the new segment afterwards.
+    The source segments' files are not touched: they stay open and in use. StorageError if a step
+    fails: ``cleaned.state`` is still "written" if the log file's rename did not happen (then
+    nothing changed for the log; :func:`discard` removes the files), or "committed" (the
+    directory's sync failed: the swap is visible, and its completion is up to open).
     """
     if cleaned.state != "written":
         raise InternalStateError(f"cleaned segment {cleaned.base_offset} is {cleaned.state}, not written")
     try:
         for suffix in SWAP_ORDER:
             os.replace(cleaned.path(suffix), cleaned.path(suffix, SWAP_SUFFIX))
+            if suffix == LOG_SUFFIX:
+                cleaned.state = "committed"
         _sync_directory(cleaned.directory)
     except OSError as error:
-        raise StorageError(f"swapping in cleaned segment {cleaned.base_offset} failed: {error}") from error
-    cleaned.state = "committed"
+        raise StorageError(f"swapping in cleaned segment {cleaned.path(LOG_SUFFIX)} failed: {error}") from error
+
+
+def finish_swap(cleaned: CleanedSegment) -> None:
+    """Complete a committed swap (step 3 of the module docstring): the replaced segments' files go
+    and the new one's take their final names. The caller (the log's owner) has closed the source
+    segments' files and opens the new segment afterwards. StorageError if a step fails (open
+    completes it: every step may be repeated)."""
     try:
         _finish_swap(cleaned.directory, cleaned.base_offset, cleaned.end_offset)
     except OSError as error:
-        raise StorageError(f"finishing the swap of cleaned segment {cleaned.base_offset} failed: {error}") from error
+        raise StorageError(f"finishing the swap of cleaned segment {cleaned.path(LOG_SUFFIX, SWAP_SUFFIX)} failed: {error}") from error
 
 
 def _base_of(name: str) -> int:

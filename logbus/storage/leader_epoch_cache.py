@@ -18,13 +18,13 @@ the leader epochs stamped on its batches.
 
 On open the log keeps, of the entries the file holds, those inside the log
 (:meth:`LeaderEpochCache.clamp`: from the log start offset, below the log end
-offset). So a file that missed a removal (a truncation from either end, or a
-clear, whose write failed) holds nothing the log would use: those three
-change memory first, then write the file, and raise StorageError if that
-fails, with memory already what the next open will find. :meth:`assign`
-changes memory only once the file is written; an append that fails after it
-puts the old entries back (the new one starts at the log end, which the next
-open drops too).
+offset), and it keeps memory so whenever its start or end moves. So a file
+that missed a removal (a truncation from either end, or a clear, whose write
+failed) holds nothing the log would use: removals change memory first, then
+write the file, and raise StorageError if that fails, with memory already
+what the next open will find. :meth:`assign` changes memory only once the
+file is written; an append that fails after it puts the old entries back
+(the new one starts at the log end, which the next open drops too).
 
 This class is not thread-safe; its owner (a partition log) serialises access.
 """

@@ -95,6 +95,7 @@ from logbus.storage.cleaner import (
     build_offset_map,
     clean_group,
     commit_swap,
+    finish_swap,
     complete_swaps,
     discard,
     SegmentSummary,
@@ -473,15 +474,17 @@ class PartitionLog:
             header = self._validate_copied(view, position)
             end = self.log_end_offset
             gap = header.base_offset > end and covered
+            data = view[position : position + header.size_bytes]
             if header.base_offset < end <= header.last_offset and first is None and self._is_empty():
-                self._roll_to(header.base_offset)
+                self._start_at_batch(header, data)
             elif header.base_offset != end and not gap:
                 raise InvalidRecordError(
                     f"batch at offset {header.base_offset} does not continue the log at {self.log_end_offset}"
                 )
-            if gap:
-                self._allow_gaps()
-            self._write(header, [view[position : position + header.size_bytes]], allow_gap=gap)
+            else:
+                if gap:
+                    self._allow_gaps()
+                self._write(header, [data], allow_gap=gap)
             first = first or header
             last = header
             position += header.size_bytes
@@ -494,6 +497,23 @@ class PartitionLog:
             first.base_offset, last.last_offset, last.next_offset - first.base_offset, last.max_timestamp_ms, self.log_end_offset
         )
 
+    def _start_at_batch(self, header: bh.BatchHeader, data: memoryview) -> None:
+        """An empty log whose end lies inside ``header``'s batch takes the whole batch: its empty
+        segment is replaced by one at the batch's base offset. If the batch does not go in, the log
+        is rolled back to where it ended (if even that fails, it stays empty at the batch's base
+        offset, where the next copy of the batch continues it)."""
+        end = self.log_end_offset
+        try:
+            self._roll_to(header.base_offset)
+            self._write(header, [data])
+        except StorageError:
+            if not self._closed and self.log_end_offset != end:
+                try:
+                    self._roll_to(end)
+                except StorageError as error:
+                    logger.warning("%s; the log stays empty at offset %d", error, self.log_end_offset)
+            raise
+
     def _is_empty(self) -> bool:
         return len(self.segments) == 1 and self.active_segment.is_empty
 
@@ -505,7 +525,9 @@ class PartitionLog:
         epochs = self.epochs.entries
         active.append(header, parts, allow_gap)  # all or nothing
         try:
-            self.epochs.assign(header.leader_epoch, header.base_offset)
+            # A follower's first batch may start below its log start (append_as_follower): its epoch
+            # starts, in this log, at the log start, as open would clamp it.
+            self.epochs.assign(header.leader_epoch, max(header.base_offset, self.log_start_offset))
             policy = self.config.flush_policy
             if policy == "batch":
                 active.flush(indexes=False)
@@ -587,12 +609,22 @@ class PartitionLog:
         return segment
 
     def _discard_new_segment(self, segment: LogSegment) -> None:
-        """Remove a segment just made and not yet in the log (a later step of its operation failed)."""
+        """Remove a segment just made and not yet in the log (a later step of its operation failed).
+
+        If it cannot be removed, it is empty, and open drops it if it lies below the active segment
+        (an empty segment before the last) or, in a log without gaps, past the log end (it does not
+        continue the log): then nothing changed. Else the log is read back from disk.
+        """
         try:
             segment.delete()
         except StorageError as error:
-            logger.warning("%s; taking the log as it is on disk", error)
-            self._resync()
+            segment.close()
+            base = segment.base_offset
+            if base < self.active_segment.base_offset or (not self._gaps and base > self.log_end_offset):
+                logger.warning("%s; the next open removes it", error)
+            else:
+                logger.warning("%s; taking the log as it is on disk", error)
+                self._resync()
 
     # --- flushing --------------------------------------------------------------------------------
 
@@ -678,7 +710,9 @@ class PartitionLog:
         """Remove every batch that holds an offset >= ``offset`` (batches go whole); return the new log end.
 
         Used by replication when a follower must drop a divergent tail. Never
-        goes below the log start offset. The segments past ``offset`` are
+        goes below the log start offset: if the batch holding it would go
+        (delete_records moved it inside a batch), the log is emptied at its
+        start instead (:meth:`truncate_fully_and_start_at`). The segments past ``offset`` are
         deleted newest first, then the active one is cut: each step is all or
         nothing, so a failure (StorageError) leaves a shorter log that is
         still whole, and what memory derives from the log follows it; the
@@ -687,7 +721,15 @@ class PartitionLog:
         self._check_open()
         if offset >= self.log_end_offset:
             return self.log_end_offset
-        offset = max(offset, self.log_start_offset)
+        start = self.log_start_offset
+        offset = max(offset, start)
+        found = self.segments[max(0, bisect.bisect_right(self._bases, offset) - 1)].find_batch(offset)
+        if found is not None and found[1].base_offset < start:
+            # The batch to cut holds the log start (delete_records moved it inside the batch): the
+            # log would end below its start. Empty it at its start instead, as a follower started
+            # there is (it takes that batch whole again, see append_as_follower).
+            self.truncate_fully_and_start_at(start)
+            return self.log_end_offset
         failure = None
         try:
             while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
@@ -752,6 +794,8 @@ class PartitionLog:
                 self._bases[-1] = offset
         except StorageError as error:
             failure = error
+            if self._closed:  # reading the log back failed too (see _resync)
+                raise
         if failure is None:
             self.epochs.entries = []
             self.producer_state.clear()
@@ -794,12 +838,16 @@ class PartitionLog:
                     raise  # the file kept the old log start: nothing changed
                 failure = error  # only the directory's sync failed: the new log start stands
         # The rest also completes a call that failed part way before.
-        epochs = self.epochs.entries
-        self.epochs.truncate_from_start(self.log_start_offset, persist=False)
-        steps = [self.epochs.save] if self.epochs.entries != epochs else []
-        steps.append(self._delete_below_log_start)
-        _run_steps(steps, failure)
+        _run_steps([self._clamp_epochs, self._delete_below_log_start], failure)
         return self.log_start_offset
+
+    def _clamp_epochs(self, persist: bool = True) -> None:
+        """Keep the epochs inside the log, as open does (leader_epoch_cache.py): in memory whatever
+        the checkpoint's write does, as open would drop the others from the file too."""
+        epochs = self.epochs.entries
+        self.epochs.clamp(self.log_start_offset, self.log_end_offset)
+        if persist and self.epochs.entries != epochs:
+            self.epochs.save()
 
     def _delete_below_log_start(self) -> None:
         while len(self.segments) > 1 and self.segments[1].base_offset <= self.log_start_offset:
@@ -851,7 +899,7 @@ class PartitionLog:
         self.segments[0].delete()
         self.segments.pop(0)
         self._bases.pop(0)
-        self.epochs.truncate_from_start(self.log_start_offset, persist=persist_epochs)
+        self._clamp_epochs(persist_epochs)
 
     # --- compaction (see cleaner.py) --------------------------------------------------------------
 
@@ -916,7 +964,9 @@ class PartitionLog:
         still the log's, unchanged; False (and the cleaned files are removed) if they are not.
 
         Called by the log's owner, like every other method; the swap is atomic
-        on disk (see cleaner.py).
+        on disk (see cleaner.py). StorageError if a step fails: before the swap
+        commits, the log is as it was (the cleaned files are removed); after,
+        the log is read back from disk, which completes the swap (:meth:`_resync`).
         """
         sources = cleaned.sources
         position = next((i for i, s in enumerate(self.segments) if s is sources[0].segment), None)
@@ -938,13 +988,21 @@ class PartitionLog:
         except StorageError:
             discard(cleaned)
             raise
+        try:
+            commit_swap(cleaned)
+        except StorageError:
+            if cleaned.state == "written":  # not committed: the log is as it was
+                discard(cleaned)
+            else:
+                self._resync()  # committed, not yet durable: take what is on disk
+            raise
         for source in sources:
             source.segment.close()
         try:
-            commit_swap(cleaned)
+            finish_swap(cleaned)
             segment = LogSegment.open_existing(self.directory, cleaned.base_offset, self.config.index_interval_bytes, allow_gaps=True)
         except (StorageError, CorruptRecordError, OSError):
-            self._resync()  # what is on disk is the old segments or the new one: take it
+            self._resync()  # the swap committed: open completes it
             raise
         end = position + len(sources)
         self.segments[position:end] = [segment]
@@ -955,7 +1013,8 @@ class PartitionLog:
         """Take the log as it is on disk, as on open (after an operation on several files failed half
         way, e.g. a cleaning's swap). If even that fails, the log closes itself: every later call
         raises StorageError, and the log's owner opens it again."""
-        for segment in self.segments:
+        previous = self.segments
+        for segment in previous:
             segment.close()
         self.segments, self._bases = [], []
         try:
@@ -963,6 +1022,8 @@ class PartitionLog:
         except (StorageError, CorruptRecordError, OSError) as error:
             for segment in self.segments:
                 segment.close()
+            # Closed, the log still answers its offsets as they last were.
+            self.segments, self._bases = previous, [segment.base_offset for segment in previous]
             self._closed = True
             self._failure = f"after a failed write, reading it back from disk failed: {error}"
             raise StorageError(f"log {self.directory} {self._failure}") from error
