@@ -301,7 +301,7 @@ class PartitionLog:
         """Remove the index and summary files of segments whose log file is gone (a deletion that
         failed after it): harmless, but they would sit there for good. Best effort."""
         for name in names:
-            base, dot, suffix = name.partition(".")
+            base, _, suffix = name.partition(".")
             if base.isdigit() and "." + suffix in (INDEX_SUFFIX, TIME_INDEX_SUFFIX, SUMMARY_SUFFIX) and int(base) not in bases:
                 try:
                     os.unlink(self._path(name))

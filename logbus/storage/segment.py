@@ -480,10 +480,13 @@ class LogSegment:
 
     def close(self) -> None:
         """Close the files (making pending cuts first, where the disk allows)."""
-        try:
-            self.repair()
-        except StorageError as error:
-            logger.warning("%s (closing anyway: the bytes past the end are cut by the next recovery)", error)
+        if self._fd >= 0:
+            try:
+                self.repair()
+            except StorageError as error:
+                # Closing anyway: the next open scans the bytes past the end, and keeps them only
+                # if they are whole batches (written, but never acknowledged).
+                logger.warning("%s; closing anyway", error)
         self._close_files()
 
     def _close_files(self) -> None:
