@@ -59,12 +59,15 @@ class DiskFaults:
         self.errno = errno.ENOSPC
         self.fired = False
         self.paused = False
+        self.only_suffix = None  # with it, only the calls writing to files whose name ends so count
 
-    def arm(self, n, error=errno.ENOSPC, persistent=False):
+    def arm(self, n, error=errno.ENOSPC, persistent=False, only_suffix=None):
         self.count, self.fail_at, self.errno, self.persistent, self.fired = 0, n, error, persistent, False
+        self.only_suffix = only_suffix
 
     def clear(self):
         self.fail_at = None
+        self.only_suffix = None
 
     def hit(self, name):
         """Count a write call; 'fail', 'short' or None (go ahead)."""
@@ -122,6 +125,11 @@ class _FaultyOS:
     def _call(self, name, real, *args, **kwargs):
         if name == "open" and not (args[1] & os.O_TRUNC or (args[1] & os.O_CREAT and not os.path.exists(args[0]))):
             return real(*args, **kwargs)
+        suffix = self._faults.only_suffix
+        if suffix is not None:
+            path = args[0] if isinstance(args[0], str) else os.readlink(f"/proc/self/fd/{args[0]}")
+            if not path.endswith(suffix):
+                return real(*args, **kwargs)
         outcome = self._faults.hit(name)
         if outcome == "short":
             if name == "pwritev":
@@ -424,6 +432,35 @@ def test_a_followers_first_batch_inside_its_start_rolls_back_or_lands(disk, tmp_
         assert read_all(log) == {5: b"c", 6: b"d"}
         log = reopen(log)
         assert log.log_end_offset == 7 and read_all(log) == {5: b"c", 6: b"d"} and log.epochs.entries == [(4, 5)]
+        log.close()
+
+
+def test_an_index_entry_that_does_not_fit_fails_its_append_whole_however_often_it_is_retried(disk, tmp_path):
+    """The log file has room, its offset index none: each append fails with nothing written, however
+    often the producer retries it, and once there is room again it goes in once, at its offset."""
+    clock = FakeClock()
+    log = log_of(tmp_path, clock)  # an index entry for every batch
+    producer = Producer()
+    for _ in range(5):
+        producer.send(log)
+    end, size = log.log_end_offset, log.active_segment.size_bytes
+    disk.arm(1, persistent=True, only_suffix=".index")
+    for _ in range(20):
+        with pytest.raises(StorageError, match=r"\.index"):
+            producer.send(log)
+        assert (log.log_end_offset, log.active_segment.size_bytes, os.path.getsize(log.active_segment.log_path)) == (end, size, size)
+        check_content(log, producer)
+    disk.clear()
+    producer.retry_until_sent(log)
+    for _ in range(5):
+        producer.send(log)
+    end = log.log_end_offset
+    log = reopen(log)
+    try:
+        assert log.log_end_offset == end == 22 and log.recovery.truncated_bytes == 0  # 11 batches of 2
+        check_content(log, producer)
+        producer.check_duplicate_detection(log)
+    finally:
         log.close()
 
 
