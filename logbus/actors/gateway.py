@@ -740,6 +740,12 @@ def _check_port(port) -> int:
     return port
 
 
+@functools.cache
+def _gateway_actor_class():
+    """The gateway's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(Gateway)
+
+
 def start_gateways(
     namespace: str,
     controller,
@@ -786,7 +792,7 @@ def start_gateways(
         except ValueError:
             pass  # none there yet
         actor = (
-            ray.remote(Gateway)
+            _gateway_actor_class()
             .options(
                 name=gateway_name(node_id),
                 namespace=namespace,

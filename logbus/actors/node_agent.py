@@ -33,6 +33,7 @@ brought up to date by the controller's first reply.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
@@ -359,10 +360,16 @@ def agent_actor_name(node_id: str) -> str:
     return f"logbus-node-agent:{node_id}"
 
 
+@functools.cache
+def _agent_actor_class():
+    """The agent's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(NodeAgent)
+
+
 def start_agent(namespace: str, node_id: str, controller_name: str):
     """Get or create the agent of ``node_id``, pinned there."""
     return (
-        ray.remote(NodeAgent)
+        _agent_actor_class()
         .options(
             name=agent_actor_name(node_id),
             namespace=namespace,
