@@ -115,6 +115,27 @@ def topic_name(request):
     return "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:60] + "-" + uuid.uuid4().hex[:6]
 
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+RAY_FREE_DIRS = ("storage", "protocol")
+# Modules that replace the shared Ray session with a multi-node cluster: last in tests/actors, so
+# that the shared session is started once before them and once after (in tests/api), and the
+# modules of the three-node cluster (tests/actors/conftest.py) one after another, sharing it.
+CLUSTER_MODULES = {
+    "test_reassign.py": 1,  # a cluster of its own (four nodes in racks)
+    "test_compaction_replicas.py": 2,
+    "test_gateway_failover.py": 2,
+    "test_replication.py": 2,
+}
+
+
+def run_order(item) -> tuple[int, int]:
+    parts = os.path.relpath(str(item.fspath), TESTS_DIR).split(os.sep)
+    if parts[0] in RAY_FREE_DIRS or len(parts) == 1:
+        return (0, 0)  # the Ray-free suites first: they fail fast and need no cluster
+    if parts[0] == "actors":
+        return (1, CLUSTER_MODULES.get(parts[-1], 0))
+    return (2, 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    # Run the Ray-free suites first: they fail fast and need no cluster.
-    items.sort(key=lambda item: 0 if os.sep + "storage" + os.sep in str(item.fspath) or os.sep + "protocol" + os.sep in str(item.fspath) else 1)
+    items.sort(key=run_order)  # stable: files keep their order within each group
