@@ -106,6 +106,7 @@ class NodeAgent:
         self._link_task: asyncio.Task | None = None
         self._link_tried_ms = -LINK_RETRY_MS
         self._link_retry_ms = LINK_RETRY_MS
+        self._links_dropped = 0  # closed, or silent for LINK_SILENT_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -252,6 +253,14 @@ class NodeAgent:
         self._start()
         return os.getpid()
 
+    async def status(self) -> dict:
+        """This agent's process, whether its heartbeat link is open, and how many links it dropped
+        (closed, or unanswered for LINK_SILENT_MS) since it started."""
+        self._start()
+        link = self._link
+        return {"pid": os.getpid(), "heartbeat_link_open": link is not None and not link.closed,
+                "heartbeat_links_dropped": self._links_dropped}
+
     # --- the one timer of the node -----------------------------------------------------------------
 
     def _start(self) -> None:
@@ -334,6 +343,7 @@ class NodeAgent:
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
             self._link = None
+            self._links_dropped += 1
         if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
             self._link_tried_ms = now_ms
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
