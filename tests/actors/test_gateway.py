@@ -20,6 +20,7 @@ import struct
 import subprocess
 import threading
 import time
+import uuid
 
 import pytest
 import ray
@@ -33,7 +34,7 @@ from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
-from tests.conftest import wait_for
+from tests.conftest import close_bus, start_ray, wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,11 +44,39 @@ PARTITIONS = 3
 KCAT = shutil.which("kcat")
 
 
+@pytest.fixture(scope="module")
+def gateway_bus(ray_session, tmp_path_factory):
+    """The logbus cluster of the module's gateway: tests with the ``gateway`` fixture share both (a gateway
+    and a controller are an actor each to start); each uses topics and groups of its own."""
+    start_ray()
+    shared = logbus.connect(data_dir=str(tmp_path_factory.mktemp("gateway-data")), namespace=f"gw-{uuid.uuid4().hex[:10]}")
+    gateway = shared.start_gateway(port=0)
+    yield shared, gateway
+    if ray.is_initialized():
+        gateway.stop()
+        close_bus(shared)
+
+
 @pytest.fixture
-def gateway(bus):
-    gw = bus.start_gateway(port=0)
-    yield gw
-    gw.stop()
+def gateway(gateway_bus):
+    """The module's gateway."""
+    return gateway_bus[1]
+
+
+@pytest.fixture
+def bus(request, ray_session, tmp_path):
+    """With ``gateway``: the gateway's logbus cluster. Without: a cluster of the test's own (it starts
+    gateways of its own, with settings of its own, which one per node and cluster allows)."""
+    if "gateway" in request.fixturenames:
+        yield request.getfixturevalue("gateway_bus")[0]
+        return
+    start_ray()
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    own = logbus.connect(data_dir=str(data_dir), namespace=f"t-{uuid.uuid4().hex[:10]}")
+    yield own
+    if ray.is_initialized():
+        close_bus(own)
 
 
 def value_of(i: int) -> bytes:
@@ -716,6 +745,8 @@ def test_a_client_that_goes_away_frees_its_connection_slot_at_once(bus, gateway,
                                                "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range",
                                                "assignments": []})
         assert synced.error_code == kg.ErrorCode.none
+        # The gateway is the module's: connections of earlier tests' clients must be counted out first.
+        wait_for(lambda: gateway.stats()[0]["connections"] == 1, timeout_s=60, message="this test's connection alone")
         [before] = gateway.stats()
         second = Raw(gateway)
         second.send(kg.JOIN_GROUP, 7, join)  # held: the first member does not rejoin (it would have 60 s to)
