@@ -205,13 +205,13 @@ def check_invariants(bus, topic, acknowledged, replication_factor):
     return len(values)
 
 
-def test_leader_node_killed_three_times(cluster, rbus):
+def test_leader_node_killed_twice(cluster, rbus):
     topic = "orders"
     rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2})
     workload = Workload(rbus, topic)
     failovers = []
     try:
-        for _ in range(3):  # the replicas placed after one kill take part in the next failovers
+        for _ in range(2):  # the replica placed after the first kill takes part in the second failover
             wait_isr(rbus, topic, 3)
             acked_before = workload.acknowledged_count()
             wait_for(lambda: workload.acknowledged_count() > acked_before + 500, timeout_s=60, message="progress")
