@@ -25,6 +25,34 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
 
 
+def _dashboard_agent_on_a_free_port() -> None:
+    """Make the Ray nodes this process starts serve their dashboard agent on a free port.
+
+    Ray's dashboard agent listens on port 52365 unless told otherwise, and ``ray.init`` cannot tell
+    it. A second Ray on the machine finds the port taken and retries it for about 3 s before going
+    on without it: every test that runs logbus in a process of its own, as users do (the console
+    command, the examples, two processes over one data directory), paid that while the suite's Ray
+    held the port. Nodes this process starts take a free port instead (as ``Cluster`` gives its
+    worker nodes), leaving 52365 to those processes.
+    """
+    from ray._private import node, ray_constants
+
+    start = node.Node.__init__
+    if getattr(start, "free_agent_port", False):
+        return
+
+    def init(self, ray_params, *args, **kwargs):
+        if ray_params.dashboard_agent_listen_port == ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
+            ray_params.dashboard_agent_listen_port = None  # Node then asks for port 0: any free one
+        start(self, ray_params, *args, **kwargs)
+
+    init.free_agent_port = True
+    node.Node.__init__ = init
+
+
+_dashboard_agent_on_a_free_port()
+
+
 def pytest_runtest_logreport(report):
     """Print a failure's report as soon as it happens (as well as in the summary at the end)."""
     if report.failed:
