@@ -45,6 +45,7 @@ class Load:
     def __init__(self, bus, topic: str, partitions: int) -> None:
         self.bus, self.topic, self.partitions = bus, topic, partitions
         self.stop_event = threading.Event()
+        self.produced = threading.Event()  # the producer flushed and closed: no acknowledgement is still to come
         self.sent: list = []
         self.seen: list[bytes] = []
         self.errors: list[BaseException] = []
@@ -61,13 +62,18 @@ class Load:
             i += 1
             if i % 100 == 0:
                 time.sleep(0.05)  # about 2,000 records/s
-        producer.flush(timeout_s=120)
-        producer.close()
+        try:
+            producer.flush(timeout_s=120)
+            producer.close()
+        finally:
+            self.produced.set()
 
     def _consume(self) -> None:
         consumer = logbus.Consumer(self.bus, self.topic, group_id="autoscaled", enable_auto_commit=False)
         try:
-            while not self.stop_event.is_set() or len(self.seen) < self.acknowledged_count():
+            # On until the producer is done and every record it had acknowledged was seen (a count
+            # would not do: a rebalance may hand the group a record twice).
+            while not self.produced.is_set() or not self._saw_everything_acknowledged():
                 for records in consumer.poll(timeout_ms=200).values():
                     self.seen.extend(r.value for r in records)
                 consumer.commit()
@@ -77,6 +83,10 @@ class Load:
             self.errors.append(error)
         finally:
             consumer.close()
+
+    def _saw_everything_acknowledged(self) -> bool:
+        seen = set(self.seen)
+        return all(value in seen for value, future in list(self.sent) if future.done() and future.exception() is None)
 
     def acknowledged_count(self) -> int:
         return sum(1 for _, f in list(self.sent) if f.done() and f.exception() is None)
