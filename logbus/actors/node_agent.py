@@ -44,6 +44,7 @@ controller places anything on the node.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
@@ -122,6 +123,7 @@ class NodeAgent:
         self._link_task: asyncio.Task | None = None
         self._link_tried_ms = -LINK_RETRY_MS
         self._link_retry_ms = LINK_RETRY_MS
+        self._links_dropped = 0  # closed, or silent for LINK_SILENT_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -282,6 +284,14 @@ class NodeAgent:
         self._start()
         return os.getpid()
 
+    async def status(self) -> dict:
+        """This agent's process, whether its heartbeat link is open, and how many links it dropped
+        (closed, or unanswered for LINK_SILENT_MS) since it started."""
+        self._start()
+        link = self._link
+        return {"pid": os.getpid(), "heartbeat_link_open": link is not None and not link.closed,
+                "heartbeat_links_dropped": self._links_dropped}
+
     async def identify(self, cluster_id: str) -> dict:
         """The host's identity, checked, with ``cluster_id`` recorded on first use (``placement.host_identity``):
         ``{"node_id", "data_dir"}``. InconsistentClusterIdError for a data directory of another cluster."""
@@ -389,6 +399,7 @@ class NodeAgent:
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
             self._link = None
+            self._links_dropped += 1
         if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
             self._link_tried_ms = now_ms
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
@@ -415,11 +426,17 @@ def agent_actor_name(node_id: str) -> str:
     return f"logbus-node-agent:{node_id}"
 
 
+@functools.cache
+def _agent_actor_class():
+    """The agent's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(NodeAgent)
+
+
 def start_agent(namespace: str, node_id: str, controller_name: str, logbus_node_id: str | None = None):
     """Get or create the agent of the Ray node ``node_id``, pinned there, speaking for ``logbus_node_id``
     (by default the Ray node's own id: a node without a logbus label)."""
     return (
-        ray.remote(NodeAgent)
+        _agent_actor_class()
         .options(
             name=agent_actor_name(node_id),
             namespace=namespace,

@@ -73,7 +73,17 @@ class Bus:
             cached = self._metadata.get(topic)
         if cached is not None and not refresh:
             return cached
-        raw = get(self._controller.topic_metadata.remote(topic))
+        return self.metadata_arrived(self.request_metadata(topic))
+
+    def request_metadata(self, topic: str):
+        """Ask the controller for ``topic``'s metadata without waiting: an ObjectRef to pass to
+        :meth:`metadata_arrived` (callers that must not wait for the controller, such as a consumer's poll)."""
+        validate_topic_name(topic)
+        return self._controller.topic_metadata.remote(topic)
+
+    def metadata_arrived(self, ref, timeout_s: float | None = CONTROL_TIMEOUT_S) -> TopicMetadata:
+        """The metadata a :meth:`request_metadata` reply holds, now cached; raises what the controller raised."""
+        raw = get(ref, timeout_s=timeout_s)
         metadata = TopicMetadata(
             raw["name"],
             raw["topic_id"],
@@ -82,8 +92,13 @@ class Bus:
             tuple(p["leader_epoch"] for p in raw["partitions"]),
         )
         with self._lock:
-            self._metadata[topic] = metadata
+            self._metadata[metadata.name] = metadata
         return metadata
+
+    def cached_metadata(self, topic: str) -> TopicMetadata | None:
+        """The cached metadata of ``topic``, or None (never asks the controller)."""
+        with self._lock:
+            return self._metadata.get(topic)
 
     def forget(self, topic: str) -> None:
         with self._lock:
