@@ -17,7 +17,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
     logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
-    logbus join --address HEAD:6379 --token-file auth_token [--replica-slots 32] [--rack r1]
+    logbus join --address HEAD:6379 --token-file auth_token --data-dir /var/lib/logbus [--replica-slots 32] [--rack r1]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
 environment) each invocation joins the cluster of the process that serves
@@ -512,13 +512,19 @@ NODES_HEADERS = ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Repli
 REASSIGN_HEADERS = ["Topic", "Partition", "TargetNodes", "Adding", "Removing", "Copied(replica:offset/leader)", "Throttle(B/s)"]
 
 
+def _refusals(nodes: list[dict]) -> str:
+    """Lines for the hosts the cluster refused (a data directory of another cluster)."""
+    return "".join(f"Refused: node {n['node_id']} on Ray node {n['ray_node_id']}: {n['refused']}\n" for n in nodes if n.get("refused"))
+
+
 def cmd_nodes_list(args) -> int:
-    """Print every node that may host replicas: replicas, leaders, replica limit, liveness and drain state."""
+    """Print every node that may host replicas: replicas, leaders, replica limit, liveness and drain state;
+    then the hosts the cluster refused, and why."""
     with _connected(args) as bus:
         nodes = bus.admin.nodes()
     rows = [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
-             n["replicas_down"], "yes" if n.get("draining") else "no"] for n in nodes]
-    sys.stdout.write(_table(NODES_HEADERS, rows))
+             n["replicas_down"], "yes" if n.get("draining") else "no"] for n in nodes if not n.get("refused")]
+    sys.stdout.write(_table(NODES_HEADERS, rows) + _refusals(nodes))
     return 0
 
 
@@ -599,14 +605,17 @@ def _label_value(text: str) -> str:
     return text
 
 
-def ray_start_argv(args, ray: str) -> list[str]:
-    """The ``ray start`` command that ``logbus join`` runs for ``args``."""
-    from logbus.actors.placement import REPLICA_NODE_RESOURCE
+def ray_start_argv(args, ray: str, node_id: str | None = None) -> list[str]:
+    """The ``ray start`` command that ``logbus join`` runs for ``args``, the host being node ``node_id``."""
+    from logbus.actors.placement import NODE_LABEL, REPLICA_NODE_RESOURCE
 
     resources = {REPLICA_NODE_RESOURCE: args.replica_slots} if args.replica_slots else {}
     argv = [ray, "start", "--address", args.address, "--resources", json.dumps(resources), "--disable-usage-stats"]
+    labels = [f"{NODE_LABEL}={node_id}"] if node_id else []
     if args.rack:
-        argv += ["--labels", f"{RACK_LABEL}={args.rack}"]
+        labels.append(f"{RACK_LABEL}={args.rack}")
+    if labels:
+        argv += ["--labels", ",".join(labels)]
     for flag, value in (("--node-ip-address", args.node_ip_address), ("--temp-dir", args.temp_dir), ("--num-cpus", args.num_cpus)):
         if value is not None:
             argv += [flag, str(value)]
@@ -624,9 +633,18 @@ def cmd_join(args) -> int:
     (--rack). Ray's processes keep running after the command returns; with
     --block the command becomes ``ray start --block`` and lasts as long as
     the node. The head's token is printed by ``ray get-auth-token`` there.
+
+    A host with replica slots is a logbus node of its own, kept in its data
+    directory (--data-dir, default ./logbus-data): the first join writes a
+    new node id into DIR/meta.properties, and every join advertises it (the
+    node label ``logbus.node``), so a host that joins again after a restart,
+    as a new Ray node, gets its replicas back, which reopen their logs in
+    DIR. The cluster records its own id in that file the first time it uses
+    the host, and refuses a directory of another cluster.
     """
     from logbus.actors import ray_auth
-    from logbus.actors.placement import embedded_slots
+    from logbus.actors.placement import NODE_DATA_DIR_ENV, embedded_slots
+    from logbus.storage import node_identity
 
     address = args.address  # checked by _check()
     if args.replica_slots is None:
@@ -637,11 +655,23 @@ def cmd_join(args) -> int:
         env = ray_auth.join_environment(args.token_file)
     except ValueError as error:
         raise CliError(str(error)) from None
+    node = ""
+    node_id = None
+    if args.replica_slots:
+        data_dir = os.path.abspath(args.data_dir or DEFAULT_DATA_DIR_HELP)
+        try:
+            meta, created = node_identity.load_or_create(data_dir)
+        except OSError as error:
+            raise CliError(f"cannot use the data directory {data_dir}: {error}") from None
+        node_id = meta.node_id
+        env[NODE_DATA_DIR_ENV] = data_dir  # the host's Ray processes (its replicas) keep their logs there
+        cluster = f" of cluster {meta.cluster_id}" if meta.cluster_id else ""
+        node = f" as {'new ' if created else ''}node {node_id}{cluster} (data directory {data_dir})"
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    argv = ray_start_argv(args, ray)
+    argv = ray_start_argv(args, ray, node_id)
     rack = f", rack {args.rack}" if args.rack else ""
     if args.block:
-        sys.stdout.write(f"Joining {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+        sys.stdout.write(f"Joining {address}{node} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
         sys.stdout.flush()
         os.execve(ray, argv, env)  # the node's lifetime is the command's
     try:
@@ -650,7 +680,7 @@ def cmd_join(args) -> int:
         raise CliError(f"ray start did not finish joining {address} in {JOIN_TIMEOUT_S} s") from None
     if result.returncode != 0:
         raise CliError(f"ray start exited {result.returncode}; this host did not join {address}")
-    sys.stdout.write(f"Joined {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+    sys.stdout.write(f"Joined {address}{node} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
     return 0
 
 
@@ -699,6 +729,11 @@ def _status(bus) -> dict:
     }
 
 
+def _short_node_id(node_id: str) -> str:
+    """A host's node id whole (``node-`` and 16 hex digits), a Ray node id's first 16 hex digits."""
+    return node_id if node_id.startswith("node-") else node_id[:16]
+
+
 def _mib(value) -> str:
     return "-" if value is None else f"{value / (1 << 20):.1f}"
 
@@ -714,13 +749,15 @@ def cmd_status(args) -> int:
     nodes = status["nodes"]
     out = [
         f"logbus: namespace {status['namespace']}, data dir {status['data_dir']}\n",
-        f"Nodes: {len(nodes)} ({sum(1 for n in nodes if n['alive'])} alive), "
+        f"Nodes: {sum(1 for n in nodes if not n.get('refused'))} ({sum(1 for n in nodes if n['alive'])} alive), "
         f"{sum(n['replicas'] for n in nodes)} replicas; MaxReplicas is max.replicas.per.node\n",
         _table(
             ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Bytes", "MiBPerReplica", "Draining"],
-            [[n["node_id"][:16], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
-              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
+            [[_short_node_id(n["node_id"]), "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
+              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"]
+             for n in nodes if not n.get("refused")],
         ),
+        _refusals(nodes),
         f"\nTopics: {len(status['topics'])}\n",
     ]
     if status["topics"]:

@@ -147,6 +147,21 @@ class DataDirectoryInUseError(LogbusError):
     namespace, or another replica process); its files are never opened twice."""
 
 
+class InconsistentClusterIdError(LogbusError):
+    """A host's data directory belongs to another logbus cluster (Kafka's InconsistentClusterIdException).
+
+    Its ``meta.properties`` names a cluster id other than the cluster's it
+    joined; the message names both. The cluster places nothing on that node
+    and opens none of its files: join the host with the data directory of
+    this cluster, or an empty one.
+    """
+
+
+class NodeIdentityError(LogbusError):
+    """A host's logbus identity cannot be used: its ``meta.properties`` is unreadable or malformed, or
+    names a node id other than the one the host advertises (its Ray node label ``logbus.node``)."""
+
+
 # --- cluster state: retriable ---------------------------------------------------
 
 
@@ -168,6 +183,11 @@ class FencedLeaderEpochError(RetriableError):
 
 class LeaderNotAvailableError(RetriableError):
     """The partition has no live leader right now (an election is in progress)."""
+
+
+class ReplicaNotAvailableError(RetriableError):
+    """The replica's node is not in the cluster right now (its host has not joined again yet, or is
+    being brought back): calls to that replica wait until it is (Kafka's REPLICA_NOT_AVAILABLE)."""
 
 
 class RequestTimedOutError(RetriableError, TimeoutError):

@@ -783,7 +783,7 @@ def start_gateways(
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
         raise InvalidConfigError(f"max_connections must be a positive int, not {max_connections!r}")
     if all_nodes:
-        nodes = [n["node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
+        nodes = [n["ray_node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
         here = ray.get_runtime_context().get_node_id()
         if not nodes:
             nodes = [here]

@@ -261,6 +261,7 @@ class PartitionReplica:
         self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
         self._isr_proposal: asyncio.Task | None = None
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
+        self.fetched_bytes = 0  # bytes this process appended from its leaders' fetch replies, as follower
         self._throttle_until = 0.0
         self._throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
         self._fetch_waits_expired = 0  # long polls that ended with no data when their wait ran out
@@ -776,6 +777,7 @@ class PartitionReplica:
                     # The reply's offsets say which gaps (offsets the leader compacted) it covers.
                     self.log.append_as_follower(data, meta.first_offset, meta.next_offset)
                     copied = len(data)
+                    self.fetched_bytes += copied
                     del data
                     self._after_follower_append()
                     await self._pace(copied)
@@ -1172,6 +1174,7 @@ class PartitionReplica:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "size_bytes": self.log.size_bytes,
+            "fetched_bytes": self.fetched_bytes,  # copied from leaders since this process started
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._appended),
@@ -1190,9 +1193,10 @@ class PartitionReplica:
         }
 
 
-def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int) -> str:
-    # The topic id keeps a re-created topic's actors apart from a deleted one's.
-    return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
+def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int, node_id: str) -> str:
+    # The topic id keeps a re-created topic's actors apart from a deleted one's; the Ray node's id keeps the
+    # actor of a host that joined again apart from its predecessor on the old Ray node, whose name Ray frees late.
+    return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}:{node_id[:12]}"
 
 
 @functools.cache
@@ -1225,7 +1229,7 @@ def start_replica(
     return (
         _replica_actor_class()
         .options(
-            name=replica_actor_name(topic, topic_id, partition, replica_id),
+            name=replica_actor_name(topic, topic_id, partition, replica_id, node_id),
             namespace=namespace,
             lifetime="detached",
             get_if_exists=True,

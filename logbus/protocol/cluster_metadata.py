@@ -8,8 +8,17 @@ Replica ids are per partition: a new partition's replicas have the ids
 0 .. replication_factor-1, and every replica added later (a replacement, or
 one a reassignment adds) takes the partition's ``next_replica_id``, so an id
 is never reused. Replica ``r``'s log lives in
-``{data_dir}/replica-{r}/{topic}-{partition}``; placement maps a replica id to
-the Ray node that runs it.
+``{data_dir}/replica-{r}/{topic}-{partition}`` on its node; placement maps a
+replica id to its node.
+
+A node is named by its logbus node id: a host's identity, kept in its data
+directory and advertised as the Ray node label ``logbus.node``
+(``storage/node_identity.py``), which outlives the host's Ray nodes; or, for
+a node without that label (one machine's Ray nodes, the embedded default),
+its Ray node id, which ends with that Ray node. The controller maps each id
+to the Ray node carrying it now. The cluster's own id (``cluster_id``) is
+made with the metadata and recorded in every host's data directory the
+cluster uses, so a directory of another cluster is refused.
 
 A reassignment moves a partition to an ordered list of target nodes (Kafka's
 KIP-455): replicas already on a target node stay, the other target nodes get
@@ -60,16 +69,20 @@ from logbus.errors import (
 )
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
+from logbus.storage.node_identity import is_node_id
 
 PARTITIONS_MAX = 10_000  # per topic: each partition replica is a Ray actor (a process)
-METADATA_VERSION = 2  # 2: partitions carry adding, removing and next_replica_id
-READABLE_VERSIONS = (1, 2)  # version 1 loads with no reassignment in progress and ids derived from the replicas
+METADATA_VERSION = 3  # 2: partitions carry adding, removing and next_replica_id; 3: the cluster id
+# Version 1 loads with no reassignment in progress and ids derived from the replicas; versions 1 and 2
+# get a new cluster id (the controller writes the file again at once: ``upgraded_from``). Their node ids
+# are Ray node ids, which stay the identity of nodes without a logbus label.
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(slots=True)
 class PartitionState:
     replicas: list[int]  # replica ids, the first is the preferred leader; during a reassignment the target's, then the removing
-    nodes: dict[str, str]  # replica id (as str, for JSON) -> Ray node id
+    nodes: dict[str, str]  # replica id (as str, for JSON) -> node id (a logbus node id, or a Ray node id: see above)
     leader: int | None
     leader_epoch: int
     isr: list[int]
@@ -112,9 +125,11 @@ class TopicState:
 class ClusterMetadata:
     """Topics and their partitions' placement and leadership."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_id: str | None = None) -> None:
         self.topics: dict[str, TopicState] = {}
         self.next_producer_id = 0
+        self.cluster_id = cluster_id or uuid.uuid4().hex  # recorded in the data directory of every host the cluster uses
+        self.upgraded_from: int | None = None  # the version read, when older than METADATA_VERSION
 
     # --- topics ------------------------------------------------------------------------------
 
@@ -155,7 +170,7 @@ class ClusterMetadata:
             return topic
         if replication_factor > len(live_nodes):
             raise InvalidReplicationFactorError(
-                f"replication factor {replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+                f"replication factor {replication_factor} exceeds the {len(live_nodes)} live node(s)"
             )
         overrides = {key: normalized[key] for key in (config or {})}
         topic = TopicState(name, uuid.uuid4().hex, [], overrides)
@@ -226,7 +241,7 @@ class ClusterMetadata:
             raise InvalidPartitionsError(f"topic {name!r} has {current} partitions; the new total must be larger, not {total}")
         if topic.replication_factor > len(live_nodes):
             raise InvalidReplicationFactorError(
-                f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+                f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live node(s)"
             )
         added = list(range(current, total))
         placements = self._placer(live_nodes, node_limits, loads).place_all(len(added), topic.replication_factor)
@@ -249,13 +264,18 @@ class ClusterMetadata:
     def reassign_dead_nodes(self, live_nodes: list[str]) -> list[tuple[str, int, int]]:
         """Place partitions none of whose replicas is on a live node again; return the (topic, partition, replica) moved.
 
-        That happens when the whole Ray cluster was restarted over the same
-        data directory (every node id is new): on one machine every node sees
+        Only partitions whose every replica is on a node named by its Ray node
+        id (no logbus identity): such a node never comes back, and that
+        happens when the whole Ray cluster of one machine was restarted over
+        the same data directory (every node id is new), where every node sees
         that directory, so a moved replica finds its log where it left it. A
-        partition with a replica still on a live node is left alone: its lost
-        replicas go through election and replacement (a new replica id, which
-        copies the log from the leader), never by moving an identity onto a
-        node that may already hold another replica of the partition.
+        partition with a replica on a logbus node id waits for that node: the
+        host comes back with its data directory, whatever its Ray node is
+        then. A partition with a replica still on a live node is left alone:
+        its lost replicas go through election and replacement (a new replica
+        id, which copies the log from the leader), never by moving an
+        identity onto a node that may already hold another replica of the
+        partition.
         """
         moved = []
         if not live_nodes:
@@ -263,7 +283,7 @@ class ClusterMetadata:
         live = set(live_nodes)
         for topic in self.topics.values():
             for p, state in enumerate(topic.partitions):
-                if any(state.nodes[str(r)] in live for r in state.replicas):
+                if any(state.nodes[str(r)] in live or is_node_id(state.nodes[str(r)]) for r in state.replicas):
                     continue
                 for i, r in enumerate(state.replicas):
                     state.nodes[str(r)] = live_nodes[(p + i) % len(live_nodes)]
@@ -533,6 +553,7 @@ class ClusterMetadata:
         return json.dumps(
             {
                 "version": METADATA_VERSION,
+                "cluster_id": self.cluster_id,
                 "next_producer_id": self.next_producer_id,
                 "topics": {name: asdict(topic) for name, topic in self.topics.items()},
             },
@@ -545,7 +566,9 @@ class ClusterMetadata:
         raw = json.loads(text)
         if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"unsupported metadata version {raw.get('version')!r}")
-        metadata = cls()
+        metadata = cls(raw.get("cluster_id"))
+        if raw["version"] < METADATA_VERSION:
+            metadata.upgraded_from = raw["version"]
         metadata.next_producer_id = raw["next_producer_id"]
         for name, topic in raw["topics"].items():
             partitions = [PartitionState(**p) for p in topic["partitions"]]
@@ -584,7 +607,7 @@ def _validate_target(where: str, target_nodes: list[str], live_nodes: list[str])
         raise InvalidReassignmentError(f"{where}: the target names node(s) {repeated} more than once; a node holds one replica of a partition")
     if len(target_nodes) > len(set(live_nodes)):
         raise InvalidReplicationFactorError(
-            f"{where}: a target of {len(target_nodes)} replicas exceeds the {len(set(live_nodes))} live Ray node(s)"
+            f"{where}: a target of {len(target_nodes)} replicas exceeds the {len(set(live_nodes))} live node(s)"
         )
     dead = [n for n in target_nodes if n not in set(live_nodes)]
     if dead:
