@@ -16,6 +16,7 @@ from logbus.actors import ray_auth
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
+from logbus.options import MS_MAX, check_int
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
@@ -198,14 +199,8 @@ def connect(
         raise InvalidConfigError(f"data_dir must be a path (str), not {data_dir!r}")
     if address is not None and (not isinstance(address, str) or not address):
         raise InvalidConfigError(f"address must be a Ray address (str) or None, not {address!r}")
-    if replica_replacement_ms is not None and (
-        isinstance(replica_replacement_ms, bool) or not isinstance(replica_replacement_ms, int) or replica_replacement_ms <= 0
-    ):
-        raise InvalidConfigError(f"replica_replacement_ms must be a positive int (ms), not {replica_replacement_ms!r}")
-    if max_replicas_per_node is not None and (
-        isinstance(max_replicas_per_node, bool) or not isinstance(max_replicas_per_node, int) or max_replicas_per_node <= 0
-    ):
-        raise InvalidConfigError(f"max_replicas_per_node must be a positive int, not {max_replicas_per_node!r}")
+    check_int("replica_replacement_ms", replica_replacement_ms, 1, MS_MAX, none_ok=True, unit="ms")
+    check_int("max_replicas_per_node", max_replicas_per_node, none_ok=True)
     if ray_init_options is not None and not isinstance(ray_init_options, dict):
         raise InvalidConfigError(f"ray_init_options must be a dict of ray.init arguments, not {ray_init_options!r}")
     requested_dir = os.path.abspath(os.fspath(data_dir) if data_dir is not None else DEFAULT_DATA_DIR)

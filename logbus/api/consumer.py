@@ -83,8 +83,8 @@ from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus
 from logbus.api.group_membership import GroupMembership, checked_offsets, retriable_in_group
-from logbus.api.options import INT32_MAX, INT64_MAX, MS_MAX, check_callable, check_choice, check_flag, check_int, check_ms
-from logbus.api.retry import RETRY_BACKOFF_MAX_S, Backoff, retry_until
+from logbus.options import INT32_MAX, INT64_MAX, MS_MAX, check_callable, check_choice, check_flag, check_int, check_ms
+from logbus.retry import RETRY_BACKOFF_MAX_S, Backoff, retry_until
 from logbus.errors import (
     ChannelReplyTooLargeError,
     IllegalStateError,

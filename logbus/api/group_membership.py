@@ -44,8 +44,8 @@ import ray
 from ray.exceptions import RayError
 
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get, unwrap
-from logbus.api.options import MS_MAX, check_int
-from logbus.api.retry import retry_until
+from logbus.options import MS_MAX, check_int
+from logbus.retry import retry_until
 from logbus.errors import (
     CommitFailedError,
     IllegalGenerationError,

@@ -62,25 +62,30 @@ def check_int(name: str, value, minimum: int = 1, maximum: int = INT64_MAX, *, n
     return value
 
 
-def check_ms(name: str, value, minimum: float = 0, maximum: float = MS_MAX, *, forever: bool = False) -> float | None:
-    """A duration in ms (an int or a float), as seconds. With ``forever``, None and infinity mean
-    no limit (returned as None)."""
+def check_ms(
+    name: str, value, minimum: float = 0, maximum: float = MS_MAX, *, positive: bool = False, forever: bool = False
+) -> float | None:
+    """A duration in ms (an int or a float), as seconds: from ``minimum`` (above 0, with ``positive``)
+    to ``maximum``. With ``forever``, None and infinity mean no limit (returned as None)."""
     if forever and (value is None or (_is_number(value) and value == math.inf)):
         return None
-    if not _is_number(value) or not minimum <= value <= maximum:
+    if not _is_number(value) or not minimum <= value <= maximum or (positive and value <= 0):
         unlimited = ", or None for no limit" if forever else ""
-        raise InvalidConfigError(f"{name} must be a number of ms from {minimum} to {maximum}{unlimited}, not {value!r}")
+        bounds = f"above 0, at most {maximum}" if positive else f"from {minimum} to {maximum}"
+        raise InvalidConfigError(f"{name} must be a number of ms {bounds}{unlimited}, not {value!r}")
     return float(value) / 1000
 
 
-def check_seconds(name: str, value, minimum: float = 0, maximum: float = SECONDS_MAX, *, none_ok: bool = False) -> float | None:
-    """A duration in seconds (an int or a float) from ``minimum`` to ``maximum`` (or None, with ``none_ok``)."""
+def check_seconds(
+    name: str, value, minimum: float = 0, maximum: float = SECONDS_MAX, *, positive: bool = False, none_ok: bool = False
+) -> float | None:
+    """A duration in seconds (an int or a float) from ``minimum`` (above 0, with ``positive``) to
+    ``maximum`` (or None, with ``none_ok``)."""
     if value is None and none_ok:
         return None
-    if not _is_number(value) or not minimum <= value <= maximum:
-        raise InvalidConfigError(
-            f"{name} must be a number of seconds from {minimum} to {maximum:g}{_or_none(none_ok)}, not {value!r}"
-        )
+    if not _is_number(value) or not minimum <= value <= maximum or (positive and value <= 0):
+        bounds = f"above 0, at most {maximum:g}" if positive else f"from {minimum} to {maximum:g}"
+        raise InvalidConfigError(f"{name} must be a number of seconds {bounds}{_or_none(none_ok)}, not {value!r}")
     return float(value)
 
 
