@@ -16,6 +16,7 @@ from logbus.actors import ray_auth
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
+from logbus.bounded_dict import BoundedDict
 from logbus.options import MS_MAX, check_int
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
 from logbus.storage.dir_lock import DirectoryLock
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 DEFAULT_DATA_DIR = "logbus-data"
 DEFAULT_NAMESPACE = "logbus"
 START_LOCK_FILE = "start.lock"  # in the data directory: processes starting over it take turns
+# Topics whose metadata one Bus keeps; one used again past that is asked for again (one actor call).
+METADATA_CACHE_TOPICS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class TopicMetadata:
 class Bus:
     """A connection to a logbus cluster: the controller handle plus a topic metadata cache.
 
+    The cache holds the METADATA_CACHE_TOPICS_MAX topics stored last.
     Thread-safe. Picklable: a Bus passed into a Ray task or actor reconnects
     by name there.
     """
@@ -56,7 +60,7 @@ class Bus:
         self._controller = controller
         self.namespace = namespace
         self.data_dir = data_dir
-        self._metadata: dict[str, TopicMetadata] = {}
+        self._metadata: BoundedDict = BoundedDict(METADATA_CACHE_TOPICS_MAX)  # topic -> TopicMetadata
         self._lock = threading.Lock()
         self.admin = Admin(self)
 

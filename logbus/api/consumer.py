@@ -591,7 +591,8 @@ class Consumer:
         if not self._own_changed:
             return
         self._own_changed = False
-        for topic in [t for t in self._own_counts if t not in topics]:
+        left = [t for t in self._own_counts if t not in topics]
+        for topic in left:
             del self._own_counts[topic]
         gone = [tp for tp in self._partitions if tp.partition >= self._own_counts.get(tp.topic, math.inf) or tp.topic not in topics]
         for tp in gone:
@@ -603,8 +604,9 @@ class Consumer:
                 if tp not in self._partitions:
                     self._partitions[tp] = _Partition(tp)
                     added.append(tp)
-        if gone:
+        if gone or left:
             self._forget_unused_topics()
+        if gone:
             self._call_listener("on_partitions_revoked", gone)
         self._call_listener("on_partitions_assigned", added)
 
