@@ -55,7 +55,13 @@ caller's thread. A member the group went on without (its session expired,
 or the coordinator removed it) rejoins by itself in ``poll()``, as Kafka's
 consumer does: its partitions are reported lost (``on_partitions_lost``) and
 a new assignment follows; a commit it made meanwhile raises
-CommitFailedError (see ``logbus/api/group_membership.py``).
+CommitFailedError (see ``logbus/api/group_membership.py``). Without a
+``group_id``, ``subscribe()`` (or topics given to the constructor) assigns
+every partition of the topics, with no coordinator and no commits, as
+kafka-python's consumer without a group does.
+
+Records converted but not handed out wait in one buffer (see "handing
+records out" below), which iteration, ``poll()`` and ``logbus.aio`` share.
 
 Not thread-safe (like Kafka's consumer): use one consumer per thread.
 """
@@ -303,6 +309,15 @@ def _deserialized(function: Callable, items: list, what: str, tp: TopicPartition
         failure.__cause__ = error
         return out, failure
     return out, None
+
+
+def check_seek_offset(offset) -> int:
+    """A ``seek()`` offset: an int (InvalidConfigError otherwise) >= 0 (OffsetOutOfRangeError otherwise)."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise InvalidConfigError(f"offset must be an int, not {offset!r}")
+    if offset < 0:
+        raise OffsetOutOfRangeError(f"offset must be a non-negative int, not {offset!r}")
+    return offset
 
 
 def check_subscription(topics, pattern) -> tuple[tuple[str, ...], str | None]:
@@ -743,10 +758,7 @@ class Consumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         """Make ``offset`` the next offset poll() returns for ``tp``."""
         self._check_open()
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise InvalidConfigError(f"offset must be an int, not {offset!r}")
-        if offset < 0:
-            raise OffsetOutOfRangeError(f"offset must be a non-negative int, not {offset!r}")
+        check_seek_offset(offset)
         self._state(tp).reset_to(offset)
 
     def seek_to_beginning(self, *partitions: TopicPartition) -> None:
