@@ -47,7 +47,10 @@ import sys
 import threading
 import time
 
-from logbus.errors import CliError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.errors import CliError, InvalidConfigError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.options import INT32_MAX, INT64_MAX, MS_MAX, check_int
+from logbus.retry import retry_until
+from logbus.protocol.cluster_metadata import PARTITIONS_MAX
 from logbus.storage.names import validate_topic_name
 
 PROG = "logbus"
@@ -131,43 +134,31 @@ def _err(message: str) -> None:
 # --- argument types -----------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
+def _int_flag(flag: str, minimum: int = 1, maximum: int = INT64_MAX, unit: str = ""):
+    """An argparse type: the flag's text as an int, checked as every client checks the option
+    (logbus/options.py), so a flag and the option it sets fail with the same words."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = text  # not an int: the check names it as given
+        try:
+            return check_int(flag, value, minimum, maximum, unit=unit)
+        except InvalidConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {value}")
-    return value
+    parse.__name__ = flag  # argparse names the type in its own messages
+    return parse
 
 
 def _offset(text: str):
     if text in ("earliest", "latest"):
         return text
     try:
-        return _non_negative_int(text)
+        return _int_flag("--offset", 0)(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected 'earliest', 'latest' or a non-negative integer, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--offset must be 'earliest', 'latest' or an int from 0 to {INT64_MAX}, not {text!r}") from None
 
 
 def _config_items(text: str) -> list[tuple[str, str]]:
@@ -858,17 +849,13 @@ def cmd_groups_describe(args) -> int:
     return 0
 
 
-def _retrying(call, timeout_s: float = RETRY_TIMEOUT_S):
+def _retrying(call, what: str, timeout_s: float = RETRY_TIMEOUT_S):
     """``call()``, called again after retriable logbus errors (a leader being elected) until ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except LogbusError as error:
-            # UnknownTopicError is retriable for clients that wait for a topic to appear; not here.
-            if not error.retriable or isinstance(error, UnknownTopicError) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return retry_until(
+        time.monotonic() + timeout_s, what, lambda _left_s: call(),
+        # UnknownTopicError is retriable for clients that wait for a topic to appear; not here.
+        retriable=lambda error: error.retriable and not isinstance(error, UnknownTopicError),
+    )
 
 
 def _reset_target(args):
@@ -939,10 +926,10 @@ def cmd_groups_reset_offsets(args) -> int:
         validate_topic_name(topic)
     to = _reset_target(args)
     with _connected(args) as bus:
-        current, plan = _retrying(lambda: _reset_plan(bus, group, to, topics))
+        current, plan = _retrying(lambda: _reset_plan(bus, group, to, topics), f"planning the reset of group {group!r}")
         if args.execute:
             # Idempotent: a retry after a retriable error (the offsets topic's leader moving) commits the same offsets.
-            applied = _retrying(lambda: bus.admin.reset_offsets(group, to=to, topics=topics))
+            applied = _retrying(lambda: bus.admin.reset_offsets(group, to=to, topics=topics), f"resetting the offsets of group {group!r}")
     if not args.execute:
         sys.stdout.write(_table(GROUPS_PLAN_HEADERS, [[group, tp.topic, tp.partition, _dash(current.get(tp)), offset] for tp, offset in plan]))
         _err("Dry run: nothing was changed. Add --execute to set these offsets.")
@@ -1036,7 +1023,7 @@ def _add_groups_parser(commands, common: argparse.ArgumentParser) -> None:
     target = reset.add_mutually_exclusive_group(required=True)
     target.add_argument("--to-earliest", action="store_true", help="to each partition's log start offset")
     target.add_argument("--to-latest", action="store_true", help="to each partition's high watermark")
-    target.add_argument("--to-offset", type=_non_negative_int, metavar="N", help="to offset N (clamped to the partition's range)")
+    target.add_argument("--to-offset", type=_int_flag("--to-offset", 0), metavar="N", help="to offset N (clamped to the partition's range)")
     target.add_argument("--to-datetime", type=_datetime, metavar="ISO8601", help="to the first record at or after this time, e.g. 2026-11-22T10:00:00Z (local time without a zone)")
     run = reset.add_mutually_exclusive_group()
     run.add_argument("--execute", action="store_true", help="apply the reset (default: only print the plan)")
@@ -1064,8 +1051,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     create = actions.add_parser("create", parents=[common], help="create a topic", description=cmd_topics_create.__doc__)
     create.add_argument("--topic", required=True, help="topic name: 1-249 characters from [a-zA-Z0-9._-]")
-    create.add_argument("--partitions", type=_positive_int, default=1, help="number of partitions (default: 1)")
-    create.add_argument("--replication-factor", type=_positive_int, default=1, help="replicas per partition, on distinct Ray nodes (default: 1)")
+    create.add_argument("--partitions", type=_int_flag("--partitions", 1, PARTITIONS_MAX), default=1, help="number of partitions (default: 1)")
+    create.add_argument("--replication-factor", type=_int_flag("--replication-factor"), default=1, help="replicas per partition, on distinct Ray nodes (default: 1)")
     create.add_argument("--config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a topic config override, e.g. retention.ms=60000 (repeatable; or k1=v1,k2=v2)")
     create.add_argument("--if-not-exists", action="store_true", help="succeed quietly if the topic exists")
     create.set_defaults(func=cmd_topics_create)
@@ -1090,7 +1077,7 @@ def build_parser() -> argparse.ArgumentParser:
     alter = actions.add_parser("alter", parents=[common], help="change topic configs or partition count", description=cmd_topics_alter.__doc__)
     alter.add_argument("--topic", required=True, help="the topic to alter")
     alter.add_argument("--config", "--add-config", dest="config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a config override to set (repeatable; or k1=v1,k2=v2)")
-    alter.add_argument("--partitions", type=_positive_int, help="grow the topic to this many partitions")
+    alter.add_argument("--partitions", type=_int_flag("--partitions", 1, PARTITIONS_MAX), help="grow the topic to this many partitions")
     alter.set_defaults(func=cmd_topics_alter)
 
     # produce
@@ -1114,7 +1101,7 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--file", metavar="PATH", help="read lines from PATH instead of stdin")
     produce.add_argument("--parse-key", action="store_true", help="split each line into key and value (separator: --key-separator, default TAB)")
     produce.add_argument("--key-separator", metavar="SEP", help="split each line at the first SEP into key and value (implies --parse-key)")
-    produce.add_argument("--partition", type=_non_negative_int, help="send every record to this partition")
+    produce.add_argument("--partition", type=_int_flag("--partition", 0, INT32_MAX), help="send every record to this partition")
     produce.add_argument("--header", action="append", type=_header_item, metavar="KEY=VALUE", help="a header added to every record (repeatable)")
     produce.add_argument("--acks", "--request-required-acks", dest="acks", type=_acks, default="all", help="0, 1 or all (= -1): what the leader waits for before acknowledging (default: all)")
     produce.add_argument("--compression", "--compression-codec", dest="compression", choices=("none", "lz4", "zstd"), default="none", help="batch compression (default: none)")
@@ -1140,10 +1127,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _topic_argument(consume)
     consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset of every partition (default: at the end)")
-    consume.add_argument("--partition", type=_non_negative_int, help="read only this partition")
+    consume.add_argument("--partition", type=_int_flag("--partition", 0, INT32_MAX), help="read only this partition")
     consume.add_argument("--offset", type=_offset, help="with --partition: earliest, latest or an offset to start at")
-    consume.add_argument("--max-messages", type=_positive_int, help="exit after printing this many records")
-    consume.add_argument("--timeout-ms", type=_non_negative_int, help="exit when no record arrived for this long (default: wait forever)")
+    consume.add_argument("--max-messages", type=_int_flag("--max-messages"), help="exit after printing this many records")
+    consume.add_argument("--timeout-ms", type=_int_flag("--timeout-ms", 0, MS_MAX, unit="ms"), help="exit when no record arrived for this long (default: wait forever)")
     consume.add_argument("--format", choices=FORMATS, default="value", help="output format (default: value)")
     consume.add_argument("--print-offsets", action="store_true", help="prefix each line with Partition:P<TAB>Offset:O<TAB> (value and kv formats)")
     consume.set_defaults(func=cmd_consume)
@@ -1158,19 +1145,19 @@ def build_parser() -> argparse.ArgumentParser:
     nodes_list.set_defaults(func=cmd_nodes_list)
     drain = node_actions.add_parser("drain", parents=[common], help="move every replica off a node", description=cmd_nodes_drain.__doc__)
     drain.add_argument("node", metavar="NODE", help="the node id (a unique prefix is enough)")
-    drain.add_argument("--throttle", type=_positive_int, metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
+    drain.add_argument("--throttle", type=_int_flag("--throttle", unit="bytes per second"), metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
     drain.set_defaults(func=cmd_nodes_drain)
 
     # gateway
     gateway = commands.add_parser("gateway", parents=[common], help="serve Kafka's wire protocol to Kafka clients",
                                   description=cmd_gateway.__doc__)
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; other addresses only when asked)")
-    gateway.add_argument("--port", type=_port, default=9092, help="port to listen on (default: 9092; 0: any free port)")
+    gateway.add_argument("--port", type=_int_flag("--port", 0, 65535), default=9092, help="port to listen on (default: 9092; 0: any free port)")
     gateway.add_argument("--advertised-host", metavar="HOST", help="address clients are told to connect to (default: --host, or the node's IP for 0.0.0.0)")
     gateway.add_argument("--all-nodes", action="store_true", help="one gateway on every node that hosts replicas (else: this node only)")
-    gateway.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
+    gateway.add_argument("--max-request-bytes", type=_int_flag("--max-request-bytes", 1, INT32_MAX, unit="bytes"), metavar="BYTES",
                          help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
-    gateway.add_argument("--max-connections", type=_positive_int, metavar="N",
+    gateway.add_argument("--max-connections", type=_int_flag("--max-connections", 1, INT32_MAX), metavar="N",
                          help="client connections per gateway; one more is closed when accepted (default: 4096)")
     gateway.set_defaults(func=cmd_gateway)
 
@@ -1178,12 +1165,12 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser("join", parents=[common], help="join this host to a running cluster as a Ray node (token auth)",
                                description=cmd_join.__doc__)
     join.add_argument("--token-file", metavar="PATH", help="the cluster's token (default: $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
-    join.add_argument("--replica-slots", type=_non_negative_int, metavar="N",
+    join.add_argument("--replica-slots", type=_int_flag("--replica-slots", 0), metavar="N",
                       help="replicas this host may hold (default: what its memory holds at 96 MiB each; 0: no replicas)")
     join.add_argument("--rack", type=_label_value, help="this host's rack (node label logbus.rack): replicas of a partition go to distinct racks")
     join.add_argument("--node-ip-address", metavar="IP", help="this host's address the other hosts reach (default: Ray's choice)")
     join.add_argument("--temp-dir", metavar="DIR", help="Ray's directory for this node's sockets, logs and session files (default: Ray's)")
-    join.add_argument("--num-cpus", type=_non_negative_int, metavar="N", help="CPUs this node offers to Ray tasks (default: Ray's count)")
+    join.add_argument("--num-cpus", type=_int_flag("--num-cpus", 0), metavar="N", help="CPUs this node offers to Ray tasks (default: Ray's count)")
     join.add_argument("--block", action="store_true", help="stay in the foreground for the node's lifetime (ray start --block)")
     join.set_defaults(func=cmd_join)
 

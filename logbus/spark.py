@@ -66,6 +66,7 @@ from logbus.api.dataset import (
     task_slots,
 )
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
+from logbus.options import check_flag
 from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
 
@@ -143,11 +144,6 @@ def check_spark(spark) -> None:
             f"this Spark session runs on {master!r}, not on Ray: logbus hands data to Spark through RayDP, "
             "so start the session with logbus.spark.init_spark(...)"
         )
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
 
 
 # --- offsets in Spark's spelling -----------------------------------------------------------------
@@ -278,7 +274,7 @@ def read(
     from pyspark.sql import functions as F
 
     validate_topic_name(topic)
-    _check_flag("include_headers", include_headers)
+    check_flag("include_headers", include_headers)
     check_bus(bus)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
@@ -489,7 +485,7 @@ def stream(
 
     if not callable(process_batch):
         raise InvalidConfigError("process_batch must be a callable taking (DataFrame, batch_id)")
-    _check_flag("include_headers", include_headers)
+    check_flag("include_headers", include_headers)
     check_spark(spark)
 
     def run_batch(start: dict, end: dict, batch_id: int) -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import datetime
 
-import math
-
 from logbus.actors.controller import CREATE_TIMEOUT_S
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
+from logbus.options import check_int, check_seconds
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import (
     InvalidConfigError,
@@ -26,9 +25,7 @@ CONFIG_SOURCES = ("default", "topic")  # where a topic config's value comes from
 
 
 def _seconds(what: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise InvalidConfigError(f"{what} must be a positive number of seconds, not {value!r}")
-    return float(value)
+    return check_seconds(what, value, positive=True)
 
 
 def _positive(what: str, value, error, limit: int | None = None):
@@ -275,5 +272,4 @@ class Admin:
 
 
 def _throttle(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise InvalidConfigError(f"throttle_bytes_per_s must be a positive int (bytes per second) or None, not {value!r}")
+    check_int("throttle_bytes_per_s", value, none_ok=True, unit="bytes per second")

@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import time
 from datetime import datetime, timezone
 from typing import Iterator
@@ -71,7 +70,9 @@ from ray.data.datasource import Datasink, Datasource, ReadTask
 from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
+from logbus.options import INT32_MAX, INT64_MAX, check_flag, check_int, check_number
 from logbus.api.producer import Producer
+from logbus.retry import Backoff
 from logbus.errors import (
     InvalidConfigError,
     InvalidPartitionError,
@@ -109,7 +110,6 @@ BLOCK_SIZE_BYTES = 16 << 20
 # How long a read task keeps retrying a partition whose leader is unavailable
 # (restarting, or moving after a failover) before it gives up.
 RETRY_TIMEOUT_S = 60.0
-RETRY_BACKOFF_S = 0.2
 # A fetch below ``end`` that returns nothing means the high watermark went
 # back (a leader change truncated the log): wait this long for it to return.
 MISSING_RECORDS_WAIT_MS = 2_000
@@ -162,10 +162,7 @@ def check_task_options(num_cpus=None, ray_remote_args=None) -> None:
     Checked on the driver: Ray would otherwise refuse them only when the
     Dataset executes, with a bare ValueError or TypeError.
     """
-    if num_cpus is not None and (
-        isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or not math.isfinite(num_cpus) or num_cpus < 0
-    ):
-        raise InvalidConfigError(f"num_cpus must be a number >= 0 or None, not {num_cpus!r}")
+    check_number("num_cpus", num_cpus, none_ok=True)
     if ray_remote_args is None:
         options = {}
     elif isinstance(ray_remote_args, dict) and all(isinstance(name, str) for name in ray_remote_args):
@@ -337,7 +334,7 @@ class _PartitionReader:
     def batches(self, start: int, end: int, verify_crc: bool) -> Iterator[pa.RecordBatch]:
         offset = start
         pending = self._fetch(offset) if offset < end else None
-        deadline = None  # of the retries after a retriable error
+        retries: Backoff | None = None  # after a retriable error, until RETRY_TIMEOUT_S after the first
         waited = False  # for records that should be there
         while pending is not None:
             try:
@@ -345,17 +342,20 @@ class _PartitionReader:
             except LogbusError as error:
                 if not error.retriable:
                     raise
-                deadline = deadline or time.monotonic() + RETRY_TIMEOUT_S
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if retries is None:
+                    retries = Backoff(deadline_s=now + RETRY_TIMEOUT_S)
+                delay_s = retries.delay_s(now)
+                if delay_s is None:
                     raise
-                time.sleep(RETRY_BACKOFF_S)
+                time.sleep(delay_s)
                 try:
                     self._refresh_leader()
                 except LogbusError:
                     pass  # the controller may be restarting too; keep the old handle and retry
                 pending = self._fetch(offset)
                 continue
-            deadline = None
+            retries = None
             if data is None:
                 # Records below ``end`` were committed when the range was resolved; if the
                 # high watermark went back since (a new leader truncated), wait for it once.
@@ -420,9 +420,9 @@ class TopicDatasource(Datasource):
         verify_crc: bool = True,
     ) -> None:
         super().__init__()
-        for name, value in (("fetch_max_bytes", fetch_max_bytes), ("block_size_bytes", block_size_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        check_int("fetch_max_bytes", fetch_max_bytes, 1, INT32_MAX, unit="bytes")
+        check_int("block_size_bytes", block_size_bytes, 1, INT64_MAX, unit="bytes")
+        check_flag("verify_crc", verify_crc)
         check_bus(bus)
         bus = connect() if bus is None else bus
         self.topic = validate_topic_name(topic)
@@ -454,8 +454,7 @@ class TopicDatasource(Datasource):
         the CPUs allow, or :func:`task_slots` for zero-CPU tasks).
         """
         check_task_options(num_cpus, ray_remote_args)
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
-            raise InvalidConfigError(f"concurrency must be a positive int or None, not {concurrency!r}")
+        check_int("concurrency", concurrency, none_ok=True)
         tasks = max(1, sum(1 for start, end in self.ranges if start < end))  # an empty range: one empty task
         if concurrency is None and (num_cpus == 0 or (ray_remote_args or {}).get("num_cpus") == 0):
             concurrency = task_slots()

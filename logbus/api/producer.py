@@ -18,8 +18,10 @@ records (same key, same partition); keyless records stick to one partition
 per batch, chosen anew each time a batch closes.
 
 Retries: retriable errors (a leader that died or moved, a timeout) are
-retried after a metadata refresh until ``delivery_timeout_ms``. Without
-idempotence a retry can write a batch twice, as in Kafka.
+retried after a metadata refresh until ``delivery_timeout_ms``, each batch
+backing off from RETRY_BACKOFF_S doubling up to a second (``logbus/retry.py``,
+as Kafka's retry.backoff.ms and retry.backoff.max.ms). Without idempotence a
+retry can write a batch twice, as in Kafka.
 
 Futures: ``send()`` returns a :class:`RecordFuture`, a full
 ``concurrent.futures.Future`` (``wait``, ``as_completed``,
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import pickle
 import random
@@ -59,6 +60,9 @@ from confluent_kafka import murmur2
 
 from logbus.actors.remote import get, unwrap
 from logbus.api.client import Bus, TopicMetadata
+from logbus.bounded_dict import BoundedDict
+from logbus.retry import RETRY_BACKOFF_MAX_S, Backoff
+from logbus.options import INT32_MAX, INT64_MAX, check_callable, check_choice, check_flag, check_int, check_ms, check_seconds
 from logbus.errors import (
     BufferExhaustedError,
     ChannelClosedError,
@@ -84,19 +88,21 @@ logger = logging.getLogger(__name__)
 
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
-RETRY_BACKOFF_S = 0.1
+HEADER_OVERHEAD_BYTES = 12  # per header: its map entry's offsets and validity
+RETRY_BACKOFF_S = 0.1  # a batch's first retry waits this long (Kafka's retry.backoff.ms), doubling up to RETRY_BACKOFF_MAX_S
 STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check whether its leader moved
 STALE_CHECK_INTERVAL_S = 0.1
 ACKS = (0, 1, "all", -1)
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
 PRODUCER_EPOCH_MAX = 2**15 - 1  # the epoch is an int16 in the batch header; past it, a new producer id
 TIMESTAMP_MS_MAX = 2**63 - 1  # timestamps are int64 in the batch
-# Bounds of the settings: sizes and counts are positive ints; the others are times in ms, at most
-# about 24.8 days (Kafka's int timeouts), which keeps every wait within what threading's waits and
-# the replica's timers take.
-SIZE_SETTINGS = ("batch_size_bytes", "buffer_memory_bytes", "max_in_flight")
-MS_SETTING_MAX = 2**31 - 1
-ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0
+ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0 (the others must be above it)
+# Topics whose metadata, limits and sticky partition one producer keeps (a topic sent to again past
+# that asks for its metadata again), and partitions whose idempotent sequence numbers it keeps: past
+# that, partitions with nothing buffered or in flight forget theirs, and start again at sequence 0 in a
+# newer producer epoch (see _forget_idle_sequences).
+TOPICS_MAX = 4096
+SEQUENCE_PARTITIONS_MAX = 65_536
 
 
 _PRODUCER_IDS = itertools.count(1)  # names the producers of a process in their buffer metric
@@ -116,7 +122,7 @@ class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
         "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
-        "sent_s", "leader_id", "outcome", "waiting", "sequenced",
+        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries",
     )
 
     def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
@@ -143,6 +149,7 @@ class _Batch:
         self.outcome: tuple[int, int, BaseException | None] | None = None
         self.waiting: list[RecordFuture] | None = None  # record futures with state of their own
         self.sequenced: tuple[int, int] | None = None  # (producer id, epoch) its sequence numbers belong to
+        self.retries: Backoff | None = None  # from its first retriable failure: backoff until its delivery deadline
 
 
 @dataclass(slots=True)
@@ -334,20 +341,58 @@ def _serialize(serializer, data, what: str, topic) -> bytes | None:
     )
 
 
-def _check_setting(name: str, value) -> None:
-    """Raise InvalidConfigError unless ``value`` is legal for the numeric producer setting ``name``."""
-    if name in SIZE_SETTINGS:
-        legal = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if not legal:
-            raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
-        return
-    legal = (
-        isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-        and 0 <= value <= MS_SETTING_MAX and (value > 0 or name in ZERO_ALLOWED)
-    )
-    if not legal:
-        low = "a non-negative" if name in ZERO_ALLOWED else "a positive"
-        raise InvalidConfigError(f"{name} must be {low} number of ms, at most {MS_SETTING_MAX}, not {value!r}")
+def _data_bytes(data) -> int | None:
+    """The bytes ``data`` (a key, value or header value) is sent as, as the producer converts it; None for a
+    type it refuses (or that a serializer turns into bytes of its own)."""
+    kind = data.__class__
+    if kind is bytes or kind is bytearray:
+        return len(data)
+    if data is None:
+        return 0
+    if kind is str:
+        return len(data) if data.isascii() else len(data.encode("utf-8", "surrogatepass"))
+    if kind is memoryview:
+        return data.nbytes
+    return None
+
+
+def record_charge_bytes(value, key, headers) -> int | None:
+    """What one record counts for in the producer's buffer (``buffer_memory_bytes``), and against a batch.
+
+    Its value, key and headers as the bytes sent (str as UTF-8), plus
+    RECORD_OVERHEAD_BYTES, plus HEADER_OVERHEAD_BYTES and the name's UTF-8
+    bytes per header. ``send()`` charges this for the record it converted;
+    ``logbus.aio``'s producer computes it before sending, from what the
+    caller passed, to know on its event loop whether ``send()`` may block
+    (the two agree: conversion does not change the count). None when it
+    cannot be known before the record is converted: a type ``send()``
+    refuses, or malformed headers (``send()`` names the mistake).
+    """
+    size = RECORD_OVERHEAD_BYTES
+    if value.__class__ is bytes:
+        size += len(value)
+    elif value is not None:
+        count = _data_bytes(value)
+        if count is None:
+            return None
+        size += count
+    if key.__class__ is bytes:
+        size += len(key)
+    elif key is not None:
+        count = _data_bytes(key)
+        if count is None:
+            return None
+        size += count
+    if headers is not None:
+        try:
+            for name, header in headers.items() if isinstance(headers, dict) else headers:
+                count = _data_bytes(header)
+                if count is None or name.__class__ is not str:
+                    return None
+                size += HEADER_OVERHEAD_BYTES + count + (len(name) if name.isascii() else len(name.encode("utf-8", "surrogatepass")))
+        except (TypeError, ValueError):
+            return None
+    return size
 
 
 def _as_bytes(value, what: str):
@@ -410,23 +455,20 @@ class Producer:
     ) -> None:
         if not isinstance(bus, Bus):
             raise InvalidConfigError(f"bus must be a Bus from logbus.connect(), not {type(bus).__name__}")
-        if acks.__class__ not in (int, str) or acks not in ACKS:  # not True or 1.0, which equal 1
-            raise InvalidConfigError(f"acks must be 0, 1, 'all' or -1, not {acks!r}")
-        if not (compression is None or isinstance(compression, str)) or compression not in rb.COMPRESSION_CODES:
-            raise InvalidConfigError(f"compression must be None, 'lz4' or 'zstd', not {compression!r}")
-        settings = {
-            "linger_ms": linger_ms, "batch_size_bytes": batch_size_bytes, "buffer_memory_bytes": buffer_memory_bytes,
-            "max_in_flight": max_in_flight, "max_block_ms": max_block_ms, "delivery_timeout_ms": delivery_timeout_ms,
-            "request_timeout_ms": request_timeout_ms,
-        }
-        for name, value in settings.items():
-            _check_setting(name, value)
-        for name, value in (("enable_idempotence", enable_idempotence), ("local_channel", local_channel)):
-            if not (isinstance(value, bool) or (value is None and name == "enable_idempotence")):
-                raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
-        for name, value in (("key_serializer", key_serializer), ("value_serializer", value_serializer)):
-            if value is not None and not callable(value):
-                raise InvalidConfigError(f"{name} must be None or a callable, not {value!r}")
+        check_choice("acks", acks, ACKS)  # not True or 1.0, which equal 1
+        check_choice("compression", compression, tuple(rb.COMPRESSION_CODES))
+        for name, value in (("batch_size_bytes", batch_size_bytes), ("buffer_memory_bytes", buffer_memory_bytes)):
+            check_int(name, value, 1, INT64_MAX, unit="bytes")
+        check_int("max_in_flight", max_in_flight, 1, INT32_MAX)
+        for name, value in (
+            ("linger_ms", linger_ms), ("max_block_ms", max_block_ms), ("delivery_timeout_ms", delivery_timeout_ms),
+            ("request_timeout_ms", request_timeout_ms),
+        ):
+            check_ms(name, value, positive=name not in ZERO_ALLOWED)
+        check_flag("enable_idempotence", enable_idempotence, none_ok=True)
+        check_flag("local_channel", local_channel)
+        check_callable("key_serializer", key_serializer, "a key")
+        check_callable("value_serializer", value_serializer, "a value")
         if enable_idempotence and acks == 0:
             raise InvalidConfigError("enable_idempotence needs acks=1 or 'all': acks=0 gets no replies to retry on")
         if enable_idempotence is None:
@@ -454,8 +496,11 @@ class Producer:
         self.max_block_s = max_block_ms / 1000
         self.delivery_timeout_s = delivery_timeout_ms / 1000
         self.request_timeout_s = request_timeout_ms / 1000
-        self._topics: dict[str, TopicMetadata] = {}
-        self._sticky: dict[str, int] = {}
+        # Per topic (each at most TOPICS_MAX, written under the lock): metadata, and the sticky partition
+        # of keyless records.
+        self._topics: BoundedDict = BoundedDict(TOPICS_MAX)
+        self._sticky: BoundedDict = BoundedDict(TOPICS_MAX)
+        self.sequence_partitions_max = SEQUENCE_PARTITIONS_MAX
         self._open: dict[tuple[str, int], _Batch] = {}
         self._ready: deque[_Batch] = deque()
         self._in_flight: dict[tuple[str, int], int] = {}
@@ -469,7 +514,7 @@ class Producer:
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
         # topic -> (partitions, record limit, max.message.bytes, batch limit for send())
-        self._limits: dict[str, tuple[int, int, int, int]] = {}
+        self._limits: BoundedDict = BoundedDict(TOPICS_MAX)
         self._channels = local_channels() if local_channel else None
         self._lock = threading.Lock()
         # send() takes self._lock directly: the same lock, without Condition.__enter__'s Python frame.
@@ -485,12 +530,20 @@ class Producer:
 
     # --- metadata -------------------------------------------------------------------------------
 
-    def _topic(self, topic: str) -> TopicMetadata:
-        metadata = self._topics.get(topic)
+    def _topic(self, topic: str, refresh: bool = False) -> TopicMetadata:
+        """The topic's metadata: cached (at most TOPICS_MAX topics), else (or with ``refresh``) asked for."""
+        metadata = None if refresh else self._topics.get(topic)
         if metadata is None:
-            metadata = self._bus.topic_metadata(topic)
-            self._topics[topic] = metadata
+            metadata = self._bus.topic_metadata(topic, refresh=refresh)
+            with self._lock:
+                self._topics[topic] = metadata
+                if refresh:
+                    self._limits.pop(topic, None)  # from the new metadata, at the next send()
         return metadata
+
+    def _holds_metadata(self, topic) -> bool:
+        """Whether send() to ``topic`` needs no metadata from the controller (never waits for it)."""
+        return topic in self._limits and topic in self._topics
 
     def partitions_for(self, topic: str) -> list[int]:
         """The partition numbers of ``topic``."""
@@ -499,7 +552,7 @@ class Producer:
     # --- sending ----------------------------------------------------------------------------------
 
     def send(
-        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+        self, topic: str, value=None, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
     ) -> RecordFuture:
         """Queue one record; returns a :class:`RecordFuture` of its RecordMetadata.
 
@@ -521,23 +574,15 @@ class Producer:
             validate_topic_name(topic)
             raise
         if limits is None:
-            metadata = self._topic(topic)
-            record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
-            limits = self._limits[topic] = (
-                metadata.partition_count,
-                record_limit,
-                metadata.config.max_message_bytes,
-                min(self.batch_size_bytes, record_limit),
-            )
+            limits = self._topic_limits(topic)
         count, limit, max_message_bytes, batch_limit = limits
         if value.__class__ is not bytes and value is not None:
             value = _as_bytes(value, "value")
         if key.__class__ is not bytes and key is not None:
             key = _as_bytes(key, "key")
-        size = RECORD_OVERHEAD_BYTES + (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
         if headers is not None:
             headers = _normalize_headers(headers)
-            size += sum(len(k) + (len(v) if v is not None else 0) + 12 for k, v in headers)
+        size = record_charge_bytes(value, key, headers)
         if size > limit:
             raise RecordTooLargeError(
                 f"record of about {size} bytes exceeds what a batch of topic {topic!r} can hold "
@@ -586,8 +631,17 @@ class Producer:
                 self._condition.notify_all()  # the sender times the new batch's linger
         return RecordFuture(batch, index, timestamp_ms)
 
+    def _topic_limits(self, topic: str) -> tuple[int, int, int, int]:
+        """(partitions, record limit, max.message.bytes, batch limit for send()) of ``topic``, kept for send()."""
+        metadata = self._topic(topic)
+        record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
+        limits = (metadata.partition_count, record_limit, metadata.config.max_message_bytes, min(self.batch_size_bytes, record_limit))
+        with self._lock:
+            self._limits[topic] = limits
+        return limits
+
     def _send_serialized(
-        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+        self, topic: str, value=None, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
     ) -> RecordFuture:
         """send() for a producer with serializers: serialize the key and value, then send them."""
         if self._closed:
@@ -682,7 +736,9 @@ class Producer:
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
         if partition is None or partition >= count:
-            partition = self._sticky[topic] = random.randrange(count)
+            partition = random.randrange(count)
+            with self._lock:
+                self._sticky[topic] = partition
         return partition
 
     def _reserve(self, size: int) -> None:
@@ -754,8 +810,7 @@ class Producer:
         leaders = {}
         for topic in {b.topic for b in old}:
             try:
-                self._topics[topic] = metadata = self._bus.topic_metadata(topic, refresh=True)
-                leaders[topic] = metadata.leaders
+                leaders[topic] = self._topic(topic, refresh=True).leaders
             except LogbusError:
                 leaders[topic] = None
         with self._condition:
@@ -832,7 +887,7 @@ class Producer:
         self._ready = kept
         return taken, max(wait_s, 0.001)
 
-    def _restart_sequences(self, slot: tuple[str, int]) -> None:
+    def _restart_sequences(self, slot: tuple[str, int], why: str = "after a batch failed") -> None:
         """Under the lock, with nothing of ``slot`` in flight: start its sequence numbers afresh (KIP-360).
 
         A batch that failed for good leaves a hole in its partition's sequence
@@ -865,20 +920,36 @@ class Producer:
             self._producer_epoch = rb.NO_PRODUCER_EPOCH
         else:
             self._producer_epoch += 1
-        logger.info(
-            "producer %s: %s-%d restarts its sequence in epoch %s after a batch failed",
-            old.producer_id, slot[0], slot[1], self._producer_epoch,
+        logger.log(
+            logging.INFO if why == "after a batch failed" else logging.DEBUG,
+            "producer %s: %s-%d restarts its sequence in epoch %s %s",
+            old.producer_id, slot[0], slot[1], self._producer_epoch, why,
         )
+
+    def _forget_idle_sequences(self) -> None:
+        """Under the lock, with ``sequence_partitions_max`` partitions holding sequence numbers: forget
+        those of the oldest quarter of the idle partitions (nothing buffered, waiting or in flight).
+
+        Each starts again at sequence 0 when next sent to, in a producer
+        epoch above the one its old sequence used, exactly as after a failed
+        batch (``_restart_sequences``, which the leader accepts from any
+        sequence state). Nothing of the partition is outstanding, so no record
+        can be written twice. Busy partitions keep theirs: the table then
+        holds at most the partitions with records on their way, beyond the bound.
+        """
+        busy = set(self._open) | set(self._in_flight) | {(b.topic, b.partition) for b in self._ready}
+        idle = [slot for slot in self._sequences if slot not in busy]
+        for slot in idle[: max(1, len(self._sequences) // 4)]:
+            self._restart_sequences(slot, "(idle, past sequence_partitions_max)")
 
     def _dispatch(self, batch: _Batch) -> None:
         try:
-            if batch.topic in self._refresh:
-                self._refresh.discard(batch.topic)
-                self._topics[batch.topic] = self._bus.topic_metadata(batch.topic, refresh=True)
-                self._limits.pop(batch.topic, None)
+            refresh = batch.topic in self._refresh
+            self._refresh.discard(batch.topic)
+            metadata = self._topic(batch.topic, refresh=refresh)
             if batch.encoded is None:
                 self._encode(batch)
-            leader = self._topics[batch.topic].leaders[batch.partition]
+            leader = metadata.leaders[batch.partition]
             if leader is None:
                 raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
             batch.leader_id = leader._actor_id
@@ -929,6 +1000,9 @@ class Producer:
             slot = (batch.topic, batch.partition)
             sequences = self._sequences.get(slot)
             if sequences is None:
+                if len(self._sequences) >= self.sequence_partitions_max:
+                    with self._lock:
+                        self._forget_idle_sequences()
                 if self._producer_id == rb.NO_PRODUCER_ID:
                     self._producer_id = get(self._bus.controller.allocate_producer_id.remote())
                     self._producer_epoch = 0
@@ -969,21 +1043,23 @@ class Producer:
             # Each attempt completes once: a late reply to an attempt that expired is dropped.
             if batch.attempts != attempt or self._in_flight_batches.pop(id(batch), None) is None:
                 return
-        retry = (
-            error is not None
-            and isinstance(error, LogbusError)
-            and error.retriable
-            and time.monotonic() + RETRY_BACKOFF_S < batch.deadline_s
-        )
+        delay_s = None  # before the retry; None: no retry
+        if error is not None and isinstance(error, LogbusError) and error.retriable:
+            if batch.retries is None:
+                batch.retries = Backoff(RETRY_BACKOFF_S, RETRY_BACKOFF_MAX_S, deadline_s=batch.deadline_s)
+            delay_s = batch.retries.delay_s(time.monotonic())
+        retry = delay_s is not None
         with self._condition:
             slot = (batch.topic, batch.partition)
             self._in_flight[slot] -= 1
+            if not self._in_flight[slot]:
+                del self._in_flight[slot]  # the table holds only partitions with requests in flight
             self._in_flight_total -= 1
             if retry and isinstance(error, OutOfOrderSequenceError) and self._behind_a_lost_batch(batch):
                 retry = False  # the hole before it will never be filled: fail it now, not at its deadline
             if retry:
                 if backoff:
-                    batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
+                    batch.not_before_s = time.monotonic() + delay_s
                     self._refresh.add(batch.topic)
                 # Retried batches go out again in their first order, ahead of newer ones, so a
                 # partition's sequence numbers reach the leader in order.
@@ -1088,10 +1164,7 @@ class Producer:
 
 
 def _check_timeout(timeout_s) -> None:
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= threading.TIMEOUT_MAX
-    ):
-        raise InvalidConfigError(f"timeout_s must be None or a non-negative number of seconds, not {timeout_s!r}")
+    check_seconds("timeout_s", timeout_s, none_ok=True)
 
 
 def _normalize_headers(headers) -> list[tuple[str, bytes | None]]:

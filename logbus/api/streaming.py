@@ -41,6 +41,7 @@ from typing import Callable, Mapping
 
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
+from logbus.options import check_callable, check_choice, check_flag, check_int, check_seconds
 from logbus.errors import IllegalStateError, InvalidConfigError, LogbusError
 from logbus.protocol.group_coordinator import OffsetAndMetadata, validate_group_id
 from logbus.protocol.messages import TopicPartition
@@ -146,21 +147,9 @@ class _Plan:
     recorded: bool  # the plan is already in the group's commits (a batch that failed runs again)
 
 
-def _check_count(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidConfigError(f"{name} must be a positive int or None, not {value!r}")
-
-
-def _check_seconds(name: str, value) -> None:
-    # Finite and within what threading's waits take (an infinite wait raises OverflowError there).
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= threading.TIMEOUT_MAX:
-        raise InvalidConfigError(f"{name} must be a non-negative number of seconds, not {value!r}")
-
-
 def _check_run_options(max_batches: int | None = None, until_caught_up: bool = False) -> None:
-    _check_count("max_batches", max_batches)
-    if not isinstance(until_caught_up, bool):
-        raise InvalidConfigError(f"until_caught_up must be True or False, not {until_caught_up!r}")
+    check_int("max_batches", max_batches, none_ok=True)
+    check_flag("until_caught_up", until_caught_up)
 
 
 def log_progress(progress: BatchProgress) -> None:
@@ -185,14 +174,11 @@ class MicroBatchStream:
     ) -> None:
         validate_topic_name(topic)
         validate_group_id(group_id)
-        _check_count("max_offsets_per_trigger", max_offsets_per_trigger)
-        _check_seconds("trigger_interval_s", trigger_interval_s)
-        if not isinstance(starting_offsets, str) or starting_offsets not in STARTS:
-            raise InvalidConfigError(f"starting_offsets must be one of {STARTS}, not {starting_offsets!r}")
-        if not callable(run_batch):
-            raise InvalidConfigError(f"run_batch must be a callable taking (start, end, batch_id), not {run_batch!r}")
-        if progress is not None and not callable(progress):
-            raise InvalidConfigError(f"progress must be a callable taking a BatchProgress, or None, not {progress!r}")
+        check_int("max_offsets_per_trigger", max_offsets_per_trigger, none_ok=True)
+        check_seconds("trigger_interval_s", trigger_interval_s)
+        check_choice("starting_offsets", starting_offsets, STARTS)
+        check_callable("run_batch", run_batch, "(start, end, batch_id)", none_ok=False)
+        check_callable("progress", progress, "a BatchProgress")
         if bus is not None and not isinstance(bus, Bus):
             raise InvalidConfigError(f"bus must be a Bus from logbus.connect() or None, not {type(bus).__name__}")
         self.bus = bus or connect()
@@ -342,8 +328,7 @@ class MicroBatchStream:
         """Wait for the stream to end; re-raise the error that ended it. False on timeout."""
         if self._thread is None:
             raise IllegalStateError("the stream was not started")
-        if timeout_s is not None:
-            _check_seconds("timeout_s", timeout_s)
+        check_seconds("timeout_s", timeout_s, none_ok=True)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False
