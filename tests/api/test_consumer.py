@@ -36,6 +36,7 @@ from logbus.errors import (
     SerializationError,
 )
 from logbus.storage import record_batch as rb
+from tests.healing import assert_healed
 from tests.conftest import wait_for
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
@@ -479,6 +480,7 @@ def test_poll_and_commit_keep_leader_and_controller_kills_inside(bus, topic_name
     wait_for(lambda: step() and consumer.assignment() and not _commit_refused(consumer),
              timeout_s=60, interval_s=0, message="a clean commit")
     consumer.close()
+    assert assert_healed(bus, topic_name) == {p: per_partition for p in range(partitions)}
 
 
 def _commit_refused(consumer) -> bool:
@@ -508,3 +510,4 @@ def test_a_new_consumer_polls_through_a_leader_restart(bus, topic_name):
     assert consumer.end_offsets([tp]) == {tp: 500}  # retried inside until the replica is back
     assert consumer.beginning_offsets([tp]) == {tp: 0}
     consumer.close()
+    assert assert_healed(bus, topic_name) == {0: 500}

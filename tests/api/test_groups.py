@@ -22,6 +22,7 @@ from logbus.errors import (
     InvalidPartitionError,
     RebalanceInProgressError,
 )
+from tests.healing import assert_healed
 from tests.conftest import wait_for
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
@@ -321,6 +322,7 @@ def test_controller_kill_pauses_consumers_and_keeps_committed_offsets(bus, topic
     wait_for(lambda: consume(2) or len(seen) >= 6000, timeout_s=240, interval_s=0, message="consumption resumes")
     assert seen == {(p, o) for p in range(2) for o in range(3000)}
     consumer.close()
+    assert assert_healed(bus, topic_name) == {0: 3000, 1: 3000}
 
 
 def test_group_errors_are_clear(bus, topic_name):
