@@ -102,6 +102,17 @@ class UnknownMemberIdError(LogbusError):
     """The group coordinator does not know this member (it was removed)."""
 
 
+class FencedInstanceIdError(UnknownMemberIdError):
+    """A static member's old member id: a newer process with the same group instance id took its place
+    (Kafka's FENCED_INSTANCE_ID). The old process is a zombie and must stop; as an UnknownMemberIdError
+    it is no member any more."""
+
+
+class InconsistentGroupProtocolError(InvalidConfigError):
+    """A member's protocol type, or every assignment strategy it lists, differs from its group's members'
+    (Kafka's INCONSISTENT_GROUP_PROTOCOL)."""
+
+
 class IllegalGenerationError(LogbusError):
     """The member's group generation is stale (a rebalance happened)."""
 

@@ -38,31 +38,33 @@ with UNSUPPORTED_VERSION and the versions it has).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import datetime
-import functools
-import io
 import logging
-import struct
 import time
-import typing
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, Awaitable, Hashable, Mapping, Protocol
+from typing import Any, Awaitable, Hashable, Protocol
 
-from kio.index import load_request_schema, load_response_schema
-from kio.schema.consumer_protocol_assignment.v0 import ConsumerProtocolAssignment
-from kio.schema.consumer_protocol_subscription.v0 import ConsumerProtocolSubscription as SubscriptionV0
-from kio.schema.consumer_protocol_subscription.v1 import ConsumerProtocolSubscription as SubscriptionV1
-from kio.schema.consumer_protocol_subscription.v2 import ConsumerProtocolSubscription as SubscriptionV2
-from kio.schema.consumer_protocol_subscription.v3 import ConsumerProtocolSubscription as SubscriptionV3
 from kio.schema.errors import ErrorCode
-from kio.serial import entity_reader, entity_writer
-from kio.serial.errors import SerialError
 
 from logbus import errors as e
 from logbus.protocol.group_coordinator import HeartbeatResult, JoinPending, JoinResult, OffsetAndMetadata
+from logbus.protocol.kafka_messages import (
+    Request,
+    build,
+    encode_assignment,
+    encode_response,
+    encode_subscription,
+    error_response,
+    get as _get,
+    knows,
+    ms as _ms,
+    parse_assignment,
+    parse_subscription,
+    peek_header,
+    read_request,
+    read_subscription,
+)
 from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
 from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
@@ -112,9 +114,6 @@ LIST_OFFSETS_LATEST, LIST_OFFSETS_EARLIEST, LIST_OFFSETS_MAX_TIMESTAMP = -1, -2,
 RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
 CONFIG_SOURCE_TOPIC, CONFIG_SOURCE_DEFAULT = 1, 5
 JOINS_REMEMBERED_MAX = 10_000  # join results kept for SyncGroup (one per member, the latest)
-_SIZE = struct.Struct(">i")
-_KEY_AND_VERSION = struct.Struct(">hhi")
-_VERSION = struct.Struct(">h")
 
 
 # --- what the handler needs of the cluster -------------------------------------------------------
@@ -274,172 +273,16 @@ def _message(error: BaseException) -> str:
 # --- frames ----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    api_key: int
-    api_version: int
-    correlation_id: int
-    client_id: str | None
-    body: Any  # the kio request entity
-
-
-@functools.cache
-def _request_codec(api_key: int, api_version: int):
-    cls = load_request_schema(api_key, api_version)
-    return cls, entity_reader(cls.__header_schema__), entity_reader(cls)
-
-
-@functools.cache
-def _response_codec(api_key: int, api_version: int):
-    cls = load_response_schema(api_key, api_version)
-    return cls, entity_writer(cls.__header_schema__), cls.__header_schema__, entity_writer(cls)
-
-
-def peek_header(frame: bytes) -> tuple[int, int, int]:
-    """(api key, api version, correlation id) of a request frame; KafkaProtocolError if it is too short."""
-    if len(frame) < _KEY_AND_VERSION.size:
-        raise e.KafkaProtocolError(f"a request of {len(frame)} bytes has no header")
-    return _KEY_AND_VERSION.unpack_from(frame, 0)
-
-
 def parse_request(frame: bytes) -> Request:
-    """Read one request frame (without its size prefix); KafkaProtocolError if it cannot be served."""
-    frame = bytes(frame)  # kio reads read-only buffers only
-    api_key, api_version, correlation_id = peek_header(frame)
+    """Read one request frame (without its size prefix) of an API version served; KafkaProtocolError if it
+    cannot be read or is not served."""
+    api_key, api_version, _ = peek_header(frame)
     versions = API_VERSIONS_SERVED.get(api_key)
     if versions is None:
         raise e.KafkaProtocolError(f"API key {api_key} is not served")
     if not versions[0] <= api_version <= versions[1]:
         raise e.KafkaProtocolError(f"API key {api_key} version {api_version} is not served (versions {versions[0]}-{versions[1]})")
-    cls, read_header, read_body = _request_codec(api_key, api_version)
-    try:
-        header, header_size = read_header(frame, 0)
-        body, body_size = read_body(frame, header_size)
-    except (SerialError, ValueError, TypeError, OverflowError, IndexError, UnicodeDecodeError) as error:
-        raise e.KafkaProtocolError(f"malformed {cls.__name__} v{api_version}: {type(error).__name__}: {error}") from None
-    if header_size + body_size > len(frame):
-        raise e.KafkaProtocolError(f"{cls.__name__} v{api_version} runs past its frame")
-    # Bytes after the request are ignored, as Kafka's brokers ignore them (librdkafka's admin client
-    # sends some after a Metadata v12).
-    return Request(api_key, api_version, correlation_id, header.client_id, body)
-
-
-def encode_response(api_key: int, api_version: int, correlation_id: int, values: Mapping) -> bytes:
-    """The response frame, size prefix included, of the given API version built from ``values``."""
-    cls, write_header, header_cls, write_body = _response_codec(api_key, api_version)
-    out = io.BytesIO()
-    out.write(b"\0\0\0\0")
-    write_header(out, header_cls(correlation_id=correlation_id))
-    write_body(out, build(cls, values))
-    frame = out.getbuffer()
-    _SIZE.pack_into(frame, 0, len(frame) - 4)
-    del frame
-    return out.getvalue()
-
-
-def _nested_class(field_type) -> tuple[type | None, bool]:
-    """(the entity class of a field, whether the field is a tuple of them)."""
-    if dataclasses.is_dataclass(field_type):
-        return field_type, False
-    origin = typing.get_origin(field_type)
-    for arg in typing.get_args(field_type):
-        if dataclasses.is_dataclass(arg):
-            return arg, origin is tuple
-        inner, is_tuple = _nested_class(arg)
-        if inner is not None:
-            return inner, is_tuple or origin is tuple
-    return None, False
-
-
-@functools.cache
-def _fields(cls) -> tuple:
-    hints = typing.get_type_hints(cls)
-    return tuple((f.name, f.metadata.get("kafka_type"), *_nested_class(hints[f.name])) for f in dataclasses.fields(cls))
-
-
-def build(cls, values: Mapping):
-    """A kio entity of ``cls`` from plain values: fields the class lacks are left out, nested dicts
-    become its nested entities, ms become timedeltas, codes ErrorCodes, hex ids UUIDs."""
-    kwargs = {}
-    for name, kafka_type, nested, is_tuple in _fields(cls):
-        if name not in values:
-            continue
-        value = values[name]
-        if nested is not None:
-            if is_tuple:
-                value = tuple(build(nested, v) for v in value) if value is not None else None
-            elif value is not None:
-                value = build(nested, value)
-        elif kafka_type in ("timedelta_i32", "timedelta_i64"):
-            value = datetime.timedelta(milliseconds=value)
-        elif kafka_type == "datetime_i64":
-            value = None if value is None or value < 0 else datetime.datetime.fromtimestamp(value / 1000, datetime.UTC)
-        elif kafka_type == "error_code":
-            value = ErrorCode(int(value))
-        elif kafka_type == "uuid" and isinstance(value, str):
-            value = uuid.UUID(value)
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def _ms(value) -> int:
-    """A kio timedelta (or int) in ms."""
-    return int(value.total_seconds() * 1000) if isinstance(value, datetime.timedelta) else int(value)
-
-
-def _get(entity, *names, default=None):
-    """The first of ``names`` that this version of the entity has."""
-    for name in names:
-        if hasattr(entity, name):
-            return getattr(entity, name)
-    return default
-
-
-# --- the consumer protocol (a member's subscription and assignment bytes) --------------------------
-
-_SUBSCRIPTIONS = {0: SubscriptionV0, 1: SubscriptionV1, 2: SubscriptionV2, 3: SubscriptionV3}
-
-
-def parse_subscription(metadata: bytes) -> tuple[tuple[str, ...], tuple[TopicPartition, ...]]:
-    """(topics, owned partitions) of a ConsumerProtocolSubscription; newer versions read as the newest known."""
-    if len(metadata) < 2:
-        raise e.InvalidConfigError("a consumer subscription of fewer than 2 bytes")
-    (version,) = _VERSION.unpack_from(metadata, 0)
-    cls = _SUBSCRIPTIONS[min(max(version, 0), 3)]
-    try:
-        subscription, _ = entity_reader(cls)(metadata, 2)
-    except (SerialError, ValueError, TypeError, IndexError, UnicodeDecodeError) as error:
-        raise e.InvalidConfigError(f"unreadable consumer subscription: {error}") from None
-    owned = tuple(TopicPartition(tp.topic, int(p)) for tp in getattr(subscription, "owned_partitions", ()) for p in tp.partitions)
-    return tuple(subscription.topics), owned
-
-
-def encode_subscription(topics) -> bytes:
-    """A ConsumerProtocolSubscription (version 0) of ``topics``, without user data: how DescribeGroups shows a member's subscription."""
-    out = io.BytesIO()
-    out.write(_VERSION.pack(0))
-    entity_writer(SubscriptionV0)(out, SubscriptionV0(topics=tuple(topics), user_data=None))
-    return out.getvalue()
-
-
-def encode_assignment(partitions) -> bytes:
-    """A ConsumerProtocolAssignment (version 0) of ``partitions`` (TopicPartitions)."""
-    by_topic: dict[str, list[int]] = {}
-    for topic, partition in sorted(partitions):
-        by_topic.setdefault(topic, []).append(partition)
-    assignment = build(ConsumerProtocolAssignment, {"assigned_partitions": [{"topic": t, "partitions": tuple(ps)} for t, ps in by_topic.items()], "user_data": None})
-    out = io.BytesIO()
-    out.write(_VERSION.pack(0))
-    entity_writer(ConsumerProtocolAssignment)(out, assignment)
-    return out.getvalue()
-
-
-def parse_assignment(data: bytes) -> tuple[TopicPartition, ...]:
-    """The partitions of a ConsumerProtocolAssignment (any version: later ones add fields after these)."""
-    if len(data) < 2:
-        return ()
-    assignment, _ = entity_reader(ConsumerProtocolAssignment)(data, 2)
-    return tuple(TopicPartition(tp.topic, int(p)) for tp in assignment.assigned_partitions for p in tp.partitions)
+    return read_request(frame)
 
 
 def broker_id_for(node_id: str) -> int:
