@@ -121,6 +121,11 @@ class GroupNotEmptyError(LogbusError):
     """The operation needs an inactive group but the group has members."""
 
 
+class GroupSubscribedToTopicError(LogbusError):
+    """Committed offsets of a topic the group's members subscribe to cannot be deleted (Kafka's
+    GROUP_SUBSCRIBED_TO_TOPIC)."""
+
+
 class OutOfOrderSequenceError(RetriableError):
     """An idempotent producer's batch does not continue its sequence (an earlier batch is still being retried)."""
 

@@ -52,9 +52,10 @@ from typing import Protocol
 
 from logbus.actors.committed_offsets import CommittedOffsets
 from logbus.actors.state_writer import StateWriter
-from logbus.clock import monotonic_ms
+from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
     GroupNotEmptyError,
+    GroupSubscribedToTopicError,
     InvalidConfigError,
     InvalidGroupIdError,
     InvalidPartitionError,
@@ -66,6 +67,7 @@ from logbus.protocol.group_coordinator import (
     GroupState,
     JoinResult,
     OffsetAndMetadata,
+    SyncPending,
     long_poll_wait_ms,
     validate_group_id,
 )
@@ -293,7 +295,36 @@ class GroupService:
                 return result
             await self._wait_change("join", group_id, result.member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
 
-    async def heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+    async def sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None = None, wait_ms: int = 0,
+                   group_instance_id: str | None = None, protocol_type: str | None = None, protocol_name: str | None = None):
+        """SyncGroup (Kafka's classic protocol): the member's assignment of ``generation``; the leader's
+        call brings every member's (see ``GroupCoordinator.sync``).
+
+        A follower's call is held until the leader's has come (or the group
+        changes otherwise), at most ``wait_ms`` and half the member's session
+        timeout; then it returns SyncPending (call again).
+        """
+        self.start()
+        loop = asyncio.get_running_loop()
+        session_ms = self.coordinator.session_timeout_ms(group_id, member_id) or DEFAULT_SESSION_TIMEOUT_MS
+        deadline = loop.time() + long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000
+        keep_alive = True
+        while True:
+            try:
+                result = self.coordinator.sync(
+                    group_id, member_id, generation, assignments=assignments if keep_alive else None, group_instance_id=group_instance_id,
+                    protocol_type=protocol_type, protocol_name=protocol_name, now_ms=monotonic_ms(), keep_alive=keep_alive,
+                )
+            finally:
+                event = await self._settle(group_id)
+            remaining_ms = (deadline - loop.time()) * 1000
+            if not isinstance(result, SyncPending) or remaining_ms <= 0 or not self._may_long_poll():
+                return result
+            keep_alive = False  # re-runs of this held call are not new signs of life
+            await self._wait_change("sync", group_id, member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
+
+    async def heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
+                        group_instance_id: str | None = None):
         """Heartbeat; with ``wait_ms``, a long poll: when there is nothing to do, the reply waits
         until the group changes (then says what to do) or the wait ends.
 
@@ -307,7 +338,8 @@ class GroupService:
         self.start()
         started = time.monotonic()
         try:
-            result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
+            result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms(),
+                                                group_instance_id=group_instance_id)
         finally:
             event = await self._settle(group_id)
         if result.rejoin or result.revoke or not self._may_long_poll():
@@ -325,16 +357,21 @@ class GroupService:
                 await self._settle(group_id)
         return dataclasses.replace(result, waited_ms=waited_ms, woken=woken)
 
-    async def leave(self, group_id: str, member_id: str) -> bool:
+    async def leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
         self.start()
-        left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms())
+        left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms(), group_instance_id=group_instance_id)
         await self._settle(group_id)
         return left
 
     # --- offsets RPCs ---------------------------------------------------------------------------------
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
-        """OffsetCommit: validated by the coordinator, durable in ``__consumer_offsets`` before it returns."""
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict,
+                             group_instance_id: str | None = None, retention_ms: int | None = None) -> None:
+        """OffsetCommit: validated by the coordinator, durable in ``__consumer_offsets`` before it returns.
+
+        The records carry the commit's wall-clock time and, with ``retention_ms``
+        (Kafka's OffsetCommit v2-v4 retention time), the time they expire.
+        """
         await self.offsets.ready()
         counts = self._host.partition_counts()
         checked = {}
@@ -355,8 +392,12 @@ class GroupService:
             checked[tp] = om
         if not checked:
             return
+        commit_ms = wall_ms()
+        expire_ms = None if retention_ms is None or retention_ms < 0 else commit_ms + retention_ms
         try:
-            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
+                                                      commit_timestamp_ms=commit_ms, expire_timestamp_ms=expire_ms,
+                                                      group_instance_id=group_instance_id)
         finally:
             await self._settle(group_id)  # the call may have expired members (or created the group)
         await self.offsets.commit(group_id, records, checked)
@@ -370,15 +411,27 @@ class GroupService:
 
     # --- administration --------------------------------------------------------------------------------
 
-    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+    async def list_groups(self, with_protocol_type: bool = False) -> list[tuple]:
+        """(group id, state, protocol) of every group with members or committed offsets; with
+        ``with_protocol_type``, its protocol type fourth ("" for a group of committed offsets only)."""
         await self.offsets.ready()
-        known = {g.group_id: (g.group_id, g.state.value, g.protocol) for g in self.coordinator.list_groups()}
+        known = {}
+        for g in self.coordinator.list_groups():
+            entry = (g.group_id, g.state.value, g.protocol)
+            if with_protocol_type:
+                entry += (self.coordinator.describe(g.group_id).protocol_type or "",)
+            known[g.group_id] = entry
         for group_id in self.offsets.group_ids():
-            known.setdefault(group_id, (group_id, GroupState.EMPTY.value, None))
+            known.setdefault(group_id, (group_id, GroupState.EMPTY.value, None) + (("",) if with_protocol_type else ()))
         return sorted(known.values())
 
-    async def describe_group(self, group_id: str) -> dict:
-        """Members and assignment, and per partition the committed offset, log end offset and lag."""
+    async def describe_group(self, group_id: str, protocol_details: bool = False) -> dict:
+        """Members and assignment, and per partition the committed offset, log end offset and lag.
+
+        With ``protocol_details`` (for the Kafka gateway's DescribeGroups), also the group's
+        protocol type and leader, and each member's kind (``kafka``), its metadata for the
+        group's protocol and the assignment bytes its leader gave it.
+        """
         validate_group_id(group_id)
         await self.offsets.ready()
         description = self.coordinator.describe(group_id)
@@ -394,7 +447,7 @@ class GroupService:
             current = committed.offset if committed is not None else None
             lag = None if current is None or end is None else max(0, end - current)
             rows.append({"topic": tp.topic, "partition": tp.partition, "current_offset": current, "log_end_offset": end, "lag": lag, "consumer_id": owners.get(tp)})
-        return {
+        described = {
             "group_id": group_id,
             "state": description.state.value if description.state is not GroupState.DEAD else GroupState.EMPTY.value,
             "protocol": description.protocol,
@@ -405,6 +458,36 @@ class GroupService:
             ],
             "offsets": rows,
         }
+        if protocol_details:
+            described["protocol_type"] = description.protocol_type
+            described["leader"] = description.leader
+            for row, m in zip(described["members"], description.members):
+                row.update(kafka=m.kafka, topics=list(m.topics), metadata=m.metadata, assignment_bytes=m.assignment_bytes)
+        return described
+
+    async def delete_offsets(self, group_id: str, partitions: list) -> dict:
+        """Kafka's OffsetDelete: delete the group's committed offsets of ``partitions`` (tombstones in
+        ``__consumer_offsets``). Returns {TopicPartition: None, or the error for that partition}: a
+        partition of a topic the group's members subscribe to keeps its offset
+        (GroupSubscribedToTopicError). Raises InvalidGroupIdError for a group that does not exist,
+        GroupNotEmptyError never (Kafka deletes offsets of topics no member subscribes to)."""
+        validate_group_id(group_id)
+        await self.offsets.ready()
+        description = self.coordinator.describe(group_id)
+        if description.state is GroupState.DEAD and not self.offsets.partitions_of(group_id):
+            raise InvalidGroupIdError(f"group {group_id!r} does not exist (no members and no committed offsets)")
+        subscribed = {t for m in description.members for t in m.topics} | {tp.topic for m in description.members for tp in m.assignment}
+        results: dict = {}
+        deleted = []
+        for tp in partitions:
+            tp = TopicPartition(*tp)
+            if tp.topic in subscribed:
+                results[tp] = GroupSubscribedToTopicError(f"group {group_id!r} subscribes to topic {tp.topic!r}")
+            else:
+                results[tp] = None
+                deleted.append(tp)
+        await self.offsets.delete_partitions(group_id, deleted)
+        return results
 
     async def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete an inactive group: its state here and its committed offsets (tombstones in

@@ -726,6 +726,7 @@ class GroupCoordinator:
         protocol_type: str | None = None,
         protocol_name: str | None = None,
         now_ms: int,
+        keep_alive: bool = True,
     ) -> JoinResult | SyncPending:
         """SyncGroup: the member's assignment of ``generation``.
 
@@ -735,7 +736,8 @@ class GroupCoordinator:
         the partitions they name as far as they could be read)); it makes
         the group Stable, and every member's sync then returns what the
         leader gave it. A follower's sync before the leader's returns
-        SyncPending (call again). ``protocol_type`` and ``protocol_name``,
+        SyncPending (call again; ``keep_alive`` False for a call the controller
+        re-runs while it holds it). ``protocol_type`` and ``protocol_name``,
         where the member sends them, must be the group's.
 
         Raises:
@@ -752,7 +754,8 @@ class GroupCoordinator:
         self._expire(group, now_ms)
         self._check_fenced(group, member_id, group_instance_id)
         member = self._member(group, member_id)
-        member.last_heartbeat_ms = now_ms
+        if keep_alive:
+            member.last_heartbeat_ms = now_ms
         if group.state is GroupState.PREPARING_REBALANCE:
             raise RebalanceInProgressError(f"group {group_id!r} is rebalancing; join again")
         if generation != group.generation:

@@ -30,8 +30,8 @@ import io
 import struct
 import typing
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 from kio.index import load_request_schema, load_response_schema
 from kio.schema.consumer_protocol_assignment.v0 import ConsumerProtocolAssignment as AssignmentV0
@@ -41,15 +41,11 @@ from kio.schema.consumer_protocol_subscription.v1 import ConsumerProtocolSubscri
 from kio.schema.consumer_protocol_subscription.v2 import ConsumerProtocolSubscription as SubscriptionV2
 from kio.schema.consumer_protocol_subscription.v3 import ConsumerProtocolSubscription as SubscriptionV3
 from kio.schema.errors import ErrorCode
-from kio.schema.request_header.v1.header import RequestHeader as RequestHeaderV1
-from kio.schema.response_header.v0.header import ResponseHeader as ResponseHeaderV0
-from kio.schema.types import TopicName
 from kio.serial import entity_reader, entity_writer
 from kio.serial.errors import SerialError
-from kio.static.constants import EntityType
-from kio.static.primitive import i16, i32, i64
 
 from logbus import errors as e
+from logbus.protocol.kafka_schemas import ListOffsetsRequestV0, ListOffsetsResponseV0
 from logbus.protocol.messages import TopicPartition
 from logbus.storage.names import validate_topic_name
 
@@ -59,83 +55,9 @@ _VERSION = struct.Struct(">h")
 UNKNOWN_AUTHORIZED_OPERATIONS = -(2**31)  # Kafka's "not asked for" value of authorized operations
 
 
-# --- messages kio does not have ----------------------------------------------------------------------
-#
-# ListOffsets v0 (Kafka's ListOffsetsRequest.json / ListOffsetsResponse.json, version 0): a partition
-# asks for up to max_num_offsets offsets before a timestamp, and the reply lists them (old-style
-# offsets). Lag monitors written against old clients still send it.
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsPartitionV0:
-    __type__: ClassVar = EntityType.nested
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[RequestHeaderV1]] = RequestHeaderV1
-    partition_index: i32 = field(metadata={"kafka_type": "int32"})
-    timestamp: i64 = field(metadata={"kafka_type": "int64"})
-    max_num_offsets: i32 = field(metadata={"kafka_type": "int32"}, default=i32(1))
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsTopicV0:
-    __type__: ClassVar = EntityType.nested
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[RequestHeaderV1]] = RequestHeaderV1
-    name: TopicName = field(metadata={"kafka_type": "string"})
-    partitions: tuple[ListOffsetsPartitionV0, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsRequestV0:
-    __type__: ClassVar = EntityType.request
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[RequestHeaderV1]] = RequestHeaderV1
-    replica_id: i32 = field(metadata={"kafka_type": "int32"})
-    topics: tuple[ListOffsetsTopicV0, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsPartitionResponseV0:
-    __type__: ClassVar = EntityType.nested
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[ResponseHeaderV0]] = ResponseHeaderV0
-    partition_index: i32 = field(metadata={"kafka_type": "int32"})
-    error_code: ErrorCode = field(metadata={"kafka_type": "error_code"})
-    old_style_offsets: tuple[i64, ...] = field(metadata={"kafka_type": "int64"}, default=())
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsTopicResponseV0:
-    __type__: ClassVar = EntityType.nested
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[ResponseHeaderV0]] = ResponseHeaderV0
-    name: TopicName = field(metadata={"kafka_type": "string"})
-    partitions: tuple[ListOffsetsPartitionResponseV0, ...]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ListOffsetsResponseV0:
-    __type__: ClassVar = EntityType.response
-    __version__: ClassVar[i16] = i16(0)
-    __flexible__: ClassVar[bool] = False
-    __api_key__: ClassVar[i16] = i16(2)
-    __header_schema__: ClassVar[type[ResponseHeaderV0]] = ResponseHeaderV0
-    topics: tuple[ListOffsetsTopicResponseV0, ...]
-
-
 # (api key, version) -> (request class, response class), consulted before kio.
 _EXTRA_SCHEMAS: dict[tuple[int, int], tuple[type, type]] = {
-    (2, 0): (ListOffsetsRequestV0, ListOffsetsResponseV0),
+    (2, 0): (ListOffsetsRequestV0, ListOffsetsResponseV0),  # see kafka_schemas.py
 }
 
 
