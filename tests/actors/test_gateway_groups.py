@@ -300,6 +300,124 @@ def test_aiokafka_members_whose_subscriptions_say_a_version_newer_than_their_lay
     assert set(counts.values()) == {1}, "a record was read twice"
 
 
+def test_librdkafka_members_rebalance_cooperatively_with_their_own_leader(bus, gateway, topic_name):
+    """confluent-kafka's cooperative-sticky assignor leads (Kafka's cooperative protocol is the clients'):
+    a member that joins takes partitions from the others without their giving up the rest, in two rounds,
+    and every record is read once."""
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    produce_keys(bus, topic_name, 0, RECORDS // 2)
+    group = "cooperative"
+
+    class Member(threading.Thread):
+        def __init__(self, name: str) -> None:
+            super().__init__(daemon=True)
+            self.name_ = name
+            self.events: list = []  # ("assign" | "revoke", partitions)
+            self.owned: set = set()
+            self.seen: list = []
+            self.stop = threading.Event()
+
+        def run(self) -> None:
+            consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": group, "client.id": self.name_,
+                                    "partition.assignment.strategy": "cooperative-sticky", "auto.offset.reset": "earliest",
+                                    "enable.auto.commit": False, "session.timeout.ms": 10_000, "heartbeat.interval.ms": 300})
+
+            def on_assign(c, partitions):
+                self.events.append(("assign", sorted(p.partition for p in partitions)))
+                self.owned |= {p.partition for p in partitions}
+
+            def on_revoke(c, partitions):
+                self.events.append(("revoke", sorted(p.partition for p in partitions)))
+                if partitions:
+                    try:
+                        c.commit(asynchronous=False)
+                    except ck.KafkaException:
+                        pass  # nothing consumed yet
+                self.owned -= {p.partition for p in partitions}
+
+            consumer.subscribe([topic_name], on_assign=on_assign, on_revoke=on_revoke)
+            try:
+                while not self.stop.is_set():
+                    messages = consumer.consume(500, 0.2)
+                    for m in messages:
+                        if m.error() is None:
+                            self.seen.append((m.partition(), m.offset(), m.key()))
+                    if any(m.error() is None for m in messages):
+                        try:
+                            consumer.commit(asynchronous=False)
+                        except ck.KafkaException:
+                            # A generation formed meanwhile (ILLEGAL_GENERATION, as a Kafka broker answers
+                            # it): the next commit, or on_revoke's for a partition that moves, covers these.
+                            pass
+            finally:
+                consumer.close()
+
+    members = [Member("a")]
+    members[0].start()
+    everyone = list(members)
+    try:
+        wait_for(lambda: members[0].owned == set(range(PARTITIONS)), timeout_s=120, message="a owning everything")
+        for name in ("b", "c"):
+            member = Member(name)
+            members.append(member)
+            everyone.append(member)
+            member.start()
+            wait_for(lambda: all(m.owned for m in members) and sum(len(m.owned) for m in members) == PARTITIONS
+                     and set().union(*(m.owned for m in members)) == set(range(PARTITIONS)), timeout_s=120,
+                     message=f"{len(members)} members sharing the partitions")
+        # Cooperative: a never revoked everything at once (only what moved to b, then to c), and every
+        # assignment after its first added partitions to what it kept.
+        revoked = [ps for kind, ps in members[0].events if kind == "revoke"]
+        assert revoked and all(len(ps) < PARTITIONS for ps in revoked)
+        assert bus.admin.describe_group(group)["protocol"] == "cooperative-sticky"
+        produce_keys(bus, topic_name, RECORDS // 2, RECORDS // 2)
+        wait_for(lambda: len(keys_read(everyone)) == RECORDS, timeout_s=180, message="every record read")
+        counts = keys_read(everyone)
+        assert set(counts.values()) == {1}, "a record was read twice"
+    finally:
+        for m in members:
+            m.stop.set()
+        for m in members:
+            m.join(60)
+
+
+def test_a_static_member_that_restarts_takes_its_place_without_a_rebalance(bus, gateway, topic_name):
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    group = "static"
+    a = KafkaPythonMember(gateway.bootstrap_servers, topic_name, group, b"a", group_instance_id="host-a")
+    b = KafkaPythonMember(gateway.bootstrap_servers, topic_name, group, b"b", group_instance_id="host-b")
+    a.start()
+    wait_for(lambda: check_generation([a]), timeout_s=120, message="a alone")
+    b.start()
+    restarted = None
+    try:
+        wait_for(lambda: check_generation([a, b]), timeout_s=120, message="a and b")
+        before = bus.admin.describe_group(group)
+        b_assignments = len(b.received)
+        # a's process ends without leaving (a static member does not), and a new one takes its place.
+        a.stop.set()
+        a.join(60)
+        restarted = KafkaPythonMember(gateway.bootstrap_servers, topic_name, group, b"a", group_instance_id="host-a")
+        restarted.start()
+        wait_for(lambda: restarted.last() is not None, timeout_s=60, message="the restarted member's assignment")
+        after = bus.admin.describe_group(group)
+        assert after["generation"] == before["generation"] and after["state"] == "Stable"  # no rebalance
+        assert restarted.last()[2] == a.last()[2] and restarted.last()[1] == a.last()[1]  # its place, as its leader gave it
+        assert len(b.received) == b_assignments  # b never rebalanced
+        old_ids = {m["member_id"] for m in before["members"] if m["group_instance_id"] == "host-a"}
+        new_ids = {m["member_id"] for m in after["members"] if m["group_instance_id"] == "host-a"}
+        assert old_ids and new_ids and old_ids.isdisjoint(new_ids)  # the old member id is fenced
+    finally:
+        for m in (a, b, restarted):
+            if m is not None:
+                m.stop.set()
+        for m in (a, b, restarted):
+            if m is not None and m.is_alive():
+                m.join(60)
+
+
 # --- protocols in common, and the subscription's bytes ------------------------------------------------------
 
 
