@@ -108,6 +108,16 @@ class FencedInstanceIdError(UnknownMemberIdError):
     it is no member any more."""
 
 
+class FencedMemberEpochError(UnknownMemberIdError):
+    """A KIP-848 member's epoch is not one the coordinator gave it (Kafka's FENCED_MEMBER_EPOCH): it must give
+    up its partitions and join again with epoch 0."""
+
+
+class UnsupportedAssignorError(InvalidConfigError):
+    """A KIP-848 member asked for a server-side assignor the coordinator does not have (Kafka's
+    UNSUPPORTED_ASSIGNOR)."""
+
+
 class InconsistentGroupProtocolError(InvalidConfigError):
     """A member's protocol type, or every assignment strategy it lists, differs from its group's members'
     (Kafka's INCONSISTENT_GROUP_PROTOCOL)."""

@@ -1223,6 +1223,11 @@ class Controller:
         await self._ready()
         return await self.groups.sync(group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type, protocol_name)
 
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        """KIP-848's ConsumerGroupHeartbeat (see ``GroupService.consumer_heartbeat``; ``options`` are its keyword arguments)."""
+        await self._ready()
+        return await self.groups.consumer_heartbeat(group_id, member_id, member_epoch, **options)
+
     async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
                               group_instance_id: str | None = None):
         await self._ready()

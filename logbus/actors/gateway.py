@@ -421,6 +421,13 @@ class ClusterBackend:
         return await self._call("group_sync", group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type,
                                 protocol_name, timeout_s=wait_ms / 1000 + CALL_MARGIN_S)
 
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        return await self._call("consumer_group_heartbeat", group_id, member_id, member_epoch, options)
+
+    async def topic_names_by_id(self) -> dict[str, str]:
+        """{topic id (hex): name} of the topics looked up so far."""
+        return {cached.view.topic_id: name for name, cached in self._topics.items()}
+
     async def group_heartbeat(self, group_id: str, member_id: str, generation: int, group_instance_id: str | None = None):
         return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0, group_instance_id)
 

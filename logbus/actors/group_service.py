@@ -54,17 +54,23 @@ from logbus.actors.committed_offsets import CommittedOffsets
 from logbus.actors.state_writer import StateWriter
 from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
+    FencedMemberEpochError,
     GroupNotEmptyError,
     GroupSubscribedToTopicError,
     InvalidConfigError,
     InvalidGroupIdError,
     InvalidPartitionError,
+    UnknownMemberIdError,
     UnknownTopicError,
+    UnsupportedAssignorError,
 )
 from logbus.protocol.group_coordinator import (
+    DEFAULT_REBALANCE_TIMEOUT_MS,
     DEFAULT_SESSION_TIMEOUT_MS,
+    REBALANCE_TIMEOUT_MS_MAX,
     GroupCoordinator,
     GroupState,
+    JoinPending,
     JoinResult,
     OffsetAndMetadata,
     SyncPending,
@@ -83,6 +89,7 @@ LONG_POLLS_MAX = 500  # calls waiting at once (the controller's max_concurrency 
 JOIN_RECHECK_MS = 1_000  # a held join re-runs the join this often even without a change (a safety net)
 GROUP_TICK_S = 0.1  # sessions and rebalance timeouts are checked this often
 OFFSETS_CALL_TIMEOUT_S = 10.0
+CONSUMER_SESSION_TIMEOUT_MS = 45_000  # Kafka's group.consumer.session.timeout.ms (KIP-848 members)
 
 
 class GroupHost(Protocol):
@@ -322,6 +329,84 @@ class GroupService:
                 return result
             keep_alive = False  # re-runs of this held call are not new signs of life
             await self._wait_change("sync", group_id, member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
+
+    async def consumer_heartbeat(self, group_id: str, member_id: str, member_epoch: int, *, group_instance_id: str | None = None,
+                                 rebalance_timeout_ms: int = -1, topics: list | None = None, pattern: str | None = None,
+                                 assignor: str | None = None, owned: list | None = None, client_id: str = "kafka") -> dict:
+        """KIP-848's ConsumerGroupHeartbeat, for members that ask for ``group.protocol=consumer``.
+
+        Such a member is assigned by the coordinator (as logbus's own
+        consumers are), always with cooperative-sticky: a KIP-848 member keeps
+        its partitions while the group rebalances, and one that moves is
+        withheld until its owner's heartbeat no longer lists it (the
+        assignors of KIP-848 are incremental). Every heartbeat is a join (its
+        subscription and owned partitions; None: unchanged since the last),
+        so the group forms a generation once each member has heartbeated
+        since the rebalance began, and the member's epoch is the generation
+        it holds. Epoch 0 joins (with the client's own ``member_id``, as
+        version 1 has it; "" gets one made), -1 leaves, -2 (a static member
+        going away for a while) changes nothing. Returns {member_id,
+        member_epoch, assignment (partitions, or None while a rebalance is
+        under way), rebalancing}.
+
+        Raises UnknownMemberIdError (join again with epoch 0),
+        FencedMemberEpochError (an epoch ahead of the group's),
+        UnsupportedAssignorError, InconsistentGroupProtocolError (the group's
+        members have no cooperative-sticky: a classic group).
+        """
+        self.start()
+        validate_group_id(group_id)
+        if assignor not in (None, "", "uniform", "cooperative-sticky"):
+            raise UnsupportedAssignorError(f"server assignor {assignor!r}; the coordinator has 'uniform' (cooperative-sticky)")
+        if member_epoch == -1:
+            try:
+                left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms())
+            finally:
+                await self._settle(group_id)
+            if not left:
+                raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+            return {"member_id": member_id, "member_epoch": -1, "assignment": None, "rebalancing": False}
+        view = self.coordinator.member_view(group_id, member_id) if member_id else None
+        if member_epoch == -2:
+            if view is None:
+                raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+            return {"member_id": member_id, "member_epoch": -2, "assignment": None, "rebalancing": False}
+        if member_epoch != 0 and view is None:
+            raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+        if view is not None and member_epoch > view[4]:
+            raise FencedMemberEpochError(f"member {member_id!r} has epoch {member_epoch}; the group's is {view[4]}")
+        if member_epoch == 0 and view is not None:
+            owned = []  # joining again (after an error): it holds nothing
+        previous_topics, previous_pattern, previous_owned = (view[0], view[1], view[2]) if view is not None else ((), None, ())
+        timeout_ms = rebalance_timeout_ms if rebalance_timeout_ms > 0 else DEFAULT_REBALANCE_TIMEOUT_MS
+        options = {
+            "group_instance_id": group_instance_id,
+            "client_id": client_id,
+            "topics": tuple(topics) if topics is not None else previous_topics,
+            "pattern": pattern if pattern is not None or topics is not None else previous_pattern,
+            "owned": tuple(owned) if owned is not None else previous_owned,
+            "protocols": ("cooperative-sticky",),
+            "session_timeout_ms": CONSUMER_SESSION_TIMEOUT_MS,
+            "rebalance_timeout_ms": min(timeout_ms, REBALANCE_TIMEOUT_MS_MAX),
+            "max_poll_interval_ms": min(timeout_ms, REBALANCE_TIMEOUT_MS_MAX),
+            "member_epochs": True,
+        }
+        if not options["topics"] and options["pattern"] is None:
+            options["pattern"] = "(?!)"  # subscribed to nothing (yet): a pattern no topic matches
+        try:
+            if view is None:
+                result = self.coordinator.join(group_id, member_id="", new_member_id=member_id or None, now_ms=monotonic_ms(), **options)
+                if isinstance(result, JoinPending) and not member_id:
+                    result = self.coordinator.join(group_id, member_id=result.member_id, now_ms=monotonic_ms(), **options)
+            else:
+                result = self.coordinator.join(group_id, member_id=member_id, now_ms=monotonic_ms(), **options)
+        finally:
+            await self._settle(group_id)
+        if isinstance(result, JoinResult):
+            return {"member_id": result.member_id, "member_epoch": result.generation, "assignment": list(result.assignment), "rebalancing": False}
+        now = self.coordinator.member_view(group_id, result.member_id)
+        epoch = max(1, now[3] if now is not None and now[3] > 0 else (now[4] if now is not None else 1))
+        return {"member_id": result.member_id, "member_epoch": epoch, "assignment": None, "rebalancing": True}
 
     async def heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
                         group_instance_id: str | None = None):

@@ -184,7 +184,7 @@ import struct
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from logbus.errors import (
@@ -463,6 +463,8 @@ class _Member:
     metadata: tuple[bytes, ...] = ()  # per protocol, in `protocols` order (Kafka members only)
     assignment_bytes: bytes | None = None  # what the leader gave it in this generation
     synced: bool = False  # sent its SyncGroup for this generation (Kafka's pending-sync set)
+    # A KIP-848 member (ConsumerGroupHeartbeat): its generation is an epoch it learns on its next heartbeat.
+    epochs: bool = False
     # Not persisted; a loaded coordinator restarts the session at its load time.
     last_heartbeat_ms: int = 0
 
@@ -493,6 +495,7 @@ class _Member:
             "metadata": [_b64(m) for m in self.metadata],
             "assignment_bytes": None if self.assignment_bytes is None else _b64(self.assignment_bytes),
             "synced": self.synced,
+            "epochs": self.epochs,
         }
 
     @classmethod
@@ -518,6 +521,7 @@ class _Member:
             metadata=tuple(base64.b64decode(m) for m in raw.get("metadata", ())),
             assignment_bytes=None if raw.get("assignment_bytes") is None else base64.b64decode(raw["assignment_bytes"]),
             synced=raw.get("synced", False),
+            epochs=raw.get("epochs", False),
             last_heartbeat_ms=now_ms,
         )
 
@@ -567,6 +571,7 @@ class _JoinRequest:
     kafka: bool = False
     protocol_type: str = CONSUMER_PROTOCOL_TYPE
     metadata: tuple[bytes, ...] = ()
+    epochs: bool = False
 
 
 def _b64(data: bytes) -> str:
@@ -636,6 +641,8 @@ class GroupCoordinator:
         max_poll_interval_ms: int = DEFAULT_MAX_POLL_INTERVAL_MS,
         protocol_type: str = CONSUMER_PROTOCOL_TYPE,
         protocol_metadata: Iterable[bytes] | None = None,
+        new_member_id: str | None = None,
+        member_epochs: bool = False,
         now_ms: int,
         keep_alive: bool = True,
     ) -> JoinResult | JoinPending:
@@ -658,6 +665,12 @@ class GroupCoordinator:
                 to its leader). Its protocols may have any names; ``topics`` and ``owned`` are what
                 its metadata says, as far as it could be read. None: a logbus member, whose
                 protocols are logbus's strategies (see "Kafka's classic protocol").
+            new_member_id: the id a first join (``member_id`` "") gives the member, chosen by the
+                client (KIP-848's ConsumerGroupHeartbeat v1): it joins at once, with no KIP-394
+                round to hand out an id. None: the coordinator makes one.
+            member_epochs: a KIP-848 member, which learns the group's generation (its epoch) only
+                on its next heartbeat: its commits with an older generation are taken for the
+                partitions it still holds (see ``commit_offsets``).
 
         Raises:
             InvalidGroupIdError, InvalidConfigError, InvalidTopicError, InvalidPartitionError: bad arguments.
@@ -674,6 +687,8 @@ class GroupCoordinator:
             group_instance_id, client_id, topics, pattern, owned, protocols,
             session_timeout_ms, rebalance_timeout_ms, max_poll_interval_ms, protocol_type, protocol_metadata,
         )  # fmt: skip
+        if member_epochs:
+            request = replace(request, epochs=True)
         group = self._groups.get(group_id)
         if group is None:
             if member_id:
@@ -683,6 +698,15 @@ class GroupCoordinator:
 
         if member_id == "":
             instance_id = request.group_instance_id
+            if new_member_id is not None:
+                new_member_id = _check_name("new_member_id", new_member_id)
+                if new_member_id in group.members or new_member_id in group.pending_member_ids:
+                    raise UnknownMemberIdError(f"member id {new_member_id!r} is taken in group {group_id!r}")
+                if instance_id is not None and instance_id in group.static_members:
+                    return self._replace_static_member(group, group.static_members[instance_id], request, now_ms, new_member_id)
+                self._check_room(group, extra=1)
+                self._check_protocols(group, request, excluding=None)
+                return self._add_member(group, self._new_member(new_member_id, request, now_ms), now_ms)
             if instance_id is None:
                 # KIP-394: hand out an id first and count the member only when it joins with it, so a
                 # lost response leaves no phantom member for the rebalance to wait for.
@@ -790,6 +814,14 @@ class GroupCoordinator:
 
     def group_ids(self) -> list[str]:
         return list(self._groups)
+
+    def member_view(self, group_id: str, member_id: str) -> tuple | None:
+        """(topics, pattern, owned partitions, generation, group generation) of a member, or None if it is none."""
+        group = self._groups.get(group_id)
+        member = None if group is None else group.members.get(member_id)
+        if member is None:
+            return None
+        return member.topics, member.pattern, tuple(sorted(member.owned)), member.generation, group.generation
 
     def session_timeout_ms(self, group_id: str, member_id: str) -> int | None:
         """The member's session timeout, or None if it is not a member."""
@@ -924,7 +956,9 @@ class GroupCoordinator:
         allowed only while the group has no members (the group is created Empty
         if it does not exist). Partitions are not checked against the member's
         assignment (as in Kafka: a cooperative member commits what it revokes).
-        The records carry ``commit_timestamp_ms`` (wall-clock ms; ``now_ms`` if
+        A KIP-848 member (``join(member_epochs=True)``) may also commit with an
+        older generation than the group's, for partitions it still holds: it
+        learns the new one only on its next heartbeat. The records carry ``commit_timestamp_ms`` (wall-clock ms; ``now_ms`` if
         not given) and, if given, ``expire_timestamp_ms`` (see "Records of
         __consumer_offsets").
 
@@ -957,9 +991,13 @@ class GroupCoordinator:
                 raise IllegalGenerationError(f"group {group_id!r} does not exist; generation {generation} is stale")
             self._expire(group, now_ms)
             member = self._member(group, member_id)
-            if generation != group.generation:
+            if member.epochs and 0 < generation < group.generation and set(checked) <= member.owned | set(member.assignment):
+                # A KIP-848 member commits with the epoch it has until a heartbeat gives it the new
+                # one (as Kafka's coordinator takes it for partitions the member still holds).
+                pass
+            elif generation != group.generation:
                 raise IllegalGenerationError(f"generation {generation} is not group {group_id!r}'s current {group.generation}")
-            if group.state is GroupState.COMPLETING_REBALANCE and not member.collected:
+            elif group.state is GroupState.COMPLETING_REBALANCE and not member.collected:
                 raise RebalanceInProgressError(f"group {group_id!r} is completing a rebalance; join to collect it")
             member.last_heartbeat_ms = now_ms
         stamp_ms = now_ms if commit_timestamp_ms is None else commit_timestamp_ms
@@ -1178,6 +1216,7 @@ class GroupCoordinator:
             kafka=request.kafka,
             protocol_type=request.protocol_type,
             metadata=request.metadata,
+            epochs=request.epochs,
             last_heartbeat_ms=now_ms,
         )
 
@@ -1210,6 +1249,7 @@ class GroupCoordinator:
         member.client_id = request.client_id
         member.topics, member.pattern, member.protocols = request.topics, request.pattern, request.protocols
         member.metadata, member.protocol_type, member.kafka = request.metadata, request.protocol_type, request.kafka
+        member.epochs = request.epochs
         member.session_timeout_ms = request.session_timeout_ms
         member.rebalance_timeout_ms = request.rebalance_timeout_ms
         member.max_poll_interval_ms = request.max_poll_interval_ms
@@ -1254,12 +1294,13 @@ class GroupCoordinator:
             self._maybe_complete_join(group, now_ms)
         return self._join_response(group, member)
 
-    def _replace_static_member(self, group: _Group, old_member_id: str, request: _JoinRequest, now_ms: int) -> JoinResult | JoinPending:
+    def _replace_static_member(self, group: _Group, old_member_id: str, request: _JoinRequest, now_ms: int,
+                               new_member_id: str | None = None) -> JoinResult | JoinPending:
         """A restarted static member takes its instance's place under a new member id; the old id is fenced."""
         self._check_protocols(group, request, excluding=old_member_id)
         leader_before = group.leader
         member = group.members.pop(old_member_id)
-        member.member_id = self._new_member_id(request.group_instance_id)
+        member.member_id = new_member_id if new_member_id is not None else self._new_member_id(request.group_instance_id)
         group.members[member.member_id] = member
         group.static_members[request.group_instance_id] = member.member_id
         if group.leader == old_member_id:

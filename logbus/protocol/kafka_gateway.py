@@ -96,6 +96,7 @@ OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT, LEAVE_GROU
 DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, DELETE_RECORDS, INIT_PRODUCER_ID = 15, 16, 18, 19, 20, 21, 22
 OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, DESCRIBE_LOG_DIRS, CREATE_PARTITIONS = 23, 32, 33, 35, 37
 DELETE_GROUPS, ELECT_LEADERS, INCREMENTAL_ALTER_CONFIGS, OFFSET_DELETE, DESCRIBE_CLUSTER = 42, 43, 44, 47, 60
+CONSUMER_GROUP_HEARTBEAT = 68
 API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     PRODUCE: (3, 9),
     FETCH: (4, 12),
@@ -125,6 +126,7 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     INCREMENTAL_ALTER_CONFIGS: (0, 1),
     OFFSET_DELETE: (0, 0),
     DESCRIBE_CLUSTER: (0, 1),
+    CONSUMER_GROUP_HEARTBEAT: (0, 1),
 }
 
 MAX_REQUEST_BYTES_DEFAULT = 100 << 20  # Kafka's socket.request.max.bytes
@@ -133,6 +135,11 @@ CONSUMER_PROTOCOL = "consumer"
 COORDINATOR_LEADER = "logbus-coordinator"  # the group leader every member is told of: none of them
 GROUP_PROTOCOLS = ("range", "roundrobin", "cooperative-sticky")  # the strategies logbus's coordinator has
 JOIN_WAIT_MS_MAX = 300_000  # a JoinGroup is held at most this long (or its rebalance timeout)
+# How often a KIP-848 member is told to heartbeat (Kafka's group.consumer.heartbeat.interval.ms is 5 s):
+# each heartbeat is its rejoin, so a rebalance forms once every member has sent one; while one is under
+# way, sooner.
+CONSUMER_HEARTBEAT_INTERVAL_MS = 3_000
+CONSUMER_HEARTBEAT_INTERVAL_MS_REBALANCING = 500
 LIST_OFFSETS_LATEST, LIST_OFFSETS_EARLIEST, LIST_OFFSETS_MAX_TIMESTAMP = -1, -2, -3
 CONFIG_SOURCE_TOPIC, CONFIG_SOURCE_STATIC_BROKER, CONFIG_SOURCE_DEFAULT = 1, 4, 5
 
@@ -276,6 +283,12 @@ class Backend(Protocol):
     async def group_heartbeat(self, group_id: str, member_id: str, generation: int, group_instance_id: str | None = None) -> HeartbeatResult:
         """A member's heartbeat; the result says whether it must join again."""
 
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        """KIP-848's heartbeat (GroupService.consumer_heartbeat): {member_id, member_epoch, assignment, rebalancing}."""
+
+    async def topic_names_by_id(self) -> dict[str, str]:
+        """{topic id (hex): name} of the topics the backend has looked up."""
+
     async def group_leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
         """Take a member (or a static instance's member) out of its group; False if it was not a member."""
 
@@ -346,6 +359,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.DuplicateSequenceError, ErrorCode.duplicate_sequence_number),
     (e.ProducerFencedError, ErrorCode.invalid_producer_epoch),
     (e.FencedInstanceIdError, ErrorCode.fenced_instance_id),
+    (e.FencedMemberEpochError, ErrorCode.fenced_member_epoch),
     (e.UnknownMemberIdError, ErrorCode.unknown_member_id),
     (e.IllegalGenerationError, ErrorCode.illegal_generation),
     (e.RebalanceInProgressError, ErrorCode.rebalance_in_progress),
@@ -354,6 +368,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.GroupNotEmptyError, ErrorCode.non_empty_group),
     (e.GroupSubscribedToTopicError, ErrorCode.group_subscribed_to_topic),
     (e.InconsistentGroupProtocolError, ErrorCode.inconsistent_group_protocol),
+    (e.UnsupportedAssignorError, ErrorCode.unsupported_assignor),
     (e.TopicAlreadyExistsError, ErrorCode.topic_already_exists),
     (e.InvalidTopicError, ErrorCode.invalid_topic_exception),
     (e.InvalidPartitionsError, ErrorCode.invalid_partitions),
@@ -482,6 +497,7 @@ class KafkaHandler(AdminRequests):
             INCREMENTAL_ALTER_CONFIGS: self._incremental_alter_configs,
             OFFSET_DELETE: self._offset_delete,
             DESCRIBE_CLUSTER: self._describe_cluster,
+            CONSUMER_GROUP_HEARTBEAT: self._consumer_group_heartbeat,
         }
         assert set(self._handlers) | {PRODUCE} == set(API_VERSIONS_SERVED), "every API served has its handler"
 
@@ -1022,6 +1038,48 @@ class KafkaHandler(AdminRequests):
                 "protocol_name": result.protocol, "leader": result.leader if result.leader is not None else COORDINATOR_LEADER,
                 "member_id": result.member_id, "members": members}
 
+    async def _consumer_group_heartbeat(self, request: Request) -> dict:
+        """KIP-848's ConsumerGroupHeartbeat (``group.protocol=consumer``): the coordinator assigns (see
+        ``GroupService.consumer_heartbeat``); partitions travel as topic ids."""
+        body = request.body
+        failure = {"throttle_time": 0, "member_id": body.member_id or None, "member_epoch": -1, "heartbeat_interval": 0, "assignment": None}
+        try:
+            owned = None
+            if body.topic_partitions is not None:
+                names = await self._topic_names({tp.topic_id for tp in body.topic_partitions})
+                owned = [(names[tp.topic_id], int(p)) for tp in body.topic_partitions if tp.topic_id in names for p in tp.partitions]
+            options = {
+                "group_instance_id": body.instance_id,
+                "rebalance_timeout_ms": _ms(body.rebalance_timeout),
+                "topics": None if body.subscribed_topic_names is None else [t for t in body.subscribed_topic_names if _valid_topic_name(t)],
+                "pattern": _get(body, "subscribed_topic_regex") or None,  # librdkafka sends "" for none
+                "assignor": body.server_assignor,
+                "owned": owned,
+                "client_id": _printable(request.client_id) or "kafka",
+            }
+            result = await self.backend.consumer_group_heartbeat(body.group_id, body.member_id, int(body.member_epoch), options)
+            assignment = None
+            if result["assignment"] is not None:
+                partitions = [TopicPartition(*tp) for tp in result["assignment"]]
+                topics = sorted({tp.topic for tp in partitions})
+                views = await self.backend.topics(topics) if topics else {}
+                assignment = {"topic_partitions": [
+                    {"topic_id": _topic_uuid(views[t].topic_id), "partitions": tuple(sorted(tp.partition for tp in partitions if tp.topic == t))}
+                    for t in topics if views.get(t) is not None]}
+        except Exception as error:  # noqa: BLE001
+            return {**failure, "error_code": error_code(error), "error_message": _message(error)}
+        interval = CONSUMER_HEARTBEAT_INTERVAL_MS_REBALANCING if result["rebalancing"] else CONSUMER_HEARTBEAT_INTERVAL_MS
+        return {"throttle_time": 0, "error_code": ErrorCode.none, "error_message": None, "member_id": result["member_id"],
+                "member_epoch": result["member_epoch"], "heartbeat_interval": interval, "assignment": assignment}
+
+    async def _topic_names(self, topic_ids: set) -> dict:
+        """{topic id: name} for the ids given (those of existing topics), looking every topic up once if one is not cached."""
+        known = {_topic_uuid(k): v for k, v in (await self.backend.topic_names_by_id()).items()}
+        if not set(topic_ids) <= set(known):
+            everything = await self.backend.topics(None)
+            known = {_topic_uuid(v.topic_id): n for n, v in everything.items() if v is not None}
+        return {i: known[i] for i in topic_ids if i in known}
+
     async def _join_until_formed(self, group_id: str, options: dict, wait_ms: int):
         deadline = time.monotonic() + wait_ms / 1000
         while True:
@@ -1192,6 +1250,14 @@ def _described_member(m: dict, leader: str | None) -> dict:
         assignment = encode_assignment(partitions)
     return {"member_id": m["member_id"], "group_instance_id": m["group_instance_id"], "client_id": m["client_id"], "client_host": "",
             "member_metadata": metadata, "member_assignment": assignment}
+
+
+def _valid_topic_name(name) -> bool:
+    try:
+        validate_topic_name(name)
+    except e.LogbusError:
+        return False
+    return True
 
 
 def _printable(text: str | None) -> str | None:

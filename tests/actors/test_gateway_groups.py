@@ -418,6 +418,135 @@ def test_a_static_member_that_restarts_takes_its_place_without_a_rebalance(bus, 
                 m.join(60)
 
 
+def test_kip_848_consumers_are_assigned_by_the_coordinator(bus, gateway, topic_name):
+    """confluent-kafka's consumers with group.protocol=consumer (ConsumerGroupHeartbeat): the coordinator
+    assigns; a member that joins takes partitions from the other without its giving up the rest, one that
+    leaves gives its partitions back, and every record is read once."""
+    import confluent_kafka as ck
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    produce_keys(bus, topic_name, 0, RECORDS // 2)
+    group = "kip-848"
+
+    class Member(threading.Thread):
+        def __init__(self, name: str) -> None:
+            super().__init__(daemon=True)
+            self.events: list = []
+            self.owned: set = set()
+            self.seen: list = []
+            self.errors: list = []
+            self.stop = threading.Event()
+            self.consumer = ck.Consumer({"bootstrap.servers": gateway.bootstrap_servers, "group.id": group, "client.id": name,
+                                         "group.protocol": "consumer", "auto.offset.reset": "earliest", "enable.auto.commit": False})
+
+        def run(self) -> None:
+            def on_assign(c, partitions):
+                self.events.append(("assign", sorted(p.partition for p in partitions)))
+                self.owned |= {p.partition for p in partitions}
+
+            def on_revoke(c, partitions):
+                self.events.append(("revoke", sorted(p.partition for p in partitions)))
+                if partitions:
+                    try:
+                        c.commit(asynchronous=False)
+                    except ck.KafkaException as error:
+                        if error.args[0].code() != ck.KafkaError._NO_OFFSET:  # nothing read since the last commit
+                            self.errors.append(("on_revoke", error))
+                self.owned -= {p.partition for p in partitions}
+
+            self.consumer.subscribe([topic_name], on_assign=on_assign, on_revoke=on_revoke)
+            try:
+                while not self.stop.is_set():
+                    messages = self.consumer.consume(500, 0.2)
+                    for m in messages:
+                        if m.error() is None:
+                            self.seen.append((m.partition(), m.offset(), m.key()))
+                        elif not m.error().retriable():
+                            self.errors.append(m.error())
+                    if any(m.error() is None for m in messages):
+                        try:
+                            self.consumer.commit(asynchronous=False)
+                        except ck.KafkaException as error:
+                            self.errors.append(error)
+            finally:
+                self.consumer.close()
+
+    a, b = Member("a"), Member("b")
+    a.start()
+    try:
+        wait_for(lambda: a.owned == set(range(PARTITIONS)), timeout_s=120, message="a owning everything")
+        b.start()
+        wait_for(lambda: a.owned and b.owned and a.owned | b.owned == set(range(PARTITIONS)) and not a.owned & b.owned,
+                 timeout_s=120, message="a and b sharing the partitions")
+        assert all(len(ps) < PARTITIONS for kind, ps in a.events if kind == "revoke")  # incremental
+        described = bus.admin.describe_group(group)
+        assert described["protocol"] == "cooperative-sticky" and len(described["members"]) == 2
+        b.stop.set()
+        b.join(60)
+        produce_keys(bus, topic_name, RECORDS // 2, RECORDS // 2)
+        wait_for(lambda: a.owned == set(range(PARTITIONS)), timeout_s=120, message="a owning everything again")
+        wait_for(lambda: len(keys_read([a, b])) == RECORDS, timeout_s=180, message="every record read")
+        counts = keys_read([a, b])
+        assert not [k for k, n in counts.items() if n > 1], "a record was read twice"
+        assert not a.errors and not b.errors, (a.errors, b.errors)
+    finally:
+        for m in (a, b):
+            m.stop.set()
+        for m in (a, b):
+            if m.is_alive():
+                m.join(60)
+
+
+# --- consumers with no group -------------------------------------------------------------------------------
+
+
+def test_the_quickstarts_of_kafka_python_and_aiokafka_read_every_partition_with_no_group(bus, gateway, topic_name):
+    """kafka-python's and aiokafka's quickstarts as their documentation writes them (a topic, the servers,
+    auto_offset_reset, and no group_id): each reads every record of every partition once, with no group."""
+    from aiokafka import AIOKafkaConsumer
+    from kafka import KafkaConsumer
+
+    bus.admin.create_topic(topic_name, partitions=PARTITIONS)
+    produce_keys(bus, topic_name, 0, RECORDS)
+    groups_before = {g for g, *_ in bus.admin.list_groups()}
+
+    consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, auto_offset_reset="earliest",
+                             consumer_timeout_ms=30_000)
+    python_read = []
+    for message in consumer:  # ends after consumer_timeout_ms with nothing new
+        python_read.append(message.key)
+        if len(python_read) == RECORDS:
+            break
+    assert consumer.assignment() == {_kafka_python_partition(topic_name, p) for p in range(PARTITIONS)}
+    consumer.close()
+
+    async def aiokafka_reads() -> list:
+        consumer = AIOKafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, auto_offset_reset="earliest")
+        await consumer.start()
+        read = []
+        try:
+            async with asyncio.timeout(120):
+                async for message in consumer:
+                    read.append(message.key)
+                    if len(read) == RECORDS:
+                        break
+        finally:
+            await consumer.stop()
+        return read
+
+    aio_read = asyncio.run(aiokafka_reads())
+    everything = collections.Counter(b"k%d" % i for i in range(RECORDS))
+    assert collections.Counter(python_read) == everything
+    assert collections.Counter(aio_read) == everything
+    assert {g for g, *_ in bus.admin.list_groups()} == groups_before  # no group was made
+
+
+def _kafka_python_partition(topic: str, partition: int):
+    from kafka import TopicPartition as KpPartition
+
+    return KpPartition(topic, partition)
+
+
 # --- protocols in common, and the subscription's bytes ------------------------------------------------------
 
 

@@ -295,3 +295,41 @@ def test_random_classic_groups_keep_kafkas_rules(steps):
             assert description.leader in {m.member_id for m in description.members}
         held = [tp for m in gc._groups["g"].members.values() for tp in m.owned] if "g" in gc._groups else []
         assert len(held) == len(set(held))
+
+
+def test_a_kip_848_member_commits_with_its_older_epoch_only_for_partitions_it_still_holds():
+    # A KIP-848 member learns the group's new generation (its epoch) on its next heartbeat; until then it
+    # commits with the one it has, which Kafka's coordinator takes for partitions the member holds.
+    gc = coordinator()
+    options = dict(topics=("t",), protocols=("cooperative-sticky",), member_epochs=True, **TIMEOUTS)
+    a = gc.join("g", new_member_id="a", now_ms=0, **options)
+    assert isinstance(a, JoinResult) and a.generation == 1 and len(a.assignment) == 6
+    everything = [(tp.topic, tp.partition) for tp in a.assignment]
+    assert isinstance(gc.join("g", new_member_id="b", now_ms=1, **options), JoinPending)
+    a2 = gc.join("g", member_id="a", owned=everything, now_ms=2, **options)
+    b = gc.join("g", member_id="b", now_ms=3, **options)
+    assert isinstance(a2, JoinResult) and a2.generation == 2 and 0 < len(a2.assignment) < 6
+    assert gc.commit_offsets("g", "a", 1, {("t", 0): 10}, now_ms=4)  # still its partition: taken
+    kept = [(tp.topic, tp.partition) for tp in a2.assignment]
+    gc.join("g", member_id="a", owned=kept, now_ms=5, **options)  # it gives up the rest
+    given_up = next(tp for tp in everything if tp not in kept)
+    with pytest.raises(IllegalGenerationError):
+        gc.commit_offsets("g", "a", 1, {given_up: 10}, now_ms=6)
+    with pytest.raises(IllegalGenerationError):  # an epoch the group never had
+        gc.commit_offsets("g", "a", 3, {kept[0]: 10}, now_ms=6)
+    assert gc.commit_offsets("g", "a", 1, {kept[0]: 10}, now_ms=6)
+    # A logbus member with the same history commits only with the current generation.
+    gc2 = coordinator()
+    logbus_options = {**options, "member_epochs": False}
+    first = gc2.join("g", member_id="", now_ms=0, **logbus_options)
+    member = first.member_id if isinstance(first, JoinPending) else first.member_id
+    joined = gc2.join("g", member_id=member, now_ms=0, **logbus_options) if isinstance(first, JoinPending) else first
+    assert isinstance(joined, JoinResult) and joined.generation == 1
+    other = gc2.join("g", member_id="", now_ms=1, **logbus_options)
+    gc2.join("g", member_id=other.member_id, now_ms=1, **logbus_options)
+    gc2.join("g", member_id=member, owned=[(tp.topic, tp.partition) for tp in joined.assignment], now_ms=2, **logbus_options)
+    with pytest.raises(IllegalGenerationError):
+        gc2.commit_offsets("g", member, 1, {("t", 0): 10}, now_ms=4)
+    # Restarted from its state, the coordinator keeps the rule.
+    again = GroupCoordinator.from_json(gc.to_json(), now_ms=7, topic_partition_counts={"t": 6})
+    assert again.commit_offsets("g", "a", 1, {kept[0]: 11}, now_ms=8)
