@@ -13,11 +13,17 @@ what the cluster has nodes, not replicas: one agent per node
 socket, ``heartbeat_link.py``, or ``node_heartbeat`` while that is down),
 reports replica processes that exit or are stopped, and is told each
 partition's current leader epoch. The control loop checks only the nodes'
-leases (``protocol/liveness.py``); elections happen when a node's lease runs
-out or an agent reports a replica down, and a new leader is announced only
-once every live node hosting the partition has applied the new epoch
-(``_fenced``), so a deposed leader has stopped taking writes (a dead node's
-leaders stopped when its lease ran out). A replica whose node is gone for
+leases (``protocol/liveness.py``), pending role deliveries and the partitions
+without a leader (normally none). Elections happen on every event that may
+make a leader possible or lose one (``protocol/elections.py``): a node's
+lease runs out, an agent reports a replica down or up, a node is heard again
+(or for the first time), a replica starts, this controller starts, a topic's
+config changes. A new leader is announced only once every live node hosting
+the partition has applied the new epoch (``_fenced``), so a deposed leader
+has stopped taking writes (a dead node's leaders stopped when its lease ran
+out); each replica's role change then stays pending until the replica
+acknowledges it, sent again on a bounded backoff and at once when its node
+is heard again (``RoleDeliveries``). A replica whose node is gone for
 ``replica_replacement_ms`` is replaced by a new replica on another live node,
 which copies the log from the leader.
 
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import uuid
@@ -46,10 +53,11 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
-from logbus.actors import metrics
+from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
+from logbus.actors.logs import configure_logging
 from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
@@ -77,6 +85,7 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
+from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
@@ -102,6 +111,8 @@ PREFERRED_LEADER_CHECK_MS = 300_000  # leaders go back to their preferred replic
 REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
+ROLE_CALL_TIMEOUT_S = 5.0  # a become_leader / become_follower not answered in this long is sent again (RoleDeliveries)
+NODE_STEADY_MS = 10_000  # a node heard again must stay alive this long before another expiry is reported as new
 
 if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
     raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
@@ -126,7 +137,8 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
             "connect to that cluster, or use another data_dir"
         )
     context = ray.get_runtime_context()
-    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir})
+    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir,
+                     "ray_auth": ray_auth.cluster_auth()})  # how a process over the same directory joins (client.py)
     return lock
 
 
@@ -149,7 +161,9 @@ class Reservation:
 class _Node:
     """What the controller knows of one node that hosts replicas (see the module docstring)."""
 
-    __slots__ = ("node_id", "agent", "incarnation", "down", "epochs", "version", "acked", "dead_since_ms", "next_replace_ms")
+    __slots__ = (
+        "node_id", "agent", "incarnation", "down", "epochs", "version", "acked", "dead_since_ms", "next_replace_ms", "revived_ms",
+    )
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -161,6 +175,7 @@ class _Node:
         self.acked: list | None = None  # the version the agent last said it applied
         self.dead_since_ms: int | None = None  # when its lease ran out (None while alive)
         self.next_replace_ms = 0  # replacing its replicas elsewhere is tried again no sooner
+        self.revived_ms: int | None = None  # when it was last heard again after its lease ran out
 
 
 class Controller:
@@ -173,6 +188,7 @@ class Controller:
         replica_replacement_ms: int = REPLICA_REPLACEMENT_MS,
         max_replicas_per_node: int | None = None,
     ) -> None:
+        configure_logging()
         self.data_dir = os.path.abspath(data_dir)
         self.namespace = namespace
         self.replica_replacement_ms = replica_replacement_ms
@@ -203,6 +219,11 @@ class Controller:
         self._throttles: dict[tuple[str, int], int | None] = {}  # reassignments' copy limits (bytes/s)
         self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
         self._last_preferred_check_ms = monotonic_ms()
+        # Role changes not yet acknowledged by their replicas, sent again until they are (elections.py).
+        self._deliveries = RoleDeliveries()
+        self._delivery_tasks: dict[tuple[str, int, int], asyncio.Task] = {}
+        self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
+        self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
@@ -249,6 +270,12 @@ class Controller:
         for node in list(self._nodes.values()):
             self._agent(node)
             self._push_epochs(node)
+        # A partition left without a leader (its leader was lost before the restart) elects one
+        # now, from its ISR: every node counts alive through the restart grace, and one whose
+        # agent then reports the new leader down, or stays silent, starts the next election.
+        everything = {(t.name, p) for t in self.metadata.topics.values() for p in range(len(t.partitions))}
+        await self._check_partitions(everything, announce=False)
+        self._export_health()
         starts = []
         for topic in self.metadata.topics.values():
             for p in range(len(topic.partitions)):
@@ -287,21 +314,80 @@ class Controller:
         await self._announce(topic, partition)
 
     async def _announce(self, topic: TopicState, partition: int) -> None:
-        """Tell every replica of a partition the current leader and epoch.
+        """Tell every replica of a partition the current leader and epoch; returns after the first tries.
 
         Called only once every live node hosting the partition applied its
-        epoch (``_fenced``). A replica that misses it (restarting) asks for
-        its role when it starts (``replica_started``).
+        epoch (``_fenced``). Each replica's role change stays pending until
+        the replica acknowledges it (``RoleDeliveries``): one that failed is
+        sent again on a bounded backoff, and at once when the replica's node
+        is heard again or the replica is reported up. A replica also asks for
+        its role itself when it starts and whenever its fence epoch moves past
+        its own (``replica_started``). A leaderless partition has nothing to
+        deliver: its deposed leader's fence already refuses its writes.
         """
         state = topic.partitions[partition]
+        keys = [(topic.name, partition, r) for r in state.replicas]
         if state.leader is None:
+            self._deliveries.forget(keys)
             return
-        leader = self._replica_handle(topic, partition, state.leader)
-        calls = [leader.become_leader.remote(state.leader_epoch, list(state.replicas), list(state.isr))]
-        for r in state.replicas:
-            if r != state.leader:
-                calls.append(self._replica_handle(topic, partition, r).become_follower.remote(state.leader_epoch, state.leader, leader))
-        await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), REPLICA_CALL_TIMEOUT_S)
+        now = monotonic_ms()
+        for key in keys:
+            self._deliveries.expect(key, state.leader_epoch, state.nodes[str(key[2])], now)
+        sends = [task for task in (self._deliver(key, state.leader_epoch) for key in keys) if task is not None]
+        if sends:
+            await asyncio.wait(sends)
+
+    def _deliver(self, key: tuple[str, int, int], epoch: int) -> asyncio.Task | None:
+        """Send a pending role change now (or join the call already under way); None if none is pending."""
+        task = self._delivery_tasks.get(key)
+        if task is not None and not task.done():
+            return task
+        if not self._deliveries.sending(key, epoch):
+            return None
+        task = asyncio.get_running_loop().create_task(self._send_role(key, epoch))
+        self._delivery_tasks[key] = task
+        task.add_done_callback(lambda done, key=key: self._delivery_tasks.pop(key, None) if self._delivery_tasks.get(key) is done else None)
+        return task
+
+    async def _send_role(self, key: tuple[str, int, int], epoch: int) -> None:
+        topic_name, partition, replica_id = key
+        topic = self.metadata.topics.get(topic_name)
+        if topic is None or partition >= len(topic.partitions) or replica_id not in topic.partitions[partition].replicas:
+            self._deliveries.forget([key])  # deleted or removed: nothing to tell it
+            return
+        state = topic.partitions[partition]
+        if state.leader is None or state.leader_epoch != epoch:
+            # Superseded: the newer epoch's announce (after its own fence) expects what is due now.
+            self._deliveries.delivered(key, epoch)
+            return
+        handle = self._replica_handle(topic, partition, replica_id)
+        try:
+            if replica_id == state.leader:
+                call = handle.become_leader.remote(epoch, list(state.replicas), list(state.isr))
+            else:
+                call = handle.become_follower.remote(epoch, state.leader, self._replica_handle(topic, partition, state.leader))
+            accepted = await asyncio.wait_for(call, ROLE_CALL_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 (unreachable, paused or restarting: sent again)
+            again_ms = self._deliveries.failed(key, epoch, monotonic_ms())
+            log = logger.warning if self._deliveries.attempts(key) == 1 else logger.debug
+            log("%s-%d: replica %d did not take its role at epoch %d (%s); sending it again%s", topic_name, partition, replica_id,
+                epoch, type(error).__name__, "" if again_ms is None else f" in {max(0, again_ms - monotonic_ms())} ms")
+            return
+        if not accepted:
+            logger.warning("%s-%d: replica %d refused its role at epoch %d (it knows a newer one)", topic_name, partition, replica_id, epoch)
+        elif self._deliveries.attempts(key) > 1:
+            logger.info("%s-%d: replica %d took its role at epoch %d", topic_name, partition, replica_id, epoch)
+        self._deliveries.delivered(key, epoch)
+
+    def _redeliver(self, now: int) -> None:
+        """Each tick: send again the role changes whose backoff ended (work per pending change, normally none)."""
+        for key, epoch in self._deliveries.due(now):
+            self._deliver(key, epoch)
+
+    async def role_deliveries(self) -> list[dict]:
+        """Role changes sent but not yet acknowledged: (topic, partition, replica), epoch, node, attempts (tools and tests)."""
+        self._check_owner()
+        return self._deliveries.describe()
 
     # --- nodes: agents, leases, epochs ---------------------------------------------------------------
 
@@ -382,13 +468,47 @@ class Controller:
             node.acked = list(applied)
 
     def _export_health(self) -> None:
-        """Under-replicated and offline partitions, as gauges; recounted when an ISR or a leader changes."""
-        under = offline = 0
+        """Under-replicated and offline partitions, as gauges; recounted when an ISR or a leader changes.
+
+        Also notes which partitions have no leader, for the tick's check that
+        none stays so while one is electable (``_watch_leaderless``).
+        """
+        under = 0
+        leaderless = set()
         for topic in self.metadata.topics.values():
-            for state in topic.partitions:
-                offline += state.leader is None
+            for p, state in enumerate(topic.partitions):
+                if state.leader is None:
+                    leaderless.add((topic.name, p))
                 under += len(state.isr) < len(state.replicas) - len(state.adding)
-        metrics.partition_health(under, offline)
+        for key in self._leaderless - leaderless:
+            self._leaderless_watch.clear(key)
+        self._leaderless = leaderless
+        metrics.partition_health(under, len(leaderless))
+
+    def _electable(self, topic: TopicState, partition: int, now: int) -> bool:
+        """Whether an election would give the partition a live leader it lacks now."""
+        state = topic.partitions[partition]
+        alive = {r for r in state.replicas if self._replica_alive(topic, partition, r, now)}
+        unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
+        return electable(state.leader, state.replicas, state.isr, alive, unclean)
+
+    def _watch_leaderless(self, now: int) -> None:
+        """Each tick: a partition without a leader while one is electable means an event was missed (a
+        bug): after LEADERLESS_LIMIT_MS it is logged, counted, and elected. Costs the leaderless partitions."""
+        for key in list(self._leaderless):
+            topic = self.metadata.topics.get(key[0])
+            if topic is None or key[1] >= len(topic.partitions) or topic.partitions[key[1]].leader is not None:
+                self._leaderless.discard(key)
+                self._leaderless_watch.clear(key)
+                continue
+            self._leaderless_watch.update(key, self._electable(topic, key[1], now), now)
+        overdue = self._leaderless_watch.overdue(now)
+        for (topic_name, partition), electable_ms in overdue:
+            logger.error("%s-%d: no leader for %d ms although a replica could lead (a missed election); electing now",
+                         topic_name, partition, electable_ms)
+            metrics.leaderless_overdue()
+        if overdue:
+            asyncio.get_running_loop().create_task(self._check_partitions({key for key, _ in overdue}))
 
     def _node_alive(self, node_id: str, now: int) -> bool:
         return self._liveness.alive(node_id, now)
@@ -445,15 +565,25 @@ class Controller:
         if node is None:
             node = self._nodes[node_id] = _Node(node_id)
         self._liveness.heard(node_id, now)
+        # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
+        # its replicas may lead partitions that have no leader (a controller restart, say).
+        returned = node.incarnation != incarnation
         node.incarnation = incarnation
         revived = node.dead_since_ms is not None
+        if revived:
+            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], now - node.dead_since_ms)
+            node.revived_ms = now
         node.dead_since_ms = None
         down_now = set(down)
         changed = down_now ^ node.down
         node.down = down_now
         self._acked(node, version)
-        if revived or changed:
-            names = set(node.epochs) if revived else changed
+        if revived or returned:
+            self._deliveries.node_heard(node_id, now)  # role changes it missed are sent again now
+        elif changed - down_now:
+            self._deliveries.retry_now((self._by_name[n] for n in changed - down_now if n in self._by_name), now)
+        if revived or returned or changed:
+            names = set(node.epochs) if revived or returned else changed
             asyncio.get_running_loop().create_task(self._check_replicas(names))
         current = version is not None and list(version) == node.version
         return {"version": node.version, "epochs": None if current else dict(node.epochs)}
@@ -479,6 +609,17 @@ class Controller:
         if state_topic is None or partition >= len(state_topic.partitions) or replica_id not in state_topic.partitions[partition].replicas:
             return {"deleted": True}
         state = state_topic.partitions[partition]
+        if self._started is not None and self._started.done() and self._electable(state_topic, partition, monotonic_ms()):
+            # A replica that starts may make a leader possible: elect now, and answer with the result.
+            await self._check_partitions({(topic, partition)})
+            state_topic = self.metadata.topics.get(topic)
+            if state_topic is None or partition >= len(state_topic.partitions):
+                return {"deleted": True}
+            state = state_topic.partitions[partition]
+        if state.leader is not None:
+            # Only a fenced epoch is told: a deposed leader elsewhere must have stopped first.
+            await self._fenced(state_topic, partition)
+            state = state_topic.partitions[partition]
         handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
         return {
             "leader": state.leader,
@@ -559,31 +700,42 @@ class Controller:
                 if not self._node_alive(node.node_id, now):
                     node.dead_since_ms = now
                     node.next_replace_ms = now + self.replica_replacement_ms
-                    logger.warning("node %s: lease expired; its leaders are deposed", node.node_id[:8])
+                    # Once per outage: a node heard briefly in between (a late heartbeat) is the same outage.
+                    again = node.revived_ms is not None and now - node.revived_ms < NODE_STEADY_MS
+                    (logger.debug if again else logger.warning)(
+                        "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
                     names |= set(node.epochs)
             elif now >= node.next_replace_ms:
                 node.next_replace_ms = now + REPLACE_RETRY_MS
                 names |= set(node.epochs)
         if names:
             await self._check_replicas(names)
+        self._redeliver(now)
+        self._watch_leaderless(now)
         if now - self._last_preferred_check_ms > PREFERRED_LEADER_CHECK_MS:
             self._last_preferred_check_ms = now
             asyncio.get_running_loop().create_task(self.elect_preferred_leaders())
 
     async def _check_replicas(self, names: set[str]) -> None:
         """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
-        partitions = sorted({self._by_name[n][:2] for n in names if n in self._by_name})
+        await self._check_partitions({self._by_name[n][:2] for n in names if n in self._by_name})
+
+    async def _check_partitions(self, partitions: set[tuple[str, int]], announce: bool = True) -> list[tuple[TopicState, int]]:
+        """Elect where a leader is missing or gone, replace replicas long gone; returns the partitions changed.
+
+        Run on every event that may make a leader possible (see ``protocol/elections.py``).
+        """
         changed: list[tuple[TopicState, int]] = []
         now = monotonic_ms()
         async with self._lock:
-            for topic_name, p in partitions:
+            for topic_name, p in sorted(partitions):
                 topic = self.metadata.topics.get(topic_name)
                 if topic is None or p >= len(topic.partitions):
                     continue
                 state = topic.partitions[p]
                 alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
                 elected = False
-                if state.leader is None or state.leader not in alive:
+                if needs_election(state.leader, alive):
                     unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
                     in_sync = set(state.isr)
                     elected = self.metadata.elect_leader(topic.name, p, alive, unclean)
@@ -591,20 +743,24 @@ class Controller:
                         metrics.leader_elected(unclean=state.leader not in in_sync)
                 if self._replace_lost(topic, p, now) or elected:
                     changed.append((topic, p))
+                if state.leader is not None:
+                    self._leaderless_watch.clear((topic.name, p))
             if changed:
                 self._persist()
                 for node in self._reindex():
                     self._push_epochs(node)
                 self._export_health()
-        for topic, p in changed:
-            asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
+        if announce:
+            for topic, p in changed:
+                asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
+        return changed
 
     async def _announce_safely(self, topic: TopicState, partition: int) -> None:
         try:
             await self._fenced(topic, partition)
             await self._announce(topic, partition)
-        except Exception as error:  # noqa: BLE001 (replicas that missed it ask when they start)
-            logger.warning("announcing %s-%d failed: %r", topic.name, partition, error)
+        except Exception as error:  # noqa: BLE001 (a bug: deliveries themselves never raise)
+            logger.exception("announcing %s-%d failed: %r", topic.name, partition, error)
 
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
         """Replace replicas whose node has been dead for replica_replacement_ms."""
@@ -771,6 +927,7 @@ class Controller:
         handles = []
         gone: dict[str, list[str]] = {}
         for p, state in enumerate(topic.partitions):
+            self._deliveries.forget((name, p, r) for r in state.replicas)
             for r in state.replicas:
                 gone.setdefault(state.nodes[str(r)], []).append(replica_file_name(topic.topic_id, p, r))
                 handle = self._replicas.pop((name, p, r), None)
@@ -840,6 +997,9 @@ class Controller:
             overrides = self.metadata.alter_config(name, config)
             self._persist()
             topic = self.metadata.topic(name)
+        # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync
+        # replica: at once, before the replicas (one of them perhaps paused) are told the new config.
+        await self._check_partitions({(name, p) for p in range(len(topic.partitions))})
         handles = [self._replica_handle(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
         await asyncio.gather(*(h.update_config.remote(overrides) for h in handles))
         return dict(overrides)
@@ -947,11 +1107,13 @@ class Controller:
         )
         await self._announce_safely(topic, partition)
         await self._remove_replicas(topic, partition, removed, old_nodes)
+        await self._check_partitions({(topic_name, partition)})  # the leader the move chose may be gone meanwhile
         logger.info("%s-%d: moved to %s", topic_name, partition, [state.nodes[str(r)][:8] for r in state.replicas])
 
     async def _remove_replicas(self, topic: TopicState, partition: int, removed: list[int], nodes: dict[str, str]) -> None:
         """Delete the files and actors of replicas no longer in the partition."""
         handles, gone = [], {}
+        self._deliveries.forget((topic.name, partition, r) for r in removed)
         for r in removed:
             handle = self._replicas.pop((topic.name, partition, r), None)
             if handle is not None:
@@ -1274,6 +1436,14 @@ class Controller:
         await self.groups.offsets.ensure_topic()
 
 
+@functools.cache
+def _controller_actor_class():
+    """The controller's Ray actor class, made once per process (see partition_replica's
+    ``_replica_actor_class``): Ray inspects and exports each new ``ray.remote(cls)`` on its first
+    use, about 0.2 s for this class, which every ``connect()`` paid."""
+    return ray.remote(Controller)
+
+
 def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None, max_replicas_per_node: int | None = None):
     """Get or create the cluster's controller: detached, named, restarted forever by Ray.
 
@@ -1285,7 +1455,7 @@ def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | N
     if max_replicas_per_node is not None:
         options["max_replicas_per_node"] = max_replicas_per_node
     return (
-        ray.remote(Controller)
+        _controller_actor_class()
         .options(
             name=CONTROLLER_NAME,
             namespace=namespace,

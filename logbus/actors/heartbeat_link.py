@@ -78,8 +78,10 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
             message = None
         else:
             message = json.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, ConnectionError, ValueError) as error:  # ValueError: not JSON, or not UTF-8
-        raise HeartbeatLinkClosedError(str(error) or type(error).__name__) from None
+    except (asyncio.IncompleteReadError, OSError, ValueError) as error:
+        # OSError: the connection reset, or timed out (ETIMEDOUT: keepalive found the peer gone, a cut
+        # network); ValueError: not JSON, or not UTF-8.
+        raise HeartbeatLinkClosedError(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__) from None
     if size > MAX_FRAME_BYTES:
         raise HeartbeatLinkClosedError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
     if not isinstance(message, dict):
@@ -113,9 +115,12 @@ class HeartbeatServer:
             writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One agent's connection until it ends. A connection that fails (reset, timed out, a cut
+        network) is an operating error: one line, no traceback; the agent reopens it."""
         self._writers.add(writer)
-        _keep_alive(writer)
+        peer = writer.get_extra_info("peername")
         try:
+            _keep_alive(writer)
             hello = await read_frame(reader)
             if not hmac.compare_digest(str(hello.get("token", "")), self._token):
                 logger.warning("heartbeat link from %s: wrong token; closed", writer.get_extra_info("peername"))
@@ -131,9 +136,9 @@ class HeartbeatServer:
                 if writer.transport.get_write_buffer_size() > WRITE_BUFFER_HIGH_BYTES:
                     await writer.drain()
         except HeartbeatLinkClosedError as error:
-            logger.debug("heartbeat link closed: %s", error)
-        except ConnectionError:
-            pass
+            logger.info("heartbeat link from %s closed: %s", peer, error)
+        except OSError as error:  # a write or keepalive setting on a connection already gone
+            logger.info("heartbeat link from %s failed: %s: %s", peer, type(error).__name__, error)
         finally:
             self._writers.discard(writer)
             writer.close()

@@ -18,6 +18,8 @@ Prometheus name                                        what                     
 ``ray_logbus_isr_shrinks_total``                       ISR shrinks the controller accepted             IsrShrinksPerSec
 ``ray_logbus_isr_expands_total``                       ISR expansions the controller accepted          IsrExpandsPerSec
 ``ray_logbus_leader_elections_total{unclean}``         leadership changes (unclean="true"/"false")     LeaderElectionRate
+``ray_logbus_leaderless_overdue_total``                partitions found leaderless past lease + 1 s    (none: a missed
+                                                       while a replica could lead (a bug)              election)
 ``ray_logbus_log_size_bytes{topic,partition}``         a leader's log size                             Log Size
 ``ray_logbus_log_segments{topic,partition}``           a leader's segment count                        Log NumLogSegments
 ``ray_logbus_consumer_group_lag{group,topic,partition}`` committed offset to high watermark             kafka_consumergroup_lag
@@ -69,6 +71,8 @@ _DEFINITIONS = {
     "logbus_isr_shrinks": ("counter", "ISR shrinks accepted by the controller.", ()),
     "logbus_isr_expands": ("counter", "ISR expansions accepted by the controller.", ()),
     "logbus_leader_elections": ("counter", "Leadership changes made by the controller.", ("unclean",)),
+    "logbus_leaderless_overdue": (
+        "counter", "Partitions found without a leader for longer than the lease plus a second while a replica could lead.", ()),
     "logbus_log_size_bytes": ("gauge", "Size of a partition leader's log in bytes.", ("topic", "partition")),
     "logbus_log_segments": ("gauge", "Segments in a partition leader's log.", ("topic", "partition")),
     "logbus_producer_buffer_bytes": ("gauge", "Bytes a producer holds, buffered and in flight.", ("client_id",)),
@@ -99,6 +103,10 @@ def isr_changed(old: int, new: int) -> None:
 
 def leader_elected(unclean: bool) -> None:
     _metric("logbus_leader_elections").inc(1, tags={"unclean": "true" if unclean else "false"})
+
+
+def leaderless_overdue() -> None:
+    _metric("logbus_leaderless_overdue").inc(1)
 
 
 def partition_health(under_replicated: int, offline: int) -> None:

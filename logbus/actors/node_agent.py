@@ -23,7 +23,9 @@ replies whenever the agent is behind); the agent writes them into the
 replicas' fence files *before* it extends the lease. A deposed leader, even
 one paused while it was deposed, finds a newer epoch there and takes no more
 writes; the controller announces a new leader only once every live agent
-hosting the partition has applied the new epoch.
+hosting the partition has applied the new epoch. A replica whose epoch
+moved is told (``fence_moved``, given its handle when it registered), so
+that one whose role change from the controller does not come asks for it.
 
 After a restart (Ray restarts the agent like any actor) the agent starts
 with no lease, finds its node's replicas from their fence files, and is
@@ -33,6 +35,7 @@ brought up to date by the controller's first reply.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
@@ -42,6 +45,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.heartbeat_link import HeartbeatLink
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
+from logbus.actors.logs import configure_logging
 from logbus.clock import monotonic_ms
 from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIMEOUT_MS
@@ -76,19 +80,21 @@ def _process_state(pid: int, stat_fd: int | None = None) -> str | None:
 
 
 class _Watched:
-    __slots__ = ("fence", "pid", "pidfd", "stat_fd")
+    __slots__ = ("fence", "pid", "pidfd", "stat_fd", "replica")
 
     def __init__(self, fence: ReplicaFence) -> None:
         self.fence = fence
         self.pid = 0
         self.pidfd: int | None = None
         self.stat_fd: int | None = None
+        self.replica = None  # the replica actor's handle, told when its fence epoch moves
 
 
 class NodeAgent:
     """The node's lease holder and replica watcher (see the module docstring)."""
 
     def __init__(self, namespace: str, node_id: str, controller_name: str) -> None:
+        configure_logging()
         self.namespace = namespace
         self.node_id = node_id
         self.controller_name = controller_name
@@ -105,6 +111,7 @@ class NodeAgent:
         self._link_task: asyncio.Task | None = None
         self._link_tried_ms = -LINK_RETRY_MS
         self._link_retry_ms = LINK_RETRY_MS
+        self._links_dropped = 0  # closed, or silent for LINK_SILENT_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -173,10 +180,14 @@ class NodeAgent:
         if self._urgent is not None:
             self._urgent.set()  # tell the controller now, not at the next tick
 
-    async def register(self, name: str, pid: int) -> None:
-        """A replica process started (or restarted) on this node: watch it."""
+    async def register(self, name: str, pid: int, replica=None) -> None:
+        """A replica process started (or restarted) on this node: watch it (and, given its handle,
+        tell it when its fence epoch moves)."""
         self._start()
-        self._watch(name, self._track(name), pid)
+        watched = self._track(name)
+        if replica is not None:
+            watched.replica = replica
+        self._watch(name, watched, pid)
 
     async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
         """A starting replica's question for the controller (its role), asked on its behalf.
@@ -209,11 +220,21 @@ class NodeAgent:
         return self.epochs_version
 
     def _apply_epochs(self, version: list, epochs: dict[str, int]) -> None:
+        """Write each replica's new epoch into its fence; then tell the replicas whose epoch moved on
+        (one call each, per election), so that one that misses its role change asks for it."""
+        moved = []
         for name, epoch in epochs.items():
             watched = self._track(name)
             if watched.fence.current_epoch != epoch:
+                if epoch > watched.fence.current_epoch and watched.replica is not None:
+                    moved.append(watched.replica)
                 watched.fence.current_epoch = epoch
         self.epochs_version = list(version)
+        for replica in moved:
+            try:
+                replica.fence_moved.remote()  # not awaited: the replica compares the fence with its own epoch
+            except Exception:  # noqa: BLE001 (a replica gone: Ray restarts it, and it asks when it starts)
+                pass
 
     async def shut_down(self) -> None:
         """The cluster is being torn down: stop heartbeating and remove this node's files."""
@@ -250,6 +271,14 @@ class NodeAgent:
     async def ping(self) -> int:
         self._start()
         return os.getpid()
+
+    async def status(self) -> dict:
+        """This agent's process, whether its heartbeat link is open, and how many links it dropped
+        (closed, or unanswered for LINK_SILENT_MS) since it started."""
+        self._start()
+        link = self._link
+        return {"pid": os.getpid(), "heartbeat_link_open": link is not None and not link.closed,
+                "heartbeat_links_dropped": self._links_dropped}
 
     # --- the one timer of the node -----------------------------------------------------------------
 
@@ -333,6 +362,7 @@ class NodeAgent:
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
             self._link = None
+            self._links_dropped += 1
         if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
             self._link_tried_ms = now_ms
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
@@ -359,10 +389,16 @@ def agent_actor_name(node_id: str) -> str:
     return f"logbus-node-agent:{node_id}"
 
 
+@functools.cache
+def _agent_actor_class():
+    """The agent's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(NodeAgent)
+
+
 def start_agent(namespace: str, node_id: str, controller_name: str):
     """Get or create the agent of ``node_id``, pinned there."""
     return (
-        ray.remote(NodeAgent)
+        _agent_actor_class()
         .options(
             name=agent_actor_name(node_id),
             namespace=namespace,

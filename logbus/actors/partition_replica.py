@@ -31,8 +31,13 @@ accepts writes for a partition at any time.
 
 Nothing runs on a timer while a replica is idle. A replica that starts (or
 that Ray restarted) tells its node agent its pid and asks the controller for
-its role once (``replica_started``, through the agent, so that the replica's
-process need not load the controller's class); role changes come as calls. The leader
+its role (``replica_started``, through the agent, so that the replica's
+process need not load the controller's class); role changes come as calls,
+which the controller sends again until they are acknowledged, and a replica
+whose fence epoch stays past its own for ``FENCE_ASK_DELAY_S`` (the agent
+says when it moves the fence; requests and a follower's fetches look too)
+asks again, once per fence epoch. A follower's fetch has a deadline
+of its own (its wait plus ``FOLLOWER_FETCH_SLACK_MS``). The leader
 checks its ISR when something happens (a follower's fetch, a produce) and
 arms one timer only while an in-sync follower is behind; retention arms one
 timer for when its oldest data expires, and interval flushes one after an
@@ -125,6 +130,15 @@ ALTER_ISR_TIMEOUT_S = 5.0
 LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this long for a renewal
 LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
+# A follower's fetch ends by its own deadline: its wait plus this slack. One sent into a cut network
+# (or on a connection that died) would otherwise wait until the transport gives up, many seconds.
+FOLLOWER_FETCH_SLACK_MS = 1_000
+# After a fetch that failed or timed out, the follower asks with this short wait (deadline: this plus
+# the slack) until one succeeds: once the leader can be reached again, a fetch ends and is sent again
+# within 2 s, and the follower is back in the ISR at its next fetch.
+FOLLOWER_RETRY_WAIT_MS = 500
+FOLLOWER_CALL_TIMEOUT_S = 5.0  # a follower's other calls to its leader (epoch ends, offsets)
+FENCE_ASK_DELAY_S = 1.0  # a fence epoch past ours this long (the controller's call did not come): ask for our role
 MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
 CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
 CLEAN_FAILED_RETRY_MAX_S = 3600.0
@@ -235,7 +249,10 @@ class PartitionReplica:
         self._lease: NodeLease | None = None  # the node's lease (None standalone: no controller)
         self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean"
+        self._agent_handle = None  # this node's agent (asked for our role on our behalf)
+        self._role_asked_epoch = -1  # the fence epoch we last asked our role for
+        self._role_question: asyncio.Task | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean", "role"
         self._cleaning: asyncio.Task | None = None  # the log cleaning under way
         self._cleaning_stop = None  # set to stop it (the stop event of its plan)
         # A cleaning due but held back by the high watermark: it starts once the watermark reaches this.
@@ -245,6 +262,8 @@ class PartitionReplica:
         self._isr_proposal: asyncio.Task | None = None
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
         self._throttle_until = 0.0
+        self._throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
+        self._fetch_waits_expired = 0  # long polls that ended with no data when their wait ran out
         self._segments_seen = 0
         self._log_gauges = metrics.LogGauges(topic, partition)
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
@@ -315,30 +334,77 @@ class PartitionReplica:
             self._controller_handle = await asyncio.to_thread(ray.get_actor, self.controller_name, namespace=self.namespace)
         return self._controller_handle
 
+    async def _agent(self):
+        if self._agent_handle is None:
+            name = agent_actor_name(ray.get_runtime_context().get_node_id())
+            self._agent_handle = await asyncio.to_thread(ray.get_actor, name, namespace=self.namespace)
+        return self._agent_handle
+
     async def _say_started(self) -> None:
-        """Once per process: the node agent watches this pid, and the controller (asked through the
-        agent, ``NodeAgent.replica_started``) says what our role is."""
+        """Once per process: the node agent watches this pid; then the controller says what our role is
+        (``_ask_role``)."""
         name = replica_file_name(self.topic_id, self.partition, self.replica_id)
-        agent_name = agent_actor_name(ray.get_runtime_context().get_node_id())
-        agent = None
-        registered = answered = False
-        while not (registered and answered) and not self._deleted:
+        while not self._deleted:
             try:
-                if agent is None:
-                    agent = await asyncio.to_thread(ray.get_actor, agent_name, namespace=self.namespace)
-                if not registered:
-                    await agent.register.remote(name, os.getpid())
-                    registered = True
-                if not answered:
-                    reply = await agent.replica_started.remote(self.topic, self.partition, self.replica_id)
-                    answered = True
-                    if reply.get("deleted"):
-                        self._deleted = True
-                        return
-                    await self._reconcile(reply)
-            except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
-                agent = None
+                await (await self._agent()).register.remote(name, os.getpid(), ray.get_runtime_context().current_actor)
+                break
+            except Exception:  # noqa: BLE001 (agent not up yet, or restarting: try again)
+                self._agent_handle = None
                 await asyncio.sleep(START_RETRY_S)
+        await self._ask_role()
+
+    def _fence_ahead(self) -> int | None:
+        """Our fence's epoch if it is past ours and not yet asked about (one 8-byte read), else None."""
+        fence = self._fence
+        if fence is None or self._deleted:
+            return None
+        current = fence.current_epoch
+        return current if current > self.leader_epoch and current > self._role_asked_epoch else None
+
+    def _check_fence(self) -> None:
+        """Ask the controller for our role if our fence stays past our epoch for FENCE_ASK_DELAY_S.
+
+        The agent writes a partition's new epoch into the fence before the
+        controller tells anyone their role, and tells us (``fence_moved``);
+        every request and follower fetch looks too. The controller's own call
+        normally follows within milliseconds; a replica that missed it (a
+        call lost in a cut network, say) asks once per fence epoch, after a
+        one-shot timer, so that an election costs no second call per replica.
+        """
+        if self._fence_ahead() is not None and "role" not in self._timers:
+            self._arm("role", FENCE_ASK_DELAY_S, self._ask_if_behind)
+
+    def _ask_if_behind(self) -> None:
+        current = self._fence_ahead()
+        if current is None:
+            return  # the role change arrived meanwhile
+        self._role_asked_epoch = current
+        if self._role_question is None or self._role_question.done():
+            logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role", self._label, current, self.leader_epoch)
+            self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+
+    async def fence_moved(self) -> None:
+        """The node agent wrote a newer epoch into our fence: ask for our role if it is past ours."""
+        if self._removing:
+            return
+        self._started()
+        self._check_fence()
+
+    async def _ask_role(self) -> None:
+        """Ask the controller (through the node agent, ``NodeAgent.replica_started``) for our role and
+        take it; retried until answered."""
+        while not self._deleted:
+            try:
+                reply = await (await self._agent()).replica_started.remote(self.topic, self.partition, self.replica_id)
+            except Exception:  # noqa: BLE001 (agent or controller not up yet, or restarting: try again)
+                self._agent_handle = None
+                await asyncio.sleep(START_RETRY_S)
+                continue
+            if reply.get("deleted"):
+                self._deleted = True
+                return
+            await self._reconcile(reply)
+            return
 
     def _may_write(self) -> bool:
         """The node's lease holds and this leader's epoch is the partition's current one (no call)."""
@@ -358,6 +424,7 @@ class PartitionReplica:
         if self._may_write():
             return True
         if self._fence is None or self._fence.current_epoch != self.leader_epoch:
+            self._check_fence()
             return False
         deadline = monotonic_ms() + LEASE_WAIT_MS
         while monotonic_ms() < deadline:
@@ -660,7 +727,7 @@ class PartitionReplica:
         latest = self.log.epochs.latest_epoch
         if latest == UNDEFINED_EPOCH:
             return
-        leader_epoch, end_offset = await leader.end_offset_for_epoch.remote(latest)
+        leader_epoch, end_offset = await asyncio.wait_for(leader.end_offset_for_epoch.remote(latest), FOLLOWER_CALL_TIMEOUT_S)
         if leader_epoch == UNDEFINED_EPOCH:
             target = self.log.log_start_offset
         else:
@@ -672,7 +739,9 @@ class PartitionReplica:
     async def _follow(self, epoch: int, leader) -> None:
         truncated = False
         last_error = None
+        failing = False  # the last call to the leader failed or timed out: fetch with a short wait
         while not self._deleted and self.role == FOLLOWER and self.leader_epoch == epoch:
+            self._check_fence()  # a newer epoch in our fence: a role change we may have missed
             try:
                 if not truncated:
                     await self._truncate_by_epoch(leader)
@@ -680,12 +749,25 @@ class PartitionReplica:
                 # Wait at most half the lag time: a fetch waiting at the leader counts as in sync only
                 # that long, so an idle follower renews it before it stops counting.
                 wait_ms = min(REPLICA_FETCH_WAIT_MS, self.log.config.replica_lag_time_max_ms // 2)
+                if failing:
+                    wait_ms = min(wait_ms, FOLLOWER_RETRY_WAIT_MS)
                 max_bytes = REPLICA_FETCH_MAX_BYTES
                 if self.throttle_bytes_per_s:
                     # A throttled copy (a reassignment) asks for small slices, so its pace stays smooth.
                     max_bytes = max(THROTTLED_FETCH_MIN_BYTES, min(max_bytes, int(self.throttle_bytes_per_s * THROTTLE_SLICE_S)))
                 request = FetchRequest(self.log.log_end_offset, max_bytes, wait_ms, False, FETCH_INLINE_MAX_BYTES)
-                meta, data = await leader.replica_fetch.remote(self.replica_id, epoch, request)
+                try:
+                    meta, data = await asyncio.wait_for(
+                        leader.replica_fetch.remote(self.replica_id, epoch, request), (wait_ms + FOLLOWER_FETCH_SLACK_MS) / 1000
+                    )
+                except asyncio.TimeoutError:
+                    raise RequestTimedOutError(
+                        f"fetch from the leader not answered within its wait ({wait_ms} ms) and {FOLLOWER_FETCH_SLACK_MS} ms"
+                    ) from None
+                if failing:
+                    logger.info("replica %s: fetching from leader %s again", self._label, self.leader_id)
+                failing = False
+                last_error = None
                 if self.role != FOLLOWER or self.leader_epoch != epoch:
                     return
                 if data is not None:
@@ -705,12 +787,18 @@ class PartitionReplica:
             except asyncio.CancelledError:
                 raise
             except OffsetOutOfRangeError:
-                start, _, end = await leader.offsets.remote()
+                try:
+                    start, _, end = await asyncio.wait_for(leader.offsets.remote(), FOLLOWER_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (the next fetch tries again)
+                    failing = True
+                    await asyncio.sleep(0.1)
+                    continue
                 if self.log.log_end_offset < start:
                     self.log.truncate_fully_and_start_at(start)
                 else:
                     truncated = False  # our log runs past the leader's: cut it by epoch again
             except Exception as error:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
+                failing = True
                 if repr(error) != last_error:  # say so once per kind of error, not every 100 ms
                     last_error = repr(error)
                     logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
@@ -728,6 +816,7 @@ class PartitionReplica:
         if not rate:
             self._throttle_until = 0.0
             return
+        self._throttled_copy_bytes += copied
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._throttle_until = max(self._throttle_until, now) + copied / rate
@@ -741,6 +830,7 @@ class PartitionReplica:
     # --- data plane --------------------------------------------------------------------------------------
 
     def _check_leader(self, epoch: int | None = None) -> LeaderState:
+        self._check_fence()
         if self.role != LEADER or self.leader_state is None:
             raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} is not the leader")
         if epoch is not None and epoch != self.leader_epoch:
@@ -901,6 +991,8 @@ class PartitionReplica:
         if consumer:
             metrics.latency("fetch", monotonic_ms() - started_ms)
         if result is None:
+            if consumer and request.max_wait_ms > 0:
+                self._fetch_waits_expired += 1
             offset = int(request.offset)
             return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
         if consumer:
@@ -1083,6 +1175,11 @@ class PartitionReplica:
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._appended),
+            # Consumers' long polls that waited here until their max_wait_ms ran out, with no data.
+            "fetch_waits_expired": self._fetch_waits_expired,
+            # As a reassignment's new replica: the copy's rate limit (None: none), and the bytes copied under one.
+            "throttle_bytes_per_s": self.throttle_bytes_per_s,
+            "throttled_copy_bytes": self._throttled_copy_bytes,
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,

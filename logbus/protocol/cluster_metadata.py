@@ -45,6 +45,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from logbus.invariant import check as _check
+from logbus.protocol.elections import candidates
 from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
     InternalStateError,
@@ -282,19 +283,15 @@ class ClusterMetadata:
         """
         state = self.topic(name).partitions[partition]
         old = state.leader
-        candidates = [r for r in state.replicas if r in state.isr and r in alive]
-        unclean = False
-        if not candidates and unclean_allowed:
-            candidates = [r for r in state.replicas if r in alive]
-            unclean = True
-        if not candidates:
+        chosen, unclean = candidates(state.replicas, state.isr, alive, unclean_allowed)
+        if not chosen:
             if old is None:
                 return False
             state.leader = None
             state.leader_epoch += 1
             _check_partition(state, f"{name}-{partition}")
             return True
-        new = candidates[0]
+        new = chosen[0]
         if new == old:
             return False
         state.leader = new

@@ -15,8 +15,9 @@ import pytest
 import logbus
 from logbus import TopicPartition
 from tests.actors.replica_files import committed_records
-from tests.actors.test_replication import cluster, leader_status, serving_leader, statuses, wait_isr  # noqa: F401 (cluster: the three-node fixture)
+from tests.actors.test_replication import leader_status, serving_leader, statuses, wait_isr
 from tests.conftest import close_bus, wait_for
+from tests.healing import assert_healed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -105,3 +106,4 @@ def test_replicas_compact_their_own_copies_and_a_new_replica_copies_the_compacte
 
     wait_for(new_replica_leads, timeout_s=60, message="the new replica to lead")
     assert consume(rbus, topic) == [r for r in expected if r[0] >= start]
+    assert_healed(rbus, topic)

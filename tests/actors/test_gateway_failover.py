@@ -1,8 +1,8 @@
 """The Kafka gateway across a leader's death: a confluent-kafka producer (acks=all, idempotent)
 follows the new leader when the leader's node is killed, and loses no acknowledged record.
 
-Multi-node on one machine with ``ray.cluster_utils.Cluster``, with the
-cluster, fault injection and invariant checks of ``test_replication.py``:
+Multi-node on one machine with ``ray.cluster_utils.Cluster`` (the three-node cluster of
+tests/actors/conftest.py), with the fault injection and invariant checks of ``test_replication.py``:
 one gateway per replica node, so Metadata names the leader's node's gateway
 as each partition's leader and the producer sends there; killing that node
 kills its gateway too, and the producer must find the new leader through the
@@ -23,18 +23,17 @@ from logbus.actors.gateway import KafkaGateway
 from logbus.protocol import kafka_gateway as kg
 from tests.actors.test_gateway import Raw
 
-from tests.actors.test_replication import (  # noqa: F401 (fixtures: the cluster, three replica nodes, a bus on it)
+from tests.actors.test_replication import (  # noqa: F401 (rbus: the fixture of a bus on the three-node cluster)
     REPLICA_RESOURCE,
     check_invariants,
-    cluster,
     kill_node,
     serving_leader,
     rbus,
-    three_replica_nodes,
     wait_isr,
     wait_new_leader,
 )
 from tests.conftest import wait_for
+from tests.healing import assert_healed
 
 pytestmark = [
     pytest.mark.slow,
@@ -133,6 +132,7 @@ def test_a_kafka_producer_follows_the_new_leader_when_the_leaders_node_dies(clus
         metadata = AdminClient({"bootstrap.servers": alive}).list_topics(topic, timeout=30)
         assert killed not in metadata.brokers
         assert metadata.topics[topic].partitions[0].leader in metadata.brokers
+        assert assert_healed(rbus, topic) == {0: stored}
     finally:
         if workload is not None:
             workload.stop()  # no producer thread may outlive its test

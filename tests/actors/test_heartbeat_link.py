@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatServer, encode
+from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatServer, encode, read_frame
 from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 
 
@@ -142,3 +142,41 @@ def _frames(data: bytes):
             return
         yield json.loads(data[4 : 4 + size])
         data = data[4 + size :]
+
+
+@pytest.mark.parametrize("error", [TimeoutError(110, "Connection timed out"), ConnectionResetError(104, "Connection reset by peer"), OSError(113, "No route to host")])
+def test_a_connection_that_fails_ends_the_link_as_closed_not_with_its_os_error(error):
+    """ETIMEDOUT (keepalive after a cut network), a reset: the link ends as closed, which the server
+    logs in one line; the OS error never escapes as an unhandled exception with its traceback."""
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.set_exception(error)
+        with pytest.raises(HeartbeatLinkClosedError, match=type(error).__name__):
+            await read_frame(reader)
+
+    run(main())
+
+
+def test_the_controller_and_agents_log_lines_carry_their_time():
+    import io
+    import logging
+    import re
+
+    from logbus.actors import logs
+
+    logger = logging.getLogger("logbus")
+    before = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        logs.configure_logging()
+        logs.configure_logging()  # once per process, however often called
+        ours = [h for h in logger.handlers if h.get_name() == "logbus-actor"]
+        assert len(ours) == 1
+        out = io.StringIO()
+        ours[0].setStream(out)
+        logging.getLogger("logbus.actors.controller").warning("node %s: lease expired", "abc")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} WARNING logbus\.actors\.controller: node abc: lease expired\n",
+                            out.getvalue()), out.getvalue()
+    finally:
+        logger.handlers[:] = before[0]
+        logger.setLevel(before[1])
+        logger.propagate = before[2]
