@@ -102,6 +102,27 @@ class UnknownMemberIdError(LogbusError):
     """The group coordinator does not know this member (it was removed)."""
 
 
+class FencedInstanceIdError(UnknownMemberIdError):
+    """A static member's old member id: a newer process with the same group instance id took its place
+    (Kafka's FENCED_INSTANCE_ID). The old process is a zombie and must stop; as an UnknownMemberIdError
+    it is no member any more."""
+
+
+class FencedMemberEpochError(UnknownMemberIdError):
+    """A KIP-848 member's epoch is not one the coordinator gave it (Kafka's FENCED_MEMBER_EPOCH): it must give
+    up its partitions and join again with epoch 0."""
+
+
+class UnsupportedAssignorError(InvalidConfigError):
+    """A KIP-848 member asked for a server-side assignor the coordinator does not have (Kafka's
+    UNSUPPORTED_ASSIGNOR)."""
+
+
+class InconsistentGroupProtocolError(InvalidConfigError):
+    """A member's protocol type, or every assignment strategy it lists, differs from its group's members'
+    (Kafka's INCONSISTENT_GROUP_PROTOCOL)."""
+
+
 class IllegalGenerationError(LogbusError):
     """The member's group generation is stale (a rebalance happened)."""
 
@@ -121,6 +142,11 @@ class CommitFailedError(UnknownMemberIdError, IllegalGenerationError):
 
 class GroupNotEmptyError(LogbusError):
     """The operation needs an inactive group but the group has members."""
+
+
+class GroupSubscribedToTopicError(LogbusError):
+    """Committed offsets of a topic the group's members subscribe to cannot be deleted (Kafka's
+    GROUP_SUBSCRIBED_TO_TOPIC)."""
 
 
 class OutOfOrderSequenceError(RetriableError):

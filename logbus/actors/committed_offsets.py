@@ -27,11 +27,13 @@ from logbus.actors.fetcher import reply_async
 from logbus.actors.remote import unwrap
 from logbus.errors import LeaderNotAvailableError, LogbusError
 from logbus.protocol.group_coordinator import (
+    GROUP_METADATA_KEY_VERSION,
     OFFSETS_TOPIC,
     OffsetAndMetadata,
     decode_offset_commit_key,
     decode_offset_commit_value,
     offset_commit_key,
+    offsets_key_version,
 )
 from logbus.protocol.messages import FetchRequest, TopicPartition
 
@@ -102,6 +104,8 @@ class CommittedOffsets:
                 break
             for _, _, records in rb.slice_batches(data, offset, high_watermark):
                 for key, value in zip(records.column("key").to_pylist(), records.column("value").to_pylist()):
+                    if offsets_key_version(key) >= GROUP_METADATA_KEY_VERSION:
+                        continue  # Kafka's group metadata records (logbus keeps its groups in groups.json)
                     group_id, tp = decode_offset_commit_key(key)
                     if value is None:
                         table.pop((group_id, tp.topic, tp.partition), None)
@@ -110,6 +114,10 @@ class CommittedOffsets:
                         table[(group_id, tp.topic, tp.partition)] = OffsetAndMetadata(decoded.offset, decoded.metadata, decoded.leader_epoch)
             offset = meta.next_offset
         return table
+
+    async def ensure_topic(self) -> None:
+        """Create ``__consumer_offsets`` now if it does not exist (Kafka tools expect to find it)."""
+        await self._ensure_topic()
 
     async def _ensure_topic(self) -> None:
         if OFFSETS_TOPIC in self._host.partition_counts():
@@ -131,7 +139,12 @@ class CommittedOffsets:
     async def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete every committed offset of ``group_id``: a tombstone per partition, appended with
         acks='all', then the entries here. Returns the partitions whose offsets went."""
-        partitions = sorted(self.partitions_of(group_id))
+        return await self.delete_partitions(group_id, sorted(self.partitions_of(group_id)))
+
+    async def delete_partitions(self, group_id: str, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Delete the committed offsets of ``partitions`` of ``group_id`` (those it has): tombstones, then
+        the entries here. Returns the partitions whose offsets went."""
+        partitions = [tp for tp in partitions if (group_id, tp.topic, tp.partition) in self.table]
         if not partitions:
             return []
         await self._append([(offset_commit_key(group_id, tp), None) for tp in partitions])

@@ -1461,17 +1461,22 @@ class Controller:
             await self.reassign_partitions(plan, throttle_bytes_per_s)
         return {"moving": sorted(plan)}
 
-    async def elect_preferred_leaders(self, topics: list[str] | None = None) -> list:
+    async def elect_preferred_leaders(self, topics: list[str] | None = None, partitions: list | None = None) -> list:
         """Give leadership back to each partition's preferred leader (its first replica) where it is
-        alive and in sync: after failovers, leaders spread evenly again. Returns the partitions moved."""
+        alive and in sync: after failovers, leaders spread evenly again. ``partitions`` ((topic,
+        partition) pairs), if given, narrows ``topics`` to those (Kafka's ElectLeaders). Returns the
+        partitions moved."""
         await self._ready()
         now = monotonic_ms()
         changed = []
+        only = None if partitions is None else {(t, int(p)) for t, p in partitions}
         async with self._lock:
             for topic in list(self.metadata.topics.values()):
                 if topics is not None and topic.name not in topics:
                     continue
                 for p, state in enumerate(topic.partitions):
+                    if only is not None and (topic.name, p) not in only:
+                        continue
                     if state.adding or not state.replicas or state.leader == state.replicas[0]:
                         continue
                     alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
@@ -1500,14 +1505,14 @@ class Controller:
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
-        """For the Kafka gateway, in one call: per topic named (every topic but the internal ones when
-        ``names`` is None; None for a name that is no topic) its id, config and, per partition, the
-        leader's handle, epoch and node and its replicas' and in-sync replicas' nodes; and the nodes
-        hosting replicas whose leases ran out (``dead_nodes``). Nodes here are the Ray nodes they are on
-        now (a gateway is a Ray node's), a node away none."""
+        """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``
+        included as Kafka lists it, when ``names`` is None; None for a name that is no topic) its id,
+        config and, per partition, the leader's handle, epoch and node and its replicas' and in-sync
+        replicas' nodes; and the nodes hosting replicas whose leases ran out (``dead_nodes``). Nodes
+        here are the Ray nodes they are on now (a gateway is a Ray node's), a node away none."""
         await self._ready()
         topics = {}
-        for name in (await self.list_topics()) if names is None else names:
+        for name in (await self.list_topics(include_internal=True)) if names is None else names:
             topic = self.metadata.topics.get(name)
             if topic is None:
                 topics[name] = None
@@ -1629,29 +1634,41 @@ class Controller:
         await self._ready()
         return await self.groups.join(group_id, options, wait_ms)
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+    async def group_sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None = None, wait_ms: int = 0,
+                         group_instance_id: str | None = None, protocol_type: str | None = None, protocol_name: str | None = None):
         await self._ready()
-        return await self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms, wait_ms)
+        return await self.groups.sync(group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type, protocol_name)
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool:
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        """KIP-848's ConsumerGroupHeartbeat (see ``GroupService.consumer_heartbeat``; ``options`` are its keyword arguments)."""
         await self._ready()
-        return await self.groups.leave(group_id, member_id)
+        return await self.groups.consumer_heartbeat(group_id, member_id, member_epoch, **options)
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
+                              group_instance_id: str | None = None):
         await self._ready()
-        await self.groups.commit_offsets(group_id, member_id, generation, offsets)
+        return await self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms, wait_ms, group_instance_id)
+
+    async def group_leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
+        await self._ready()
+        return await self.groups.leave(group_id, member_id, group_instance_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict,
+                             group_instance_id: str | None = None, retention_ms: int | None = None) -> None:
+        await self._ready()
+        await self.groups.commit_offsets(group_id, member_id, generation, offsets, group_instance_id, retention_ms)
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         await self._ready()
         return await self.groups.fetch_committed(group_id, partitions)
 
-    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+    async def list_groups(self, with_protocol_type: bool = False) -> list[tuple]:
         await self._ready()
-        return await self.groups.list_groups()
+        return await self.groups.list_groups(with_protocol_type)
 
-    async def describe_group(self, group_id: str) -> dict:
+    async def describe_group(self, group_id: str, protocol_details: bool = False) -> dict:
         await self._ready()
-        return await self.groups.describe_group(group_id)
+        return await self.groups.describe_group(group_id, protocol_details)
 
     async def reset_offsets(self, group_id: str, to, topics: list[str] | None = None) -> dict:
         await self._ready()
@@ -1660,6 +1677,17 @@ class Controller:
     async def delete_group(self, group_id: str) -> list:
         await self._ready()
         return await self.groups.delete_group(group_id)
+
+    async def delete_group_offsets(self, group_id: str, partitions: list) -> dict:
+        """Kafka's OffsetDelete (see ``GroupService.delete_offsets``)."""
+        await self._ready()
+        return await self.groups.delete_offsets(group_id, partitions)
+
+    async def ensure_offsets_topic(self) -> None:
+        """Create ``__consumer_offsets`` if it does not exist yet (a Kafka gateway starting: Kafka's tools
+        expect to find it before the first commit)."""
+        await self._ready()
+        await self.groups.offsets.ensure_topic()
 
 
 @functools.cache

@@ -61,7 +61,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.channel_client import cancel_request
 from logbus.actors.channel_client import channels as local_channels
-from logbus.actors.controller import CONTROLLER_NAME
+from logbus.actors.controller import CONTROLLER_NAME, CREATE_TIMEOUT_S
 from logbus.actors.fetcher import send_fetch
 from logbus.actors.remote import CONTROL_TIMEOUT_S, unwrap
 from logbus.errors import (
@@ -77,7 +77,7 @@ from logbus.errors import (
 )
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest, TopicPartition
 from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ class ClusterBackend:
         return await self._call("allocate_producer_id")
 
     async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
-        await self._call("create_topic", name, partitions, replication_factor, config)
+        await self._call("create_topic", name, partitions, replication_factor, config, timeout_s=CREATE_TIMEOUT_S + CALL_MARGIN_S)
 
     async def delete_topic(self, name: str) -> None:
         await self._call("delete_topic", name)
@@ -420,32 +420,87 @@ class ClusterBackend:
         session_s = options.get("session_timeout_ms", 0) / 1000
         return await self._call("group_join", group_id, options, wait_ms, timeout_s=wait_ms / 1000 + session_s + CALL_MARGIN_S)
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int):
-        return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0)
+    async def group_sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None, wait_ms: int,
+                         group_instance_id: str | None, protocol_type: str | None, protocol_name: str | None):
+        return await self._call("group_sync", group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type,
+                                protocol_name, timeout_s=wait_ms / 1000 + CALL_MARGIN_S)
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool:
-        return await self._call("group_leave", group_id, member_id)
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        return await self._call("consumer_group_heartbeat", group_id, member_id, member_epoch, options)
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
-        await self._call("commit_offsets", group_id, member_id, generation, offsets)
+    async def topic_names_by_id(self) -> dict[str, str]:
+        """{topic id (hex): name} of the topics looked up so far."""
+        return {cached.view.topic_id: name for name, cached in self._topics.items()}
+
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, group_instance_id: str | None = None):
+        return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0, group_instance_id)
+
+    async def group_leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
+        return await self._call("group_leave", group_id, member_id, group_instance_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict, group_instance_id: str | None = None,
+                             retention_ms: int | None = None) -> None:
+        await self._call("commit_offsets", group_id, member_id, generation, offsets, group_instance_id, retention_ms)
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         return await self._call("fetch_committed", group_id, partitions)
 
     async def describe_group(self, group_id: str) -> dict:
-        return await self._call("describe_group", group_id)
+        return await self._call("describe_group", group_id, True)
 
     async def list_groups(self) -> list:
-        return await self._call("list_groups")
+        return await self._call("list_groups", True)
+
+    async def delete_group(self, group_id: str) -> None:
+        await self._call("delete_group", group_id)
+
+    async def delete_group_offsets(self, group_id: str, partitions: list) -> dict:
+        return await self._call("delete_group_offsets", group_id, partitions)
+
+    async def ensure_offsets_topic(self) -> None:
+        await self._call("ensure_offsets_topic", timeout_s=CREATE_TIMEOUT_S)
+
+    # --- administration ----------------------------------------------------------------------------------
+
+    async def create_partitions(self, name: str, total: int) -> None:
+        await self._call("create_partitions", name, total, timeout_s=CREATE_TIMEOUT_S)
+        self._stale.add(name)
+
+    async def delete_records(self, topic: str, partition: int, offset: int) -> int:
+        found = await self._call("delete_records", {(topic, partition): offset})
+        return found[TopicPartition(topic, partition)]
+
+    async def alter_config(self, name: str, config: dict, delete: list[str]) -> None:
+        await self._call("alter_config", name, config, delete)
+        self._stale.add(name)
+
+    async def end_offset_for_epoch(self, topic: str, partition: int, epoch: int) -> tuple[int, int]:
+        leader = await self._leader(topic, partition)
+        with self._leader_errors(topic, partition, "an epoch query", CALL_MARGIN_S):
+            return tuple(await _await_ref(leader.end_offset_for_epoch.remote(epoch), CALL_MARGIN_S))
+
+    async def elect_preferred_leaders(self, partitions: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        moved = await self._call("elect_preferred_leaders", sorted({t for t, _ in partitions}), [tuple(tp) for tp in partitions])
+        for topic, _ in moved:
+            self._stale.add(topic)
+        return [tuple(tp) for tp in moved]
+
+    async def replica_statuses(self, topic: str) -> list[list[dict]]:
+        return await self._call("replica_statuses", topic)
+
+    async def data_dir(self) -> str:
+        return await self._call("get_data_dir")
 
 
 class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
 
     def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int,
-                 max_connections: int = MAX_CONNECTIONS_DEFAULT) -> None:
+                 max_connections: int = MAX_CONNECTIONS_DEFAULT, config: dict | None = None) -> None:
         node_id = ray.get_runtime_context().get_node_id()
-        self._settings = (host, port, advertised_host, max_request_bytes, max_connections)  # as asked (see start_gateways)
+        broker_config = kg.BrokerConfig.from_dict(config)
+        # As asked (see start_gateways).
+        self._settings = (host, port, advertised_host, max_request_bytes, max_connections, broker_config.to_dict())
         self.max_connections = max_connections
         self.connections_refused = 0
         self._refused_warned_s = -REFUSED_WARNING_INTERVAL_S
@@ -456,7 +511,7 @@ class Gateway:
         bound_port = self._sock.getsockname()[1]
         self.broker = kg.Broker(kg.broker_id_for(node_id), advertised_host, bound_port, node_id)
         self.backend = ClusterBackend(namespace, self.broker)
-        self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes)
+        self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes, config=broker_config)
         self.connections = 0
         self.connections_total = 0
         self.refused_frames = 0
@@ -532,8 +587,8 @@ class Gateway:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
 
-    def settings(self) -> tuple[str, int, str | None, int, int]:
-        """(host, port, advertised host, max request bytes, max connections) as asked for when it was started."""
+    def settings(self) -> tuple[str, int, str | None, int, int, dict]:
+        """(host, port, advertised host, max request bytes, max connections, broker settings) as asked for when it was started."""
         return self._settings
 
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
@@ -560,6 +615,7 @@ class Gateway:
             "connections_limit": self.max_connections,
             "connections_refused": self.connections_refused,
             "requests": dict(self.handler.requests_served),
+            "requests_unserved": dict(self.handler.requests_unserved),
             "refused_frames": self.refused_frames,
             "open_request_bytes": budget.used,
             "open_request_bytes_peak": budget.peak,
@@ -762,8 +818,14 @@ def start_gateways(
     advertised_host: str | None = None,
     max_request_bytes: int | None = None,
     max_connections: int | None = None,
+    config: dict | None = None,
 ) -> KafkaGateway:
     """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
+
+    ``config``: broker settings by Kafka's names (``auto.create.topics.enable``,
+    ``num.partitions``, ``default.replication.factor``; see
+    :class:`~logbus.protocol.kafka_gateway.BrokerConfig`). ``__consumer_offsets``
+    is created before this returns, as a Kafka cluster has it from the start.
 
     A gateway already running on a node is used as it is if it was started
     with the same settings, and IllegalStateError is raised (nothing is
@@ -782,6 +844,7 @@ def start_gateways(
         max_connections = MAX_CONNECTIONS_DEFAULT
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
         raise InvalidConfigError(f"max_connections must be a positive int, not {max_connections!r}")
+    broker_config = kg.BrokerConfig.from_dict(config).to_dict()
     if all_nodes:
         nodes = [n["ray_node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
         here = ray.get_runtime_context().get_node_id()
@@ -789,7 +852,7 @@ def start_gateways(
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    asked = (host, port, advertised_host, max_request_bytes, max_connections)
+    asked = (host, port, advertised_host, max_request_bytes, max_connections, broker_config)
     actors, created = [], []
     for node_id in nodes:
         try:
@@ -810,7 +873,7 @@ def start_gateways(
                 max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             )
-            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections)
+            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections, broker_config)
         )
         actors.append(actor)
         created.append(actor)
@@ -827,12 +890,14 @@ def start_gateways(
         if tuple(found) != asked:
             # Ours are the ones started with what was asked (another caller may have started one meanwhile).
             _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
-            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections"), found))
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections", "config"), found))
             raise IllegalStateError(
                 f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
                 f"to start one with other settings"
             )
     ray.get([a.set_peers.remote(addresses) for a in actors], timeout=CONTROL_TIMEOUT_S)
+    # Kafka's tools (lag monitors reading __consumer_offsets) expect it before the first commit.
+    ray.get(controller.ensure_offsets_topic.remote(), timeout=CREATE_TIMEOUT_S + CONTROL_TIMEOUT_S)
     return KafkaGateway(namespace, tuple(tuple(a) for a in addresses))
 
 
