@@ -374,6 +374,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.InvalidPartitionsError, ErrorCode.invalid_partitions),
     (e.InvalidReplicationFactorError, ErrorCode.invalid_replication_factor),
     (e.NodeCapacityError, ErrorCode.policy_violation),
+    (e.InconsistentClusterIdError, ErrorCode.inconsistent_cluster_id),
     (e.InvalidConfigError, ErrorCode.invalid_config),
     (e.StorageError, ErrorCode.kafka_storage_error),
     (e.ReassignmentInProgressError, ErrorCode.reassignment_in_progress),
