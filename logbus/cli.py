@@ -17,6 +17,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
     logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
+        [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--sasl-mechanism SCRAM-SHA-512 ...] [--allow-plaintext]
     logbus join --address HEAD:6379 --token-file auth_token --data-dir /var/lib/logbus [--replica-slots 32] [--rack r1]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
@@ -51,6 +52,7 @@ from logbus.errors import CliError, InvalidConfigError, InvalidPartitionError, L
 from logbus.options import INT32_MAX, INT64_MAX, MS_MAX, check_int
 from logbus.retry import retry_until
 from logbus.protocol.cluster_metadata import PARTITIONS_MAX
+from logbus.protocol.listener_security import SASL_MECHANISMS, ListenerSecurity
 from logbus.storage.names import validate_topic_name
 
 PROG = "logbus"
@@ -548,7 +550,9 @@ def cmd_gateway(args) -> int:
     """Serve Kafka's wire protocol until interrupted (Ctrl-C or SIGTERM), so Kafka clients (kcat,
     kafka-python, confluent-kafka, aiokafka) produce to and consume from logbus.
 
-    Listens on 127.0.0.1 unless --host names another address. Prints the
+    Listens on 127.0.0.1 unless --host names another address; another
+    address needs TLS (--tls-cert, --tls-key) and authentication (--sasl-mechanism,
+    or client certificates with --tls-ca), or --allow-plaintext. Prints the
     bootstrap servers to give Kafka clients, then one line per gateway
     (broker); stops the gateways on exit.
     """
@@ -561,7 +565,13 @@ def cmd_gateway(args) -> int:
         with _connected(args) as bus:
             limits = {name: value for name, value in (("max_request_bytes", args.max_request_bytes),
                                                       ("max_connections", args.max_connections)) if value is not None}
-            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits)
+            security = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_cafile": args.tls_ca,
+                        "sasl_mechanisms": tuple(args.sasl_mechanism or ()), "allow_plaintext": args.allow_plaintext,
+                        "allow_plain_without_tls": args.allow_plain_without_tls}
+            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits, **security)
+            exposed = ListenerSecurity(**security).exposure_warning(args.host)
+            if exposed:
+                sys.stderr.write(f"warning: {exposed}\n")
             try:
                 sys.stdout.write(f"Kafka gateway serving: bootstrap.servers={gateway.bootstrap_servers}\n")
                 for host, port, broker_id, node_id in gateway.brokers:
@@ -1159,6 +1169,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
     gateway.add_argument("--max-connections", type=_int_flag("--max-connections", 1, INT32_MAX), metavar="N",
                          help="client connections per gateway; one more is closed when accepted (default: 4096)")
+    gateway.add_argument("--tls-cert", metavar="PEM", help="the gateway's TLS certificate (chain); with --tls-key, clients connect with TLS")
+    gateway.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    gateway.add_argument("--tls-ca", metavar="PEM", help="CA certificates client certificates must be signed by (requires them)")
+    gateway.add_argument("--sasl-mechanism", action="append", choices=SASL_MECHANISMS, metavar="MECHANISM",
+                         help=f"a SASL mechanism clients authenticate with ({', '.join(SASL_MECHANISMS)}; repeat for several)")
+    gateway.add_argument("--allow-plaintext", action="store_true", help="listen on a non-loopback --host without TLS and authentication")
+    gateway.add_argument("--allow-plain-without-tls", action="store_true", help="offer SASL PLAIN without TLS (passwords in the clear)")
     gateway.set_defaults(func=cmd_gateway)
 
     # join

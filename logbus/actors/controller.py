@@ -1533,6 +1533,27 @@ class Controller:
         dead = [n.ray_node_id for n in self._nodes.values() if n.ray_node_id is not None and not self._node_alive(n.node_id, now)]
         return {"topics": topics, "dead_nodes": dead}
 
+    async def scram_credential(self, user: str, mechanism: str) -> dict | None:
+        """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
+        await self._ready()
+        return self.metadata.scram_credential(user, mechanism)
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        """Set each (user, mechanism, credential) of ``upserts``, then delete each (user, mechanism or
+        None for all) of ``deletions``; durable before this returns. Per deletion, whether it found one."""
+        await self._ready()
+        async with self._lock:
+            for user, mechanism, credential in upserts:
+                self.metadata.set_scram_credential(user, mechanism, credential)
+            found = [self.metadata.delete_scram_credential(user, mechanism) for user, mechanism in deletions]
+            self._persist()
+        return found
+
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> mechanism -> iterations of every SCRAM credential (never the credential itself)."""
+        await self._ready()
+        return self.metadata.scram_users()
+
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
         await self._ready()

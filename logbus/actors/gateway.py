@@ -76,7 +76,10 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol import kafka_gateway as kg
+from logbus.protocol.kafka_sasl import SASL_API_VERSIONS, Authenticator
+from logbus.protocol.listener_security import ListenerSecurity
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
+from logbus.protocol.scram import ScramCredential
 from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest, TopicPartition
 from logbus.storage.log_config import LogConfig
 
@@ -496,11 +499,13 @@ class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
 
     def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int,
-                 max_connections: int = MAX_CONNECTIONS_DEFAULT, config: dict | None = None) -> None:
+                 max_connections: int = MAX_CONNECTIONS_DEFAULT, config: dict | None = None, security: dict | None = None) -> None:
         node_id = ray.get_runtime_context().get_node_id()
         broker_config = kg.BrokerConfig.from_dict(config)
+        self.security = ListenerSecurity.from_dict(security)
         # As asked (see start_gateways).
-        self._settings = (host, port, advertised_host, max_request_bytes, max_connections, broker_config.to_dict())
+        self._settings = (host, port, advertised_host, max_request_bytes, max_connections, broker_config.to_dict(), self.security.to_dict())
+        self._ssl = self.security.ssl_context()
         self.max_connections = max_connections
         self.connections_refused = 0
         self._refused_warned_s = -REFUSED_WARNING_INTERVAL_S
@@ -512,6 +517,9 @@ class Gateway:
         self.broker = kg.Broker(kg.broker_id_for(node_id), advertised_host, bound_port, node_id)
         self.backend = ClusterBackend(namespace, self.broker)
         self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes, config=broker_config)
+        self.auth = Authenticator(self.security, self._scram_credential)
+        if self.auth.enabled:
+            self.handler.api_versions.update(SASL_API_VERSIONS)
         self.connections = 0
         self.connections_total = 0
         self.refused_frames = 0
@@ -523,10 +531,15 @@ class Gateway:
         self._thread = threading.Thread(target=self._run, args=(started,), name="logbus-kafka-gateway", daemon=True)
         self._thread.start()
         started.result(timeout=30)
-        logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d)", node_id, host, bound_port, advertised_host, bound_port)
+        logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d, %s)", node_id, host, bound_port, advertised_host, bound_port,
+                    self.security.security_protocol)
         self._namespace = namespace
         if ray.get_runtime_context().was_current_actor_reconstructed:
             threading.Thread(target=self._rejoin, name="logbus-kafka-gateway-rejoin", daemon=True).start()
+
+    async def _scram_credential(self, user: str, mechanism: str) -> ScramCredential | None:
+        found = await self.backend._call("scram_credential", user, mechanism)
+        return None if found is None else ScramCredential.from_dict(found)
 
     def _rejoin(self) -> None:
         """Ray restarted this gateway: learn the other gateways' addresses and tell them this one's.
@@ -558,7 +571,7 @@ class Gateway:
         asyncio.set_event_loop(self._loop)
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(self._serve_connection, sock=self._sock)
+            self._server = await asyncio.start_server(self._serve_connection, sock=self._sock, ssl=self._ssl)
             started.set_result(None)
 
         try:
@@ -587,8 +600,9 @@ class Gateway:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
 
-    def settings(self) -> tuple[str, int, str | None, int, int, dict]:
-        """(host, port, advertised host, max request bytes, max connections, broker settings) as asked for when it was started."""
+    def settings(self) -> tuple[str, int, str | None, int, int, dict, dict]:
+        """(host, port, advertised host, max request bytes, max connections, broker settings, listener security) as asked for
+        when it was started."""
         return self._settings
 
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
@@ -624,6 +638,9 @@ class Gateway:
             "open_request_bytes_connection_limit": CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes,
             "requests_waited_for_connection_room": self.requests_waited_for_connection_room,
             "replica_channels_backlogged": self.backend.channels_backlogged(),
+            "authentications": {"succeeded": self.auth.stats.succeeded, "failed": self.auth.stats.failed,
+                                "refused_frames": self.auth.stats.refused_frames, "by_mechanism": dict(self.auth.stats.by_mechanism),
+                                "addresses_throttled": len(self.auth.throttle)},
         }
 
     def shutdown(self) -> None:
@@ -666,6 +683,8 @@ class Gateway:
         responses: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT_MAX)
         sender = asyncio.ensure_future(self._send_responses(responses, writer))
         peer = writer.get_extra_info("peername")
+        session = self.auth.session(peer)  # SASL's turn first, when the listener has it
+        start_request = functools.partial(self.handler.start, connection=connection)
         # This connection's share of the gateway's room: however slow its requests (long polls, produce
         # requests waiting for acks), it leaves the other half to the other connections.
         own = _Budget(CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes)
@@ -675,8 +694,9 @@ class Gateway:
             while not sender.done():
                 prefix = await reader.readexactly(4)
                 size = int.from_bytes(prefix, "big", signed=True)
-                if size < 8 or size > self.handler.max_request_bytes:
-                    raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
+                size_max = session.frame_bytes_max or self.handler.max_request_bytes
+                if size < 8 or size > size_max:
+                    raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {size_max})")
                 if own.must_wait(size):
                     self.requests_waited_for_connection_room += 1
                 await own.acquire(size)
@@ -685,7 +705,7 @@ class Gateway:
                     await self._budget.acquire(size)
                     release = _Release((own, self._budget), size)
                     frame = await reader.readexactly(size)
-                    pending = asyncio.ensure_future(_released_after(self.handler.start(frame, connection), release))
+                    pending = asyncio.ensure_future(_released_after(session.start(frame, start_request), release))
                 except BaseException:
                     release()
                     raise
@@ -819,6 +839,7 @@ def start_gateways(
     max_request_bytes: int | None = None,
     max_connections: int | None = None,
     config: dict | None = None,
+    security: ListenerSecurity | None = None,
 ) -> KafkaGateway:
     """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
 
@@ -826,6 +847,9 @@ def start_gateways(
     ``num.partitions``, ``default.replication.factor``; see
     :class:`~logbus.protocol.kafka_gateway.BrokerConfig`). ``__consumer_offsets``
     is created before this returns, as a Kafka cluster has it from the start.
+    ``security``: the listener's TLS and SASL; a gateway that would listen
+    off loopback without them is refused here, before anything starts
+    (:meth:`~logbus.protocol.listener_security.ListenerSecurity.exposure_warning`).
 
     A gateway already running on a node is used as it is if it was started
     with the same settings, and IllegalStateError is raised (nothing is
@@ -845,6 +869,8 @@ def start_gateways(
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
         raise InvalidConfigError(f"max_connections must be a positive int, not {max_connections!r}")
     broker_config = kg.BrokerConfig.from_dict(config).to_dict()
+    security = security if security is not None else ListenerSecurity()
+    security.ssl_context()  # files that cannot be read fail here, with the driver's error
     if all_nodes:
         nodes = [n["ray_node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
         here = ray.get_runtime_context().get_node_id()
@@ -852,7 +878,7 @@ def start_gateways(
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    asked = (host, port, advertised_host, max_request_bytes, max_connections, broker_config)
+    asked = (host, port, advertised_host, max_request_bytes, max_connections, broker_config, security.to_dict())
     actors, created = [], []
     for node_id in nodes:
         try:
@@ -860,6 +886,7 @@ def start_gateways(
             continue
         except ValueError:
             pass  # none there yet
+        exposed = security.exposure_warning(host)  # before one starts: raises unless allowed
         actor = (
             _gateway_actor_class()
             .options(
@@ -873,10 +900,12 @@ def start_gateways(
                 max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             )
-            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections, broker_config)
+            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections, broker_config, security.to_dict())
         )
         actors.append(actor)
         created.append(actor)
+        if exposed:
+            logger.warning("%s", exposed)
     try:
         addresses = ray.get([a.address.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
         settings = ray.get([a.settings.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
@@ -890,7 +919,7 @@ def start_gateways(
         if tuple(found) != asked:
             # Ours are the ones started with what was asked (another caller may have started one meanwhile).
             _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
-            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections", "config"), found))
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections", "config", "security"), found))
             raise IllegalStateError(
                 f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
                 f"to start one with other settings"

@@ -118,6 +118,12 @@ class Bus:
         advertised_host: str | None = None,
         max_request_bytes: int | None = None,
         max_connections: int | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cafile: str | None = None,
+        sasl_mechanisms: tuple[str, ...] = (),
+        allow_plaintext: bool = False,
+        allow_plain_without_tls: bool = False,
     ) -> KafkaGateway:
         """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
 
@@ -140,14 +146,27 @@ class Bus:
         first). The gateways run until
         ``stop()`` on the returned :class:`~logbus.actors.gateway.KafkaGateway`
         (or the Ray cluster ends), whose ``bootstrap_servers`` clients take.
+
+        Security (README, "The gateway off loopback"): ``ssl_certfile`` and
+        ``ssl_keyfile`` (PEM) put TLS on the listener; ``ssl_cafile`` also
+        requires client certificates signed by that CA. ``sasl_mechanisms``
+        (of ``"SCRAM-SHA-512"``, ``"SCRAM-SHA-256"``, ``"PLAIN"``) makes
+        clients authenticate with SASL as users made with
+        ``admin.create_scram_user``; PLAIN only over TLS unless
+        ``allow_plain_without_tls``. A ``host`` other than loopback without
+        TLS and authentication raises InvalidConfigError unless
+        ``allow_plaintext`` (then a warning is logged).
         """
         # Imported here: the gateway's dependencies (kio, cramjam) are for those who start one.
         from logbus.actors.gateway import start_gateways
+        from logbus.protocol.listener_security import ListenerSecurity
 
+        security = ListenerSecurity(ssl_certfile, ssl_keyfile, ssl_cafile, tuple(sasl_mechanisms) if isinstance(sasl_mechanisms, list) else sasl_mechanisms,
+                                    allow_plaintext, allow_plain_without_tls)
         return start_gateways(
             self.namespace, self._controller, host, port,
             all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,
-            max_connections=max_connections,
+            max_connections=max_connections, security=security,
         )
 
 

@@ -130,6 +130,9 @@ class ClusterMetadata:
         self.next_producer_id = 0
         self.cluster_id = cluster_id or uuid.uuid4().hex  # recorded in the data directory of every host the cluster uses
         self.upgraded_from: int | None = None  # the version read, when older than METADATA_VERSION
+        # user -> SCRAM mechanism -> the stored credential's fields (salt, stored_key, server_key
+        # base64; iterations): what the Kafka gateway checks SASL logins against. Never a password.
+        self.scram_credentials: dict[str, dict[str, dict]] = {}
 
     # --- topics ------------------------------------------------------------------------------
 
@@ -547,6 +550,31 @@ class ClusterMetadata:
         self.next_producer_id += 1
         return producer_id
 
+    # --- SCRAM credentials --------------------------------------------------------------------
+
+    def scram_credential(self, user: str, mechanism: str) -> dict | None:
+        return self.scram_credentials.get(user, {}).get(mechanism)
+
+    def set_scram_credential(self, user: str, mechanism: str, credential: dict) -> None:
+        self.scram_credentials.setdefault(user, {})[mechanism] = dict(credential)
+
+    def delete_scram_credential(self, user: str, mechanism: str | None = None) -> bool:
+        """Delete one mechanism's credential of ``user`` (every one if None); whether there was one."""
+        mechanisms = self.scram_credentials.get(user)
+        if not mechanisms or (mechanism is not None and mechanism not in mechanisms):
+            return False
+        if mechanism is None:
+            mechanisms.clear()
+        else:
+            del mechanisms[mechanism]
+        if not mechanisms:
+            del self.scram_credentials[user]
+        return True
+
+    def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> mechanism -> iterations: what may be shown of the credentials."""
+        return {user: {m: c["iterations"] for m, c in mechanisms.items()} for user, mechanisms in self.scram_credentials.items()}
+
     # --- persistence -------------------------------------------------------------------------
 
     def to_json(self) -> str:
@@ -556,6 +584,7 @@ class ClusterMetadata:
                 "cluster_id": self.cluster_id,
                 "next_producer_id": self.next_producer_id,
                 "topics": {name: asdict(topic) for name, topic in self.topics.items()},
+                "scram_credentials": self.scram_credentials,
             },
             indent=1,
             sort_keys=True,
@@ -570,6 +599,7 @@ class ClusterMetadata:
         if raw["version"] < METADATA_VERSION:
             metadata.upgraded_from = raw["version"]
         metadata.next_producer_id = raw["next_producer_id"]
+        metadata.scram_credentials = raw.get("scram_credentials", {})  # absent from files written before SASL
         for name, topic in raw["topics"].items():
             partitions = [PartitionState(**p) for p in topic["partitions"]]
             metadata.topics[name] = TopicState(topic["name"], topic["topic_id"], partitions, topic["config"])

@@ -470,6 +470,8 @@ class KafkaHandler(AdminRequests):
         self._turns: dict[tuple[Hashable, str, int], asyncio.Future] = {}
         self.requests_served: dict[tuple[int, int], int] = {}  # by (API key, version): for tests and `stats()`
         self.requests_unserved: dict[tuple[int, int], int] = {}  # answered UNSUPPORTED_VERSION, by (API key, version)
+        # What ApiVersions lists: the APIs served here, and those the listener serves itself (SASL's).
+        self.api_versions: dict[int, tuple[int, int]] = dict(API_VERSIONS_SERVED)
         self._handlers = {
             API_VERSIONS: self._api_versions,
             METADATA: self._metadata,
@@ -560,7 +562,7 @@ class KafkaHandler(AdminRequests):
     def _versions_values(self, code: ErrorCode = ErrorCode.none) -> dict:
         return {
             "error_code": code,
-            "api_keys": [{"api_key": k, "min_version": lo, "max_version": hi} for k, (lo, hi) in sorted(API_VERSIONS_SERVED.items())],
+            "api_keys": [{"api_key": k, "min_version": lo, "max_version": hi} for k, (lo, hi) in sorted(self.api_versions.items())],
             "throttle_time": 0,
         }
 
