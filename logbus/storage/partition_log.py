@@ -736,6 +736,7 @@ class PartitionLog:
                 self.segments[-1].delete()  # StorageError: the segment is intact
                 self.segments.pop()
                 self._bases.pop()
+                self.active_segment.reactivate()
             self.active_segment.truncate_to(offset)
         except StorageError as error:
             failure = error

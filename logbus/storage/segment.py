@@ -447,6 +447,14 @@ class LogSegment:
         self._reload_tail_state()
         return removed
 
+    def reactivate(self) -> None:
+        """Make a closed segment the active one again (a truncation deleted the segments after it).
+
+        A closed segment is opened without counting the bytes written since its last offset-index
+        entry; appends to it need that count to place the next entry where recovery would.
+        """
+        self._reload_tail_state()
+
     def _reload_tail_state(self) -> None:
         """Recompute next offset and timestamps after a truncation, scanning from the last index entry."""
         self.next_offset = self.base_offset
