@@ -375,6 +375,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.InvalidReplicationFactorError, ErrorCode.invalid_replication_factor),
     (e.NodeCapacityError, ErrorCode.policy_violation),
     (e.InconsistentClusterIdError, ErrorCode.inconsistent_cluster_id),
+    (e.ReplicaNotAvailableError, ErrorCode.replica_not_available),
     (e.InvalidConfigError, ErrorCode.invalid_config),
     (e.StorageError, ErrorCode.kafka_storage_error),
     (e.ReassignmentInProgressError, ErrorCode.reassignment_in_progress),

@@ -276,6 +276,7 @@ UNMAPPED = {
     "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
     "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "DataDirectoryInUseError", "KafkaProtocolError",
     "HeartbeatLinkClosedError", "HeartbeatRefusedError",
+    "NodeIdentityError",  # a host's identity files: the host's operator meets it, never a client
 }
 
 
