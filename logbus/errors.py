@@ -183,6 +183,12 @@ class InconsistentClusterIdError(LogbusError):
     """
 
 
+class SaslAuthenticationError(LogbusError):
+    """A SASL login to the Kafka gateway failed (Kafka's SaslAuthenticationException): a message that
+    cannot be read, a wrong proof or an unknown user. The message names neither the password nor
+    whether the user exists."""
+
+
 class NodeIdentityError(LogbusError):
     """A host's logbus identity cannot be used: its ``meta.properties`` is unreadable or malformed, or
     names a node id other than the one the host advertises (its Ray node label ``logbus.node``)."""

@@ -376,6 +376,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.NodeCapacityError, ErrorCode.policy_violation),
     (e.InconsistentClusterIdError, ErrorCode.inconsistent_cluster_id),
     (e.ReplicaNotAvailableError, ErrorCode.replica_not_available),
+    (e.SaslAuthenticationError, ErrorCode.sasl_authentication_failed),
     (e.InvalidConfigError, ErrorCode.invalid_config),
     (e.StorageError, ErrorCode.kafka_storage_error),
     (e.ReassignmentInProgressError, ErrorCode.reassignment_in_progress),

@@ -44,11 +44,11 @@ from typing import Awaitable, Callable, Hashable
 
 from kio.schema.errors import ErrorCode
 
-from logbus.errors import KafkaProtocolError
+from logbus.errors import KafkaProtocolError, SaslAuthenticationError
 from logbus.protocol.kafka_messages import encode_response, peek_header, read_request
 from logbus.protocol.listener_security import PLAIN, ListenerSecurity
 from logbus.protocol.scram import MECHANISMS as SCRAM_MECHANISMS
-from logbus.protocol.scram import ScramCredential, ScramError, ScramServer, credential_from_salted, salted_password
+from logbus.protocol.scram import ScramCredential, ScramServer, credential_from_salted, salted_password
 
 logger = logging.getLogger(__name__)
 
@@ -186,22 +186,22 @@ class Session:
                 reply = await self._plain(token)
             else:
                 reply = await self._scram_round(token)
-        except ScramError as error:
+        except SaslAuthenticationError as error:
             return await self._fail(request, error)
         return self._reply(request, ErrorCode.none, None, reply)
 
     async def _plain(self, token: bytes) -> bytes:
         if len(token) > PLAIN_BYTES_MAX:
-            raise ScramError("a PLAIN message over the size limit")
+            raise SaslAuthenticationError("a PLAIN message over the size limit")
         parts = token.split(b"\0")
         if len(parts) != 3:
-            raise ScramError("a PLAIN message that cannot be read")
+            raise SaslAuthenticationError("a PLAIN message that cannot be read")
         try:
             authzid, user, password = (p.decode("utf-8") for p in parts)
         except UnicodeDecodeError:
-            raise ScramError("a PLAIN message that is not UTF-8") from None
+            raise SaslAuthenticationError("a PLAIN message that is not UTF-8") from None
         if not user or not password or authzid not in ("", user):
-            raise ScramError("invalid credentials")
+            raise SaslAuthenticationError("invalid credentials")
         self._user = user
         for mechanism in ("SCRAM-SHA-512", "SCRAM-SHA-256"):
             credential = await self._auth.credential(user, mechanism)
@@ -216,7 +216,7 @@ class Session:
         else:
             # No credential: spend the same work as a check, so timing does not tell who exists.
             await asyncio.to_thread(hashlib.pbkdf2_hmac, "sha512", password.encode("utf-8"), b"\0" * 32, 4096)
-        raise ScramError("invalid credentials")
+        raise SaslAuthenticationError("invalid credentials")
 
     async def _scram_round(self, token: bytes) -> bytes:
         if self._scram is None:
@@ -234,7 +234,7 @@ class Session:
         stats.succeeded += 1
         stats.by_mechanism[self._mechanism] = stats.by_mechanism.get(self._mechanism, 0) + 1
 
-    async def _fail(self, request, error: ScramError) -> bytes:
+    async def _fail(self, request, error: SaslAuthenticationError) -> bytes:
         self._failed = True
         self._auth.stats.failed += 1
         delay_s = self._auth.throttle.failed(self.address[0] if isinstance(self.address, tuple) else self.address)

@@ -27,7 +27,7 @@ same way a wrong password fails: the exchange does not tell who exists.
 Channel binding is not offered (gs2 header ``n`` or ``y``; ``p=`` is refused),
 as Kafka has it; ``a=`` (an authorization id) must name the user itself.
 
-Every failure raises :class:`ScramError` with a message that names neither
+Every failure raises :class:`SaslAuthenticationError` with a message that names neither
 the password nor the proof.
 """
 
@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from logbus.errors import InvalidConfigError
+from logbus.errors import InvalidConfigError, SaslAuthenticationError
 
 MECHANISMS = {"SCRAM-SHA-256": "sha256", "SCRAM-SHA-512": "sha512"}
 ITERATIONS_MIN, ITERATIONS_MAX = 4096, 16384  # Kafka's bounds (ScramMechanism.minIterations, maxIterations)
@@ -49,10 +49,6 @@ SALT_BYTES = 32
 NONCE_BYTES = 24
 MESSAGE_BYTES_MAX = 4096  # a SCRAM message longer than this is not a client's (names and nonces are short)
 USER_BYTES_MAX = 256
-
-
-class ScramError(Exception):
-    """The exchange failed: a message that cannot be read, a wrong proof, an unknown user (same message)."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +117,7 @@ def _attributes(message: str) -> list[tuple[str, str]]:
     out = []
     for part in message.split(","):
         if len(part) < 2 or part[1] != "=":
-            raise ScramError("a SCRAM message that cannot be read")
+            raise SaslAuthenticationError("a SCRAM message that cannot be read")
         out.append((part[0], part[2:]))
     return out
 
@@ -129,17 +125,17 @@ def _attributes(message: str) -> list[tuple[str, str]]:
 def _unescape(name: str) -> str:
     """saslname: "=2C" is ",", "=3D" is "=", and no other "="."""
     if "=" in name.replace("=2C", "").replace("=3D", ""):
-        raise ScramError("a SCRAM user name that cannot be read")
+        raise SaslAuthenticationError("a SCRAM user name that cannot be read")
     return name.replace("=2C", ",").replace("=3D", "=")
 
 
 def _decode(data: bytes) -> str:
     if len(data) > MESSAGE_BYTES_MAX:
-        raise ScramError("a SCRAM message over the size limit")
+        raise SaslAuthenticationError("a SCRAM message over the size limit")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ScramError("a SCRAM message that is not UTF-8") from None
+        raise SaslAuthenticationError("a SCRAM message that is not UTF-8") from None
 
 
 # Look a user's credential up: (user, mechanism) -> the credential, or None for an unknown user.
@@ -172,24 +168,24 @@ class ScramServer:
     def first(self, message: bytes) -> str:
         """Read client-first; the user name it names (the caller then calls ``server_first``)."""
         if self._step != 0:
-            raise ScramError("a SCRAM client-first message out of turn")
+            raise SaslAuthenticationError("a SCRAM client-first message out of turn")
         text = _decode(message)
         parts = text.split(",", 2)
         if len(parts) != 3:
-            raise ScramError("a SCRAM client-first message that cannot be read")
+            raise SaslAuthenticationError("a SCRAM client-first message that cannot be read")
         binding, authzid, bare = parts
         if binding not in ("n", "y"):
-            raise ScramError("SCRAM channel binding is not supported")
+            raise SaslAuthenticationError("SCRAM channel binding is not supported")
         attributes = _attributes(bare)
         if len(attributes) < 2 or attributes[0][0] != "n" or attributes[1][0] != "r" or not attributes[1][1]:
-            raise ScramError("a SCRAM client-first message that cannot be read")
+            raise SaslAuthenticationError("a SCRAM client-first message that cannot be read")
         if any(key == "m" for key, _ in attributes):
-            raise ScramError("SCRAM extensions marked mandatory are not supported")
+            raise SaslAuthenticationError("SCRAM extensions marked mandatory are not supported")
         user = _unescape(attributes[0][1])
         if not user:
-            raise ScramError("a SCRAM client-first message without a user name")
+            raise SaslAuthenticationError("a SCRAM client-first message without a user name")
         if authzid and (not authzid.startswith("a=") or _unescape(authzid[2:]) != user):
-            raise ScramError("a SCRAM authorization id other than the user itself")
+            raise SaslAuthenticationError("a SCRAM authorization id other than the user itself")
         self.user = user
         self._gs2_header = f"{binding},{authzid},"
         self._client_first_bare = bare
@@ -200,7 +196,7 @@ class ScramServer:
     def server_first(self, credential: ScramCredential | None) -> bytes:
         """server-first, with the user's salt and iterations (made up for an unknown user)."""
         if self._step != 1:
-            raise ScramError("a SCRAM server-first message out of turn")
+            raise SaslAuthenticationError("a SCRAM server-first message out of turn")
         if credential is None:
             fake_salt = hmac.new(self._secret, self.user.encode("utf-8") + self.mechanism.encode(), "sha256").digest()
             credential = ScramCredential(fake_salt, b"", b"", ITERATIONS_DEFAULT)  # no key matches an empty one
@@ -210,32 +206,32 @@ class ScramServer:
         return self._server_first.encode("ascii")
 
     def final(self, message: bytes) -> bytes:
-        """Check client-final's proof; server-final if it holds, else ScramError (the same for every wrong proof)."""
+        """Check client-final's proof; server-final if it holds, else SaslAuthenticationError (the same for every wrong proof)."""
         if self._step != 2:
-            raise ScramError("a SCRAM client-final message out of turn")
+            raise SaslAuthenticationError("a SCRAM client-final message out of turn")
         self._step = 3
         text = _decode(message)
         attributes = _attributes(text)
         if len(attributes) < 3 or attributes[0][0] != "c" or attributes[1][0] != "r" or attributes[-1][0] != "p":
-            raise ScramError("a SCRAM client-final message that cannot be read")
+            raise SaslAuthenticationError("a SCRAM client-final message that cannot be read")
         try:
             binding = base64.b64decode(attributes[0][1], validate=True).decode("utf-8")
             proof = base64.b64decode(attributes[-1][1], validate=True)
         except (ValueError, UnicodeDecodeError):
-            raise ScramError("a SCRAM client-final message that cannot be read") from None
+            raise SaslAuthenticationError("a SCRAM client-final message that cannot be read") from None
         if binding != self._gs2_header:
-            raise ScramError("SCRAM channel binding does not match the client-first message")
+            raise SaslAuthenticationError("SCRAM channel binding does not match the client-first message")
         if attributes[1][1] != self._combined_nonce:
-            raise ScramError("a SCRAM nonce that is not this exchange's")
+            raise SaslAuthenticationError("a SCRAM nonce that is not this exchange's")
         without_proof = text[: text.rindex(",p=")]
         auth_message = f"{self._client_first_bare},{self._server_first},{without_proof}".encode("utf-8")
         credential = self._credential
         client_signature = _hmac(self._hash, credential.stored_key, auth_message)
         if len(proof) != len(client_signature) or not credential.stored_key:
-            raise ScramError("invalid credentials")
+            raise SaslAuthenticationError("invalid credentials")
         client_key = bytes(a ^ b for a, b in zip(proof, client_signature))
         if not hmac.compare_digest(hashlib.new(self._hash, client_key).digest(), credential.stored_key):
-            raise ScramError("invalid credentials")
+            raise SaslAuthenticationError("invalid credentials")
         return ("v=" + _b64(_hmac(self._hash, credential.server_key, auth_message))).encode("ascii")
 
     @property
@@ -261,7 +257,7 @@ class ScramClient:
         text = server_first.decode("utf-8")
         attributes = dict(_attributes(text))
         if not attributes["r"].startswith(self._nonce):
-            raise ScramError("the server's nonce does not extend the client's")
+            raise SaslAuthenticationError("the server's nonce does not extend the client's")
         salt, iterations = base64.b64decode(attributes["s"]), int(attributes["i"])
         salted = salted_password(self.mechanism, self._password, salt, iterations)
         client_key = _hmac(self._hash, salted, b"Client Key")

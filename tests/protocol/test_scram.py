@@ -7,11 +7,10 @@ import base64
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from logbus.errors import InvalidConfigError
+from logbus.errors import InvalidConfigError, SaslAuthenticationError
 from logbus.protocol.scram import (
     ITERATIONS_MIN,
     ScramClient,
-    ScramError,
     ScramServer,
     make_credential,
 )
@@ -65,9 +64,9 @@ def test_the_right_password_authenticates_any_user_name_including_commas_and_equ
        other=st.text(min_size=1, max_size=20))
 def test_a_wrong_password_and_an_unknown_user_fail_alike(mechanism, password, other):
     if other != password:
-        with pytest.raises(ScramError, match="^invalid credentials$"):
+        with pytest.raises(SaslAuthenticationError, match="^invalid credentials$"):
             exchange(mechanism, "alice", other, password)
-    with pytest.raises(ScramError, match="^invalid credentials$"):
+    with pytest.raises(SaslAuthenticationError, match="^invalid credentials$"):
         exchange(mechanism, "nobody", password, None)
 
 
@@ -98,7 +97,7 @@ def test_credentials_do_not_contain_the_password_and_salts_differ():
     b"n,a=other,n=user,r=abc", b"n,,n=user,r=abc,m=ext", b"\xff\xfe", b"n,,n=user,r=" + b"a" * 5000,
 ])
 def test_client_first_messages_that_cannot_be_served_are_refused(client_first):
-    with pytest.raises(ScramError):
+    with pytest.raises(SaslAuthenticationError):
         ScramServer("SCRAM-SHA-256", unknown_user_secret=SECRET).first(client_first)
 
 
@@ -115,10 +114,10 @@ def test_client_final_messages_that_do_not_belong_to_the_exchange_are_refused():
         server = ScramServer("SCRAM-SHA-256", unknown_user_secret=SECRET, nonce=SERVER_NONCE)
         server.first(CLIENT_FIRST)
         server.server_first(credential)
-        with pytest.raises(ScramError):
+        with pytest.raises(SaslAuthenticationError):
             server.final(final)
     server = ScramServer("SCRAM-SHA-256", unknown_user_secret=SECRET, nonce=SERVER_NONCE)
-    with pytest.raises(ScramError, match="out of turn"):
+    with pytest.raises(SaslAuthenticationError, match="out of turn"):
         server.final(CLIENT_FINAL)
 
 
@@ -130,6 +129,6 @@ def test_any_bytes_end_in_scram_error_or_a_verdict_never_another_exception(first
         server.first(first)
         server.server_first(make_credential("SCRAM-SHA-512", "pw", iterations=ITERATIONS_MIN))
         server.final(final)
-    except ScramError:
+    except SaslAuthenticationError:
         return
     raise AssertionError("random bytes authenticated")
