@@ -336,6 +336,41 @@ class GroupService:
     async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
         """OffsetCommit: validated by the coordinator, durable in ``__consumer_offsets`` before it returns."""
         await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
+        finally:
+            await self._settle(group_id)  # the call may have expired members (or created the group)
+        await self.offsets.commit(group_id, records, checked)
+        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+
+    async def txn_offset_commit(
+        self, group_id: str, member_id: str, generation: int, offsets: dict, producer_id: int, producer_epoch: int
+    ) -> None:
+        """TxnOffsetCommit (KIP-447): checked against the group's generation and member like a commit,
+        written to ``__consumer_offsets`` as a transactional batch of the producer, and pending until
+        the transaction's marker there (see committed_offsets.py). The transaction service checks the
+        producer before it calls this."""
+        await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
+        finally:
+            await self._settle(group_id)
+        await self.offsets.commit_transactional(producer_id, producer_epoch, group_id, records, checked)
+
+    def transaction_completed(self, producer_id: int, commit: bool) -> None:
+        """The transaction coordinator wrote ``producer_id``'s marker on ``__consumer_offsets``."""
+        self.offsets.transaction_completed(producer_id, commit)
+        if commit:
+            self.start()
+
+    def _checked_offsets(self, offsets: dict) -> dict:
+        """{TopicPartition: OffsetAndMetadata} from a commit's argument; caller errors raised."""
         counts = self._host.partition_counts()
         checked = {}
         if not isinstance(offsets, dict):
@@ -353,14 +388,7 @@ class GroupService:
                     raise InvalidConfigError(f"the offset to commit for {tp} must be an int >= 0 or an OffsetAndMetadata, not {om!r}")
                 om = OffsetAndMetadata(om)
             checked[tp] = om
-        if not checked:
-            return
-        try:
-            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
-        finally:
-            await self._settle(group_id)  # the call may have expired members (or created the group)
-        await self.offsets.commit(group_id, records, checked)
-        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+        return checked
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         """OffsetFetch: {TopicPartition: OffsetAndMetadata or None}."""
