@@ -344,6 +344,38 @@ class Producer:
         # The sync flush returns once the replies are in; their completions may still be on their way here.
         await self._settle(pending, None)
 
+    # --- transactions (a producer made with transactional_id=...) ---------------------------------
+
+    async def init_transactions(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.init_transactions`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.init_transactions, timeout_s)
+
+    async def begin_transaction(self) -> None:
+        """As :meth:`logbus.Producer.begin_transaction` (after every send handed to the worker)."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.begin_transaction)
+
+    async def send_offsets_to_transaction(self, offsets: dict, group_metadata, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.send_offsets_to_transaction`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.send_offsets_to_transaction, offsets, group_metadata, timeout_s)
+
+    async def commit_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.commit_transaction`: on the worker, after every send handed to it,
+        so the transaction holds every record whose ``send()`` was awaited before."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.commit_transaction, timeout_s)
+        await self._settle(pending, None)
+
+    async def abort_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.abort_transaction`, on the worker after every send handed to it."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.abort_transaction, timeout_s)
+        await self._settle(pending, None)
+
     async def partitions_for(self, topic: str) -> list[int]:
         """The partition numbers of ``topic`` (fetched once, off the loop)."""
         producer = self._running()
