@@ -71,7 +71,7 @@ from ray.data.datasource import Datasink, Datasource, ReadTask
 from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
-from logbus.api.producer import Producer
+from logbus.api.producer import Producer, end_transaction
 from logbus.errors import (
     InvalidConfigError,
     InvalidPartitionError,
@@ -79,8 +79,10 @@ from logbus.errors import (
     LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
+    TransactionAbortedError,
 )
 from logbus.protocol.messages import FetchRequest
+from logbus.protocol.transaction_coordinator import validate_transactional_id
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_topic_name
 
@@ -615,6 +617,20 @@ class TopicSink(Datasink):
     failed, so a successful write means every record was acknowledged. A
     retried task sends its block again (at-least-once, as Kafka without
     idempotence). After the write, ``records_written`` holds the total.
+
+    Transactional (``transactional_id``): each write task writes its blocks in
+    a transaction of its own (transactional id ``{transactional_id}-{task
+    index}``), flushes it, and leaves it open; once every task succeeded, the
+    driver commits them all (``on_write_complete``). read_committed readers
+    see nothing of the write until then, and nothing of a failed attempt: a
+    retried task fences its earlier attempt (same transactional id), which
+    aborts that attempt's transaction; a write that fails leaves its tasks'
+    transactions to the coordinator, which aborts them after
+    ``transaction_timeout_ms`` (default 60 s; it must exceed the write's
+    duration) or when the next write with the same transactional id starts.
+    The commits are one per task: if the coordinator aborted one before the
+    driver commits it (its timeout passed), that one fails and the error
+    names it, while the others commit.
     """
 
     def __init__(
@@ -628,6 +644,7 @@ class TopicSink(Datasink):
         timestamp_column: str | None = "timestamp",
         partition_column: str | None = "partition",
         producer_options: dict | None = None,
+        transactional_id: str | None = None,
     ) -> None:
         if not isinstance(value_column, str) or not value_column:
             raise InvalidConfigError(f"value_column must be a column name, not {value_column!r}")
@@ -645,7 +662,15 @@ class TopicSink(Datasink):
         self.headers_column = headers_column
         self.timestamp_column = timestamp_column
         self.partition_column = partition_column
-        Producer(self.bus, **self.producer_options).close()  # bad producer option values fail now
+        if transactional_id is not None:
+            validate_transactional_id(transactional_id)
+            if "transactional_id" in self.producer_options:
+                raise InvalidConfigError("give the sink's transactional_id as its own argument, not in producer_options")
+        self.transactional_id = transactional_id
+        options = dict(self.producer_options)
+        if transactional_id is not None:
+            options["transactional_id"] = transactional_id
+        Producer(self.bus, **options).close()  # bad producer option values fail now
         self.records_written = 0
 
     def get_name(self) -> str:
@@ -682,7 +707,7 @@ class TopicSink(Datasink):
         if self.partition_column in names and not pa.types.is_integer(schema.field(self.partition_column).type):
             raise InvalidRecordError(f"partition column {self.partition_column!r} must hold ints, not {schema.field(self.partition_column).type}")
 
-    def _table(self, block) -> pa.Table:
+    def table_of(self, block) -> pa.Table:
         """The columns send_table takes, from one block."""
         table = BlockAccessor.for_block(block).to_arrow()
         names = table.schema.names
@@ -702,12 +727,14 @@ class TopicSink(Datasink):
             columns["partition"] = column
         return pa.table(columns)
 
-    def write(self, blocks, ctx) -> int:
+    def write(self, blocks, ctx):
+        if self.transactional_id is not None:
+            return self._write_transaction(blocks, ctx)
         producer = Producer(self.bus, **self.producer_options)
         futures, count = [], 0
         try:
             for block in blocks:
-                table = self._table(block)
+                table = self.table_of(block)
                 if table.num_rows:
                     futures.append(producer.send_table(self.topic, table))
                     count += table.num_rows
@@ -718,8 +745,41 @@ class TopicSink(Datasink):
             future.result()  # raises the first failed batch's error
         return count
 
+    def _write_transaction(self, blocks, ctx) -> tuple[int, tuple | None]:
+        """One task's blocks in a transaction left open for the driver to commit: (records, handle)."""
+        transactional_id = f"{self.transactional_id}-{ctx.task_idx}"
+        producer = Producer(self.bus, transactional_id=transactional_id, **self.producer_options)
+        futures, count = [], 0
+        try:
+            producer.init_transactions()  # fences (and aborts) an earlier attempt of this task
+            producer.begin_transaction()
+            for block in blocks:
+                table = self.table_of(block)
+                if table.num_rows:
+                    futures.append(producer.send_table(self.topic, table))
+                    count += table.num_rows
+            handle = producer.hand_over_transaction()
+        finally:
+            producer.close()  # aborts the transaction unless it was handed over
+        for future in futures:
+            future.result()
+        return count, handle
+
     def on_write_complete(self, write_result) -> None:
-        self.records_written = sum(write_result.write_returns)
+        if self.transactional_id is None:
+            self.records_written = sum(write_result.write_returns)
+            return
+        failures = []
+        for _, handle in write_result.write_returns:
+            if handle is None:
+                continue
+            try:
+                end_transaction(self.bus, handle, commit=True)
+            except LogbusError as error:
+                failures.append(f"{handle[0]}: {error!r}")
+        if failures:
+            raise TransactionAbortedError(f"write tasks' transactions not committed: {failures}")
+        self.records_written = sum(count for count, _ in write_result.write_returns)
 
 
 def write_dataset(dataset: Dataset, topic: str, bus: Bus | None = None, *, key_column: str | None = None, value_column: str = "value", **sink_options) -> int:
