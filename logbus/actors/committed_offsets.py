@@ -56,6 +56,9 @@ LOAD_TIMEOUT_S = 60.0
 LOAD_FETCH_BYTES = 16 << 20
 COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
 RETRY_BACKOFF_S = 0.1
+# Batch attributes (storage/batch_header.py, Kafka's bit positions): a transactional producer's batch, a marker.
+TRANSACTIONAL_BIT = 0x10
+CONTROL_BIT = 0x20
 
 Key = tuple[str, str, int]  # (group id, topic, partition)
 
@@ -115,13 +118,13 @@ class CommittedOffsets:
             if data is None:
                 break
             for header, _, records in rb.slice_batches(data, offset, high_watermark):
-                if header.is_control:  # a transaction's marker: its offsets take effect, or not
+                if header.attributes & CONTROL_BIT:  # a transaction's marker: its offsets take effect, or not
                     commit, _ = rb.control_record(records)
                     done = pending.pop(header.producer_id, {})
                     if commit:
                         _apply(table, done)
                     continue
-                target = pending.setdefault(header.producer_id, {}) if header.is_transactional else table
+                target = pending.setdefault(header.producer_id, {}) if header.attributes & TRANSACTIONAL_BIT else table
                 for key, value in zip(records.column("key").to_pylist(), records.column("value").to_pylist()):
                     group_id, tp = decode_offset_commit_key(key)
                     if value is None:

@@ -397,10 +397,11 @@ class TransactionCoordinator:
         new = entry.pending
         if entry.current.state not in VALID_PREVIOUS_STATES[new.state]:
             raise InternalStateError(f"{transactional_id!r}: {entry.current.state.name} -> {new.state.name} is not a transition")
-        entry.current, entry.pending = new, None
+        old, entry.current, entry.pending = entry.current, new, None
         if new.state is S.DEAD:
             del self.entries[transactional_id]
-        self._track(new)
+        if old.state is not S.ONGOING:  # a transaction that opened (adding partitions keeps its deadline)
+            self._track(new)
         return new
 
     def abandon(self, transactional_id: str) -> None:
