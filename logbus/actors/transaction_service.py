@@ -292,6 +292,10 @@ class TransactionService:
         backoff = RETRY_BACKOFF_S
         while True:
             try:
+                if tp.topic == OFFSETS_TOPIC:
+                    # The group service's table is loaded before this marker is in the log: loaded
+                    # after, it reads the marker itself; loaded across it, it could miss the update below.
+                    await self._groups.offsets.ready()
                 if tp.topic not in self._host.partition_counts():
                     logger.info("transaction %s: %s was deleted; no marker for it", markers.transactional_id, tp)
                     return
