@@ -434,6 +434,24 @@ class ClusterBackend:
     async def list_groups(self) -> list:
         return await self._call("list_groups")
 
+    # The transaction coordinator's calls wait for appends and markers (at most its own bound,
+    # transaction_service.CALL_WAIT_S_MAX, before it answers retriable): CONTROL_TIMEOUT_S covers that.
+
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected) -> tuple[int, int]:
+        return tuple(await self._call("txn_init_producer_id", transactional_id, timeout_ms, expected))
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list) -> None:
+        await self._call("txn_add_partitions", transactional_id, producer_id, epoch, partitions)
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        await self._call("txn_add_offsets", transactional_id, producer_id, epoch, group_id)
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        await self._call("txn_offset_commit", transactional_id, producer_id, epoch, group_metadata, offsets)
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        await self._call("txn_end", transactional_id, producer_id, epoch, commit)
+
 
 class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""

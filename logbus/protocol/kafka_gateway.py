@@ -78,6 +78,7 @@ logger = logging.getLogger(__name__)
 PRODUCE, FETCH, LIST_OFFSETS, METADATA = 0, 1, 2, 3
 OFFSET_COMMIT, OFFSET_FETCH, FIND_COORDINATOR, JOIN_GROUP, HEARTBEAT, LEAVE_GROUP, SYNC_GROUP = 8, 9, 10, 11, 12, 13, 14
 DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, INIT_PRODUCER_ID = 15, 16, 18, 19, 20, 22
+ADD_PARTITIONS_TO_TXN, ADD_OFFSETS_TO_TXN, END_TXN, TXN_OFFSET_COMMIT = 24, 25, 26, 28
 DESCRIBE_CONFIGS = 32
 API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     PRODUCE: (3, 9),
@@ -97,6 +98,12 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     CREATE_TOPICS: (2, 7),
     DELETE_TOPICS: (1, 6),
     INIT_PRODUCER_ID: (0, 4),
+    # Transactions: the versions before KIP-890's (AddPartitionsToTxn v4 is broker to broker; the
+    # later EndTxn, AddOffsetsToTxn and TxnOffsetCommit versions ask for its server-side epoch bumps).
+    ADD_PARTITIONS_TO_TXN: (0, 3),
+    ADD_OFFSETS_TO_TXN: (0, 3),
+    END_TXN: (0, 3),
+    TXN_OFFSET_COMMIT: (0, 3),
     DESCRIBE_CONFIGS: (1, 4),
 }
 
@@ -111,6 +118,9 @@ DEFAULT_REPLICATION_FACTOR = 1  # and replication_factor -1
 LIST_OFFSETS_LATEST, LIST_OFFSETS_EARLIEST, LIST_OFFSETS_MAX_TIMESTAMP = -1, -2, -3
 RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
 CONFIG_SOURCE_TOPIC, CONFIG_SOURCE_DEFAULT = 1, 5
+# The first version of each transactional API whose clients know PRODUCER_FENCED (KIP-588); older
+# ones are told INVALID_PRODUCER_EPOCH, as Kafka tells them.
+PRODUCER_FENCED_SINCE = {INIT_PRODUCER_ID: 4, ADD_PARTITIONS_TO_TXN: 2, ADD_OFFSETS_TO_TXN: 2, END_TXN: 2}
 JOINS_REMEMBERED_MAX = 10_000  # join results kept for SyncGroup (one per member, the latest)
 _SIZE = struct.Struct(">i")
 _KEY_AND_VERSION = struct.Struct(">hhi")
@@ -217,6 +227,21 @@ class Backend(Protocol):
     async def list_groups(self) -> list[tuple[str, str, str | None]]:
         """(group id, state, protocol) of every group."""
 
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected: tuple[int, int] | None) -> tuple[int, int]:
+        """The transaction coordinator's InitProducerId: (producer id, epoch); fences older instances."""
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list[TopicPartition]) -> None:
+        """AddPartitionsToTxn: durable before it returns."""
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        """AddOffsetsToTxn: the group's offsets partition joins the transaction."""
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        """TxnOffsetCommit: ``group_metadata`` is (group id, generation, member id, group instance id)."""
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        """EndTxn: returns once the transaction's markers are written."""
+
 
 # --- errors ----------------------------------------------------------------------------------------
 
@@ -237,6 +262,12 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.OutOfOrderSequenceError, ErrorCode.out_of_order_sequence_number),
     (e.DuplicateSequenceError, ErrorCode.duplicate_sequence_number),
     (e.ProducerFencedError, ErrorCode.invalid_producer_epoch),
+    (e.InvalidProducerEpochError, ErrorCode.invalid_producer_epoch),
+    (e.InvalidProducerIdMappingError, ErrorCode.invalid_producer_id_mapping),
+    (e.InvalidTxnStateError, ErrorCode.invalid_txn_state),
+    (e.ConcurrentTransactionsError, ErrorCode.concurrent_transactions),
+    (e.InvalidTransactionTimeoutError, ErrorCode.invalid_transaction_timeout),
+    (e.TransactionalIdNotFoundError, ErrorCode.transactional_id_not_found),
     (e.UnknownMemberIdError, ErrorCode.unknown_member_id),
     (e.IllegalGenerationError, ErrorCode.illegal_generation),
     (e.RebalanceInProgressError, ErrorCode.rebalance_in_progress),
@@ -265,6 +296,14 @@ def error_code(error: BaseException) -> ErrorCode:
     if isinstance(error, TimeoutError | asyncio.TimeoutError):
         return ErrorCode.request_timed_out
     return ErrorCode.unknown_server_error
+
+
+def txn_error_code(error: BaseException, api_key: int, api_version: int) -> ErrorCode:
+    """:func:`error_code` for the transaction coordinator's APIs: a fenced producer is told
+    PRODUCER_FENCED by the versions that know it (its produce requests keep INVALID_PRODUCER_EPOCH)."""
+    if isinstance(error, e.ProducerFencedError) and api_version >= PRODUCER_FENCED_SINCE.get(api_key, 2**15):
+        return ErrorCode.producer_fenced
+    return error_code(error)
 
 
 def _message(error: BaseException) -> str:
@@ -511,6 +550,10 @@ class KafkaHandler:
             OFFSET_COMMIT: self._offset_commit,
             OFFSET_FETCH: self._offset_fetch,
             INIT_PRODUCER_ID: self._init_producer_id,
+            ADD_PARTITIONS_TO_TXN: self._add_partitions_to_txn,
+            ADD_OFFSETS_TO_TXN: self._add_offsets_to_txn,
+            END_TXN: self._end_txn,
+            TXN_OFFSET_COMMIT: self._txn_offset_commit,
             CREATE_TOPICS: self._create_topics,
             DELETE_TOPICS: self._delete_topics,
             DESCRIBE_CONFIGS: self._describe_configs,
@@ -604,8 +647,9 @@ class KafkaHandler:
         }
 
     async def _find_coordinator(self, request: Request) -> dict:
-        # Every gateway reaches the one coordinator (the controller): each is the coordinator of
-        # whatever it is asked about.
+        # Every gateway reaches the one group coordinator and the one transaction coordinator (both
+        # in the controller): each is the coordinator of whatever it is asked about, a group
+        # (key_type 0) or a transactional id (key_type 1).
         me = self.backend.broker
         entry = {"node_id": me.broker_id, "host": me.host, "port": me.port, "error_code": ErrorCode.none, "error_message": None}
         keys = _get(request.body, "coordinator_keys", default=None)
@@ -808,9 +852,18 @@ class KafkaHandler:
 
     async def _init_producer_id(self, request: Request) -> dict:
         body = request.body
-        if body.transactional_id is not None:
-            return {"throttle_time": 0, "error_code": ErrorCode.invalid_request, "producer_id": -1, "producer_epoch": -1}
         producer_id, epoch = int(_get(body, "producer_id", default=-1)), int(_get(body, "producer_epoch", default=-1))
+        if body.transactional_id is not None:
+            # KIP-360: an instance that already holds an id and epoch names them; the coordinator
+            # bumps that epoch only if it is still the current one (otherwise the caller is fenced).
+            expected = (producer_id, epoch) if producer_id >= 0 else None
+            try:
+                producer_id, epoch = await self.backend.txn_init_producer_id(body.transactional_id, _ms(body.transaction_timeout), expected)
+            except Exception as error:  # noqa: BLE001
+                code = txn_error_code(error, request.api_key, request.api_version)
+                logger.debug("InitProducerId for %r refused: %s", body.transactional_id, _message(error))
+                return {"throttle_time": 0, "error_code": code, "producer_id": -1, "producer_epoch": -1}
+            return {"throttle_time": 0, "error_code": ErrorCode.none, "producer_id": producer_id, "producer_epoch": epoch}
         try:
             if producer_id >= 0 and 0 <= epoch < 2**15 - 2:
                 # KIP-360: an idempotent producer bumps its epoch after a failed batch; its sequences restart at 0.
@@ -819,6 +872,57 @@ class KafkaHandler:
         except Exception as error:  # noqa: BLE001
             return {"throttle_time": 0, "error_code": error_code(error), "producer_id": -1, "producer_epoch": -1}
         return {"throttle_time": 0, "error_code": ErrorCode.none, "producer_id": producer_id, "producer_epoch": 0}
+
+    # --- transactions (the coordinator's side; partitions' data and markers go through Produce) ------
+
+    async def _txn_call(self, request: Request, call: Awaitable) -> ErrorCode:
+        """Await one coordinator call: NONE, or the error's code for this request's version."""
+        try:
+            await call
+        except Exception as error:  # noqa: BLE001 (one answer for the whole request: it is one call)
+            logger.debug("%s v%d of %r refused: %s", _TXN_API_NAMES[request.api_key], request.api_version,
+                         _get(request.body, "transactional_id", "v3_and_below_transactional_id"), _message(error))
+            return txn_error_code(error, request.api_key, request.api_version)
+        return ErrorCode.none
+
+    async def _add_partitions_to_txn(self, request: Request) -> dict:
+        body = request.body
+        topics = body.v3_and_below_topics
+        partitions = [TopicPartition(t.name, int(p)) for t in topics for p in t.partitions]
+        code = await self._txn_call(request, self.backend.txn_add_partitions(
+            body.v3_and_below_transactional_id, int(body.v3_and_below_producer_id), int(body.v3_and_below_producer_epoch), partitions))
+        return {"throttle_time": 0, "results_by_topic_v3_and_below": [
+            {"name": t.name, "results_by_partition": [{"partition_index": p, "partition_error_code": code} for p in t.partitions]}
+            for t in topics
+        ]}
+
+    async def _add_offsets_to_txn(self, request: Request) -> dict:
+        body = request.body
+        code = await self._txn_call(request, self.backend.txn_add_offsets(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), body.group_id))
+        return {"throttle_time": 0, "error_code": code}
+
+    async def _end_txn(self, request: Request) -> dict:
+        body = request.body
+        code = await self._txn_call(request, self.backend.txn_end(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), bool(body.committed)))
+        return {"throttle_time": 0, "error_code": code}
+
+    async def _txn_offset_commit(self, request: Request) -> dict:
+        body = request.body
+        offsets = {}
+        for topic in body.topics:
+            for p in topic.partitions:
+                leader_epoch = int(_get(p, "committed_leader_epoch", default=-1))
+                offsets[TopicPartition(topic.name, int(p.partition_index))] = OffsetAndMetadata(int(p.committed_offset), p.committed_metadata or "", leader_epoch)
+        # Before version 3 (KIP-447) the request names no member: the group's generation is not checked.
+        group_metadata = (body.group_id, int(_get(body, "generation_id", default=-1)), _get(body, "member_id", default="") or "",
+                          _get(body, "group_instance_id", default=None))
+        code = await self._txn_call(request, self.backend.txn_offset_commit(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), group_metadata, offsets))
+        return {"throttle_time": 0, "topics": [
+            {"name": t.name, "partitions": [{"partition_index": p.partition_index, "error_code": code} for p in t.partitions]} for t in body.topics
+        ]}
 
     async def _create_topics(self, request: Request) -> dict:
         body = request.body
@@ -1072,6 +1176,10 @@ class KafkaHandler:
             return {"throttle_time": 0, "error_code": error_code(error), "groups": []}
         groups = [{"group_id": g, "protocol_type": CONSUMER_PROTOCOL, "group_state": state} for g, state, _ in listed if not states or state in states]
         return {"throttle_time": 0, "error_code": ErrorCode.none, "groups": groups}
+
+
+_TXN_API_NAMES = {INIT_PRODUCER_ID: "InitProducerId", ADD_PARTITIONS_TO_TXN: "AddPartitionsToTxn", ADD_OFFSETS_TO_TXN: "AddOffsetsToTxn",
+                  END_TXN: "EndTxn", TXN_OFFSET_COMMIT: "TxnOffsetCommit"}
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
