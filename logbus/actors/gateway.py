@@ -77,7 +77,7 @@ from logbus.errors import (
 )
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, READ_UNCOMMITTED, FetchRequest
 from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
@@ -363,12 +363,13 @@ class ClusterBackend:
                 return await asyncio.wait_for(_wrapped(sent), timeout_s)
             return await _await_ref(sent, timeout_s)
 
-    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
-        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int = READ_UNCOMMITTED):
+        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms, isolation_level)
 
-    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int):
         timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
-        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
+        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES,
+                               isolation_level=isolation_level)
         with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
@@ -390,10 +391,10 @@ class ClusterBackend:
             data = await asyncio.wait_for(_wrapped(data.future()), timeout_s)
         return meta, data
 
-    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
+    async def offsets(self, topic: str, partition: int, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
         leader = await self._leader(topic, partition)
         with self._leader_errors(topic, partition, "an offsets query", CALL_MARGIN_S):
-            return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
+            return await _await_ref(leader.offsets.remote(isolation_level), CALL_MARGIN_S)
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         leader = await self._leader(topic, partition)

@@ -28,6 +28,15 @@ no member), so each sends an empty SyncGroup, whose reply is the assignment
 the coordinator computed, in Kafka's ConsumerProtocol encoding. Kafka
 consumers and logbus consumers can therefore share one group.
 
+Transactions. Every gateway answers for the one transaction coordinator (in
+the controller), as for the group coordinator: InitProducerId with a
+transactional id, AddPartitionsToTxn, AddOffsetsToTxn, EndTxn and
+TxnOffsetCommit are its calls. A transactional producer's batches are
+produced as any idempotent producer's, with the transactional bit kept; a
+read_committed Fetch reads up to the last stable offset and names the
+aborted transactions of its range, and markers go to Kafka clients as
+Kafka's control batches, so their own read_committed filtering applies.
+
 Errors. logbus's errors map to Kafka's codes (:func:`error_code`). A frame
 that cannot be parsed, or names an API key or version not served, raises
 :class:`~logbus.errors.KafkaProtocolError`: the gateway closes the
@@ -64,7 +73,7 @@ from kio.serial.errors import SerialError
 from logbus import errors as e
 from logbus.protocol.group_coordinator import HeartbeatResult, JoinPending, JoinResult, OffsetAndMetadata
 from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
-from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
+from logbus.protocol.messages import READ_COMMITTED, READ_UNCOMMITTED, FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import INTERNAL_TOPIC_PREFIX
@@ -187,11 +196,14 @@ class Backend(Protocol):
         returning); the awaitable gives the leader's reply. Raises UnknownTopicError or
         LeaderNotAvailableError when there is no such leader to hand it to."""
 
-    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int) -> Awaitable[tuple[FetchResponse, Any]]:
-        """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None)."""
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int,
+              isolation_level: int = READ_UNCOMMITTED) -> Awaitable[tuple[FetchResponse, Any]]:
+        """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None); READ_COMMITTED
+        reads up to the last stable offset and names the aborted transactions the reply overlaps."""
 
-    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
-        """(log start offset, high watermark, log end offset)."""
+    async def offsets(self, topic: str, partition: int, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
+        """(log start offset, high watermark, log end offset); READ_COMMITTED gives the last stable
+        offset in place of the high watermark."""
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         """The first offset whose timestamp is >= ``timestamp_ms``, or -1."""
@@ -665,14 +677,12 @@ class KafkaHandler:
         acks = body.acks
         timeout_ms = max(1, _ms(body.timeout))
         logbus_acks: int | str = "all" if acks == -1 else int(acks)
-        refused = e.InvalidRecordError("transactional producers are not supported") if body.transactional_id is not None else None
         budget = _DecompressionBudget(REQUEST_DECOMPRESSED_FACTOR * self.max_request_bytes)
         replies: list[tuple[str, int, Awaitable | BaseException]] = []
         for topic in body.topic_data:
             for partition in topic.partition_data:
-                if refused is not None:
-                    replies.append((topic.name, partition.index, refused))
-                    continue
+                # A transactional producer's batches go to the leaders as any idempotent producer's
+                # (its AddPartitionsToTxn came first; leaders do not check that, as Kafka's before KIP-890).
                 pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, budget)
                 replies.append((topic.name, partition.index, pending))
         return replies
@@ -743,10 +753,11 @@ class KafkaHandler:
         max_wait_ms = max(0, _ms(body.max_wait))
         min_bytes = max(0, int(body.min_bytes))
         total_max = int(_get(body, "max_bytes", default=2**31 - 1))
+        isolation = READ_COMMITTED if int(_get(body, "isolation_level", default=READ_UNCOMMITTED)) == READ_COMMITTED else READ_UNCOMMITTED
         wanted = [(t.topic, p.partition, int(p.fetch_offset), max(1, int(p.partition_max_bytes))) for t in body.topics for p in t.partitions]
         results: dict[tuple[str, int], Any] = {}
         # First a look without waiting: partitions with data answer at once.
-        immediate = await asyncio.gather(*(_settle(self.backend.fetch(t, p, o, m, 0)) for t, p, o, m in wanted))
+        immediate = await asyncio.gather(*(_settle(self.backend.fetch(t, p, o, m, 0, isolation)) for t, p, o, m in wanted))
         total = 0
         for (t, p, _, _), result in zip(wanted, immediate):
             results[(t, p)] = result
@@ -766,7 +777,7 @@ class KafkaHandler:
                 waiting.append((t, p, meta.next_offset, m))
         if waiting and max_wait_ms > 0 and total < max(min_bytes, 1):
             # Then wait at the leaders for the first data (or the wait's end).
-            tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms))): (t, p) for t, p, o, m in waiting}
+            tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms, isolation))): (t, p) for t, p, o, m in waiting}
             deadline = time.monotonic() + max_wait_ms / 1000
             pending = set(tasks)
             try:
@@ -796,7 +807,12 @@ class KafkaHandler:
                     logger.debug("fetch of %s-%d at %d failed: %s", t, p, offset, _message(result))
             else:
                 meta, data = result
-                entry.update(high_watermark=meta.high_watermark, last_stable_offset=meta.high_watermark, log_start_offset=meta.log_start_offset)
+                entry.update(high_watermark=meta.high_watermark, last_stable_offset=meta.last_stable_offset, log_start_offset=meta.log_start_offset)
+                if isolation == READ_COMMITTED:
+                    # Kafka's consumer drops these transactions' batches (control batches reach it as
+                    # Kafka's control batches, which it never hands out).
+                    entry["aborted_transactions"] = [{"producer_id": producer_id, "first_offset": first_offset}
+                                                     for producer_id, first_offset in meta.aborted_transactions]
                 if data is not None and (budget > 0 or budget == total_max):
                     try:
                         records = to_kafka(data)
@@ -811,10 +827,13 @@ class KafkaHandler:
                 "responses": [{"topic": t, "partitions": ps} for t, ps in by_topic.items()]}
 
     async def _list_offsets(self, request: Request) -> dict:
+        # read_committed: the latest offset is the last stable offset (the end of what it may read).
+        isolation = READ_COMMITTED if int(_get(request.body, "isolation_level", default=READ_UNCOMMITTED)) == READ_COMMITTED else READ_UNCOMMITTED
+
         async def one(topic: str, partition: int, timestamp: int) -> dict:
             entry = {"partition_index": partition, "error_code": ErrorCode.none, "timestamp": -1, "offset": -1, "leader_epoch": -1}
             try:
-                start, high_watermark, _ = await self.backend.offsets(topic, partition)
+                start, high_watermark, _ = await self.backend.offsets(topic, partition, isolation)
                 if timestamp == LIST_OFFSETS_LATEST:
                     entry["offset"] = high_watermark
                 elif timestamp == LIST_OFFSETS_EARLIEST:

@@ -218,9 +218,14 @@ def test_batches_with_a_valid_crc_and_any_record_count_decode_or_raise_record_er
     assert produced.record_count == record_count <= len(payload) // kr.MIN_RECORD_BYTES
 
 
-def test_transactional_batches_and_extra_batches_are_refused():
-    with pytest.raises(InvalidRecordError, match="transactional"):
-        kr.to_logbus(kafka_batch(RECORDS, producer_id=1, producer_epoch=0, base_sequence=0, transactional=True))
+def test_a_transactional_batch_stays_transactional_and_extra_batches_are_refused():
+    produced = kr.to_logbus(kafka_batch(RECORDS, producer_id=7, producer_epoch=3, base_sequence=5, transactional=True))
+    [(header, _)] = list(rb.decode_batches(produced.encoded))
+    assert header.is_transactional and not header.is_control
+    assert (header.producer_id, header.producer_epoch, header.base_sequence) == (7, 3, 5)
+    assert not rb.decode_batches(kr.to_logbus(kafka_batch(RECORDS)).encoded)[0][0].is_transactional
+    with pytest.raises(InvalidRecordError, match="producer id"):
+        kr.to_logbus(kafka_batch(RECORDS, transactional=True))
     with pytest.raises(InvalidRecordError, match="exactly one"):
         kr.to_logbus(kafka_batch(RECORDS) * 2)
 
