@@ -46,7 +46,7 @@ from logbus.api import consumer as sync_consumer
 from logbus.api import producer as sync_producer
 from logbus.api.client import Bus
 from logbus.errors import IllegalStateError, InvalidConfigError
-from logbus.protocol.messages import ConsumerRecord, RecordMetadata, TopicPartition
+from logbus.protocol.messages import ConsumerGroupMetadata, ConsumerRecord, RecordMetadata, TopicPartition
 
 logger = logging.getLogger(__name__)
 
@@ -887,6 +887,11 @@ class Consumer:
     async def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         partitions = list(partitions)
         return await self._call(lambda consumer: consumer.end_offsets(partitions))
+
+    async def group_metadata(self) -> ConsumerGroupMetadata:
+        """As :meth:`logbus.Consumer.group_metadata` (for a transactional producer's
+        ``send_offsets_to_transaction``)."""
+        return await self._call(lambda consumer: consumer.group_metadata())
 
 
 def _run_inline(job: Callable[[], Any], future: Future) -> None:
