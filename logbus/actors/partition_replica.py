@@ -277,6 +277,8 @@ class PartitionReplica:
         self._isr_proposal: asyncio.Task | None = None
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
         self._throttle_until = 0.0
+        self._throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
+        self._fetch_waits_expired = 0  # long polls that ended with no data when their wait ran out
         self._segments_seen = 0
         self._log_gauges = metrics.LogGauges(topic, partition)
         self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
@@ -849,6 +851,7 @@ class PartitionReplica:
         if not rate:
             self._throttle_until = 0.0
             return
+        self._throttled_copy_bytes += copied
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._throttle_until = max(self._throttle_until, now) + copied / rate
@@ -1087,6 +1090,8 @@ class PartitionReplica:
         if consumer:
             metrics.latency("fetch", monotonic_ms() - started_ms)
         if result is None:
+            if consumer and request.max_wait_ms > 0:
+                self._fetch_waits_expired += 1
             offset = int(request.offset)
             return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self._lso_or_hw()), None
         if consumer:
@@ -1283,6 +1288,11 @@ class PartitionReplica:
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._appended),
+            # Consumers' long polls that waited here until their max_wait_ms ran out, with no data.
+            "fetch_waits_expired": self._fetch_waits_expired,
+            # As a reassignment's new replica: the copy's rate limit (None: none), and the bytes copied under one.
+            "throttle_bytes_per_s": self.throttle_bytes_per_s,
+            "throttled_copy_bytes": self._throttled_copy_bytes,
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,
