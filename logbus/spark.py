@@ -261,6 +261,7 @@ def read(
     ending_offsets="latest",
     include_headers: bool = False,
     bus: Bus | None = None,
+    isolation_level: str = "read_uncommitted",
 ):
     """Read ``[starting_offsets, ending_offsets)`` of ``topic`` as a Spark DataFrame.
 
@@ -274,6 +275,11 @@ def read(
     The read tasks take no CPU (they mostly wait on the replicas' fetches), so
     a read runs even while Spark's executors hold every CPU of the cluster
     (``init_spark(executor_cores=...)`` as large as Ray's CPU count).
+
+    ``isolation_level`` (Spark's ``kafka.isolation.level``): "read_uncommitted"
+    (the default) or "read_committed": only records of committed transactions
+    (and of none), up to each partition's last stable offset ("latest" means
+    that offset). Transaction markers are never rows.
     """
     from pyspark.sql import functions as F
 
@@ -283,7 +289,7 @@ def read(
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
     check_spark(spark)
-    source = TopicDatasource(topic, start, end, bus)
+    source = TopicDatasource(topic, start, end, bus, isolation_level=isolation_level)
     if source.num_rows == 0:
         return spark.createDataFrame([], kafka_schema(include_headers))
     # Zero-CPU read tasks: Spark's executors (Ray actors of executor_cores CPUs each) keep

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import uuid
@@ -1436,6 +1437,14 @@ class Controller:
         return await self.transactions.describe()
 
 
+@functools.cache
+def _controller_actor_class():
+    """The controller's Ray actor class, made once per process (see partition_replica's
+    ``_replica_actor_class``): Ray inspects and exports each new ``ray.remote(cls)`` on its first
+    use, about 0.2 s for this class, which every ``connect()`` paid."""
+    return ray.remote(Controller)
+
+
 def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None, max_replicas_per_node: int | None = None):
     """Get or create the cluster's controller: detached, named, restarted forever by Ray.
 
@@ -1447,7 +1456,7 @@ def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | N
     if max_replicas_per_node is not None:
         options["max_replicas_per_node"] = max_replicas_per_node
     return (
-        ray.remote(Controller)
+        _controller_actor_class()
         .options(
             name=CONTROLLER_NAME,
             namespace=namespace,

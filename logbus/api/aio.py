@@ -46,7 +46,7 @@ from logbus.api import consumer as sync_consumer
 from logbus.api import producer as sync_producer
 from logbus.api.client import Bus
 from logbus.errors import IllegalStateError, InvalidConfigError
-from logbus.protocol.messages import ConsumerRecord, RecordMetadata, TopicPartition
+from logbus.protocol.messages import ConsumerGroupMetadata, ConsumerRecord, RecordMetadata, TopicPartition
 
 logger = logging.getLogger(__name__)
 
@@ -201,8 +201,7 @@ class Producer:
     median of 0.27-0.30 ms against 0.23-0.25 ms for the sync
     ``send().result()``, about +0.045 ms (the completion's hop from the
     reply's thread to the loop, and the coroutine's wake-up;
-    ``test_send_and_wait_costs_little_more_than_the_sync_path`` measures
-    it). ``await send()`` alone, records queued back to back: 4-10 µs per
+    perf/bench_broker.py's asyncio cases measure it). ``await send()`` alone, records queued back to back: 4-10 µs per
     record on the loop against 1-2 µs for the sync ``send()`` (the asyncio
     Future, the done-callback, and the garbage collector's share of them),
     plus 2-4 µs when its completion reaches the loop. A send that takes the
@@ -522,10 +521,9 @@ class Consumer:
     (building ConsumerRecords for getmany()) holds the loop up for at most
     the interpreter's switch interval (5 ms) at a time; getmany_arrow()
     does little per-row work. Measured in an async Ray actor consuming
-    20,000 records/s with getmany() (the load test in
-    ``tests/api/test_aio.py``): a coroutine ticking every 10 ms in the same
-    loop ran late by 0.7-0.9 ms at the median and 6-9 ms at the 99th
-    percentile.
+    20,000 records/s with getmany() (perf/bench_broker.py's asyncio cases):
+    a coroutine ticking every 10 ms in the same loop ran late by 0.7-0.9 ms
+    at the median and 6-9 ms at the 99th percentile.
     """
 
     def __init__(self, bus: Bus, *topics: str, **options: Any) -> None:
@@ -919,6 +917,11 @@ class Consumer:
     async def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         partitions = list(partitions)
         return await self._call(lambda consumer: consumer.end_offsets(partitions))
+
+    async def group_metadata(self) -> ConsumerGroupMetadata:
+        """As :meth:`logbus.Consumer.group_metadata` (for a transactional producer's
+        ``send_offsets_to_transaction``)."""
+        return await self._call(lambda consumer: consumer.group_metadata())
 
 
 def _run_inline(job: Callable[[], Any], future: Future) -> None:

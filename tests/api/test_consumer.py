@@ -144,6 +144,8 @@ def test_commits_that_are_not_dicts_are_refused(offsets):
         (dict(default_api_timeout_ms=0), InvalidConfigError, "default_api_timeout_ms"),
         (dict(auto_offset_reset="smallest"), InvalidConfigError, "auto_offset_reset"),
         (dict(group_id=""), InvalidGroupIdError, "group_id"),
+        (dict(isolation_level="READ_COMMITTED"), InvalidConfigError, "isolation_level"),
+        (dict(isolation_level=1), InvalidConfigError, "isolation_level"),
     ],
 )
 def test_consumer_settings_are_checked_before_anything_happens(options, error, message):
@@ -209,9 +211,7 @@ def test_kafka_python_idioms_subscribe_in_the_constructor_and_iterate(bus, topic
         assert [r.offset for r in got if r.partition == partition] == list(range(20))
     # Nothing more: iteration stops after consumer_timeout_ms without a record (kafka-python's StopIteration).
     consumer._consumer_timeout_s = 0.5  # white box: shorten the wait for this check
-    started = time.monotonic()
     assert list(consumer) == []
-    assert 0.5 <= time.monotonic() - started < 30
     consumer.close()
 
 

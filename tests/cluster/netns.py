@@ -92,6 +92,7 @@ IP_TIMEOUT_S = 30.0
 RAY_START_TIMEOUT_S = 180.0
 SIGNAL_WAIT_S = 30.0
 QUERY_TIMEOUT_S = 180.0
+RESULT_MARKER = "LOGBUS-RESULT "  # starts the line that carries a query's answer (see NetnsCluster.python_json)
 
 
 def unavailable_reason() -> str | None:
@@ -450,15 +451,27 @@ class NetnsCluster:
             raise RuntimeError(f"python on {role} exited {process.returncode}:\n{err[-3000:]}")
         return out
 
+    def python_json(self, code: str, *args: str, **options):
+        """Run ``code`` as :meth:`python` does; the value it printed with ``print(RESULT, json.dumps(...))``.
+
+        Ray writes warnings of its own to stdout (lagging heartbeats on a busy machine), before or after
+        the result, so the result is the line that starts with the marker.
+        """
+        out = self.python(code, *args, **options)
+        for line in reversed(out.splitlines()):
+            if line.startswith(RESULT_MARKER):
+                return json.loads(line[len(RESULT_MARKER):])
+        raise RuntimeError(f"python printed no result line:\n{out[-3000:]}")
+
     def ray_nodes(self) -> list[dict]:
         """``ray.nodes()`` as the client host sees it (alive, address, resources, labels)."""
         code = (
             "import json, sys, ray\n"
             "ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR')\n"
-            "print(json.dumps([{k: n.get(k) for k in ('NodeID', 'Alive', 'NodeManagerAddress', 'Resources', 'Labels')}"
+            "print('" + RESULT_MARKER + "' + json.dumps([{k: n.get(k) for k in ('NodeID', 'Alive', 'NodeManagerAddress', 'Resources', 'Labels')}"
             " for n in ray.nodes()]))\n"
         )
-        return json.loads(self.python(code).strip().splitlines()[-1])
+        return self.python_json(code)
 
     def wait_for_nodes(self, count: int, timeout_s: float = QUERY_TIMEOUT_S) -> list[dict]:
         """Wait until ``count`` distinct hosts have a live Ray node; returns the live nodes."""
@@ -471,9 +484,9 @@ class NetnsCluster:
             "    if len({n['NodeManagerAddress'] for n in live}) >= count or time.monotonic() > deadline:\n"
             "        break\n"
             "    time.sleep(0.5)\n"
-            "print(json.dumps([{k: n.get(k) for k in ('NodeID', 'NodeManagerAddress', 'Resources', 'Labels')} for n in live]))\n"
+            "print('" + RESULT_MARKER + "' + json.dumps([{k: n.get(k) for k in ('NodeID', 'NodeManagerAddress', 'Resources', 'Labels')} for n in live]))\n"
         )
-        live = json.loads(self.python(code, str(count), str(timeout_s), timeout_s=timeout_s + 120).strip().splitlines()[-1])
+        live = self.python_json(code, str(count), str(timeout_s), timeout_s=timeout_s + 120)
         if len({n["NodeManagerAddress"] for n in live}) < count:
             raise AssertionError(f"{count} hosts should have live Ray nodes; live: {sorted(n['NodeManagerAddress'] for n in live)}")
         return live
@@ -488,10 +501,9 @@ class NetnsCluster:
             "while not found and time.monotonic() < deadline:\n"
             "    found = [n for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == ip and n['NodeID'] != old]\n"
             "    time.sleep(0.5)\n"
-            "print(json.dumps([{k: n.get(k) for k in ('NodeID', 'NodeManagerAddress', 'Resources', 'Labels')} for n in found]))\n"
+            "print('" + RESULT_MARKER + "' + json.dumps([{k: n.get(k) for k in ('NodeID', 'NodeManagerAddress', 'Resources', 'Labels')} for n in found]))\n"
         )
-        found = json.loads(self.python(code, self.hosts[role].ip, not_node_id or "-", str(timeout_s), timeout_s=timeout_s + 120)
-                           .strip().splitlines()[-1])
+        found = self.python_json(code, self.hosts[role].ip, not_node_id or "-", str(timeout_s), timeout_s=timeout_s + 120)
         if not found:
             raise AssertionError(f"{role} ({self.hosts[role].ip}) has no live Ray node after {timeout_s} s")
         return found[0]
