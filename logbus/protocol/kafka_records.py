@@ -827,8 +827,12 @@ def _kafka_batch_parts(header: rb.BatchHeader, records: pa.RecordBatch) -> tuple
     if len(records_bytes) + len(tail) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
 
-    attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
-    max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
+    log_append_time = header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME
+    # The transactional and control bits are Kafka's own, at Kafka's positions: a transaction marker
+    # (whose record already holds Kafka's ControlRecordKey and EndTransactionMarker) becomes Kafka's
+    # control batch, which Kafka clients never hand to users.
+    attributes = (TIMESTAMP_TYPE_BIT if log_append_time else 0) | (header.attributes & (TRANSACTIONAL_BIT | CONTROL_BIT))
+    max_timestamp = header.max_timestamp_ms if log_append_time else int(timestamps.max())
     out = bytearray(HEADER_SIZE)
     HEADER.pack_into(
         out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,
