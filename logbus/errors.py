@@ -165,7 +165,8 @@ class DuplicateSequenceError(LogbusError):
 
 
 class ProducerFencedError(LogbusError):
-    """A newer producer with the same producer id has a higher epoch."""
+    """A newer producer with the same producer id (or transactional id) has a higher epoch: this one is a
+    zombie, and every later call of it fails the same way; close it (Kafka's PRODUCER_FENCED)."""
 
 
 class DataDirectoryInUseError(LogbusError):
@@ -346,6 +347,47 @@ class ReassignmentInProgressError(LogbusError):
 class NoReassignmentInProgressError(LogbusError):
     """A reassignment was to be cancelled, but the partition is not being reassigned (Kafka's
     NO_REASSIGNMENT_IN_PROGRESS). Nothing changed."""
+
+
+# --- transactions (KIP-98) ---------------------------------------------------------
+
+
+class InvalidProducerEpochError(LogbusError):
+    """A transactional call carries a producer epoch the coordinator does not hold for it, and no newer
+    instance fenced it: a request from before the producer's own epoch bump (Kafka's
+    INVALID_PRODUCER_EPOCH). Not retriable: the producer's transaction state is out of step."""
+
+
+class InvalidProducerIdMappingError(LogbusError):
+    """The transactional id is not (or no longer) mapped to the producer id the call carries: the
+    producer must call ``init_transactions()`` (Kafka's INVALID_PRODUCER_ID_MAPPING)."""
+
+
+class InvalidTxnStateError(LogbusError):
+    """The call is not allowed in the transaction's current state: committing an aborted transaction,
+    sending outside ``begin_transaction()``, beginning one while another is open (Kafka's
+    INVALID_TXN_STATE). Nothing changed."""
+
+
+class TransactionAbortedError(LogbusError):
+    """The transaction was aborted before this record or call could complete (by
+    ``abort_transaction()``, or because an earlier send of it failed); send again in a new
+    transaction (Kafka's TransactionAbortedException)."""
+
+
+class ConcurrentTransactionsError(RetriableError):
+    """The transaction coordinator is still completing this transactional id's previous transaction
+    (writing its markers) or another change of it; retry shortly (Kafka's CONCURRENT_TRANSACTIONS)."""
+
+
+class InvalidTransactionTimeoutError(LogbusError, ValueError):
+    """``transaction_timeout_ms`` is not a positive int at most the coordinator's maximum (15 minutes,
+    Kafka's transaction.max.timeout.ms) (Kafka's INVALID_TRANSACTION_TIMEOUT)."""
+
+
+class TransactionalIdNotFoundError(LogbusError):
+    """The transaction coordinator has no state for this transactional id: it was never initialised, or
+    it expired after a long idle time; call ``init_transactions()`` (Kafka's TRANSACTIONAL_ID_NOT_FOUND)."""
 
 
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -66,6 +66,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
+from logbus.actors.transaction_service import TransactionService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.logs import configure_logging
@@ -267,6 +268,7 @@ class Controller:
         self._duplicates_told: set[tuple] = set()  # (node id, its Ray nodes) logged as carried twice
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
+        self.transactions = TransactionService(self, self.groups)
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -302,6 +304,7 @@ class Controller:
         if self._control_loop is None:
             self._control_loop = asyncio.get_running_loop().create_task(self._run_control_loop())
             self.groups.start()
+            self.transactions.start()
 
     async def _restore(self) -> None:
         await self._refresh_nodes()
@@ -1709,6 +1712,32 @@ class Controller:
         expect to find it before the first commit)."""
         await self._ready()
         await self.groups.offsets.ensure_topic()
+
+    # --- transactions: forwarded to the transaction service ---------------------------------------------
+
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected: tuple | None = None) -> tuple[int, int]:
+        await self._ready()
+        return await self.transactions.init_producer_id(transactional_id, timeout_ms, expected)
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list) -> None:
+        await self._ready()
+        await self.transactions.add_partitions(transactional_id, producer_id, epoch, partitions)
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        await self._ready()
+        await self.transactions.add_offsets(transactional_id, producer_id, epoch, group_id)
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        await self._ready()
+        await self.transactions.txn_offset_commit(transactional_id, producer_id, epoch, group_metadata, offsets)
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        await self._ready()
+        await self.transactions.end_txn(transactional_id, producer_id, epoch, commit)
+
+    async def describe_transactions(self) -> list[dict]:
+        await self._ready()
+        return await self.transactions.describe()
 
 
 @functools.cache

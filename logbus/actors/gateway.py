@@ -80,7 +80,7 @@ from logbus.protocol.kafka_sasl import SASL_API_VERSIONS, Authenticator
 from logbus.protocol.listener_security import ListenerSecurity
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
 from logbus.protocol.scram import ScramCredential
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest, TopicPartition
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, READ_UNCOMMITTED, FetchRequest, TopicPartition
 from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
@@ -370,12 +370,13 @@ class ClusterBackend:
         """Local channels to replicas with frames waiting for a replica that is not reading (see Channels.backlogged)."""
         return self._channels.backlogged()
 
-    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
-        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int = READ_UNCOMMITTED):
+        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms, isolation_level)
 
-    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int):
         timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
-        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
+        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES,
+                               isolation_level=isolation_level)
         with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
@@ -397,10 +398,10 @@ class ClusterBackend:
             data = await asyncio.wait_for(_wrapped(data.future()), timeout_s)
         return meta, data
 
-    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
+    async def offsets(self, topic: str, partition: int, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
         leader = await self._leader(topic, partition)
         with self._leader_errors(topic, partition, "an offsets query", CALL_MARGIN_S):
-            return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
+            return await _await_ref(leader.offsets.remote(isolation_level), CALL_MARGIN_S)
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         leader = await self._leader(topic, partition)
@@ -493,6 +494,24 @@ class ClusterBackend:
 
     async def data_dir(self) -> str:
         return await self._call("get_data_dir")
+
+    # The transaction coordinator's calls wait for appends and markers (at most its own bound,
+    # transaction_service.CALL_WAIT_S_MAX, before it answers retriable): CONTROL_TIMEOUT_S covers that.
+
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected) -> tuple[int, int]:
+        return tuple(await self._call("txn_init_producer_id", transactional_id, timeout_ms, expected))
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list) -> None:
+        await self._call("txn_add_partitions", transactional_id, producer_id, epoch, partitions)
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        await self._call("txn_add_offsets", transactional_id, producer_id, epoch, group_id)
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        await self._call("txn_offset_commit", transactional_id, producer_id, epoch, group_metadata, offsets)
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        await self._call("txn_end", transactional_id, producer_id, epoch, commit)
 
 
 class Gateway:

@@ -458,6 +458,46 @@ class GroupService:
         (Kafka's OffsetCommit v2-v4 retention time), the time they expire.
         """
         await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        commit_ms = wall_ms()
+        expire_ms = None if retention_ms is None or retention_ms < 0 else commit_ms + retention_ms
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
+                                                      commit_timestamp_ms=commit_ms, expire_timestamp_ms=expire_ms,
+                                                      group_instance_id=group_instance_id)
+        finally:
+            await self._settle(group_id)  # the call may have expired members (or created the group)
+        await self.offsets.commit(group_id, records, checked)
+        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+
+    async def txn_offset_commit(
+        self, group_id: str, member_id: str, generation: int, offsets: dict, producer_id: int, producer_epoch: int
+    ) -> None:
+        """TxnOffsetCommit (KIP-447): checked against the group's generation and member like a commit,
+        written to ``__consumer_offsets`` as a transactional batch of the producer, and pending until
+        the transaction's marker there (see committed_offsets.py). The transaction service checks the
+        producer before it calls this."""
+        await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
+                                                      commit_timestamp_ms=wall_ms())
+        finally:
+            await self._settle(group_id)
+        await self.offsets.commit_transactional(producer_id, producer_epoch, group_id, records, checked)
+
+    def transaction_completed(self, producer_id: int, commit: bool) -> None:
+        """The transaction coordinator wrote ``producer_id``'s marker on ``__consumer_offsets``."""
+        self.offsets.transaction_completed(producer_id, commit)
+        if commit:
+            self.start()
+
+    def _checked_offsets(self, offsets: dict) -> dict:
+        """{TopicPartition: OffsetAndMetadata} from a commit's argument; caller errors raised."""
         counts = self._host.partition_counts()
         checked = {}
         if not isinstance(offsets, dict):
@@ -475,18 +515,7 @@ class GroupService:
                     raise InvalidConfigError(f"the offset to commit for {tp} must be an int >= 0 or an OffsetAndMetadata, not {om!r}")
                 om = OffsetAndMetadata(om)
             checked[tp] = om
-        if not checked:
-            return
-        commit_ms = wall_ms()
-        expire_ms = None if retention_ms is None or retention_ms < 0 else commit_ms + retention_ms
-        try:
-            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
-                                                      commit_timestamp_ms=commit_ms, expire_timestamp_ms=expire_ms,
-                                                      group_instance_id=group_instance_id)
-        finally:
-            await self._settle(group_id)  # the call may have expired members (or created the group)
-        await self.offsets.commit(group_id, records, checked)
-        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+        return checked
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         """OffsetFetch: {TopicPartition: OffsetAndMetadata or None}."""

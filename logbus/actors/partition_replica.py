@@ -63,6 +63,18 @@ idempotent producer that overtook their predecessors wait for them (see
 All durable state is rebuilt from disk in ``__init__`` (Ray reruns only the
 constructor on restart); the role is relearned from the controller.
 
+Transactions (KIP-98). ``produce`` takes a transactional producer's batches
+as any idempotent producer's (the producer registered the partition with its
+coordinator first; the leader does not check that, as Kafka before KIP-890).
+The coordinator ends a transaction with ``write_txn_markers``: the leader
+appends one marker (control batch) per transaction, with acks=all. A
+read_committed fetch (``FetchRequest.isolation_level``) reads up to the last
+stable offset, the smaller of the high watermark and the first offset of the
+oldest ongoing transaction, and its reply names the aborted transactions it
+overlaps (from the log's transaction indexes). A long-polling fetch waits on
+the same wakeup as any (appends and high-watermark moves), and those are what
+move the last stable offset. Followers copy markers like any batch.
+
 Retry contract: a produce that failed may have been appended (the caller
 cannot tell a lost reply from a lost request); the idempotent producer's
 sequence numbers make its retries safe. Fetches and offset queries are
@@ -98,6 +110,7 @@ from logbus.errors import (
     NotEnoughReplicasError,
     NotLeaderError,
     OffsetOutOfRangeError,
+    ProducerFencedError,
     RequestTimedOutError,
 )
 from logbus.protocol import local_channel as wire
@@ -106,6 +119,8 @@ from logbus.protocol.messages import (
     FETCH_MAX_BYTES_MAX,
     FETCH_WAIT_MS_MAX,
     PRODUCE_TIMEOUT_MS_DEFAULT,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
     FetchRequest,
     FetchResponse,
     ProduceResponse,
@@ -644,6 +659,22 @@ class PartitionReplica:
             return self.leader_state.high_watermark
         return min(self.follower_high_watermark, self.log.log_end_offset)
 
+    @property
+    def last_stable_offset(self) -> int:
+        """The smaller of the high watermark and the first offset of the oldest ongoing transaction:
+        read_committed readers read below it."""
+        high_watermark = self.high_watermark
+        unstable = self.log.first_unstable_offset()
+        return high_watermark if unstable is None else min(high_watermark, unstable)
+
+    def _read_limit(self, isolation_level: int) -> int:
+        """Where a consumer's fetch (or an offsets query) ends for its isolation level."""
+        if isolation_level == READ_UNCOMMITTED:
+            return self.high_watermark
+        if isolation_level == READ_COMMITTED:
+            return self.last_stable_offset
+        raise InvalidRecordError(f"isolation_level must be {READ_UNCOMMITTED} or {READ_COMMITTED}, not {isolation_level!r}")
+
     def _signal(self, attribute: str) -> None:
         getattr(self, attribute).wake_all()
 
@@ -775,11 +806,12 @@ class PartitionReplica:
                     if isinstance(data, ray.ObjectRef):
                         data = await data
                     # The reply's offsets say which gaps (offsets the leader compacted) it covers.
+                    unstable = self.log.first_unstable_offset()
                     self.log.append_as_follower(data, meta.first_offset, meta.next_offset)
                     copied = len(data)
                     self.fetched_bytes += copied
                     del data
-                    self._after_follower_append()
+                    self._after_follower_append(unstable)
                     await self._pace(copied)
                 if meta.log_start_offset > self.log.log_start_offset:  # the leader's delete_records
                     self.log.delete_records(min(meta.log_start_offset, self.log.log_end_offset))
@@ -806,8 +838,11 @@ class PartitionReplica:
                     logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
                 await asyncio.sleep(0.1)
 
-    def _after_follower_append(self) -> None:
-        """A follower compacts its own copy: a rolled segment may make a cleaning due."""
+    def _after_follower_append(self, unstable_before: int | None = None) -> None:
+        """A follower compacts its own copy: a rolled segment may make a cleaning due, and so may a
+        marker that ended the transaction holding cleanings back."""
+        if self.log.config.compact and unstable_before is not None and self.log.first_unstable_offset() != unstable_before:
+            self._arm_cleaning()
         if self.log.config.compact and len(self.log.segments) != self._segments_seen:
             self._segments_seen = len(self.log.segments)
             self._arm_cleaning()
@@ -920,6 +955,70 @@ class PartitionReplica:
                 raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
             await self._hw_moved.wait(min(remaining, 0.1))
 
+    async def write_txn_markers(self, markers: list, leader_epoch: int | None = None, timeout_ms: int = PRODUCE_TIMEOUT_MS_DEFAULT) -> list:
+        """As leader, for the transaction coordinator: end transactions on this partition (KIP-98's
+        WriteTxnMarkers). ``markers``: (producer id, producer epoch, coordinator epoch, commit) each;
+        one marker (a control batch, COMMIT or ABORT) is appended per item, in order.
+
+        Returns one entry per marker, once every marker written is under the high
+        watermark (acks=all): None (written) or the error that refused it,
+        ProducerFencedError when its producer epoch is older than the
+        producer's here (a newer epoch has written since: the transaction was
+        completed before). A marker for a producer with no ongoing transaction
+        here is written all the same, as Kafka's leader does (it is harmless:
+        it ends nothing, and it moves the producer's epoch here). Raises, for
+        the whole call, NotLeaderError, FencedLeaderEpochError,
+        NotEnoughReplicasError, RequestTimedOutError (all retriable: a marker
+        written twice ends nothing the second time) or StorageError.
+        """
+        self._started()
+        state = self._check_leader(leader_epoch)
+        if not await self._lease_held():
+            raise NotLeaderError(
+                f"{self.topic}-{self.partition}: this leader may not take writes (its node's lease ran out, or "
+                f"epoch {self.leader_epoch} is no longer the partition's current one)"
+            )
+        state = self._check_leader(leader_epoch)  # again: the role may have changed while the lease was awaited
+        parsed = []
+        for marker in markers:
+            try:
+                producer_id, producer_epoch, coordinator_epoch, commit = marker
+            except (TypeError, ValueError):
+                raise InvalidRecordError(f"a transaction marker is (producer id, producer epoch, coordinator epoch, commit), not {marker!r}") from None
+            for name, value in (("producer id", producer_id), ("producer epoch", producer_epoch), ("coordinator epoch", coordinator_epoch)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidRecordError(f"a transaction marker's {name} must be an int >= 0, not {value!r}")
+            parsed.append((producer_id, producer_epoch, coordinator_epoch, bool(commit)))
+        min_isr = self.log.config.min_insync_replicas
+        if state.in_sync_count() < min_isr:
+            raise NotEnoughReplicasError(
+                f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
+            )
+        if self._parked:
+            self._check_isr()  # followers waiting at the end were in sync up to now
+        results: list = []
+        end_offset = None
+        for producer_id, producer_epoch, coordinator_epoch, commit in parsed:
+            try:
+                result = self.log.append_marker(
+                    producer_id, producer_epoch, commit, coordinator_epoch, leader_epoch=self.leader_epoch, timestamp_ms=wall_ms()
+                )
+            except ProducerFencedError as error:
+                results.append(error)
+                continue
+            results.append(None)
+            end_offset = result.last_offset + 1
+        if end_offset is not None:
+            self._signal("_appended")
+            self._after_append()
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
+            self._advance_high_watermark()
+            self._check_isr()
+            if self.log.config.compact:
+                self._arm_cleaning()  # a cleaning the transaction held back (nothing at or above the LSO is cleaned)
+            await self._wait_committed(state, end_offset, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
+        return results
+
     def _remember_session(self, session: int, next_offset: int) -> None:
         sessions = self._fetch_sessions
         sessions[session] = max(next_offset, sessions.get(session, 0))
@@ -996,17 +1095,28 @@ class PartitionReplica:
             if consumer and request.max_wait_ms > 0:
                 self._fetch_waits_expired += 1
             offset = int(request.offset)
-            return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
+            return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self._lso_or_hw()), None
         if consumer:
             metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
         data = self._for_channel(result) if channel else self._for_actor_call(result, request)
         if request.session is not None:  # only once packaged: a refused reply leaves the session where it was
             self._remember_session(request.session, result.next_offset)
-        meta = FetchResponse(result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch)
+        aborted = ()
+        if consumer and request.isolation_level == READ_COMMITTED:
+            aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset))
+        meta = FetchResponse(
+            result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch,
+            self._lso_or_hw(), aborted,
+        )
         return meta, data
 
+    def _lso_or_hw(self) -> int:
+        """A fetch reply's last stable offset (a follower answering has none of its own: its high watermark)."""
+        return self.last_stable_offset if self.role == LEADER else self.high_watermark
+
     async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:
-        """For consumers: whole batches from ``request.offset`` below the high watermark: (FetchResponse, data).
+        """For consumers: whole batches from ``request.offset`` below the high watermark (the last stable
+        offset for ``isolation_level`` READ_COMMITTED): (FetchResponse, data).
 
         Waits up to ``request.max_wait_ms`` for data when there is none yet.
         ``data`` is None when nothing arrived in time; otherwise whole batches
@@ -1019,7 +1129,8 @@ class PartitionReplica:
         """
         self._started()
         self._check_leader()
-        return await self._serve_fetch(request, lambda: self.high_watermark)
+        self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level, before any wait
+        return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level))
 
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, socket address) of this replica's local channel, or None where there is none."""
@@ -1042,7 +1153,8 @@ class PartitionReplica:
         self._check_leader()
         # Every result travels inside the reply, however large (no object store on this path),
         # up to what one frame can carry.
-        return await self._serve_fetch(request, lambda: self.high_watermark, channel=True)
+        self._read_limit(request.isolation_level)
+        return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level), channel=True)
 
     async def replica_fetch(self, follower_id: int, epoch: int, request: FetchRequest) -> tuple[FetchResponse, object]:
         """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress.
@@ -1099,10 +1211,11 @@ class PartitionReplica:
         self._arm_retention()
         return start
 
-    async def offsets(self) -> tuple[int, int, int]:
-        """(log start offset, high watermark, log end offset)."""
+    async def offsets(self, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
+        """(log start offset, high watermark, log end offset); with ``isolation_level`` READ_COMMITTED,
+        the last stable offset instead of the high watermark (ListOffsets' latest for such readers)."""
         self._started()
-        return self.log.log_start_offset, self.high_watermark, self.log.log_end_offset
+        return self.log.log_start_offset, self._read_limit(isolation_level), self.log.log_end_offset
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""

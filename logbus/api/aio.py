@@ -47,7 +47,7 @@ from logbus.api.client import Bus
 from logbus.options import INT64_MAX, check_int, check_ms
 from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol.group_coordinator import OffsetAndMetadata
-from logbus.protocol.messages import ConsumerRecord, RecordMetadata, TopicPartition
+from logbus.protocol.messages import ConsumerGroupMetadata, ConsumerRecord, RecordMetadata, TopicPartition
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +303,38 @@ class Producer:
         # Not on the worker: a long flush must not hold up sends meanwhile.
         await self._loop.run_in_executor(None, producer.flush, timeout_s)
         # The sync flush returns once the replies are in; their completions may still be on their way here.
+        await self._settle(pending, None)
+
+    # --- transactions (a producer made with transactional_id=...) ---------------------------------
+
+    async def init_transactions(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.init_transactions`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.init_transactions, timeout_s)
+
+    async def begin_transaction(self) -> None:
+        """As :meth:`logbus.Producer.begin_transaction` (after every send handed to the worker)."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.begin_transaction)
+
+    async def send_offsets_to_transaction(self, offsets: dict, group_metadata, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.send_offsets_to_transaction`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.send_offsets_to_transaction, offsets, group_metadata, timeout_s)
+
+    async def commit_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.commit_transaction`: on the worker, after every send handed to it,
+        so the transaction holds every record whose ``send()`` was awaited before."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.commit_transaction, timeout_s)
+        await self._settle(pending, None)
+
+    async def abort_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.abort_transaction`, on the worker after every send handed to it."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.abort_transaction, timeout_s)
         await self._settle(pending, None)
 
     async def partitions_for(self, topic: str) -> list[int]:
@@ -887,6 +919,11 @@ class Consumer:
     async def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         partitions = list(partitions)
         return await self._call(lambda consumer: consumer.end_offsets(partitions))
+
+    async def group_metadata(self) -> ConsumerGroupMetadata:
+        """As :meth:`logbus.Consumer.group_metadata` (for a transactional producer's
+        ``send_offsets_to_transaction``)."""
+        return await self._call(lambda consumer: consumer.group_metadata())
 
     async def offsets_for_times(self, timestamps: dict[TopicPartition, int]) -> dict[TopicPartition, Any]:
         """For each partition, the earliest record at or after the given ms: OffsetAndTimestamp, or None."""

@@ -28,6 +28,15 @@ iterating over the consumer (kafka-python's ``for record in consumer``) hands
 them out one at a time. ``poll_arrow()`` returns one pyarrow Table and does
 no per-row Python work.
 
+Transactions (KIP-98). Transaction markers (control batches) are never handed
+out, and positions move past them. With ``isolation_level="read_committed"``
+the consumer fetches up to the last stable offset (records of a transaction
+still open wait there) and drops the batches of aborted transactions; the
+fetch reply names those, so the decision is made per batch header
+(``logbus/storage/isolation.py``), never per record. The default,
+"read_uncommitted", hands out every record below the high watermark, as
+Kafka's consumer does.
+
 Partitions are read independently, as Kafka's consumer reads them: each
 partition's position lookup and fetches go on by themselves, so one whose
 leader is away (an election, a dead or stopped replica, a call that is not
@@ -105,8 +114,18 @@ from logbus.errors import (
 )
 from logbus.protocol.assignors import get_assignor
 from logbus.protocol.group_coordinator import OffsetAndMetadata
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, FetchRequest, OffsetAndTimestamp, TopicPartition
+from logbus.protocol.messages import (
+    FETCH_INLINE_MAX_BYTES,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
+    ConsumerGroupMetadata,
+    ConsumerRecord,
+    FetchRequest,
+    OffsetAndTimestamp,
+    TopicPartition,
+)
 from logbus.storage import record_batch as rb
+from logbus.storage.isolation import isolation_level_code
 from logbus.storage.names import validate_partition, validate_topic_name
 
 logger = logging.getLogger(__name__)
@@ -142,6 +161,9 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 CREATE_TIME = -1  # a buffered batch's append time when it has none (a CreateTime batch)
+# A buffered entry of no records: its offset is where the position moves once it is taken (past
+# markers and aborted batches that ended a fetch reply).
+NO_RECORDS = pa.RecordBatch.from_pylist([], schema=rb.SCHEMA)
 
 
 class _Partition:
@@ -383,6 +405,10 @@ class Consumer:
             (None, the default, or infinity: iterate forever, as kafka-python).
         default_api_timeout_ms: how long commit(), committed() and the offset lookups retry
             retriable errors when no timeout is given (Kafka's default.api.timeout.ms).
+        isolation_level: "read_uncommitted" (the default: every record below the high watermark)
+            or "read_committed" (only records of committed transactions, and of no transaction, up
+            to the last stable offset; end_offsets() and seek_to_end() then mean that offset).
+            Transaction markers are never returned, whichever level.
         metadata_max_age_ms: without a group, how often a subscription looks for new partitions
             of its topics (and new topics matching its pattern), as kafka-python's option.
     """
@@ -410,6 +436,7 @@ class Consumer:
         value_deserializer: Callable | None = None,
         consumer_timeout_ms: float | None = None,
         default_api_timeout_ms: int = DEFAULT_API_TIMEOUT_MS,
+        isolation_level: str = "read_uncommitted",
         metadata_max_age_ms: int = METADATA_MAX_AGE_MS,
     ) -> None:
         check_choice("auto_offset_reset", auto_offset_reset, OFFSET_RESETS)
@@ -420,6 +447,8 @@ class Consumer:
                 raise InvalidConfigError(
                     f"topics go after the bus one by one (Consumer(bus, 'a', 'b', group_id=...)), not {topic!r}"
                 )
+        self._isolation = isolation_level_code(isolation_level)
+        self.isolation_level = isolation_level
         self._bus = bus
         self.group_id = group_id
         self.auto_offset_reset = auto_offset_reset
@@ -677,7 +706,7 @@ class Consumer:
     def _offsets(self, tps: list[TopicPartition], timeout_s: float) -> dict[TopicPartition, tuple[int, int, int]]:
         """(log start offset, high watermark, log end offset) of each partition, from its leader (one try)."""
         deadline = time.monotonic() + timeout_s
-        refs = {tp: self._leader(tp).offsets.remote() for tp in tps}
+        refs = {tp: self._leader(tp).offsets.remote(*self._offsets_args) for tp in tps}
         return {tp: get(ref, timeout_s=max(0.0, deadline - time.monotonic())) for tp, ref in refs.items()}
 
     def _lookup_offsets(self, tps: list[TopicPartition], timeout_ms) -> dict[TopicPartition, tuple[int, int, int]]:
@@ -696,7 +725,8 @@ class Consumer:
         return {tp: offsets[0] for tp, offsets in found.items()}
 
     def end_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: float | None = None) -> dict[TopicPartition, int]:
-        """The high watermark (the offset after the last committed record) of each partition."""
+        """The high watermark (the offset after the last committed record) of each partition; with
+        isolation_level="read_committed", the last stable offset."""
         self._check_open()
         found = self._lookup_offsets(_check_tps(partitions, "end_offsets()"), timeout_ms)
         return {tp: offsets[1] for tp, offsets in found.items()}
@@ -860,7 +890,7 @@ class Consumer:
                 self._failed(state, error, now)
                 continue
             if leader is not None:
-                state.lookup = (leader.offsets.remote(), now, state.resets, leader._actor_id)
+                state.lookup = (leader.offsets.remote(*self._offsets_args), now, state.resets, leader._actor_id)
 
     def _take_lookup(self, state: _Partition, ref) -> None:
         """A position lookup's reply: the position by auto_offset_reset, or a retry later."""
@@ -935,7 +965,7 @@ class Consumer:
             # small results inside its reply (one round trip instead of two).
             request = FetchRequest(
                 state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
-                FETCH_INLINE_MAX_BYTES, state.session,
+                FETCH_INLINE_MAX_BYTES, state.session, self._isolation,
             )
             channels = self._channels if state.fetch_offset >= state.actor_fetch_until else None
             ref = send_fetch(leader, request, channels)
@@ -1029,10 +1059,16 @@ class Consumer:
             # that is still on its way): start a new session, which reads from fetch_offset again.
             state.drop_fetches()
             return
-        for header, first, records in rb.slice_batches(data, state.fetch_offset, verify_crc=self.check_crcs):
+        kept, skipped_to = rb.slice_visible_batches(
+            data, state.fetch_offset, read_committed=self._isolation == READ_COMMITTED,
+            aborted=meta.aborted_transactions, verify_crc=self.check_crcs,
+        )
+        for header, first, records in kept:
             append_time = header.max_timestamp_ms if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else CREATE_TIME
             state.buffer.append((first, records, append_time))
             state.buffered_rows += records.num_rows
+        if skipped_to is not None:  # markers or aborted batches last: the position moves past them
+            state.buffer.append((skipped_to, NO_RECORDS, CREATE_TIME))
         state.fetch_offset = meta.next_offset
 
     def _pump(self, timeout_s: float) -> None:
@@ -1118,6 +1154,11 @@ class Consumer:
             if state.error is not None:
                 error, state.error = state.error, None
                 raise error
+
+    @property
+    def _offsets_args(self) -> tuple:
+        """The arguments of a replica's offsets() for this consumer's isolation level."""
+        return () if self._isolation == READ_UNCOMMITTED else (self._isolation,)
 
     def _take(self, max_records: int | None) -> list[tuple[_Partition, int, pa.RecordBatch, int]]:
         """Pop up to ``max_records`` buffered records across partitions, advancing positions.
@@ -1404,6 +1445,18 @@ class Consumer:
             polled = True
 
     # --- consumer groups -----------------------------------------------------------------------------
+
+    def group_metadata(self) -> ConsumerGroupMetadata:
+        """This member's identity in its group (KIP-447), for a transactional producer's
+        ``send_offsets_to_transaction``: the group refuses offsets sent with a generation it has
+        moved past. Generation -1 and member "" before the consumer joined (or without group
+        management). InvalidGroupIdError without a ``group_id``."""
+        self._check_open()
+        if self.group_id is None:
+            raise InvalidGroupIdError("group_metadata() needs a consumer with a group_id")
+        membership = self._membership
+        generation, member_id = (-1, "") if membership is None else (membership.generation, membership.member_id)
+        return ConsumerGroupMetadata(self.group_id, generation, member_id, self._group_options["group_instance_id"])
 
     def subscribe(self, topics: Iterable[str] | None = None, pattern: str | None = None, listener=None) -> None:
         """Read the partitions of these topics: assigned by the group's coordinator, or without a

@@ -31,6 +31,19 @@ a record costs one small object, and the Future's own state (a Condition and
 its lists: about 0.65 µs to make, where all of ``send()`` takes 0.9 µs) is
 created only for the records that ``wait``/``as_completed`` are asked about.
 
+Transactions (KIP-98): a producer made with ``transactional_id`` writes
+records to several partitions, and consumer offsets, atomically:
+``init_transactions()`` once, then ``begin_transaction()``, sends,
+``send_offsets_to_transaction()``, and ``commit_transaction()`` or
+``abort_transaction()``. Its state machine is
+:class:`~logbus.protocol.transaction_manager.TransactionManager`; the
+coordinator is the controller's (``logbus/actors/transaction_service.py``).
+Before the first batch of a partition goes, the sender adds the partition
+to the transaction (partitions met together go in one call), holding that
+partition's batches meanwhile. The batches carry the transactional
+attribute; ``read_committed`` consumers see them once the COMMIT marker is
+written, and never if the transaction aborts.
+
 Idempotence after a failure (KIP-360): once a batch of an idempotent
 producer fails for good, its sequence numbers are a hole the leader will
 never see filled, so every later batch of that partition would be refused
@@ -67,6 +80,7 @@ from logbus.errors import (
     BufferExhaustedError,
     ChannelClosedError,
     IllegalStateError,
+    InvalidTxnStateError,
     InvalidConfigError,
     InvalidPartitionError,
     InvalidRecordError,
@@ -76,11 +90,14 @@ from logbus.errors import (
     RecordTooLargeError,
     RequestTimedOutError,
     SerializationError,
+    TransactionAbortedError,
 )
 from logbus.actors import metrics
 from logbus.actors.channel_client import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
-from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
+from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata, TopicPartition
+from logbus.protocol.transaction_coordinator import TRANSACTION_TIMEOUT_MS_DEFAULT, validate_transactional_id
+from logbus.protocol.transaction_manager import TransactionManager, TxnClientState
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_topic_name
 
@@ -103,6 +120,7 @@ ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0 (the oth
 # newer producer epoch (see _forget_idle_sequences).
 TOPICS_MAX = 4096
 SEQUENCE_PARTITIONS_MAX = 65_536
+TRANSACTION_CALL_TIMEOUT_S = 60.0  # default bound of init/commit/abort/send_offsets (Kafka's max.block.ms)
 
 
 _PRODUCER_IDS = itertools.count(1)  # names the producers of a process in their buffer metric
@@ -434,12 +452,18 @@ class Producer:
             serializer that raises or returns anything else fails the send() with
             SerializationError, and nothing is queued. None is not passed to them (kafka-python
             passes it): a None value stays a tombstone. send_table() does not use them.
+        transactional_id: makes the producer transactional (Kafka's transactional.id): one id per
+            logical producer, the same across its restarts, so that a new instance fences the
+            old one. Implies idempotence and acks="all" (the default then; other acks are
+            refused). See :meth:`init_transactions`.
+        transaction_timeout_ms: the coordinator aborts a transaction open longer than this
+            (at most 900000, Kafka's transaction.max.timeout.ms), and fences this producer.
     """
 
     def __init__(
         self,
         bus: Bus,
-        acks: int | str = 1,
+        acks: int | str | None = None,
         linger_ms: float = 5,
         batch_size_bytes: int = 1 << 20,
         buffer_memory_bytes: int = 64 << 20,
@@ -452,9 +476,26 @@ class Producer:
         local_channel: bool = True,
         key_serializer=None,
         value_serializer=None,
+        transactional_id: str | None = None,
+        transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS_DEFAULT,
     ) -> None:
         if not isinstance(bus, Bus):
             raise InvalidConfigError(f"bus must be a Bus from logbus.connect(), not {type(bus).__name__}")
+        txn = None
+        if transactional_id is not None:
+            validate_transactional_id(transactional_id)
+            if isinstance(transaction_timeout_ms, bool) or not isinstance(transaction_timeout_ms, int) or transaction_timeout_ms <= 0:
+                raise InvalidConfigError(f"transaction_timeout_ms must be a positive int, not {transaction_timeout_ms!r}")
+            if acks is None:
+                acks = "all"
+            if acks not in ("all", -1) or acks.__class__ not in (int, str):
+                raise InvalidConfigError(f"a transactional producer needs acks='all', not {acks!r}")
+            if enable_idempotence is False:
+                raise InvalidConfigError("a transactional producer is idempotent: enable_idempotence cannot be False")
+            enable_idempotence = True
+            txn = TransactionManager(transactional_id, transaction_timeout_ms)
+        elif acks is None:
+            acks = 1
         check_choice("acks", acks, ACKS)  # not True or 1.0, which equal 1
         check_choice("compression", compression, tuple(rb.COMPRESSION_CODES))
         for name, value in (("batch_size_bytes", batch_size_bytes), ("buffer_memory_bytes", buffer_memory_bytes)):
@@ -525,6 +566,14 @@ class Producer:
             # Serializing goes in front of send() for this producer alone, so that a producer
             # without serializers runs send() exactly as before, without even a test for them.
             self.send = self._send_serialized
+        self._txn = txn
+        self._txn_add_not_before_s = 0.0  # retry backoff of AddPartitionsToTxn
+        self._txn_add_failing_since_s: float | None = None
+        if txn is not None:
+            # Sends are checked against the transaction's state in front of send() and send_table(),
+            # for this producer alone (as serializers are): other producers run them as before.
+            self._send_untransacted = self.send
+            self.send = self._send_transactional
         self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
         self._sender.start()
 
@@ -666,6 +715,9 @@ class Producer:
         """
         if self._closed:
             raise IllegalStateError("send_table() after close()")
+        if self._txn is not None:
+            with self._lock:
+                self._txn.check_send()
         if not isinstance(table, pa.Table | pa.RecordBatch):
             raise InvalidRecordError(f"send_table takes a pyarrow Table, not {type(table).__name__}")
         metadata = self._topic(topic)
@@ -781,11 +833,14 @@ class Producer:
             self._buffer_gauge.update(self._buffered_bytes)
             with self._condition:
                 batches, wait_s = self._collect()
-                if not batches:
+                to_add = self._partitions_to_add()
+                if not batches and not to_add:
                     if self._stopping and not self._open and not self._ready and not self._in_flight_total:
                         return
                     self._condition.wait(min(wait_s, STALE_CHECK_INTERVAL_S) if self._in_flight_total else wait_s)
                     continue
+            if to_add:
+                self._add_partitions(to_add)
             for batch in batches:
                 self._dispatch(batch)
 
@@ -855,9 +910,16 @@ class Producer:
         taken = []
         kept: deque[_Batch] = deque()
         held: set[tuple[str, int]] = set()  # partitions with an earlier batch still waiting
+        txn = self._txn
         while self._ready:
             batch = self._ready.popleft()
             slot = (batch.topic, batch.partition)
+            if txn is not None and (not txn.sending_allowed or txn.needs_partition(TopicPartition(*slot))):
+                # A transaction's batch goes once its partition is in the transaction, and not
+                # at all once the transaction failed (abort_transaction() fails it).
+                held.add(slot)
+                kept.append(batch)
+                continue
             if slot in held or self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
                 # A partition's batches leave in order: one held back (retry backoff, or no
                 # slot free) holds back the later ones, so they cannot overtake it at the leader.
@@ -915,6 +977,8 @@ class Producer:
         old = self._sequences.pop(slot, None)
         if old is None or (old.producer_id, old.epoch) != (self._producer_id, self._producer_epoch):
             return
+        if self._txn is not None:
+            return  # the coordinator owns a transactional producer's epoch: bumped after the abort
         if self._producer_epoch >= PRODUCER_EPOCH_MAX:
             self._producer_id = rb.NO_PRODUCER_ID
             self._producer_epoch = rb.NO_PRODUCER_EPOCH
@@ -1000,7 +1064,10 @@ class Producer:
             slot = (batch.topic, batch.partition)
             sequences = self._sequences.get(slot)
             if sequences is None:
-                if len(self._sequences) >= self.sequence_partitions_max:
+                if self._producer_id == rb.NO_PRODUCER_ID and self._txn is not None:
+                    raise IllegalStateError("a transactional producer has no producer id before init_transactions()")
+                if len(self._sequences) >= self.sequence_partitions_max and self._txn is None:
+                    # (a transactional producer keeps its sequences: its epoch is the coordinator's)
                     with self._lock:
                         self._forget_idle_sequences()
                 if self._producer_id == rb.NO_PRODUCER_ID:
@@ -1008,6 +1075,8 @@ class Producer:
                     self._producer_epoch = 0
                 sequences = self._sequences[slot] = _Sequences(self._producer_id, self._producer_epoch)
             frame.update(producer_id=sequences.producer_id, producer_epoch=sequences.epoch, base_sequence=sequences.next)
+            if self._txn is not None:
+                frame["transactional"] = True
         if batch.records is not None:
             encoded = rb.frame_record_batch(batch.records, **frame)
             batch.records = None
@@ -1067,6 +1136,8 @@ class Producer:
                 self._ready = deque(retried + [b for b in self._ready if not b.order])
             else:
                 self._buffered_bytes -= batch.size_bytes
+                if error is not None and self._txn is not None:
+                    self._txn.batch_failed(error)
                 if error is not None and batch.sequenced is not None:
                     sequences = self._sequences.get(slot)
                     if sequences is not None and (sequences.producer_id, sequences.epoch) == batch.sequenced:
@@ -1110,6 +1181,266 @@ class Producer:
         for batch in batches:
             _finish(batch, -1, -1, error)
 
+    # --- transactions ----------------------------------------------------------------------------------
+
+    def _send_transactional(
+        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+    ) -> RecordFuture:
+        """send() for a transactional producer: only inside an open transaction."""
+        if self._txn.state is not TxnClientState.IN_TRANSACTION:
+            with self._lock:
+                self._txn.check_send()
+        return self._send_untransacted(topic, value, key, headers, partition, timestamp_ms)
+
+    def _require_txn(self) -> TransactionManager:
+        if self._txn is None:
+            raise IllegalStateError("this producer has no transactional_id: transactions need Producer(bus, transactional_id=...)")
+        if self._closed:
+            raise IllegalStateError("the producer is closed")
+        return self._txn
+
+    def _coordinator_call(self, method: str, *args, deadline_s: float):
+        """Call the transaction coordinator (the controller), retrying retriable errors until ``deadline_s``."""
+        while True:
+            remaining = deadline_s - time.monotonic()
+            try:
+                ref = getattr(self._bus.controller, method).remote(*args)
+                return get(ref, timeout_s=max(0.001, min(remaining, self.request_timeout_s)))
+            except LogbusError as error:
+                if not error.retriable:
+                    raise
+                if time.monotonic() + RETRY_BACKOFF_S >= deadline_s:
+                    raise RequestTimedOutError(
+                        f"transactional id {self._txn.transactional_id!r}: {method} did not succeed in time: {error}"
+                    ) from error
+                time.sleep(RETRY_BACKOFF_S)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        _check_timeout(timeout_s)
+        return time.monotonic() + (TRANSACTION_CALL_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def _fail_txn(self, error: BaseException) -> None:
+        with self._condition:
+            self._txn.fail(error)
+            self._condition.notify_all()
+
+    def init_transactions(self, timeout_s: float | None = None) -> None:
+        """Register the transactional id with the coordinator; call once, before the first transaction.
+
+        Gets this instance's producer id and epoch. A previous instance with the
+        same transactional id is fenced: its transaction, if one was open, is
+        aborted, and its later sends and commit fail with ProducerFencedError.
+        Raises RequestTimedOutError (retriable: call again) if the coordinator
+        does not answer within ``timeout_s`` (default 60).
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_init()
+        self._initialize(None, deadline)
+
+    def _initialize(self, expected: tuple[int, int] | None, deadline_s: float) -> None:
+        txn = self._txn
+        try:
+            producer_id, epoch = self._coordinator_call(
+                "txn_init_producer_id", txn.transactional_id, txn.timeout_ms, expected, deadline_s=deadline_s
+            )
+        except LogbusError as error:
+            if not error.retriable:
+                self._fail_txn(error)
+            raise
+        with self._condition:
+            # Every partition's sequence starts at 0 in the new epoch.
+            self._producer_id, self._producer_epoch = producer_id, epoch
+            self._sequences.clear()
+            self._unresolved.clear()
+            txn.initialized(producer_id, epoch)
+
+    def begin_transaction(self) -> None:
+        """Open a transaction: sends and offsets from now on commit or abort together. Local (no call)."""
+        txn = self._require_txn()
+        with self._condition:
+            txn.begin()
+
+    def send_offsets_to_transaction(self, offsets: dict, group_metadata, timeout_s: float | None = None) -> None:
+        """Commit a consumer group's offsets as part of the transaction (the consume-transform-produce loop).
+
+        ``offsets``: {TopicPartition: next offset to consume (int or
+        OffsetAndMetadata)}. ``group_metadata``: ``consumer.group_metadata()``
+        (the group's generation and member are checked, so a consumer that lost
+        its partitions in a rebalance cannot commit through a transaction), or
+        a group id for a consumer outside group management. The offsets become
+        the group's committed offsets when the transaction commits, and never if
+        it aborts. A failure other than a timeout leaves only abort_transaction().
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.check_send()
+        group = _group_metadata(group_metadata)
+        if not isinstance(offsets, dict):
+            raise InvalidConfigError(f"offsets must be a dict of {{TopicPartition: offset}}, not {type(offsets).__name__}")
+        if not offsets:
+            return
+        try:
+            self._coordinator_call(
+                "txn_add_offsets", txn.transactional_id, txn.producer_id, txn.epoch, group[0], deadline_s=deadline
+            )
+            with self._condition:
+                txn.offsets_added = True
+            self._coordinator_call(
+                "txn_offset_commit", txn.transactional_id, txn.producer_id, txn.epoch, group, dict(offsets), deadline_s=deadline
+            )
+        except LogbusError as error:
+            if not isinstance(error, RequestTimedOutError) and not isinstance(error, ValueError):
+                self._fail_txn(error)
+            raise
+
+    def commit_transaction(self, timeout_s: float | None = None) -> None:
+        """Flush the transaction's records, then commit it: every record and offset becomes visible to
+        read_committed readers together.
+
+        If a send of the transaction failed, raises InvalidTxnStateError (its
+        cause chained) and only abort_transaction() is allowed. A
+        RequestTimedOutError may be retried by calling commit_transaction()
+        again. ProducerFencedError: another instance took over (or the
+        transaction timed out); close this producer.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_commit()
+        self._drain_transaction(deadline)
+        with self._condition:
+            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
+                txn.begin_commit()  # raises the failure that ended the transaction
+            needs_end = txn.needs_end_txn
+        if needs_end:
+            self._end_txn(True, deadline)
+        with self._condition:
+            txn.completed()
+
+    def abort_transaction(self, timeout_s: float | None = None) -> None:
+        """Abort the transaction: its records are never visible to read_committed readers, its offsets
+        never committed. Records not yet sent fail with TransactionAbortedError.
+
+        Allowed after a failed send or commit (ABORTABLE_ERROR); not after a
+        fence (ProducerFencedError). A RequestTimedOutError may be retried.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_abort()
+        self._fail_unsent()
+        self._drain_transaction(deadline)
+        self._fail_unsent()  # batches that a failed attempt put back meanwhile
+        with self._condition:
+            needs_end = txn.needs_end_txn
+        if needs_end:
+            self._end_txn(False, deadline)
+        with self._condition:
+            txn.completed()
+            bump = txn.state is TxnClientState.INITIALIZING
+        if bump:
+            self._initialize((txn.producer_id, txn.epoch), deadline)
+
+    def hand_over_transaction(self, timeout_s: float | None = None) -> tuple[str, int, int] | None:
+        """Flush the open transaction and leave it open, for another process to end with
+        :func:`end_transaction` (a two-phase write across processes: Ray Data's transactional
+        TopicSink). Returns its handle (transactional id, producer id, epoch), or None if it holds
+        nothing. The producer is then READY, and its close() does not abort the handed-over
+        transaction; a later begin_transaction() would end it (use a new producer instead).
+
+        Raises as commit_transaction() does when a send of the transaction failed.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_commit()
+        self._drain_transaction(deadline)
+        with self._condition:
+            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
+                txn.begin_commit()  # raises the failure that ended the transaction
+            handle = (txn.transactional_id, txn.producer_id, txn.epoch) if txn.needs_end_txn else None
+            txn.completed()
+        return handle
+
+    def _fail_unsent(self) -> None:
+        """Fail every batch buffered and not in flight with TransactionAbortedError (the transaction aborts)."""
+        txn = self._txn
+        with self._condition:
+            unsent = list(self._open.values()) + list(self._ready)
+            self._open.clear()
+            self._ready.clear()
+            for batch in unsent:
+                self._buffered_bytes -= batch.size_bytes
+                if batch.sequenced is not None:
+                    txn.epoch_bump_needed = True  # it may have been written: its sequence has a hole
+            self._condition.notify_all()
+        aborted = TransactionAbortedError(f"transactional id {txn.transactional_id!r}: the transaction was aborted before this record was sent")
+        for batch in unsent:
+            _finish(batch, -1, -1, aborted)
+
+    def _drain_transaction(self, deadline_s: float) -> None:
+        """Send everything buffered and wait for every reply; stop early (nothing in flight) once the
+        transaction failed (its held batches never go)."""
+        txn = self._txn
+        with self._condition:
+            self._flushing += 1
+            self._condition.notify_all()
+            try:
+                while self._open or self._ready or self._in_flight_total:
+                    if not txn.sending_allowed and not self._in_flight_total:
+                        return  # what is left is held for good (failed or aborting transaction)
+                    remaining = deadline_s - time.monotonic()
+                    if remaining <= 0:
+                        raise RequestTimedOutError(f"transactional id {txn.transactional_id!r}: records not acknowledged in time")
+                    self._condition.wait(min(remaining, 0.05))
+            finally:
+                self._flushing -= 1
+
+    def _end_txn(self, commit: bool, deadline_s: float) -> None:
+        txn = self._txn
+        try:
+            self._coordinator_call("txn_end", txn.transactional_id, txn.producer_id, txn.epoch, commit, deadline_s=deadline_s)
+        except LogbusError as error:
+            if not error.retriable:
+                self._fail_txn(error)
+            raise
+
+    def _partitions_to_add(self) -> list | None:
+        """Under the lock: the partitions the sender should add to the transaction now, if any."""
+        txn = self._txn
+        if txn is None or not txn.pending or not txn.sending_allowed or time.monotonic() < self._txn_add_not_before_s:
+            return None
+        return txn.take_pending()
+
+    def _add_partitions(self, partitions: list) -> None:
+        """AddPartitionsToTxn from the sender thread; their held batches go once it succeeds."""
+        txn = self._txn
+        try:
+            get(
+                self._bus.controller.txn_add_partitions.remote(txn.transactional_id, txn.producer_id, txn.epoch, partitions),
+                timeout_s=self.request_timeout_s,
+            )
+        except Exception as error:  # noqa: BLE001 (routed to the transaction's state)
+            error = unwrap(error)
+            now = time.monotonic()
+            with self._condition:
+                txn.partitions_not_added(partitions)
+                retriable = isinstance(error, LogbusError) and error.retriable
+                if self._txn_add_failing_since_s is None:
+                    self._txn_add_failing_since_s = now
+                if not retriable or now - self._txn_add_failing_since_s > self.delivery_timeout_s:
+                    txn.fail(error)
+                self._txn_add_not_before_s = now + RETRY_BACKOFF_S
+                self._condition.notify_all()
+            return
+        with self._condition:
+            self._txn_add_failing_since_s = None
+            txn.partitions_added(partitions)
+            self._condition.notify_all()
+
     # --- flushing and closing ------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None, *, timeout: float | None = None) -> None:
@@ -1146,6 +1477,16 @@ class Producer:
         _check_timeout(timeout_s)
         if self._closed:
             return
+        if self._txn is not None and self._txn.state in (
+            TxnClientState.IN_TRANSACTION, TxnClientState.ABORTABLE_ERROR, TxnClientState.ABORTING_TRANSACTION,
+            TxnClientState.COMMITTING_TRANSACTION,
+        ):
+            try:  # as Kafka's: an open transaction is aborted (else the coordinator aborts it at its timeout)
+                self.abort_transaction(timeout_s)
+            except LogbusError as error:
+                logger.warning("producer %s: its open transaction was not aborted on close: %r", self._txn.transactional_id, error)
+        if self._txn is not None and self._txn.state is TxnClientState.FATAL_ERROR:
+            self._abandon(self._txn.error or IllegalStateError("the producer was fenced"))
         try:
             self.flush(timeout_s)
         except RequestTimedOutError as error:
@@ -1161,6 +1502,40 @@ class Producer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def end_transaction(bus: Bus, handle: tuple[str, int, int], commit: bool, timeout_s: float = TRANSACTION_CALL_TIMEOUT_S) -> None:
+    """Commit (or abort) a transaction another process handed over (:meth:`Producer.hand_over_transaction`).
+
+    Retries retriable errors until ``timeout_s``. ProducerFencedError: a newer
+    instance of the transactional id took over, or the transaction timed out
+    (the coordinator aborted it).
+    """
+    transactional_id, producer_id, epoch = handle
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            get(bus.controller.txn_end.remote(transactional_id, producer_id, epoch, bool(commit)), timeout_s=max(0.001, deadline - time.monotonic()))
+            return
+        except LogbusError as error:
+            if not error.retriable or time.monotonic() + RETRY_BACKOFF_S >= deadline:
+                raise
+            time.sleep(RETRY_BACKOFF_S)
+
+
+def _group_metadata(group_metadata) -> tuple[str, int, str, str | None]:
+    """(group id, generation, member id, group instance id) from ``consumer.group_metadata()`` or a group id."""
+    if isinstance(group_metadata, str):
+        return group_metadata, -1, "", None
+    try:
+        return (
+            group_metadata.group_id, int(group_metadata.generation_id), group_metadata.member_id or "",
+            getattr(group_metadata, "group_instance_id", None),
+        )
+    except (AttributeError, TypeError, ValueError):
+        raise InvalidConfigError(
+            f"group_metadata must be consumer.group_metadata() or a group id, not {group_metadata!r}"
+        ) from None
 
 
 def _check_timeout(timeout_s) -> None:

@@ -28,6 +28,15 @@ no member), so each sends an empty SyncGroup, whose reply is the assignment
 the coordinator computed, in Kafka's ConsumerProtocol encoding. Kafka
 consumers and logbus consumers can therefore share one group.
 
+Transactions. Every gateway answers for the one transaction coordinator (in
+the controller), as for the group coordinator: InitProducerId with a
+transactional id, AddPartitionsToTxn, AddOffsetsToTxn, EndTxn and
+TxnOffsetCommit are its calls. A transactional producer's batches are
+produced as any idempotent producer's, with the transactional bit kept; a
+read_committed Fetch reads up to the last stable offset and names the
+aborted transactions of its range, and markers go to Kafka clients as
+Kafka's control batches, so their own read_committed filtering applies.
+
 Errors. logbus's errors map to Kafka's codes (:func:`error_code`). A frame
 that cannot be parsed, or names an API key or version not served, raises
 :class:`~logbus.errors.KafkaProtocolError`: the gateway closes the
@@ -80,7 +89,7 @@ from logbus.protocol.kafka_messages import (
     read_subscription,
 )
 from logbus.protocol.kafka_records import DECOMPRESSED_MAX_BYTES, ProducedBatch, to_kafka, to_logbus
-from logbus.protocol.messages import FetchResponse, ProduceResponse, TopicPartition
+from logbus.protocol.messages import READ_COMMITTED, READ_UNCOMMITTED, FetchResponse, ProduceResponse, TopicPartition
 from logbus.storage import record_batch as rb
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import INTERNAL_TOPIC_PREFIX, validate_topic_name
@@ -97,6 +106,7 @@ DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, DELETE
 OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, DESCRIBE_LOG_DIRS, CREATE_PARTITIONS = 23, 32, 33, 35, 37
 DELETE_GROUPS, ELECT_LEADERS, INCREMENTAL_ALTER_CONFIGS, OFFSET_DELETE, DESCRIBE_CLUSTER = 42, 43, 44, 47, 60
 CONSUMER_GROUP_HEARTBEAT = 68
+ADD_PARTITIONS_TO_TXN, ADD_OFFSETS_TO_TXN, END_TXN, TXN_OFFSET_COMMIT = 24, 25, 26, 28
 API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     PRODUCE: (3, 9),
     FETCH: (4, 12),
@@ -115,6 +125,12 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     CREATE_TOPICS: (2, 7),
     DELETE_TOPICS: (1, 6),
     INIT_PRODUCER_ID: (0, 4),
+    # Transactions: the versions before KIP-890's (AddPartitionsToTxn v4 is broker to broker; the
+    # later EndTxn, AddOffsetsToTxn and TxnOffsetCommit versions ask for its server-side epoch bumps).
+    ADD_PARTITIONS_TO_TXN: (0, 3),
+    ADD_OFFSETS_TO_TXN: (0, 3),
+    END_TXN: (0, 3),
+    TXN_OFFSET_COMMIT: (0, 3),
     DESCRIBE_CONFIGS: (1, 4),
     DELETE_RECORDS: (0, 2),
     OFFSET_FOR_LEADER_EPOCH: (2, 4),
@@ -194,6 +210,11 @@ class BrokerConfig:
         return {name: getattr(self, field) for name, field in self.NAMES.items()}
 
 
+# The first version of each transactional API whose clients know PRODUCER_FENCED (KIP-588); older
+# ones are told INVALID_PRODUCER_EPOCH, as Kafka tells them.
+PRODUCER_FENCED_SINCE = {INIT_PRODUCER_ID: 4, ADD_PARTITIONS_TO_TXN: 2, ADD_OFFSETS_TO_TXN: 2, END_TXN: 2}
+
+
 # --- what the handler needs of the cluster -------------------------------------------------------
 
 
@@ -254,11 +275,14 @@ class Backend(Protocol):
         returning); the awaitable gives the leader's reply. Raises UnknownTopicError or
         LeaderNotAvailableError when there is no such leader to hand it to."""
 
-    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int) -> Awaitable[tuple[FetchResponse, Any]]:
-        """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None)."""
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int,
+              isolation_level: int = READ_UNCOMMITTED) -> Awaitable[tuple[FetchResponse, Any]]:
+        """Fetch whole logbus batches from ``offset``: (FetchResponse, buffer or None); READ_COMMITTED
+        reads up to the last stable offset and names the aborted transactions the reply overlaps."""
 
-    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
-        """(log start offset, high watermark, log end offset)."""
+    async def offsets(self, topic: str, partition: int, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
+        """(log start offset, high watermark, log end offset); READ_COMMITTED gives the last stable
+        offset in place of the high watermark."""
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         """The first offset whose timestamp is >= ``timestamp_ms``, or -1."""
@@ -338,6 +362,21 @@ class Backend(Protocol):
     async def data_dir(self) -> str:
         """The cluster's data directory (DescribeLogDirs's log directory)."""
 
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected: tuple[int, int] | None) -> tuple[int, int]:
+        """The transaction coordinator's InitProducerId: (producer id, epoch); fences older instances."""
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list[TopicPartition]) -> None:
+        """AddPartitionsToTxn: durable before it returns."""
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        """AddOffsetsToTxn: the group's offsets partition joins the transaction."""
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        """TxnOffsetCommit: ``group_metadata`` is (group id, generation, member id, group instance id)."""
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        """EndTxn: returns once the transaction's markers are written."""
+
 
 # --- errors ----------------------------------------------------------------------------------------
 
@@ -360,6 +399,12 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.ProducerFencedError, ErrorCode.invalid_producer_epoch),
     (e.FencedInstanceIdError, ErrorCode.fenced_instance_id),
     (e.FencedMemberEpochError, ErrorCode.fenced_member_epoch),
+    (e.InvalidProducerEpochError, ErrorCode.invalid_producer_epoch),
+    (e.InvalidProducerIdMappingError, ErrorCode.invalid_producer_id_mapping),
+    (e.InvalidTxnStateError, ErrorCode.invalid_txn_state),
+    (e.ConcurrentTransactionsError, ErrorCode.concurrent_transactions),
+    (e.InvalidTransactionTimeoutError, ErrorCode.invalid_transaction_timeout),
+    (e.TransactionalIdNotFoundError, ErrorCode.transactional_id_not_found),
     (e.UnknownMemberIdError, ErrorCode.unknown_member_id),
     (e.IllegalGenerationError, ErrorCode.illegal_generation),
     (e.RebalanceInProgressError, ErrorCode.rebalance_in_progress),
@@ -394,6 +439,14 @@ def error_code(error: BaseException) -> ErrorCode:
     if isinstance(error, TimeoutError | asyncio.TimeoutError):
         return ErrorCode.request_timed_out
     return ErrorCode.unknown_server_error
+
+
+def txn_error_code(error: BaseException, api_key: int, api_version: int) -> ErrorCode:
+    """:func:`error_code` for the transaction coordinator's APIs: a fenced producer is told
+    PRODUCER_FENCED by the versions that know it (its produce requests keep INVALID_PRODUCER_EPOCH)."""
+    if isinstance(error, e.ProducerFencedError) and api_version >= PRODUCER_FENCED_SINCE.get(api_key, 2**15):
+        return ErrorCode.producer_fenced
+    return error_code(error)
 
 
 def _message(error: BaseException) -> str:
@@ -487,6 +540,10 @@ class KafkaHandler(AdminRequests):
             OFFSET_COMMIT: self._offset_commit,
             OFFSET_FETCH: self._offset_fetch,
             INIT_PRODUCER_ID: self._init_producer_id,
+            ADD_PARTITIONS_TO_TXN: self._add_partitions_to_txn,
+            ADD_OFFSETS_TO_TXN: self._add_offsets_to_txn,
+            END_TXN: self._end_txn,
+            TXN_OFFSET_COMMIT: self._txn_offset_commit,
             CREATE_TOPICS: self._create_topics,
             DELETE_TOPICS: self._delete_topics,
             DESCRIBE_CONFIGS: self._describe_configs,
@@ -676,8 +733,9 @@ class KafkaHandler(AdminRequests):
         return out
 
     async def _find_coordinator(self, request: Request) -> dict:
-        # Every gateway reaches the one coordinator (the controller): each is the coordinator of
-        # whatever it is asked about.
+        # Every gateway reaches the one group coordinator and the one transaction coordinator (both
+        # in the controller): each is the coordinator of whatever it is asked about, a group
+        # (key_type 0) or a transactional id (key_type 1).
         me = self.backend.broker
         entry = {"node_id": me.broker_id, "host": me.host, "port": me.port, "error_code": ErrorCode.none, "error_message": None}
         keys = _get(request.body, "coordinator_keys", default=None)
@@ -693,14 +751,12 @@ class KafkaHandler(AdminRequests):
         acks = body.acks
         timeout_ms = max(1, _ms(body.timeout))
         logbus_acks: int | str = "all" if acks == -1 else int(acks)
-        refused = e.InvalidRecordError("transactional producers are not supported") if body.transactional_id is not None else None
         budget = _DecompressionBudget(REQUEST_DECOMPRESSED_FACTOR * self.max_request_bytes)
         replies: list[tuple[str, int, Awaitable | BaseException]] = []
         for topic in body.topic_data:
             for partition in topic.partition_data:
-                if refused is not None:
-                    replies.append((topic.name, partition.index, refused))
-                    continue
+                # A transactional producer's batches go to the leaders as any idempotent producer's
+                # (its AddPartitionsToTxn came first; leaders do not check that, as Kafka's before KIP-890).
                 pending = self._produce_partition(connection, topic.name, partition.index, partition.records or b"", logbus_acks, timeout_ms, budget)
                 replies.append((topic.name, partition.index, pending))
         return replies
@@ -771,10 +827,11 @@ class KafkaHandler(AdminRequests):
         max_wait_ms = max(0, _ms(body.max_wait))
         min_bytes = max(0, int(body.min_bytes))
         total_max = int(_get(body, "max_bytes", default=2**31 - 1))
+        isolation = READ_COMMITTED if int(_get(body, "isolation_level", default=READ_UNCOMMITTED)) == READ_COMMITTED else READ_UNCOMMITTED
         wanted = [(t.topic, p.partition, int(p.fetch_offset), max(1, int(p.partition_max_bytes))) for t in body.topics for p in t.partitions]
         results: dict[tuple[str, int], Any] = {}
         # First a look without waiting: partitions with data answer at once.
-        immediate = await asyncio.gather(*(_settle(self.backend.fetch(t, p, o, m, 0)) for t, p, o, m in wanted))
+        immediate = await asyncio.gather(*(_settle(self.backend.fetch(t, p, o, m, 0, isolation)) for t, p, o, m in wanted))
         total = 0
         for (t, p, _, _), result in zip(wanted, immediate):
             results[(t, p)] = result
@@ -794,7 +851,7 @@ class KafkaHandler(AdminRequests):
                 waiting.append((t, p, meta.next_offset, m))
         if waiting and max_wait_ms > 0 and total < max(min_bytes, 1):
             # Then wait at the leaders for the first data (or the wait's end).
-            tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms))): (t, p) for t, p, o, m in waiting}
+            tasks = {asyncio.ensure_future(_settle(self.backend.fetch(t, p, o, m, max_wait_ms, isolation))): (t, p) for t, p, o, m in waiting}
             deadline = time.monotonic() + max_wait_ms / 1000
             pending = set(tasks)
             try:
@@ -824,7 +881,12 @@ class KafkaHandler(AdminRequests):
                     logger.debug("fetch of %s-%d at %d failed: %s", t, p, offset, _message(result))
             else:
                 meta, data = result
-                entry.update(high_watermark=meta.high_watermark, last_stable_offset=meta.high_watermark, log_start_offset=meta.log_start_offset)
+                entry.update(high_watermark=meta.high_watermark, last_stable_offset=meta.last_stable_offset, log_start_offset=meta.log_start_offset)
+                if isolation == READ_COMMITTED:
+                    # Kafka's consumer drops these transactions' batches (control batches reach it as
+                    # Kafka's control batches, which it never hands out).
+                    entry["aborted_transactions"] = [{"producer_id": producer_id, "first_offset": first_offset}
+                                                     for producer_id, first_offset in meta.aborted_transactions]
                 if data is not None and (budget > 0 or budget == total_max):
                     try:
                         records = to_kafka(data)
@@ -839,12 +901,15 @@ class KafkaHandler(AdminRequests):
                 "responses": [{"topic": t, "partitions": ps} for t, ps in by_topic.items()]}
 
     async def _list_offsets(self, request: Request) -> dict:
+        # read_committed: the latest offset is the last stable offset (the end of what it may read).
+        isolation = READ_COMMITTED if int(_get(request.body, "isolation_level", default=READ_UNCOMMITTED)) == READ_COMMITTED else READ_UNCOMMITTED
+
         async def one(topic: str, partition: int, timestamp: int) -> dict:
             entry = {"partition_index": partition, "error_code": ErrorCode.none, "timestamp": -1, "offset": -1, "leader_epoch": -1}
             try:
                 if request.api_version == 0 and max_offsets.get((topic, partition), 1) < 1:
                     return {**entry, "old_style_offsets": ()}  # asked for no offsets
-                start, high_watermark, _ = await self.backend.offsets(topic, partition)
+                start, high_watermark, _ = await self.backend.offsets(topic, partition, isolation)
                 if timestamp == LIST_OFFSETS_LATEST:
                     entry["offset"] = high_watermark
                 elif timestamp == LIST_OFFSETS_EARLIEST:
@@ -886,9 +951,18 @@ class KafkaHandler(AdminRequests):
 
     async def _init_producer_id(self, request: Request) -> dict:
         body = request.body
-        if body.transactional_id is not None:
-            return {"throttle_time": 0, "error_code": ErrorCode.invalid_request, "producer_id": -1, "producer_epoch": -1}
         producer_id, epoch = int(_get(body, "producer_id", default=-1)), int(_get(body, "producer_epoch", default=-1))
+        if body.transactional_id is not None:
+            # KIP-360: an instance that already holds an id and epoch names them; the coordinator
+            # bumps that epoch only if it is still the current one (otherwise the caller is fenced).
+            expected = (producer_id, epoch) if producer_id >= 0 else None
+            try:
+                producer_id, epoch = await self.backend.txn_init_producer_id(body.transactional_id, _ms(body.transaction_timeout), expected)
+            except Exception as error:  # noqa: BLE001
+                code = txn_error_code(error, request.api_key, request.api_version)
+                logger.debug("InitProducerId for %r refused: %s", body.transactional_id, _message(error))
+                return {"throttle_time": 0, "error_code": code, "producer_id": -1, "producer_epoch": -1}
+            return {"throttle_time": 0, "error_code": ErrorCode.none, "producer_id": producer_id, "producer_epoch": epoch}
         try:
             if producer_id >= 0 and 0 <= epoch < 2**15 - 2:
                 # KIP-360: an idempotent producer bumps its epoch after a failed batch; its sequences restart at 0.
@@ -897,6 +971,57 @@ class KafkaHandler(AdminRequests):
         except Exception as error:  # noqa: BLE001
             return {"throttle_time": 0, "error_code": error_code(error), "producer_id": -1, "producer_epoch": -1}
         return {"throttle_time": 0, "error_code": ErrorCode.none, "producer_id": producer_id, "producer_epoch": 0}
+
+    # --- transactions (the coordinator's side; partitions' data and markers go through Produce) ------
+
+    async def _txn_call(self, request: Request, call: Awaitable) -> ErrorCode:
+        """Await one coordinator call: NONE, or the error's code for this request's version."""
+        try:
+            await call
+        except Exception as error:  # noqa: BLE001 (one answer for the whole request: it is one call)
+            logger.debug("%s v%d of %r refused: %s", _TXN_API_NAMES[request.api_key], request.api_version,
+                         _get(request.body, "transactional_id", "v3_and_below_transactional_id"), _message(error))
+            return txn_error_code(error, request.api_key, request.api_version)
+        return ErrorCode.none
+
+    async def _add_partitions_to_txn(self, request: Request) -> dict:
+        body = request.body
+        topics = body.v3_and_below_topics
+        partitions = [TopicPartition(t.name, int(p)) for t in topics for p in t.partitions]
+        code = await self._txn_call(request, self.backend.txn_add_partitions(
+            body.v3_and_below_transactional_id, int(body.v3_and_below_producer_id), int(body.v3_and_below_producer_epoch), partitions))
+        return {"throttle_time": 0, "results_by_topic_v3_and_below": [
+            {"name": t.name, "results_by_partition": [{"partition_index": p, "partition_error_code": code} for p in t.partitions]}
+            for t in topics
+        ]}
+
+    async def _add_offsets_to_txn(self, request: Request) -> dict:
+        body = request.body
+        code = await self._txn_call(request, self.backend.txn_add_offsets(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), body.group_id))
+        return {"throttle_time": 0, "error_code": code}
+
+    async def _end_txn(self, request: Request) -> dict:
+        body = request.body
+        code = await self._txn_call(request, self.backend.txn_end(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), bool(body.committed)))
+        return {"throttle_time": 0, "error_code": code}
+
+    async def _txn_offset_commit(self, request: Request) -> dict:
+        body = request.body
+        offsets = {}
+        for topic in body.topics:
+            for p in topic.partitions:
+                leader_epoch = int(_get(p, "committed_leader_epoch", default=-1))
+                offsets[TopicPartition(topic.name, int(p.partition_index))] = OffsetAndMetadata(int(p.committed_offset), p.committed_metadata or "", leader_epoch)
+        # Before version 3 (KIP-447) the request names no member: the group's generation is not checked.
+        group_metadata = (body.group_id, int(_get(body, "generation_id", default=-1)), _get(body, "member_id", default="") or "",
+                          _get(body, "group_instance_id", default=None))
+        code = await self._txn_call(request, self.backend.txn_offset_commit(
+            body.transactional_id, int(body.producer_id), int(body.producer_epoch), group_metadata, offsets))
+        return {"throttle_time": 0, "topics": [
+            {"name": t.name, "partitions": [{"partition_index": p.partition_index, "error_code": code} for p in t.partitions]} for t in body.topics
+        ]}
 
     async def _create_topics(self, request: Request) -> dict:
         body = request.body
@@ -1238,6 +1363,10 @@ class KafkaHandler(AdminRequests):
         groups = [{"group_id": g[0], "protocol_type": g[3] if len(g) > 3 else CONSUMER_PROTOCOL, "group_state": g[1]}
                   for g in listed if not states or g[1] in states]
         return {"throttle_time": 0, "error_code": ErrorCode.none, "groups": groups}
+
+
+_TXN_API_NAMES = {INIT_PRODUCER_ID: "InitProducerId", ADD_PARTITIONS_TO_TXN: "AddPartitionsToTxn", ADD_OFFSETS_TO_TXN: "AddOffsetsToTxn",
+                  END_TXN: "EndTxn", TXN_OFFSET_COMMIT: "TxnOffsetCommit"}
 
 
 # --- helpers -----------------------------------------------------------------------------------------------

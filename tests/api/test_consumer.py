@@ -145,6 +145,8 @@ def test_commits_that_are_not_dicts_are_refused(offsets):
         (dict(default_api_timeout_ms=0), InvalidConfigError, "default_api_timeout_ms"),
         (dict(auto_offset_reset="smallest"), InvalidConfigError, "auto_offset_reset"),
         (dict(group_id=""), InvalidGroupIdError, "group_id"),
+        (dict(isolation_level="READ_COMMITTED"), InvalidConfigError, "isolation_level"),
+        (dict(isolation_level=1), InvalidConfigError, "isolation_level"),
     ],
 )
 def test_consumer_settings_are_checked_before_anything_happens(options, error, message):
