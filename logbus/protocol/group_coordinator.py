@@ -200,6 +200,7 @@ from logbus.errors import (
     RebalanceInProgressError,
     UnknownMemberIdError,
 )
+from logbus.protocol.field_reader import FieldReader
 from logbus.protocol.assignors import (
     ASSIGN_PARTITIONS_MAX,
     RebalanceProtocol,
@@ -1668,76 +1669,9 @@ def _pack_string(text: str) -> bytes:
     return _INT16.pack(len(raw)) + raw
 
 
-class _Reader:
-    """Reads fields in order; every short or malformed read is a CorruptRecordError."""
-
-    def __init__(self, data: bytes, what: str, position: int = 0) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise CorruptRecordError(f"{what} must be bytes, not {type(data).__name__}")
-        self.data, self.position, self.what = bytes(data), position, what
-
-    def unpack(self, layout: struct.Struct) -> tuple:
-        end = self.position + layout.size
-        if end > len(self.data):
-            raise CorruptRecordError(f"{self.what} is truncated at byte {self.position}")
-        values = layout.unpack_from(self.data, self.position)
-        self.position = end
-        return values
-
-    def int16(self) -> int:
-        return self.unpack(_INT16)[0]
-
-    def int32(self) -> int:
-        return self.unpack(_INT32)[0]
-
-    def int64(self) -> int:
-        return self.unpack(_INT64)[0]
-
-    def uvarint(self) -> int:
-        value = shift = 0
-        while True:
-            if self.position >= len(self.data) or shift > 28:
-                raise CorruptRecordError(f"{self.what} has a bad varint at byte {self.position}")
-            byte = self.data[self.position]
-            self.position += 1
-            value |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                return value
-            shift += 7
-
-    def _text(self, length: int) -> str:
-        end = self.position + length
-        if length < 0 or end > len(self.data):
-            raise CorruptRecordError(f"{self.what} has a bad string length {length} at byte {self.position}")
-        try:
-            text = self.data[self.position : end].decode()
-        except UnicodeDecodeError:
-            raise CorruptRecordError(f"{self.what} has a string that is not UTF-8") from None
-        self.position = end
-        return text
-
-    def string(self) -> str:
-        return self._text(self.int16())
-
-    def compact_string(self) -> str:
-        return self._text(self.uvarint() - 1)
-
-    def tagged_fields(self) -> None:
-        for _ in range(self.uvarint()):
-            self.uvarint()  # tag
-            size = self.uvarint()
-            if self.position + size > len(self.data):
-                raise CorruptRecordError(f"{self.what} has a tagged field past its end")
-            self.position += size
-
-    def finish(self) -> None:
-        if self.position != len(self.data):
-            raise CorruptRecordError(f"{self.what} has {len(self.data) - self.position} trailing bytes")
-
-
 def offsets_key_version(key: bytes) -> int:
     """The version of a ``__consumer_offsets`` key: 0 or 1 for an offset commit, 2 for group metadata."""
-    return _Reader(key, "__consumer_offsets key").int16()
+    return FieldReader(key, "__consumer_offsets key").int16()
 
 
 def offset_commit_key(group_id: str, tp: tuple[str, int]) -> bytes:
@@ -1747,7 +1681,7 @@ def offset_commit_key(group_id: str, tp: tuple[str, int]) -> bytes:
 
 def decode_offset_commit_key(key: bytes) -> tuple[str, TopicPartition]:
     """The (group id, partition) of an offset-commit key (version 0 or 1); CorruptRecordError if it is not one."""
-    reader = _Reader(key, "offset commit key")
+    reader = FieldReader(key, "offset commit key")
     version = reader.int16()
     if version not in (0, 1):
         raise CorruptRecordError(f"__consumer_offsets key version {version} is no offset commit")
@@ -1771,7 +1705,7 @@ def offset_commit_value(om: OffsetAndMetadata | int, commit_timestamp_ms: int, e
 
 
 def _read_value(value: bytes, version: int) -> OffsetCommitRecord:
-    reader = _Reader(value, f"offset commit value v{version}", position=2)
+    reader = FieldReader(value, f"offset commit value v{version}", position=2)
     offset = reader.int64()
     leader_epoch = reader.int32() if version >= 3 else -1
     metadata = reader.compact_string() if version >= 4 else reader.string()
@@ -1784,7 +1718,7 @@ def _read_value(value: bytes, version: int) -> OffsetCommitRecord:
 
 
 def _read_legacy_value(value: bytes) -> OffsetCommitRecord:
-    reader = _Reader(value, "offset commit value (logbus's former layout)", position=2)
+    reader = FieldReader(value, "offset commit value (logbus's former layout)", position=2)
     offset, leader_epoch = reader.int64(), reader.int32()
     metadata = reader.string()
     commit_ms = reader.int64()
@@ -1794,7 +1728,7 @@ def _read_legacy_value(value: bytes) -> OffsetCommitRecord:
 
 def read_offset_commit_value(value: bytes) -> OffsetCommitRecord:
     """Any version of an OffsetCommitValue, or logbus's former layout (see above); CorruptRecordError else."""
-    version = _Reader(value, "offset commit value").int16()
+    version = FieldReader(value, "offset commit value").int16()
     if version not in OFFSET_COMMIT_VALUE_VERSIONS:
         raise CorruptRecordError(f"unknown __consumer_offsets value version {version}")
     if version == 1:

@@ -70,6 +70,7 @@ from logbus.errors import (
     InvalidTxnStateError,
     ProducerFencedError,
 )
+from logbus.protocol.field_reader import FieldReader
 from logbus.protocol.messages import TopicPartition
 
 TRANSACTION_STATE_TOPIC = "__transaction_state"
@@ -532,39 +533,6 @@ def _pack_string(text: str) -> bytes:
     return _INT16.pack(len(raw)) + raw
 
 
-class _Reader:
-    """Reads fields in order; every short or malformed read is a CorruptRecordError."""
-
-    def __init__(self, data, what: str) -> None:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise CorruptRecordError(f"{what} must be bytes, not {type(data).__name__}")
-        self.data, self.position, self.what = bytes(data), 0, what
-
-    def unpack(self, layout: struct.Struct) -> tuple:
-        end = self.position + layout.size
-        if end > len(self.data):
-            raise CorruptRecordError(f"{self.what} is truncated at byte {self.position}")
-        values = layout.unpack_from(self.data, self.position)
-        self.position = end
-        return values
-
-    def string(self) -> str:
-        (length,) = self.unpack(_INT16)
-        end = self.position + length
-        if length < 0 or end > len(self.data):
-            raise CorruptRecordError(f"{self.what} has a bad string length {length} at byte {self.position}")
-        try:
-            text = self.data[self.position : end].decode()
-        except UnicodeDecodeError:
-            raise CorruptRecordError(f"{self.what} has a string that is not UTF-8") from None
-        self.position = end
-        return text
-
-    def finish(self) -> None:
-        if self.position != len(self.data):
-            raise CorruptRecordError(f"{self.what} has {len(self.data) - self.position} trailing bytes")
-
-
 def transaction_key(transactional_id: str) -> bytes:
     """TransactionLogKey v0: int16 version, string transactional id."""
     return _INT16.pack(TXN_KEY_VERSION) + _pack_string(validate_transactional_id(transactional_id))
@@ -578,7 +546,7 @@ def coordinator_value(coordinator_epoch: int) -> bytes:
 
 
 def decode_coordinator_value(value: bytes) -> int:
-    reader = _Reader(value, "coordinator epoch record")
+    reader = FieldReader(value, "coordinator epoch record")
     version, = reader.unpack(_INT16)
     if version != 0:
         raise CorruptRecordError(f"unknown coordinator record version {version}")
@@ -589,7 +557,7 @@ def decode_coordinator_value(value: bytes) -> int:
 
 def decode_key(key: bytes) -> tuple[str, str | None]:
     """("transaction", transactional id) or ("coordinator", None); CorruptRecordError otherwise."""
-    reader = _Reader(key, "__transaction_state key")
+    reader = FieldReader(key, "__transaction_state key")
     (version,) = reader.unpack(_INT16)
     if version == COORDINATOR_KEY_VERSION:
         reader.finish()
@@ -622,7 +590,7 @@ def transaction_value(metadata: TxnMetadata) -> bytes:
 
 
 def decode_transaction_value(transactional_id: str, value: bytes) -> TxnMetadata:
-    reader = _Reader(value, "__transaction_state value")
+    reader = FieldReader(value, "__transaction_state value")
     version, producer_id, epoch, timeout_ms, state = reader.unpack(_VALUE_HEAD)
     if version != TXN_VALUE_VERSION:
         raise CorruptRecordError(f"unknown __transaction_state value version {version}")
