@@ -249,7 +249,6 @@ class Controller:
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
         self._versions = 0  # counter of epoch table versions
         self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
-        self._throttles: dict[tuple[str, int], int | None] = {}  # reassignments' copy limits (bytes/s)
         self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
         self._last_preferred_check_ms = monotonic_ms()
         # Role changes not yet acknowledged by their replicas, sent again until they are (elections.py).
@@ -1294,17 +1293,15 @@ class Controller:
                 trial.start_reassignment(topic, partition, list(nodes), live)  # raises before anything changes
             started = {}
             for (topic, partition), nodes in assignments.items():
-                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live)
+                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live, throttle_bytes_per_s)
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
-        for (topic, partition), added in started.items():
-            if added:
-                self._throttles[(topic, partition)] = throttle_bytes_per_s
-                if reserved is not None:
-                    topic_state = self.metadata.topics[topic]
-                    for r in added:
-                        self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
+        if reserved is not None:
+            for (topic, partition), added in started.items():
+                topic_state = self.metadata.topics[topic]
+                for r in added:
+                    self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
         if reserved is not None:
             reserved.release()
         await asyncio.gather(*(self._begin_move(t, p) for (t, p), added in started.items()))
@@ -1315,7 +1312,7 @@ class Controller:
         state = topic.partitions[partition]
         for r in state.adding:
             self._agent(self._node_entry(state.nodes[str(r)]))
-        throttle = self._throttles.get((topic_name, partition))
+        throttle = state.throttle_bytes_per_s
         if throttle:  # before they are told to follow: the copy starts throttled
             handles = [self._handle_or_none(topic, partition, r) for r in state.adding]
             await asyncio.gather(*(h.set_throttle.remote(throttle) for h in handles if h is not None), return_exceptions=True)
@@ -1338,7 +1335,6 @@ class Controller:
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
-        self._throttles.pop((topic_name, partition), None)
         state = topic.partitions[partition]
         handles = [self._handle_or_none(topic, partition, r) for r in state.replicas]
         await asyncio.gather(*(h.set_throttle.remote(None) for h in handles if h is not None), return_exceptions=True)
@@ -1383,7 +1379,6 @@ class Controller:
                 self._persist()
                 for node in self._reindex():
                     self._push_epochs(node)
-            self._throttles.pop((topic_name, partition), None)
             await self._announce_safely(topic, partition)
             await self._remove_replicas(topic, partition, removed, old_nodes)
             cancelled.append((topic_name, partition))
@@ -1404,7 +1399,6 @@ class Controller:
                 "topic": topic_name, "partition": partition, **moving,
                 "leader_log_end_offset": ends.get(leader),
                 "copied": {str(r): ends.get(r) for r in moving["adding"]},
-                "throttle_bytes_per_s": self._throttles.get((topic_name, partition)),
             })
         return out
 

@@ -89,6 +89,7 @@ class PartitionState:
     adding: list[int] = field(default_factory=list)  # replicas a reassignment adds (they copy the log, then join the ISR)
     removing: list[int] = field(default_factory=list)  # replicas a reassignment drops when it completes
     next_replica_id: int = -1  # the id the next new replica gets; -1: one past the largest replica id
+    throttle_bytes_per_s: int | None = None  # a reassignment's copy limit per new replica (None: unthrottled)
 
     def __post_init__(self) -> None:
         if self.next_replica_id < 0:
@@ -382,7 +383,9 @@ class ClusterMetadata:
             raise InvalidPartitionError(f"topic {name!r} has partitions 0..{len(topic.partitions) - 1}, not {partition!r}")
         return topic.partitions[partition]
 
-    def start_reassignment(self, name: str, partition: int, target_nodes: list[str], live_nodes: list[str]) -> list[int]:
+    def start_reassignment(
+        self, name: str, partition: int, target_nodes: list[str], live_nodes: list[str], throttle_bytes_per_s: int | None = None
+    ) -> list[int]:
         """Start moving a partition to ``target_nodes`` (ordered: the first hosts the preferred leader); return the new replica ids.
 
         Everything is validated first, and an error changes nothing:
@@ -435,6 +438,7 @@ class ClusterMetadata:
         state.replicas = target + unclaimed
         state.adding = added
         state.removing = unclaimed
+        state.throttle_bytes_per_s = throttle_bytes_per_s if added else None  # kept with the move: a restarted controller has it
         _check_partition(state, where)
         return list(added)
 
@@ -477,7 +481,7 @@ class ClusterMetadata:
         state.isr = [r for r in state.isr if r not in removed]
         for r in removed:
             del state.nodes[str(r)]
-        state.adding, state.removing = [], []
+        state.adding, state.removing, state.throttle_bytes_per_s = [], [], None
         changed = state.leader in removed
         if changed:
             state.leader = next(r for r in target if r in state.isr)
@@ -512,12 +516,13 @@ class ClusterMetadata:
         state.isr = [r for r in state.isr if r not in added]
         for r in added:
             del state.nodes[str(r)]
-        state.adding, state.removing = [], []
+        state.adding, state.removing, state.throttle_bytes_per_s = [], [], None
         _check_partition(state, where)
         return added
 
     def reassignments(self) -> dict[tuple[str, int], dict[str, list]]:
-        """Every partition being reassigned: {"target": [node ids, in order], "adding": [ids], "removing": [ids]}."""
+        """Every partition being reassigned: {"target": [node ids, in order], "adding": [ids], "removing": [ids],
+        "throttle_bytes_per_s": the copy limit or None}."""
         moving = {}
         for topic in self.topics.values():
             for p, state in enumerate(topic.partitions):
@@ -526,6 +531,7 @@ class ClusterMetadata:
                         "target": [state.nodes[str(r)] for r in state.target()],
                         "adding": list(state.adding),
                         "removing": list(state.removing),
+                        "throttle_bytes_per_s": state.throttle_bytes_per_s,
                     }
         return moving
 
@@ -618,6 +624,7 @@ def _check_partition(state: PartitionState, where: str = "new partition") -> Non
     adding, removing = set(state.adding), set(state.removing)
     _check(len(adding) == len(state.adding) and adding <= replicas, f"{where}: adding {state.adding} is not a subset of the replicas {state.replicas}")
     _check(len(removing) == len(state.removing) and removing <= replicas, f"{where}: removing {state.removing} is not a subset of the replicas {state.replicas}")
+    _check(state.throttle_bytes_per_s is None or bool(adding), f"{where}: a copy throttle with no replica being added")
     _check(not adding & removing, f"{where}: replicas {sorted(adding & removing)} are both being added and removed")
     _check(
         set(state.replicas[len(state.replicas) - len(removing):]) == removing,

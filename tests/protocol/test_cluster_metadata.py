@@ -285,7 +285,7 @@ def test_a_reassignment_keeps_replicas_on_target_nodes_and_adds_fresh_ones_elsew
     # The target's replicas in target order, then the one being removed; the ISR waits for the new one.
     assert (state.replicas, state.adding, state.removing, state.isr) == ([3, 1, 0, 2], [3], [2], [0, 1, 2])
     assert (state.nodes["3"], state.next_replica_id, state.leader, state.leader_epoch) == ("n3", 4, 0, 0)
-    assert metadata.reassignments() == {("t", 0): {"target": ["n3", b, a], "adding": [3], "removing": [2]}}
+    assert metadata.reassignments() == {("t", 0): {"target": ["n3", b, a], "adding": [3], "removing": [2], "throttle_bytes_per_s": None}}
     assert metadata.topics["t"].replication_factor == 3
     assert not metadata.reassignment_ready("t", 0)
     with pytest.raises(InternalStateError, match="not ready"):
@@ -300,6 +300,24 @@ def test_a_reassignment_keeps_replicas_on_target_nodes_and_adds_fresh_ones_elsew
     assert metadata.elect_preferred_leader("t", 0, alive={0, 1, 3})
     assert (state.leader, state.leader_epoch, state.isr) == (3, 1, [0, 1, 3])
     assert not metadata.elect_preferred_leader("t", 0, alive={0, 1, 3})
+
+
+def test_a_reassignments_throttle_is_saved_with_it_and_goes_when_it_ends():
+    metadata = metadata_with(partitions=2)
+    a, b, c = placement(metadata)
+    assert metadata.start_reassignment("t", 0, ["n3", b, a], NODES, throttle_bytes_per_s=4_000_000) == [3]
+    assert metadata.start_reassignment("t", 1, [b, a, "n3"], NODES, throttle_bytes_per_s=1_000) == [3]
+    # A restarted controller reads it back with the move.
+    restored = ClusterMetadata.from_json(metadata.to_json())
+    assert {k: v["throttle_bytes_per_s"] for k, v in restored.reassignments().items()} == {("t", 0): 4_000_000, ("t", 1): 1_000}
+    restored.alter_isr("t", 0, leader=0, leader_epoch=0, isr=[0, 1, 2, 3])
+    restored.complete_reassignment("t", 0)
+    assert restored.topics["t"].partitions[0].throttle_bytes_per_s is None
+    restored.cancel_reassignment("t", 1)
+    assert restored.topics["t"].partitions[1].throttle_bytes_per_s is None and restored.reassignments() == {}
+    # A move that adds no replica copies nothing: no throttle is kept for it.
+    assert restored.start_reassignment("t", 0, [b], NODES, throttle_bytes_per_s=5) == []
+    assert restored.reassignments()[("t", 0)]["throttle_bytes_per_s"] is None
 
 
 def test_completing_without_the_leader_hands_leadership_to_the_first_target_replica_in_sync():
@@ -545,7 +563,7 @@ class ReassignmentMachine(RuleBasedStateMachine):
             assert not s.adding and not s.removing and self.nodes_of(s.replicas) == target  # only a new order
         else:
             self.target = list(target)
-            assert self.metadata.reassignments() == {("t", 0): {"target": target, "adding": s.adding, "removing": s.removing}}
+            assert self.metadata.reassignments() == {("t", 0): {"target": target, "adding": s.adding, "removing": s.removing, "throttle_bytes_per_s": None}}
 
     @rule(data=st.data())
     def leader_changes_the_isr(self, data):
