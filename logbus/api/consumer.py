@@ -680,7 +680,11 @@ class Consumer:
             state.error = error
 
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
-        """Read exactly these partitions (replacing any previous assignment)."""
+        """Read exactly these partitions (replacing any previous assignment).
+
+        With a ``group_id``, a newly assigned partition starts at the group's committed offset
+        (``auto_offset_reset`` where none is committed), as Kafka's consumer does; ``seek()``
+        before the first ``poll()`` overrides it. Without one, ``auto_offset_reset`` decides."""
         self._check_open()
         if self._subscribed:
             raise IllegalStateError("assign() cannot be mixed with subscribe(); call unsubscribe() first")
@@ -690,7 +694,8 @@ class Consumer:
                 self._leader(tp)  # unknown topics and partitions fail here, before anything changes
             except LeaderNotAvailableError:
                 pass  # it exists; its leader is being elected
-        self._partitions = {tp: self._partitions.get(tp) or _Partition(tp) for tp in wanted}
+        from_group = self.group_id is not None
+        self._partitions = {tp: self._partitions.get(tp) or _Partition(tp, needs_committed=from_group) for tp in wanted}
         self._forget_unused_topics()
 
     def assignment(self) -> set[TopicPartition]:

@@ -302,13 +302,7 @@ def _fault_target(bus, fault, source_topic, sink_topic, transformer):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "fault",
-    [
-        # Known bug, open in issue 29: after the transformer's producer is killed or paused and a new
-        # instance with the same transactional id takes over, about 150 outputs are read twice at
-        # read_committed (one transaction's worth); the cause is not found yet.
-        pytest.param(fault, marks=pytest.mark.xfail(reason="outputs duplicated when a new instance of the transactional producer takes over (issue 29)", strict=False))
-        for fault in ("kill-producer", "pause-producer")
-    ] + ["kill-leader", "pause-leader", "kill-controller", "pause-controller"],
+    ["kill-producer", "pause-producer", "kill-leader", "pause-leader", "kill-controller", "pause-controller"],
 )
 def test_consume_transform_produce_is_exactly_once_through_a_fault(bus, topic_name, fault):
     source, sink, partitions = f"{topic_name}-in", f"{topic_name}-out", 2
