@@ -1,5 +1,5 @@
 """Transactions through the Kafka gateway: the coordinator's APIs with raw requests, then Kafka's own
-transactional clients (confluent-kafka) against logbus's coordinator, markers and read_committed."""
+transactional clients (confluent-kafka and kafka-python) against logbus's coordinator, markers and read_committed."""
 
 from __future__ import annotations
 
@@ -151,6 +151,69 @@ def test_confluent_kafkas_consume_transform_produce_loop_commits_each_input_once
         assert offsets == sorted(offsets)
     # The aborted transaction's records and every marker hold offsets too, which no reader is given.
     assert sum(p.high_watermark for p in bus.admin.describe_topic(sink).partitions) > INPUTS
+    ends = {TopicPartition(source, p.partition): p.high_watermark for p in bus.admin.describe_topic(source).partitions}
+    committed = ray.get(bus.controller.fetch_committed.remote(group, list(ends)), timeout=60)
+    assert {tp: om.offset for tp, om in committed.items()} == ends
+    assert transactions(bus)[f"{topic_name}-txn"]["state"] == "COMPLETE_COMMIT"
+
+
+def test_kafka_pythons_consume_transform_produce_loop_commits_each_input_once(bus, gateway, topic_name):
+    # The same loop with kafka-python's own transaction manager (3.0: KIP-98 and KIP-447), and its
+    # read_committed consumer reading the result: another client's view of markers and aborts.
+    import kafka
+    from kafka.structs import OffsetAndMetadata as KafkaOffset
+
+    source, sink, group = f"{topic_name}-in", f"{topic_name}-out", f"{topic_name}-group"
+    bus.admin.create_topic(source, partitions=2)
+    bus.admin.create_topic(sink, partitions=3)
+    with logbus.Producer(bus, acks="all") as producer:
+        for i in range(INPUTS):
+            producer.send(source, b"%d" % i, partition=i % 2)
+    servers = gateway.bootstrap_servers
+    consumer = kafka.KafkaConsumer(source, bootstrap_servers=servers, group_id=group, auto_offset_reset="earliest",
+                                   enable_auto_commit=False, isolation_level="read_committed")
+    producer = kafka.KafkaProducer(bootstrap_servers=servers, transactional_id=f"{topic_name}-txn", linger_ms=5)
+    try:
+        producer.init_transactions()
+        done, aborted_once = 0, False
+        deadline = time.monotonic() + 240
+        while done < INPUTS and time.monotonic() < deadline:
+            polled = consumer.poll(timeout_ms=1000, max_records=BATCH)
+            messages = [m for records in polled.values() for m in records]
+            if not messages:
+                continue
+            producer.begin_transaction()
+            for m in messages:
+                producer.send(sink, b"out-" + m.value, partition=int(m.value) % 3)
+            if not aborted_once:
+                # The first transaction is aborted: its output is never read, and its input is read again.
+                aborted_once = True
+                producer.abort_transaction()
+                for tp in consumer.assignment():
+                    committed = consumer.committed(tp)
+                    consumer.seek(tp, committed if committed is not None else 0)
+                continue
+            offsets = {tp: KafkaOffset(consumer.position(tp), "", -1) for tp in consumer.assignment()}
+            producer.send_offsets_to_transaction(offsets, consumer.group_metadata())
+            producer.commit_transaction()
+            done += len(messages)
+    finally:
+        producer.close(timeout=30)
+        consumer.close()
+
+    reader = kafka.KafkaConsumer(bootstrap_servers=servers, auto_offset_reset="earliest", enable_auto_commit=False,
+                                 isolation_level="read_committed", consumer_timeout_ms=5_000)
+    try:
+        reader.assign([kafka.TopicPartition(sink, p) for p in range(3)])
+        seen = []
+        deadline = time.monotonic() + 120
+        while len(seen) < INPUTS and time.monotonic() < deadline:
+            for records in reader.poll(timeout_ms=1000).values():
+                seen.extend((r.partition, r.offset, r.value) for r in records)
+    finally:
+        reader.close()
+    assert sorted(v for _, _, v in seen) == sorted(b"out-%d" % i for i in range(INPUTS))  # each input's output once
+    assert sorted(v for _, _, v in read_committed(gateway, sink, 3, INPUTS)) == sorted(v for _, _, v in seen)  # confluent's view agrees
     ends = {TopicPartition(source, p.partition): p.high_watermark for p in bus.admin.describe_topic(source).partitions}
     committed = ray.get(bus.controller.fetch_committed.remote(group, list(ends)), timeout=60)
     assert {tp: om.offset for tp, om in committed.items()} == ends
