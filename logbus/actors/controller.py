@@ -254,6 +254,7 @@ class Controller:
         # Role changes not yet acknowledged by their replicas, sent again until they are (elections.py).
         self._deliveries = RoleDeliveries()
         self._delivery_tasks: dict[tuple[str, int, int], asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()  # tasks started and not awaited: held until done (asyncio keeps them weakly)
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
@@ -399,6 +400,19 @@ class Controller:
         if sends:
             await asyncio.wait(sends)
 
+    def _spawn(self, coroutine, what: str) -> asyncio.Task:
+        """Run ``coroutine`` in the background: the task is held until it ends, and a failure is logged."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+
+        def done(finished: asyncio.Task) -> None:
+            self._background.discard(finished)
+            if not finished.cancelled() and finished.exception() is not None:
+                logger.warning("%s failed: %r", what, finished.exception())
+
+        task.add_done_callback(done)
+        return task
+
     def _deliver(self, key: tuple[str, int, int], epoch: int) -> asyncio.Task | None:
         """Send a pending role change now (or join the call already under way); None if none is pending."""
         task = self._delivery_tasks.get(key)
@@ -507,7 +521,7 @@ class Controller:
                 return
             self._acked(node, applied)
 
-        asyncio.get_running_loop().create_task(push())
+        self._spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
 
     async def _retire_idle_agents(self) -> None:
         """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
@@ -574,7 +588,7 @@ class Controller:
                          topic_name, partition, electable_ms)
             metrics.leaderless_overdue()
         if overdue:
-            asyncio.get_running_loop().create_task(self._check_partitions({key for key, _ in overdue}))
+            self._spawn(self._check_partitions({key for key, _ in overdue}), "checking leaderless partitions")
 
     def _node_alive(self, node_id: str, now: int) -> bool:
         return self._liveness.alive(node_id, now)
@@ -659,7 +673,7 @@ class Controller:
             self._deliveries.retry_now((self._by_name[n] for n in changed - down_now if n in self._by_name), now)
         if revived or returned or changed:
             names = set(node.epochs) if revived or returned else changed
-            asyncio.get_running_loop().create_task(self._check_replicas(names))
+            self._spawn(self._check_replicas(names), "checking replicas")
         current = version is not None and list(version) == node.version
         return {"version": node.version, "epochs": None if current else dict(node.epochs)}
 
@@ -753,7 +767,7 @@ class Controller:
                 metrics.isr_changed(before, len(accepted))
                 self._export_health()
                 if self.metadata.topics[topic].partitions[partition].adding and self.metadata.reassignment_ready(topic, partition):
-                    asyncio.get_running_loop().create_task(self._finish_move(topic, partition))
+                    self._spawn(self._finish_move(topic, partition), f"completing the move of {topic}-{partition}")
         return accepted
 
     async def _run_control_loop(self) -> None:
@@ -792,7 +806,7 @@ class Controller:
         self._watch_leaderless(now)
         if now - self._last_preferred_check_ms > PREFERRED_LEADER_CHECK_MS:
             self._last_preferred_check_ms = now
-            asyncio.get_running_loop().create_task(self.elect_preferred_leaders())
+            self._spawn(self.elect_preferred_leaders(), "electing preferred leaders")
 
     async def _check_replicas(self, names: set[str]) -> None:
         """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
@@ -830,7 +844,7 @@ class Controller:
                 self._export_health()
         if announce:
             for topic, p in changed:
-                asyncio.get_running_loop().create_task(self._announce_safely(topic, p))
+                self._spawn(self._announce_safely(topic, p), f"announcing {topic.name}-{p}")
         return changed
 
     async def _announce_safely(self, topic: TopicState, partition: int) -> None:
@@ -1318,7 +1332,7 @@ class Controller:
             await asyncio.gather(*(h.set_throttle.remote(throttle) for h in handles if h is not None), return_exceptions=True)
         await self._start_partition(topic, partition)
         if self.metadata.reassignment_ready(topic_name, partition):
-            asyncio.get_running_loop().create_task(self._finish_move(topic_name, partition))
+            self._spawn(self._finish_move(topic_name, partition), f"completing the move of {topic_name}-{partition}")
 
     async def _finish_move(self, topic_name: str, partition: int) -> None:
         """Every new replica is in the ISR: drop the old ones, move leadership if needed (fenced)."""

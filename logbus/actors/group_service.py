@@ -124,7 +124,7 @@ class GroupService:
         self.offsets = CommittedOffsets(host)
         # Long polls.
         self._events: dict[str, asyncio.Event] = {}
-        self._prints: dict[str, tuple] = {}
+        self._prints: dict[str, tuple] = {}  # group -> its fingerprint when its event was made (one per event)
         self._long_polls: dict[int, tuple[str, str, str, float, float]] = {}  # id -> (kind, group, member, start, wait)
         self._long_poll_ids = 0
         self._timer: asyncio.Task | None = None
@@ -145,11 +145,12 @@ class GroupService:
         self._version_queued = self.coordinator.state_version
         self._writer.queue(self.coordinator.to_json())
 
-    async def _settle(self, group_id: str) -> asyncio.Event:
+    async def _settle(self, group_id: str, *, waiting: bool = False) -> asyncio.Event | None:
         """After a call changed (or may have changed) ``group_id``: wake its waiters, save, and wait
-        until the state is durable. Returns the event of the next change, taken before any wait."""
+        until the state is durable. For a caller that will wait (``waiting``), returns the event of
+        the next change, taken before any wait; None otherwise (no event is kept for nobody)."""
         self._wake_changed(group_id)
-        event = self._event(group_id)
+        event = self._event(group_id) if waiting else None
         self._save()
         await self._writer.durable()
         return event
@@ -166,13 +167,14 @@ class GroupService:
     def _wake_changed(self, group_id: str | None = None) -> None:
         """Wake the members waiting on a group whose state, generation or members changed."""
         for gid in [group_id] if group_id is not None else list(self._events):
-            fingerprint = self.coordinator.fingerprint(gid)
-            if self._prints.get(gid) == fingerprint:
+            event = self._events.get(gid)
+            if event is None:
+                continue  # nobody waits: the next waiter's event takes the fingerprint then
+            if self._prints.get(gid) == self.coordinator.fingerprint(gid):
                 continue
-            self._prints[gid] = fingerprint
-            event = self._events.pop(gid, None)
-            if event is not None:
-                event.set()
+            del self._events[gid]
+            self._prints.pop(gid, None)  # kept only beside an event: as many as the groups waited on
+            event.set()
 
     def _may_long_poll(self) -> bool:
         return len(self._long_polls) < LONG_POLLS_MAX
@@ -290,7 +292,7 @@ class GroupService:
         keep_alive = True
         while True:
             result = self.coordinator.join(group_id, now_ms=monotonic_ms(), keep_alive=keep_alive, **options)
-            event = await self._settle(group_id)
+            event = await self._settle(group_id, waiting=not isinstance(result, JoinResult))
             remaining_ms = (deadline - loop.time()) * 1000
             if isinstance(result, JoinResult) or remaining_ms <= 0:
                 return result
@@ -323,7 +325,7 @@ class GroupService:
                     protocol_type=protocol_type, protocol_name=protocol_name, now_ms=monotonic_ms(), keep_alive=keep_alive,
                 )
             finally:
-                event = await self._settle(group_id)
+                event = await self._settle(group_id, waiting=True)
             remaining_ms = (deadline - loop.time()) * 1000
             if not isinstance(result, SyncPending) or remaining_ms <= 0 or not self._may_long_poll():
                 return result
@@ -426,7 +428,7 @@ class GroupService:
             result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms(),
                                                 group_instance_id=group_instance_id)
         finally:
-            event = await self._settle(group_id)
+            event = await self._settle(group_id, waiting=True)
         if result.rejoin or result.revoke or not self._may_long_poll():
             return result
         session_ms = self.coordinator.session_timeout_ms(group_id, member_id) or 0

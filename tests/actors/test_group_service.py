@@ -271,3 +271,27 @@ def test_the_group_timer_stops_when_no_group_has_members_and_a_group_call_starts
         assert service._timer.exception() is None
 
     asyncio.run(main())
+
+
+def test_long_poll_state_is_kept_only_for_groups_someone_waits_on(tmp_path):
+    """Joining, heartbeating and leaving 300 groups leaves no wake-up event or fingerprint behind;
+    a held heartbeat keeps one for its group until the group changes."""
+
+    async def main():
+        service = Service(tmp_path)
+        for i in range(300):
+            a = await service.join(f"g{i}", dict(OPTIONS), 2_000)
+            await service.heartbeat(f"g{i}", a.member_id, a.generation, 0, 0)
+            assert await service.leave(f"g{i}", a.member_id)
+        assert (len(service._events), len(service._prints)) == (0, 0)
+        a = await join(service)
+        held = asyncio.ensure_future(service.heartbeat("g", a.member_id, a.generation, 0, 5_000))
+        await asyncio.wait_for(until(lambda: "g" in service._events), 10)
+        assert set(service._prints) == {"g"}
+        b_join = asyncio.ensure_future(join(service, wait_ms=5_000))  # the group changes: the held heartbeat is woken
+        assert (await asyncio.wait_for(held, 10)).rejoin
+        await join(service, member_id=a.member_id)
+        await asyncio.wait_for(b_join, 10)
+        assert set(service._events) == set(service._prints) <= {"g"}
+
+    asyncio.run(main())
