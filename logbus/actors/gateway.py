@@ -531,6 +531,12 @@ class ClusterBackend:
     async def describe_acls(self, acl_filter: dict) -> list[dict]:
         return await self._call("describe_acls", acl_filter)
 
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        return await self._call("scram_users")
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        return await self._call("alter_scram_credentials", upserts, deletions)
+
     async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
         deleted = await self._call("delete_acls", filters)
         if self.on_acls_changed is not None and any(deleted):

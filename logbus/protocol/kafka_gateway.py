@@ -109,6 +109,7 @@ OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, DESCRIBE_LOG_DIRS, CRE
 DELETE_GROUPS, ELECT_LEADERS, INCREMENTAL_ALTER_CONFIGS, OFFSET_DELETE, DESCRIBE_CLUSTER = 42, 43, 44, 47, 60
 CONSUMER_GROUP_HEARTBEAT = 68
 DESCRIBE_ACLS, CREATE_ACLS, DELETE_ACLS = 29, 30, 31
+DESCRIBE_USER_SCRAM_CREDENTIALS, ALTER_USER_SCRAM_CREDENTIALS = 50, 51
 ADD_PARTITIONS_TO_TXN, ADD_OFFSETS_TO_TXN, END_TXN, TXN_OFFSET_COMMIT = 24, 25, 26, 28
 API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     PRODUCE: (3, 9),
@@ -147,6 +148,8 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     DESCRIBE_CLUSTER: (0, 1),
     CONSUMER_GROUP_HEARTBEAT: (0, 1),
     **ACL_API_VERSIONS,  # DescribeAcls, CreateAcls, DeleteAcls
+    DESCRIBE_USER_SCRAM_CREDENTIALS: (0, 0),
+    ALTER_USER_SCRAM_CREDENTIALS: (0, 0),
 }
 
 MAX_REQUEST_BYTES_DEFAULT = 100 << 20  # Kafka's socket.request.max.bytes
@@ -392,6 +395,12 @@ class Backend(Protocol):
     async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
         """Delete what each filter matches; per filter, the bindings deleted."""
 
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> SCRAM mechanism -> iterations of every stored credential."""
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        """Set each (user, mechanism, credential dict), delete each (user, mechanism); per deletion, whether it found one."""
+
 
 # --- errors ----------------------------------------------------------------------------------------
 
@@ -589,6 +598,8 @@ class KafkaHandler(AdminRequests, AclRequests):
             DESCRIBE_ACLS: self._describe_acls,
             CREATE_ACLS: self._create_acls,
             DELETE_ACLS: self._delete_acls,
+            DESCRIBE_USER_SCRAM_CREDENTIALS: self._describe_user_scram_credentials,
+            ALTER_USER_SCRAM_CREDENTIALS: self._alter_user_scram_credentials,
         }
         assert set(self._handlers) | {PRODUCE} == set(API_VERSIONS_SERVED), "every API served has its handler"
 
