@@ -480,6 +480,28 @@ def _nothing(access: Access, request: Request) -> Decision:
     return _allowed(request)
 
 
+
+def _describe_user_scram_credentials(access: Access, request: Request) -> Decision:
+    """DESCRIBE on the cluster. Refused as Kafka refuses it: the error at the top and for each user
+    asked about (librdkafka expects a result per user it named)."""
+    if access.may(Operation.describe, CLUSTER):
+        return _allowed(request)
+    message = denied_message(CLUSTER, CLUSTER_NAME)
+    users = [u.name for u in request.body.users or ()]
+    return _whole({"throttle_time": 0, "error_code": CLUSTER_DENIED, "error_message": message,
+                   "results": [{"user": name, "error_code": CLUSTER_DENIED, "error_message": message, "credential_infos": []}
+                               for name in dict.fromkeys(users)]})
+
+
+def _alter_user_scram_credentials(access: Access, request: Request) -> Decision:
+    """ALTER on the cluster. Refused with the error for each user named (the reply has no error at its top)."""
+    if access.may(Operation.alter, CLUSTER):
+        return _allowed(request)
+    message = denied_message(CLUSTER, CLUSTER_NAME)
+    users = [d.name for d in request.body.deletions or ()] + [u.name for u in request.body.upsertions or ()]
+    return _whole({"throttle_time": 0, "results": [{"user": name, "error_code": CLUSTER_DENIED, "error_message": message}
+                                                   for name in dict.fromkeys(users)]})
+
 RULES: dict[int, Callable[[Access, Request], Decision]] = {
     PRODUCE: _produce,
     FETCH: _fetch,
@@ -517,8 +539,8 @@ RULES: dict[int, Callable[[Access, Request], Decision]] = {
     DESCRIBE_ACLS: _cluster(Operation.describe),
     CREATE_ACLS: _create_acls,
     DELETE_ACLS: _delete_acls,
-    DESCRIBE_USER_SCRAM_CREDENTIALS: _cluster(Operation.describe),
-    ALTER_USER_SCRAM_CREDENTIALS: _cluster(Operation.alter),
+    DESCRIBE_USER_SCRAM_CREDENTIALS: _describe_user_scram_credentials,
+    ALTER_USER_SCRAM_CREDENTIALS: _alter_user_scram_credentials,
 }
 
 

@@ -207,3 +207,18 @@ def test_the_handler_refuses_before_anything_reaches_a_log(tmp_path):
         assert kio_response(kg.DESCRIBE_ACLS, 1, frame).error_code == E.security_disabled
     finally:
         logs.close()
+
+
+def test_scram_credential_apis_refuse_each_user_named_as_kafka_does():
+    # A reply with a result per user named (librdkafka matches its per-user futures to them).
+    alice, admin = access(acl("topic", "t", "read")), access(acl("cluster", "kafka-cluster", "all"))
+    describe = request(kg.DESCRIBE_USER_SCRAM_CREDENTIALS, 0, {"users": [{"name": "dave"}, {"name": "erin"}]})
+    assert az.authorize(admin, describe).request is describe
+    body = reply(describe, az.authorize(alice, describe))
+    assert body.error_code == E.cluster_authorization_failed
+    assert [(r.user, r.error_code) for r in body.results] == [("dave", E.cluster_authorization_failed), ("erin", E.cluster_authorization_failed)]
+    alter = request(kg.ALTER_USER_SCRAM_CREDENTIALS, 0, {"deletions": [{"name": "dave", "mechanism": 2}], "upsertions": [
+        {"name": "erin", "mechanism": 2, "iterations": 8192, "salt": b"s", "salted_password": b"p"}]})
+    assert az.authorize(admin, alter).request is alter
+    body = reply(alter, az.authorize(alice, alter))
+    assert [(r.user, r.error_code) for r in body.results] == [("dave", E.cluster_authorization_failed), ("erin", E.cluster_authorization_failed)]
