@@ -27,6 +27,8 @@ __version__ = "0.1.0"
 # package too, and must not pay (in memory and start-up time) for clients it never uses.
 # Ray Data costs seconds more, and is needed only by these four names.
 _LAZY = {
+    "AclBinding": "logbus.protocol.acl",
+    "AclFilter": "logbus.protocol.acl",
     "Admin": "logbus.api.admin",
     "BatchMetadata": "logbus.api.producer",
     "Bus": "logbus.api.client",

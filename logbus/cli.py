@@ -17,7 +17,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
     logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
-        [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--sasl-mechanism SCRAM-SHA-512 ...] [--allow-plaintext]
+        [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--sasl-mechanism SCRAM-SHA-512 ...] [--super-user User:admin ...] [--allow-plaintext]
     logbus join --address HEAD:6379 --token-file auth_token --data-dir /var/lib/logbus [--replica-slots 32] [--rack r1]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
@@ -567,7 +567,7 @@ def cmd_gateway(args) -> int:
                                                       ("max_connections", args.max_connections)) if value is not None}
             security = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_cafile": args.tls_ca,
                         "sasl_mechanisms": tuple(args.sasl_mechanism or ()), "allow_plaintext": args.allow_plaintext,
-                        "allow_plain_without_tls": args.allow_plain_without_tls}
+                        "allow_plain_without_tls": args.allow_plain_without_tls, "super_users": tuple(args.super_user or ())}
             gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits, **security)
             exposed = ListenerSecurity(**security).exposure_warning(args.host)
             if exposed:
@@ -1176,6 +1176,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"a SASL mechanism clients authenticate with ({', '.join(SASL_MECHANISMS)}; repeat for several)")
     gateway.add_argument("--allow-plaintext", action="store_true", help="listen on a non-loopback --host without TLS and authentication")
     gateway.add_argument("--allow-plain-without-tls", action="store_true", help="offer SASL PLAIN without TLS (passwords in the clear)")
+    gateway.add_argument("--super-user", action="append", metavar="PRINCIPAL",
+                         help="a principal (User:NAME) the ACLs never refuse; repeat for more (ACLs are checked whenever SASL is on)")
     gateway.set_defaults(func=cmd_gateway)
 
     # join

@@ -98,6 +98,7 @@ from logbus.errors import (
     RequestTimedOutError,
     UnknownTopicError,
 )
+from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
@@ -1542,7 +1543,7 @@ class Controller:
             topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
         now = monotonic_ms()
         dead = [n.ray_node_id for n in self._nodes.values() if n.ray_node_id is not None and not self._node_alive(n.node_id, now)]
-        return {"topics": topics, "dead_nodes": dead}
+        return {"topics": topics, "dead_nodes": dead, "acl_version": self.metadata.acl_version}
 
     async def scram_credential(self, user: str, mechanism: str) -> dict | None:
         """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
@@ -1564,6 +1565,39 @@ class Controller:
         """user -> mechanism -> iterations of every SCRAM credential (never the credential itself)."""
         await self._ready()
         return self.metadata.scram_users()
+
+    # --- ACLs (the Kafka gateway's authorizer) ------------------------------------------------------
+
+    async def create_acls(self, bindings: list[dict]) -> int:
+        """Add ACL bindings (AclBinding.to_dict each); durable before this returns. How many were new."""
+        await self._ready()
+        parsed = [AclBinding.of(b) for b in bindings]
+        async with self._lock:
+            added = self.metadata.create_acls(parsed)
+            if added:
+                self._persist()
+        return added
+
+    async def describe_acls(self, acl_filter: dict | None = None) -> list[dict]:
+        """The ACL bindings an AclFilter (as its to_dict; None: every binding) matches."""
+        await self._ready()
+        return [b.to_dict() for b in self.metadata.describe_acls(AclFilter.of(acl_filter))]
+
+    async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
+        """Delete the bindings each filter matches; per filter, the bindings it deleted. Durable before this returns."""
+        await self._ready()
+        parsed = [AclFilter.of(f) for f in filters]
+        async with self._lock:
+            deleted = self.metadata.delete_acls(parsed)
+            if any(deleted):
+                self._persist()
+        return [[b.to_dict() for b in found] for found in deleted]
+
+    async def acls(self, known_version: int = -1) -> tuple[int, list[dict] | None]:
+        """(the ACLs' version, every binding), or (version, None) when ``known_version`` is current: what a gateway loads."""
+        await self._ready()
+        version = self.metadata.acl_version
+        return version, (None if version == known_version else list(self.metadata.acls))
 
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""

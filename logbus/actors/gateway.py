@@ -76,6 +76,8 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol import kafka_gateway as kg
+from logbus.protocol.acl import AclBinding, Authorizer
+from logbus.protocol.kafka_authz import ANONYMOUS
 from logbus.protocol.kafka_sasl import SASL_API_VERSIONS, Authenticator
 from logbus.protocol.listener_security import ListenerSecurity
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
@@ -230,6 +232,10 @@ class ClusterBackend:
         self._stale: set[str] = set()
         self._lookups: dict[str, asyncio.Future] = {}  # topic -> its lookup under way (see topic())
         self._channels = local_channels()
+        # Set by the gateway: told the ACLs' version each metadata reply carries, and called after this
+        # gateway changed the ACLs (both on the listener's loop).
+        self.on_acl_version = None
+        self.on_acls_changed = None
 
     # --- brokers --------------------------------------------------------------------------------------
 
@@ -264,6 +270,8 @@ class ClusterBackend:
     async def topics(self, names: list[str] | None) -> dict[str, kg.TopicView | None]:
         found = await self._call("gateway_metadata", names)
         self._dead_nodes = set(found["dead_nodes"])
+        if self.on_acl_version is not None and "acl_version" in found:
+            self.on_acl_version(found["acl_version"])
         now = time.monotonic()
         out = {}
         for name, raw in found["topics"].items():
@@ -513,6 +521,28 @@ class ClusterBackend:
     async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
         await self._call("txn_end", transactional_id, producer_id, epoch, commit)
 
+    # --- ACLs ----------------------------------------------------------------------------------------------
+
+    async def create_acls(self, bindings: list[dict]) -> None:
+        await self._call("create_acls", bindings)
+        if self.on_acls_changed is not None:
+            await self.on_acls_changed()
+
+    async def describe_acls(self, acl_filter: dict) -> list[dict]:
+        return await self._call("describe_acls", acl_filter)
+
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        return await self._call("scram_users")
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        return await self._call("alter_scram_credentials", upserts, deletions)
+
+    async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
+        deleted = await self._call("delete_acls", filters)
+        if self.on_acls_changed is not None and any(deleted):
+            await self.on_acls_changed()
+        return deleted
+
 
 class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
@@ -539,6 +569,16 @@ class Gateway:
         self.auth = Authenticator(self.security, self._scram_credential)
         if self.auth.enabled:
             self.handler.api_versions.update(SASL_API_VERSIONS)
+        self._namespace = namespace
+        # ACLs: loaded now (until they are, only super users are served), then again whenever their
+        # version moves: told by whoever changed them (acls_changed), or seen in a metadata reply.
+        self._acls_version = -1
+        self._acls_refresh: asyncio.Future | None = None
+        if self.security.acls_enforced:
+            self.handler.authorizer = Authorizer((), super_users=self.security.super_users)
+            self._load_acls_at_start()
+        self.backend.on_acl_version = self._acl_version_seen
+        self.backend.on_acls_changed = self._acls_changed_here
         self.connections = 0
         self.connections_total = 0
         self.refused_frames = 0
@@ -552,9 +592,50 @@ class Gateway:
         started.result(timeout=30)
         logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d, %s)", node_id, host, bound_port, advertised_host, bound_port,
                     self.security.security_protocol)
-        self._namespace = namespace
         if ray.get_runtime_context().was_current_actor_reconstructed:
             threading.Thread(target=self._rejoin, name="logbus-kafka-gateway-rejoin", daemon=True).start()
+
+    # --- ACLs ---------------------------------------------------------------------------------------------
+
+    def _install_acls(self, version: int, bindings: list[dict] | None) -> None:
+        if bindings is None or version <= self._acls_version or self.handler.authorizer is None:
+            return
+        self.handler.authorizer = Authorizer([AclBinding.of(b) for b in bindings], super_users=self.security.super_users)
+        self._acls_version = version
+
+    def _load_acls_at_start(self) -> None:
+        try:
+            controller = ray.get_actor(CONTROLLER_NAME, namespace=self._namespace)
+            self._install_acls(*ray.get(controller.acls.remote(-1), timeout=CONTROL_TIMEOUT_S))
+        except Exception as error:  # noqa: BLE001 (the next metadata reply names the version: loaded then)
+            logger.warning("Kafka gateway: the ACLs could not be loaded at start (only super users are served until they are): %s", error)
+
+    async def _refresh_acls(self) -> None:
+        """Load the ACLs if the controller has a newer version than this gateway checks by (on the listener's loop)."""
+        if self.handler.authorizer is None:
+            return
+        version, bindings = await self.backend._call("acls", self._acls_version)
+        self._install_acls(version, bindings)
+
+    def _acl_version_seen(self, version: int) -> None:
+        if self.handler.authorizer is None or version <= self._acls_version:
+            return
+        if self._acls_refresh is None or self._acls_refresh.done():
+            self._acls_refresh = asyncio.ensure_future(self._refresh_acls())
+            self._acls_refresh.add_done_callback(_log_refresh_failure)
+
+    async def _acls_changed_here(self) -> None:
+        """This gateway changed the ACLs (CreateAcls, DeleteAcls): it checks by them before answering, and tells
+        the other gateways (without waiting for them)."""
+        await self._refresh_acls()
+        others = [b.node_id for b in self.backend.brokers() if b.node_id != self.broker.node_id]
+        if others:
+            asyncio.get_running_loop().run_in_executor(None, _tell_acls_changed, self._namespace, others)
+
+    def acls_changed(self) -> int:
+        """The ACLs changed: load them now (before this returns); the version this gateway checks by."""
+        asyncio.run_coroutine_threadsafe(self._refresh_acls(), self._loop).result(timeout=CONTROL_TIMEOUT_S + CALL_MARGIN_S)
+        return self._acls_version
 
     async def _scram_credential(self, user: str, mechanism: str) -> ScramCredential | None:
         found = await self.backend._call("scram_credential", user, mechanism)
@@ -703,7 +784,10 @@ class Gateway:
         sender = asyncio.ensure_future(self._send_responses(responses, writer))
         peer = writer.get_extra_info("peername")
         session = self.auth.session(peer)  # SASL's turn first, when the listener has it
-        start_request = functools.partial(self.handler.start, connection=connection)
+        peer_host = peer[0] if isinstance(peer, tuple) and peer else "*"
+
+        def start_request(frame: bytes):
+            return self.handler.start(frame, connection, session.principal or ANONYMOUS, peer_host)
         # This connection's share of the gateway's room: however slow its requests (long polls, produce
         # requests waiting for acks), it leaves the other half to the other connections.
         own = _Budget(CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes)
@@ -793,6 +877,40 @@ class Gateway:
             except ConnectionError:
                 mute = True
                 writer.transport.abort()
+
+
+def _log_refresh_failure(refresh: asyncio.Future) -> None:
+    if not refresh.cancelled() and refresh.exception() is not None:
+        logger.warning("Kafka gateway: reloading the ACLs failed (the next metadata reply retries): %s", refresh.exception())
+
+
+def _tell_acls_changed(namespace: str, node_ids: list[str]) -> None:
+    """Ask the gateways on ``node_ids`` to load the ACLs now (in a thread: actor lookups block)."""
+    refs = []
+    for node_id in node_ids:
+        try:
+            refs.append(ray.get_actor(gateway_name(node_id), namespace=namespace).acls_changed.remote())
+        except Exception:  # noqa: BLE001 (gone: a gateway that starts loads them)
+            continue
+    for ref in refs:
+        try:
+            ray.get(ref, timeout=CONTROL_TIMEOUT_S + CALL_MARGIN_S)
+        except Exception as error:  # noqa: BLE001 (it reloads at its next metadata reply)
+            logger.info("Kafka gateway: a peer was not told of the ACLs' change: %s", error)
+
+
+def acls_changed(namespace: str) -> None:
+    """Tell every gateway of ``namespace`` that the ACLs changed; each loads them before this returns
+    (``Admin.create_acls``/``delete_acls``). A gateway that cannot be reached catches up at its next
+    metadata reply, which carries the ACLs' version."""
+    try:
+        named = ray.util.list_named_actors(all_namespaces=True)
+    except Exception as error:  # noqa: BLE001
+        logger.info("the gateways could not be listed to tell them of the ACLs' change: %s", error)
+        return
+    prefix = len(GATEWAY_NAME_PREFIX)
+    _tell_acls_changed(namespace, [entry["name"][prefix:] for entry in named
+                                   if entry["namespace"] == namespace and entry["name"].startswith(GATEWAY_NAME_PREFIX)])
 
 
 # --- starting and stopping from a driver ------------------------------------------------------------------

@@ -183,6 +183,62 @@ class Admin:
         """``{user: {mechanism: iterations}}`` of every SCRAM credential (never the credentials themselves)."""
         return get(self._bus.controller.scram_users.remote())
 
+    # --- ACLs (the Kafka gateway's authorizer) ------------------------------------------------------
+
+    def create_acls(self, bindings) -> int:
+        """Add ACL bindings for the Kafka gateway (Kafka's ``CreateAcls``); how many were new.
+
+        Each binding is a :class:`logbus.AclBinding` or a dict of Kafka's
+        fields in lower case: ``principal`` ("User:alice", or "User:*"),
+        ``host`` (default "*"), ``resource_type`` ("topic", "group",
+        "cluster", "transactional_id"), ``name`` ("kafka-cluster" for the
+        cluster; "*" for every resource of the type), ``pattern`` ("literal",
+        the default, or "prefixed"), ``operation`` ("read", "write",
+        "create", "delete", "alter", "describe", "cluster_action",
+        "describe_configs", "alter_configs", "idempotent_write", or "all",
+        the default) and ``permission`` ("allow", the default, or "deny").
+        All are checked before any is stored (InvalidConfigError names the
+        bad one); a binding already there is kept once. Durable (the
+        controller's metadata) and in force at every running gateway before
+        this returns. Gateways check them when SASL is on (or ``acls=True``);
+        see ``Bus.start_gateway``.
+        """
+        from logbus.actors.gateway import acls_changed
+        from logbus.protocol.acl import AclBinding
+
+        if isinstance(bindings, (dict, AclBinding)):
+            bindings = [bindings]
+        parsed = [AclBinding.of(b) for b in bindings]
+        added = get(self._bus.controller.create_acls.remote([b.to_dict() for b in parsed]))
+        if added:
+            acls_changed(self._bus.namespace)
+        return added
+
+    def describe_acls(self, filter=None) -> list:
+        """The ACL bindings (:class:`logbus.AclBinding`) a filter matches (Kafka's ``DescribeAcls``): a
+        :class:`logbus.AclFilter` or a dict of the binding fields to match, each absent or "any" matching
+        every value, and ``pattern="match"`` with a ``name`` giving the bindings that apply to that
+        resource (literal, "*" and prefixes). None: every binding."""
+        from logbus.protocol.acl import AclBinding, AclFilter
+
+        found = get(self._bus.controller.describe_acls.remote(AclFilter.of(filter).to_dict()))
+        return [AclBinding.of(b) for b in found]
+
+    def delete_acls(self, filters) -> list[list]:
+        """Delete the ACL bindings each filter matches (Kafka's ``DeleteAcls``; filters as ``describe_acls``
+        takes them, one or a list); per filter, the bindings it deleted. In force at every running gateway
+        before this returns."""
+        from logbus.actors.gateway import acls_changed
+        from logbus.protocol.acl import AclBinding, AclFilter
+
+        if filters is None or isinstance(filters, (dict, AclFilter)):
+            filters = [filters]
+        parsed = [AclFilter.of(f) for f in filters]
+        deleted = get(self._bus.controller.delete_acls.remote([f.to_dict() for f in parsed]))
+        if any(deleted):
+            acls_changed(self._bus.namespace)
+        return [[AclBinding.of(b) for b in found] for found in deleted]
+
     def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete an inactive consumer group: its state and its committed offsets (tombstones in
         ``__consumer_offsets``, which compaction then removes). Returns the partitions whose

@@ -124,6 +124,8 @@ class Bus:
         sasl_mechanisms: tuple[str, ...] = (),
         allow_plaintext: bool = False,
         allow_plain_without_tls: bool = False,
+        super_users: tuple[str, ...] = (),
+        acls: bool | None = None,
     ) -> KafkaGateway:
         """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
 
@@ -156,13 +158,21 @@ class Bus:
         ``allow_plain_without_tls``. A ``host`` other than loopback without
         TLS and authentication raises InvalidConfigError unless
         ``allow_plaintext`` (then a warning is logged).
+
+        ACLs (README, "ACLs"): with SASL on, every request is checked against
+        the cluster's ACLs (``admin.create_acls``), as a Kafka broker with an
+        authorizer and ``allow.everyone.if.no.acl.found=false``: a principal
+        may do only what a binding allows. ``super_users`` (principals,
+        ``"User:admin"``) may do anything. ``acls`` True checks them without
+        SASL too (every client is then ``User:ANONYMOUS``); False never.
         """
         # Imported here: the gateway's dependencies (kio, cramjam) are for those who start one.
         from logbus.actors.gateway import start_gateways
         from logbus.protocol.listener_security import ListenerSecurity
 
         security = ListenerSecurity(ssl_certfile, ssl_keyfile, ssl_cafile, tuple(sasl_mechanisms) if isinstance(sasl_mechanisms, list) else sasl_mechanisms,
-                                    allow_plaintext, allow_plain_without_tls)
+                                    allow_plaintext, allow_plain_without_tls, tuple(super_users) if isinstance(super_users, list) else super_users,
+                                    acls)
         return start_gateways(
             self.namespace, self._controller, host, port,
             all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,

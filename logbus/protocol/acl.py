@@ -191,6 +191,10 @@ class AclFilter:
             raise InvalidConfigError(f"unknown ACL filter field(s) {sorted(unknown)}")
         return cls(**value)
 
+    def to_dict(self) -> dict:
+        return {"principal": self.principal, "resource_type": self.resource_type.name, "name": self.name, "pattern": self.pattern.name,
+                "operation": self.operation.name, "permission": self.permission.name, "host": self.host}
+
     def matches(self, binding: AclBinding) -> bool:
         if self.principal is not None and binding.principal != self.principal:
             return False
@@ -256,3 +260,24 @@ class Authorizer:
             return False
         granting = IMPLIES.get(operation, (operation,))
         return any(b.permission == Permission.allow and (b.operation == Operation.all or b.operation in granting) for b in mine)
+
+    def authorize_any(self, principal: str, host: str, operation: Operation, resource_type: ResourceType) -> bool:
+        """Whether ``principal`` may perform ``operation`` on some resource of ``resource_type`` (Kafka's
+        ``authorizeByResourceType``: an idempotent producer's InitProducerId asks for a write on any topic).
+
+        True when an allow binding of the principal grants the operation on
+        some name that no deny binding of the principal covers; a deny on the
+        literal ``*`` refuses every name.
+        """
+        if principal in self.super_users:
+            return True
+        mine = [b for b in self._bindings if b.resource_type == resource_type and b.principal in (principal, f"{PRINCIPAL_TYPE}:{WILDCARD}")
+                and b.host in (host, WILDCARD)]
+        granting = IMPLIES.get(operation, (operation,))
+        denies = [b for b in mine if b.permission == Permission.deny and b.operation in (operation, Operation.all)]
+        for allow in mine:
+            if allow.permission != Permission.allow or not (allow.operation == Operation.all or allow.operation in granting):
+                continue
+            if not any(d.applies_to(resource_type, allow.name) for d in denies):
+                return True
+        return False

@@ -54,6 +54,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 
 from logbus.invariant import check as _check
+from logbus.protocol.acl import AclBinding, AclFilter, Authorizer
 from logbus.protocol.elections import candidates
 from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
@@ -134,6 +135,10 @@ class ClusterMetadata:
         # user -> SCRAM mechanism -> the stored credential's fields (salt, stored_key, server_key
         # base64; iterations): what the Kafka gateway checks SASL logins against. Never a password.
         self.scram_credentials: dict[str, dict[str, dict]] = {}
+        # The Kafka gateway's ACL bindings (AclBinding.to_dict each), and a count of their changes that
+        # only grows (gateways reload the bindings when it moves past what they hold).
+        self.acls: list[dict] = []
+        self.acl_version = 0
 
     # --- topics ------------------------------------------------------------------------------
 
@@ -581,6 +586,32 @@ class ClusterMetadata:
         """user -> mechanism -> iterations: what may be shown of the credentials."""
         return {user: {m: c["iterations"] for m, c in mechanisms.items()} for user, mechanisms in self.scram_credentials.items()}
 
+    # --- ACLs ------------------------------------------------------------------------------------
+
+    def acl_bindings(self) -> list[AclBinding]:
+        return [AclBinding.of(b) for b in self.acls]
+
+    def create_acls(self, bindings: list[AclBinding]) -> int:
+        """Add bindings (one already there stays once); how many were new. InvalidConfigError past the bound."""
+        authorizer = Authorizer(self.acl_bindings())
+        added = authorizer.add(bindings)
+        if added:
+            self.acls = [b.to_dict() for b in authorizer.bindings]
+            self.acl_version += 1
+        return added
+
+    def describe_acls(self, acl_filter: AclFilter) -> list[AclBinding]:
+        return Authorizer(self.acl_bindings()).describe(acl_filter)
+
+    def delete_acls(self, filters: list[AclFilter]) -> list[list[AclBinding]]:
+        """Delete what each filter matches, in turn; per filter, the bindings it deleted."""
+        authorizer = Authorizer(self.acl_bindings())
+        deleted = [authorizer.delete(f) for f in filters]
+        if any(deleted):
+            self.acls = [b.to_dict() for b in authorizer.bindings]
+            self.acl_version += 1
+        return deleted
+
     # --- persistence -------------------------------------------------------------------------
 
     def to_json(self) -> str:
@@ -591,6 +622,8 @@ class ClusterMetadata:
                 "next_producer_id": self.next_producer_id,
                 "topics": {name: asdict(topic) for name, topic in self.topics.items()},
                 "scram_credentials": self.scram_credentials,
+                "acls": self.acls,
+                "acl_version": self.acl_version,
             },
             indent=1,
             sort_keys=True,
@@ -606,6 +639,8 @@ class ClusterMetadata:
             metadata.upgraded_from = raw["version"]
         metadata.next_producer_id = raw["next_producer_id"]
         metadata.scram_credentials = raw.get("scram_credentials", {})  # absent from files written before SASL
+        metadata.acls = raw.get("acls", [])  # and these before ACLs
+        metadata.acl_version = raw.get("acl_version", 0)
         for name, topic in raw["topics"].items():
             partitions = [PartitionState(**p) for p in topic["partitions"]]
             metadata.topics[name] = TopicState(topic["name"], topic["topic_id"], partitions, topic["config"])

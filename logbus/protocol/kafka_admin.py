@@ -25,6 +25,11 @@ ElectLeaders (43)            preferred elections (``elect_preferred_leaders``); 
                              where a leader exists
 DescribeLogDirs (35)         one log directory per broker (the data directory), with the size
                              of each replica on the nodes the gateway answers for
+DescribeUserScram-           the users' SCRAM mechanisms and iterations (never the credential),
+Credentials (50)             from the controller's store (``admin.list_scram_users``)
+AlterUserScram-              upserts carry the client's salted password (Kafka's admin client
+Credentials (51)             salts and hashes it): the stored and server keys are derived here,
+                             so the password never reaches the gateway; deletions per mechanism
 ==========================  ===================================================================
 """
 
@@ -39,12 +44,15 @@ from logbus import errors as e
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.protocol.kafka_messages import UNKNOWN_AUTHORIZED_OPERATIONS, Request, get
 from logbus.protocol.messages import TopicPartition
+from logbus.protocol.scram import ITERATIONS_MAX, ITERATIONS_MIN, check_user_name, credential_from_salted
 from logbus.storage.log_config import LogConfig
 
 RESOURCE_TOPIC, RESOURCE_BROKER = 2, 4
 CONFIG_SET, CONFIG_DELETE, CONFIG_APPEND, CONFIG_SUBTRACT = 0, 1, 2, 3
 LIST_CONFIGS = frozenset({"cleanup.policy"})  # configs that are lists (APPEND and SUBTRACT apply)
 ELECTION_PREFERRED, ELECTION_UNCLEAN = 0, 1
+SCRAM_MECHANISM_CODES = {1: "SCRAM-SHA-256", 2: "SCRAM-SHA-512"}  # Kafka's ScramMechanism types
+SCRAM_CODES_BY_NAME = {name: code for code, name in SCRAM_MECHANISM_CODES.items()}
 
 
 def _message(error: BaseException) -> str:
@@ -330,6 +338,75 @@ class AdminRequests:
             by_topic.setdefault(tp.topic, []).append({"partition_index": tp.partition,
                                                       "error_code": ErrorCode.none if error is None else self._code(error)})
         return {"throttle_time": 0, "error_code": ErrorCode.none, "topics": [{"name": t, "partitions": ps} for t, ps in by_topic.items()]}
+
+
+    # --- SCRAM credentials (KIP-554) ------------------------------------------------------------------
+
+    async def _describe_user_scram_credentials(self, request: Request) -> dict:
+        reply = {"throttle_time": 0, "error_code": ErrorCode.none, "error_message": None, "results": []}
+        try:
+            users = await self.backend.scram_users()
+        except Exception as error:  # noqa: BLE001
+            return {**reply, "error_code": self._code(error), "error_message": _message(error)}
+        asked = sorted(users) if request.body.users is None else [u.name for u in request.body.users]
+        results = []
+        for name in dict.fromkeys(asked):
+            entry = {"user": name, "error_code": ErrorCode.none, "error_message": None, "credential_infos": []}
+            if asked.count(name) > 1:
+                entry.update(error_code=ErrorCode.duplicate_resource, error_message=f"user {name!r} asked for more than once")
+            elif name not in users:
+                entry.update(error_code=ErrorCode.resource_not_found, error_message=f"user {name!r} has no SCRAM credential")
+            else:
+                entry["credential_infos"] = [{"mechanism": SCRAM_CODES_BY_NAME[m], "iterations": i} for m, i in sorted(users[name].items())]
+            results.append(entry)
+        return {**reply, "results": results}
+
+    async def _alter_user_scram_credentials(self, request: Request) -> dict:
+        body = request.body
+        names = [d.name for d in body.deletions] + [u.name for u in body.upsertions]
+        errors: dict[str, tuple[ErrorCode, str]] = {}
+        upserts, deletions = [], []
+
+        def refuse(name: str, code: ErrorCode, message: str) -> None:
+            errors.setdefault(name, (code, message))
+
+        for name in names:
+            if names.count(name) > 1:
+                refuse(name, ErrorCode.duplicate_resource, f"user {name!r} altered more than once in one request")
+            try:
+                check_user_name(name)
+            except e.LogbusError as error:
+                refuse(name, ErrorCode.unacceptable_credential, str(error))
+        for d in body.deletions:
+            mechanism = SCRAM_MECHANISM_CODES.get(int(d.mechanism))
+            if mechanism is None:
+                refuse(d.name, ErrorCode.unsupported_sasl_mechanism, f"unknown SCRAM mechanism {d.mechanism}")
+            elif d.name not in errors:
+                deletions.append((d.name, mechanism))
+        for u in body.upsertions:
+            mechanism = SCRAM_MECHANISM_CODES.get(int(u.mechanism))
+            if mechanism is None:
+                refuse(u.name, ErrorCode.unsupported_sasl_mechanism, f"unknown SCRAM mechanism {u.mechanism}")
+            elif not ITERATIONS_MIN <= int(u.iterations) <= ITERATIONS_MAX:
+                refuse(u.name, ErrorCode.unacceptable_credential, f"iterations must be in {ITERATIONS_MIN}..{ITERATIONS_MAX}, not {u.iterations}")
+            elif not u.salt or not u.salted_password:
+                refuse(u.name, ErrorCode.unacceptable_credential, "an empty salt or salted password")
+            elif u.name not in errors:
+                credential = credential_from_salted(mechanism, bytes(u.salted_password), bytes(u.salt), int(u.iterations))
+                upserts.append((u.name, mechanism, credential.to_dict()))
+        if upserts or deletions:
+            try:
+                found = await self.backend.alter_scram_credentials(upserts, deletions)
+            except Exception as error:  # noqa: BLE001
+                for name, *_ in upserts + deletions:
+                    refuse(name, self._code(error), _message(error))
+            else:
+                for (name, mechanism), existed in zip(deletions, found):
+                    if not existed:
+                        refuse(name, ErrorCode.resource_not_found, f"user {name!r} has no {mechanism} credential")
+        return {"throttle_time": 0, "results": [
+            {"user": name, "error_code": errors.get(name, (ErrorCode.none, None))[0], "error_message": errors.get(name, (None, None))[1]}
+            for name in dict.fromkeys(names)]}
 
 
 __all__ = ["AdminRequests", "RESOURCE_BROKER", "RESOURCE_TOPIC"]

@@ -70,7 +70,9 @@ from logbus.protocol.group_coordinator import (
     OffsetAndMetadata,
     SyncPending,
 )
+from logbus.protocol.acl import Authorizer
 from logbus.protocol.kafka_admin import RESOURCE_BROKER, RESOURCE_TOPIC, AdminRequests
+from logbus.protocol.kafka_authz import ACL_API_VERSIONS, ANONYMOUS, Access, AclRequests, Decision, authorize
 from logbus.protocol.kafka_messages import (
     UNKNOWN_AUTHORIZED_OPERATIONS,
     Request,
@@ -106,6 +108,8 @@ DESCRIBE_GROUPS, LIST_GROUPS, API_VERSIONS, CREATE_TOPICS, DELETE_TOPICS, DELETE
 OFFSET_FOR_LEADER_EPOCH, DESCRIBE_CONFIGS, ALTER_CONFIGS, DESCRIBE_LOG_DIRS, CREATE_PARTITIONS = 23, 32, 33, 35, 37
 DELETE_GROUPS, ELECT_LEADERS, INCREMENTAL_ALTER_CONFIGS, OFFSET_DELETE, DESCRIBE_CLUSTER = 42, 43, 44, 47, 60
 CONSUMER_GROUP_HEARTBEAT = 68
+DESCRIBE_ACLS, CREATE_ACLS, DELETE_ACLS = 29, 30, 31
+DESCRIBE_USER_SCRAM_CREDENTIALS, ALTER_USER_SCRAM_CREDENTIALS = 50, 51
 ADD_PARTITIONS_TO_TXN, ADD_OFFSETS_TO_TXN, END_TXN, TXN_OFFSET_COMMIT = 24, 25, 26, 28
 API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     PRODUCE: (3, 9),
@@ -143,6 +147,9 @@ API_VERSIONS_SERVED: dict[int, tuple[int, int]] = {
     OFFSET_DELETE: (0, 0),
     DESCRIBE_CLUSTER: (0, 1),
     CONSUMER_GROUP_HEARTBEAT: (0, 1),
+    **ACL_API_VERSIONS,  # DescribeAcls, CreateAcls, DeleteAcls
+    DESCRIBE_USER_SCRAM_CREDENTIALS: (0, 0),
+    ALTER_USER_SCRAM_CREDENTIALS: (0, 0),
 }
 
 MAX_REQUEST_BYTES_DEFAULT = 100 << 20  # Kafka's socket.request.max.bytes
@@ -377,6 +384,23 @@ class Backend(Protocol):
     async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
         """EndTxn: returns once the transaction's markers are written."""
 
+    # --- ACLs (kafka_authz.AclRequests) ---------------------------------------------------------------
+
+    async def create_acls(self, bindings: list[dict]) -> None:
+        """Add ACL bindings (``AclBinding.to_dict`` each); every gateway checks by them once this returns."""
+
+    async def describe_acls(self, acl_filter: dict) -> list[dict]:
+        """The bindings an ``AclFilter`` (as its ``to_dict``) matches."""
+
+    async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
+        """Delete what each filter matches; per filter, the bindings deleted."""
+
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> SCRAM mechanism -> iterations of every stored credential."""
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        """Set each (user, mechanism, credential dict), delete each (user, mechanism); per deletion, whether it found one."""
+
 
 # --- errors ----------------------------------------------------------------------------------------
 
@@ -510,12 +534,23 @@ def _to_logbus(view: TopicView | None, topic: str, partition: int, records: byte
 # --- the handler ---------------------------------------------------------------------------------------
 
 
-class KafkaHandler(AdminRequests):
+class KafkaHandler(AdminRequests, AclRequests):
     """Serves Kafka requests against a :class:`Backend` (see the module docstring).
 
     One per gateway; shared by its connections. It remembers the latest
     JoinGroup result of each member (for its SyncGroup) and nothing else.
+
+    ``authorizer``: the cluster's ACLs, when the gateway checks them (None:
+    every request is served, as before ACLs). The gateway replaces it whole
+    when the ACLs change; each request is checked against the one it finds
+    when it starts (``logbus/protocol/kafka_authz.py``).
     """
+
+    authorizer: Authorizer | None = None
+
+    @property
+    def acls_enabled(self) -> bool:
+        return self.authorizer is not None
 
     def __init__(self, backend: Backend, *, max_request_bytes: int = MAX_REQUEST_BYTES_DEFAULT, config: BrokerConfig | None = None) -> None:
         self.backend = backend
@@ -560,10 +595,15 @@ class KafkaHandler(AdminRequests):
             OFFSET_DELETE: self._offset_delete,
             DESCRIBE_CLUSTER: self._describe_cluster,
             CONSUMER_GROUP_HEARTBEAT: self._consumer_group_heartbeat,
+            DESCRIBE_ACLS: self._describe_acls,
+            CREATE_ACLS: self._create_acls,
+            DELETE_ACLS: self._delete_acls,
+            DESCRIBE_USER_SCRAM_CREDENTIALS: self._describe_user_scram_credentials,
+            ALTER_USER_SCRAM_CREDENTIALS: self._alter_user_scram_credentials,
         }
         assert set(self._handlers) | {PRODUCE} == set(API_VERSIONS_SERVED), "every API served has its handler"
 
-    def start(self, frame: bytes, connection: Hashable = None) -> Awaitable[bytes | None]:
+    def start(self, frame: bytes, connection: Hashable = None, principal: str = ANONYMOUS, host: str = "*") -> Awaitable[bytes | None]:
         """Begin serving one request frame; the awaitable gives the response frame (None: send nothing).
 
         Parsing happens here, before this returns; raises KafkaProtocolError for
@@ -572,7 +612,10 @@ class KafkaHandler(AdminRequests):
         take their turn behind the same connection's earlier batches for the
         same partition (see ``_produce_partition``), so each connection's
         records reach every partition in the order they were sent. Called on
-        the event loop that awaits the result.
+        the event loop that awaits the result. ``principal`` (``User:NAME``) and
+        ``host`` (its address) are who sent it, for the ACLs when
+        ``authorizer`` is set: the request is checked here, before anything of
+        it is served.
         """
         api_key, api_version, correlation_id = peek_header(frame)
         if api_key == API_VERSIONS and api_version > API_VERSIONS_SERVED[API_VERSIONS][1]:
@@ -590,15 +633,32 @@ class KafkaHandler(AdminRequests):
         request = parse_request(frame)
         served = (api_key, api_version)
         self.requests_served[served] = self.requests_served.get(served, 0) + 1
+        access = Access(self.authorizer, principal or ANONYMOUS, host) if self.authorizer is not None else None
         if api_key == PRODUCE:
             if request.body.acks not in (0, 1, -1):
                 return self._respond(request, _done(_refused_produce(request.body, ErrorCode.invalid_required_acks,
                                                                      f"acks must be 0, 1 or -1, not {request.body.acks}")))
-            replies = self._send_produce(request, connection)  # each batch in its partition's turn
+            decision = authorize(access, request) if access is not None else Decision(request)  # now: batches keep their turns
+            if decision.request is None:
+                return _done(None) if request.body.acks == 0 else self._respond(request, _done(decision.reply))
+            replies = self._send_produce(decision.request, connection)  # each batch in its partition's turn
             if request.body.acks == 0:
                 return _discard(replies)
-            return self._respond(request, self._produce_replies(replies))
+            return self._respond(request, _finished(decision, self._produce_replies(replies)))
+        if access is not None:
+            return self._respond(request, self._authorized(access, request))
         return self._respond(request, self._handlers[api_key](request))
+
+    async def _authorized(self, access: Access, request: Request) -> dict:
+        """The request's reply values, as far as the ACLs let it be served (see ``kafka_authz``)."""
+        decision = authorize(access, request)
+        if decision.request is None:
+            return decision.reply
+        if request.api_key == METADATA:
+            values = await self._metadata(decision.request, may_create=decision.may_create)
+        else:
+            values = await self._handlers[request.api_key](decision.request)
+        return decision.finish(values)
 
     @staticmethod
     def _code(error: BaseException) -> ErrorCode:
@@ -631,7 +691,8 @@ class KafkaHandler(AdminRequests):
     def _broker_values(self, broker: Broker) -> dict:
         return {"node_id": broker.broker_id, "host": broker.host, "port": broker.port, "rack": None}
 
-    async def _metadata(self, request: Request) -> dict:
+    async def _metadata(self, request: Request, may_create=None) -> dict:
+        """Metadata; ``may_create(name)`` says whether the principal may auto-create a topic (None: anyone may)."""
         body = request.body
         by_id: dict[uuid.UUID, str] = {}
         ids: list[uuid.UUID] = []
@@ -651,7 +712,7 @@ class KafkaHandler(AdminRequests):
             views = dict(views)
             missing = [n for n, v in views.items() if v is None]
             if missing and names is not None:
-                views.update(await self._auto_create(missing, allow_creation))
+                views.update(await self._auto_create(missing, allow_creation, may_create))
         except Exception as error:  # noqa: BLE001 (the controller unreachable: every topic asked says so)
             code = error_code(error)
             views = {}
@@ -694,7 +755,7 @@ class KafkaHandler(AdminRequests):
             "cluster_authorized_operations": UNKNOWN_AUTHORIZED_OPERATIONS,
         }
 
-    async def _auto_create(self, names: list[str], allowed: bool) -> dict[str, TopicView | ErrorCode]:
+    async def _auto_create(self, names: list[str], allowed: bool, may_create=None) -> dict[str, TopicView | ErrorCode]:
         """Topics a Metadata request named that do not exist: created as Kafka's broker creates them when
         ``auto.create.topics.enable`` is on and the client allows it (``num.partitions``,
         ``default.replication.factor``); ``__consumer_offsets`` is created whenever it is asked for.
@@ -710,6 +771,9 @@ class KafkaHandler(AdminRequests):
                     return
             elif not (allowed and self.config.auto_create_topics_enable):
                 out[name] = ErrorCode.unknown_topic_or_partition
+                return
+            elif may_create is not None and not may_create(name):
+                out[name] = ErrorCode.topic_authorization_failed  # as Kafka: neither CREATE on the cluster nor on the topic
                 return
             else:
                 try:
@@ -1426,6 +1490,10 @@ async def _settle(pending):
 
 async def _done(value):
     return value
+
+
+async def _finished(decision: Decision, values: Awaitable[dict]) -> dict:
+    return decision.finish(await values)
 
 
 def _refused_produce(body, code: ErrorCode, message: str) -> dict:

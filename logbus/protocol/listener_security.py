@@ -50,7 +50,12 @@ class ListenerSecurity:
     certificates must chain to (requires TLS); ``sasl_mechanisms``: the SASL
     mechanisms offered, empty for none; ``allow_plaintext``: start on a
     non-loopback address without TLS and authentication; ``allow_plain_without_tls``:
-    offer PLAIN on a listener without TLS.
+    offer PLAIN on a listener without TLS; ``super_users``: principals
+    (``User:NAME``) the ACLs never refuse; ``acls``: whether every request is
+    checked against the cluster's ACLs (None, the default: whenever SASL is
+    on, as a Kafka broker with an authorizer and
+    ``allow.everyone.if.no.acl.found=false``; True without SASL checks the
+    principal ``User:ANONYMOUS``).
     """
 
     ssl_certfile: str | None = None
@@ -59,6 +64,8 @@ class ListenerSecurity:
     sasl_mechanisms: tuple[str, ...] = ()
     allow_plaintext: bool = False
     allow_plain_without_tls: bool = False
+    super_users: tuple[str, ...] = ()
+    acls: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("ssl_certfile", "ssl_keyfile", "ssl_cafile"):
@@ -81,6 +88,15 @@ class ListenerSecurity:
         for name in ("allow_plaintext", "allow_plain_without_tls"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfigError(f"{name} must be a bool, not {getattr(self, name)!r}")
+        users = self.super_users
+        if isinstance(users, str) or not isinstance(users, (tuple, list)):
+            raise InvalidConfigError(f"super_users must be a sequence of principals ('User:NAME'), not {users!r}")
+        for user in users:
+            if not isinstance(user, str) or not user.startswith("User:") or len(user) == len("User:"):
+                raise InvalidConfigError(f"a super user is a principal 'User:NAME', not {user!r}")
+        object.__setattr__(self, "super_users", tuple(users))
+        if self.acls is not None and not isinstance(self.acls, bool):
+            raise InvalidConfigError(f"acls must be True, False or None (on with SASL), not {self.acls!r}")
         if PLAIN in mechanisms and not self.tls and not self.allow_plain_without_tls:
             raise InvalidConfigError("SASL PLAIN sends passwords as they are: it needs TLS (ssl_certfile, ssl_keyfile), "
                                      "or allow_plain_without_tls=True")
@@ -92,6 +108,11 @@ class ListenerSecurity:
     @property
     def sasl(self) -> bool:
         return bool(self.sasl_mechanisms)
+
+    @property
+    def acls_enforced(self) -> bool:
+        """Whether the gateway checks every request against the ACLs (``acls``, or by default whether SASL is on)."""
+        return self.sasl if self.acls is None else self.acls
 
     @property
     def authenticates(self) -> bool:
@@ -139,10 +160,11 @@ class ListenerSecurity:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["sasl_mechanisms"] = list(self.sasl_mechanisms)
+        out["super_users"] = list(self.super_users)
         return out
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "ListenerSecurity":
         if not raw:
             return cls()
-        return cls(**{**raw, "sasl_mechanisms": tuple(raw.get("sasl_mechanisms", ()))})
+        return cls(**{**raw, "sasl_mechanisms": tuple(raw.get("sasl_mechanisms", ())), "super_users": tuple(raw.get("super_users", ()))})

@@ -211,8 +211,9 @@ def test_unreadable_tls_files_and_half_settings_are_refused_before_anything_star
 
 @pytest.fixture
 def sasl_gateway(bus, server_cert):
+    # alice is a super user here: these tests are about authentication (tests/actors/test_gateway_acls.py: ACLs).
     gateway = start(bus, ssl_certfile=server_cert.certfile, ssl_keyfile=server_cert.keyfile,
-                    sasl_mechanisms=("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"))
+                    sasl_mechanisms=("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN"), super_users=("User:alice",))
     bus.admin.create_scram_user("alice", "alice-secret", mechanism="SCRAM-SHA-512")
     bus.admin.create_scram_user("alice", "alice-secret", mechanism="SCRAM-SHA-256")
     yield gateway

@@ -684,3 +684,21 @@ class ReassignmentMachine(RuleBasedStateMachine):
 
 ReassignmentMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=30, deadline=None)
 test_reassignment_machine = ReassignmentMachine.TestCase
+
+
+def test_acls_are_kept_in_the_metadata_and_a_file_from_before_acls_loads_with_none():
+    from logbus.protocol.acl import AclBinding, AclFilter
+
+    metadata = ClusterMetadata()
+    read = AclBinding.of({"principal": "User:alice", "resource_type": "topic", "name": "orders", "operation": "read"})
+    prefixed = AclBinding.of({"principal": "User:bob", "resource_type": "group", "name": "team-", "pattern": "prefixed"})
+    assert metadata.create_acls([read, prefixed, read]) == 2 and metadata.acl_version == 1
+    assert metadata.create_acls([read]) == 0 and metadata.acl_version == 1  # nothing new: the version stays
+    loaded = ClusterMetadata.from_json(metadata.to_json())
+    assert loaded.acl_bindings() == [read, prefixed] and loaded.acl_version == 1
+    assert loaded.delete_acls([AclFilter.of({"principal": "User:bob"}), AclFilter.of({"principal": "User:bob"})]) == [[prefixed], []]
+    assert loaded.describe_acls(AclFilter()) == [read] and loaded.acl_version == 2
+    raw = json.loads(metadata.to_json())
+    del raw["acls"], raw["acl_version"]
+    older = ClusterMetadata.from_json(json.dumps(raw))
+    assert older.acl_bindings() == [] and older.acl_version == 0
