@@ -17,6 +17,7 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
     logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
+    logbus join --address HEAD:6379 --token-file auth_token [--replica-slots 32] [--rack r1]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
 environment) each invocation joins the cluster of the process that serves
@@ -41,6 +42,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -56,6 +58,7 @@ PROGRESS_EVERY = 100_000  # records between progress lines on stderr
 POLL_MAX_RECORDS = 5_000
 POLL_WAIT_MS = 500
 FORMATS = ("value", "kv", "json")
+JOIN_TIMEOUT_S = 300  # bound on `ray start` joining a node
 
 
 # --- connecting -----------------------------------------------------------------------------------
@@ -581,6 +584,76 @@ def cmd_gateway(args) -> int:
     return 0
 
 
+# --- joining a host ------------------------------------------------------------------------------------------
+
+RACK_LABEL = "logbus.rack"  # the node label placement reads first (logbus/actors/placement.py)
+LABEL_VALUE_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+
+
+def _label_value(text: str) -> str:
+    """A Ray node label value: 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit."""
+    if not 1 <= len(text) <= 63 or not set(text) <= LABEL_VALUE_CHARS or not (text[0].isalnum() and text[-1].isalnum()):
+        raise argparse.ArgumentTypeError(
+            f"a rack is 1-63 letters, digits, '-', '_' or '.', starting and ending with a letter or digit, not {text!r}"
+        )
+    return text
+
+
+def ray_start_argv(args, ray: str) -> list[str]:
+    """The ``ray start`` command that ``logbus join`` runs for ``args``."""
+    from logbus.actors.placement import REPLICA_NODE_RESOURCE
+
+    resources = {REPLICA_NODE_RESOURCE: args.replica_slots} if args.replica_slots else {}
+    argv = [ray, "start", "--address", args.address, "--resources", json.dumps(resources), "--disable-usage-stats"]
+    if args.rack:
+        argv += ["--labels", f"{RACK_LABEL}={args.rack}"]
+    for flag, value in (("--node-ip-address", args.node_ip_address), ("--temp-dir", args.temp_dir), ("--num-cpus", args.num_cpus)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv + (["--block"] if args.block else [])
+
+
+def cmd_join(args) -> int:
+    """Join this host to a running logbus cluster as a Ray node, with token authentication.
+
+    Runs ``ray start --address ADDRESS`` with ``RAY_AUTH_MODE=token`` and the
+    cluster's token (from --token-file, else RAY_AUTH_TOKEN_PATH,
+    RAY_AUTH_TOKEN or ~/.ray/auth_token), advertising --replica-slots
+    replica slots (the ``logbus_replica`` resource; 0: a host for clients
+    only, which hosts no replicas) and the node label ``logbus.rack``
+    (--rack). Ray's processes keep running after the command returns; with
+    --block the command becomes ``ray start --block`` and lasts as long as
+    the node. The head's token is printed by ``ray get-auth-token`` there.
+    """
+    from logbus.actors import ray_auth
+    from logbus.actors.placement import embedded_slots
+
+    address = args.address  # checked by _check()
+    if args.replica_slots is None:
+        import psutil
+
+        args.replica_slots = embedded_slots(psutil.virtual_memory().total)
+    try:
+        env = ray_auth.join_environment(args.token_file)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    argv = ray_start_argv(args, ray)
+    rack = f", rack {args.rack}" if args.rack else ""
+    if args.block:
+        sys.stdout.write(f"Joining {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+        sys.stdout.flush()
+        os.execve(ray, argv, env)  # the node's lifetime is the command's
+    try:
+        result = subprocess.run(argv, env=env, stdout=sys.stdout, stderr=sys.stderr, timeout=JOIN_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        raise CliError(f"ray start did not finish joining {address} in {JOIN_TIMEOUT_S} s") from None
+    if result.returncode != 0:
+        raise CliError(f"ray start exited {result.returncode}; this host did not join {address}")
+    sys.stdout.write(f"Joined {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+    return 0
+
+
 # --- status -------------------------------------------------------------------------------------------------
 
 
@@ -1064,13 +1137,26 @@ def build_parser() -> argparse.ArgumentParser:
                          help="client connections per gateway; one more is closed when accepted (default: 4096)")
     gateway.set_defaults(func=cmd_gateway)
 
+    # join
+    join = commands.add_parser("join", parents=[common], help="join this host to a running cluster as a Ray node (token auth)",
+                               description=cmd_join.__doc__)
+    join.add_argument("--token-file", metavar="PATH", help="the cluster's token (default: $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
+    join.add_argument("--replica-slots", type=_non_negative_int, metavar="N",
+                      help="replicas this host may hold (default: what its memory holds at 96 MiB each; 0: no replicas)")
+    join.add_argument("--rack", type=_label_value, help="this host's rack (node label logbus.rack): replicas of a partition go to distinct racks")
+    join.add_argument("--node-ip-address", metavar="IP", help="this host's address the other hosts reach (default: Ray's choice)")
+    join.add_argument("--temp-dir", metavar="DIR", help="Ray's directory for this node's sockets, logs and session files (default: Ray's)")
+    join.add_argument("--num-cpus", type=_non_negative_int, metavar="N", help="CPUs this node offers to Ray tasks (default: Ray's count)")
+    join.add_argument("--block", action="store_true", help="stay in the foreground for the node's lifetime (ray start --block)")
+    join.set_defaults(func=cmd_join)
+
     # status
     status = commands.add_parser("status", parents=[common], help="nodes, topics, partition health and group lags at a glance", description=cmd_status.__doc__)
     status.add_argument("--json", action="store_true", help="print the status as one JSON object")
     status.set_defaults(func=cmd_status)
 
     # keep each subparser at hand for usage errors found after parsing
-    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain, gateway):
+    for sub in (create, listing, describe, delete, alter, produce, consume, status, nodes_list, drain, gateway, join):
         sub.set_defaults(parser=sub)
     return parser
 
@@ -1093,6 +1179,10 @@ def _check(args) -> None:
             parser.error("--offset requires --partition")
         if args.offset is not None and args.from_beginning:
             parser.error("--offset and --from-beginning cannot be used together")
+    if args.command == "join":
+        args.address = args.address or os.environ.get("RAY_ADDRESS")
+        if not args.address or args.address in ("auto", "local"):
+            parser.error("join needs the head's address: --address HOST:PORT")
     if args.command == "topics" and args.action == "alter" and not args.config and args.partitions is None:
         parser.error("nothing to alter: give --config KEY=VALUE and/or --partitions N")
 

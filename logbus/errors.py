@@ -106,6 +106,19 @@ class IllegalGenerationError(LogbusError):
     """The member's group generation is stale (a rebalance happened)."""
 
 
+class CommitFailedError(UnknownMemberIdError, IllegalGenerationError):
+    """A group member's commit that can never succeed (Kafka's CommitFailedException): the group
+    went on without this member, whose member id the coordinator no longer knows or whose generation
+    is over, so its partitions may belong to another member by now.
+
+    Not retriable: the next ``poll()`` rejoins the group (the partitions are reported lost to the
+    rebalance listener, and the new assignment starts from the group's committed offsets), so the
+    records processed since the last successful commit may be delivered again. ``__cause__`` is the
+    coordinator's answer. It derives from the two errors ``commit()`` raised for this before, so
+    handlers written for those still catch it.
+    """
+
+
 class GroupNotEmptyError(LogbusError):
     """The operation needs an inactive group but the group has members."""
 

@@ -45,6 +45,15 @@ current Producer, enable_idempotence=True). Cases:
              ray.util.queue.Queue: the driver puts lists of 1,000 values, a Ray task gets
              them; records/s from the first put to the last get.
 5. ratios    logbus / Redis for produce, consume and latency p99; logbus / queue.
+6. asyncio   (info) ``logbus.aio``: (a) ``await send_and_wait()`` one 100-byte record at a
+             time against the sync ``send().result()``, interleaved in rounds of 200; the
+             medians and their ratio. (b) An asyncio Consumer in an async Ray actor reads
+             a 2-partition topic that an asyncio Producer in the driver fills at a paced
+             20,000 records/s, while a coroutine in the actor's loop wakes every 10 ms on
+             a fixed schedule: how late its wake-ups run (p50, p99, max), against an idle
+             async actor's ticks meanwhile (the machine's own noise): the consumer's worker
+             thread shares the GIL with the loop. (The tests check that neither client
+             makes a blocking call on the loop; these are the figures.)
 
 Every case runs once unmeasured as a warm-up (latency: the first configuration), then
 is repeated (3 times in a full run, 2 in a quick one; latency 2 / 1 times) and the best
@@ -55,6 +64,7 @@ lines of the output are one JSON object per result.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import os
@@ -105,6 +115,7 @@ from _common import (
 )
 
 import logbus
+import logbus.aio
 from logbus import Producer
 
 POOL_SIZE = 10_000  # distinct values cycled through by the send() loops
@@ -235,6 +246,157 @@ def future_cost(send_rate: float, n: int = 1_000_000) -> Result:
         extra={"record_future_us": round(record_future_s * 1e6, 4), "record_view_us": round(view_s * 1e6, 4),
                "plain_future_us": round(plain_future_s * 1e6, 4), "send_us": round(1e6 / send_rate, 4)},
     )
+
+# --- 6. the asyncio clients -----------------------------------------------------------------------
+
+AIO_RATE = 20_000  # records/s the asyncio producer sends in the loop-lateness case
+AIO_PARTITIONS = 2
+TICK_S = 0.01
+SEND_AND_WAIT_ROUND = 200
+
+
+class Ticker:
+    """A coroutine that wakes every TICK_S on a fixed schedule and records how late each wake-up ran.
+
+    A fixed schedule counts a stall once per tick it covers (a 100 ms stall makes ten late ticks), so
+    a loop that is held up shows in the high percentiles.
+    """
+
+    def __init__(self) -> None:
+        self.lateness_s: list[float] = []
+        self._task = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + TICK_S
+        while True:
+            await asyncio.sleep(max(0.0, due - loop.time()))
+            self.lateness_s.append(loop.time() - due)
+            due += TICK_S
+
+    async def stop(self) -> list[float]:
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        return self.lateness_s
+
+
+@ray.remote(num_cpus=0)
+class AioTickingActor:
+    """An async actor whose loop runs a Ticker; optionally an asyncio Consumer in the same loop."""
+
+    def __init__(self) -> None:
+        self.ticker = Ticker()
+        self.consumer = None
+
+    async def start_ticker(self) -> bool:
+        self.ticker.start()
+        return True
+
+    async def open(self, bus, topic: str, partitions: int) -> int:
+        """Start the consumer and make its first (empty) fetch; returns the ticks so far (one-time
+        costs of a process's first consumer are paid here, apart from the steady state)."""
+        self.consumer = logbus.aio.Consumer(bus)
+        await self.consumer.start()
+        await self.consumer.assign([logbus.TopicPartition(topic, p) for p in range(partitions)])
+        await self.consumer.getmany(timeout_ms=200)
+        return len(self.ticker.lateness_s)
+
+    async def consume(self, expected: int, timeout_s: float) -> tuple[int, list[float]]:
+        count = 0
+        deadline = time.monotonic() + timeout_s
+        while count < expected and time.monotonic() < deadline:
+            batch = await self.consumer.getmany(timeout_ms=100, max_records=2000)
+            count += sum(len(records) for records in batch.values())
+        await self.consumer.stop()
+        return count, await self.ticker.stop()
+
+    async def stop_ticker(self) -> list[float]:
+        return await self.ticker.stop()
+
+
+def aio_send_and_wait(bus, topic: str, rounds: int) -> Result:
+    """(a) await send_and_wait() against send().result(), one record at a time, interleaved rounds."""
+    async def run() -> tuple[list[float], list[float]]:
+        aio_s, sync_s = [], []
+        sync = Producer(bus, linger_ms=0)
+        sync.send(topic, b"warm-up").result(timeout=60)
+        try:
+            async with logbus.aio.Producer(bus, linger_ms=0) as producer:
+                await producer.send_and_wait(topic, b"warm-up")
+                value = b"x" * VALUE_SIZE
+                for _ in range(rounds):
+                    for _ in range(SEND_AND_WAIT_ROUND):
+                        started = time.perf_counter()
+                        await producer.send_and_wait(topic, value)
+                        aio_s.append(time.perf_counter() - started)
+                    for _ in range(SEND_AND_WAIT_ROUND):
+                        started = time.perf_counter()
+                        sync.send(topic, value).result(timeout=60)
+                        sync_s.append(time.perf_counter() - started)
+        finally:
+            sync.close()
+        return aio_s, sync_s
+
+    aio_s, sync_s = asyncio.run(run())
+    aio_ms, sync_ms = float(np.median(aio_s)) * 1e3, float(np.median(sync_s)) * 1e3
+    log(f"asyncio send_and_wait(): median {aio_ms:.3f} ms against {sync_ms:.3f} ms for send().result(), "
+        f"{aio_ms - sync_ms:+.3f} ms ({len(aio_s):,} records each)")
+    return Result(
+        "(info) asyncio send_and_wait(), one record at a time", 1e3 / aio_ms, p50_ms=aio_ms,
+        p99_ms=float(np.percentile(aio_s, 99)) * 1e3, ratio_vs="sync send().result() median (lower is better)", ratio=aio_ms / sync_ms,
+        extra={"key": "aio_send_and_wait", "sync_p50_ms": round(sync_ms, 4), "records": len(aio_s)},
+    )
+
+
+def aio_loop_lateness(bus, topic: str, seconds: float) -> Result:
+    """(b) How late an async actor's loop runs its 10 ms ticks while its asyncio Consumer reads AIO_RATE records/s."""
+    count = int(AIO_RATE * seconds)
+    actor, idle = AioTickingActor.remote(), AioTickingActor.remote()
+    try:
+        ray.get([actor.start_ticker.remote(), idle.start_ticker.remote()], timeout=60)
+        opened_at = ray.get(actor.open.remote(bus, topic, AIO_PARTITIONS), timeout=120)
+        consumed = actor.consume.remote(count, seconds + 120)
+
+        async def produce_steadily() -> float:
+            loop = asyncio.get_running_loop()
+            per_step = int(AIO_RATE * TICK_S)
+            async with logbus.aio.Producer(bus, linger_ms=2) as producer:
+                await producer.partitions_for(topic)
+                start = loop.time()
+                for step in range(count // per_step):
+                    await asyncio.sleep(max(0.0, start + step * TICK_S - loop.time()))  # pacing
+                    for i in range(step * per_step, (step + 1) * per_step):
+                        await producer.send(topic, b"%d" % i, partition=i % AIO_PARTITIONS)
+                sent_s = loop.time() - start
+                await producer.flush(timeout_s=60)
+            return sent_s
+
+        sent_s = asyncio.run(produce_steadily())
+        received, lateness = ray.get(consumed, timeout=seconds + 180)
+        idle_lateness = ray.get(idle.stop_ticker.remote(), timeout=60)
+    finally:
+        ray.kill(actor)
+        ray.kill(idle)
+    steady_ms = np.asarray(lateness[opened_at:]) * 1e3
+    idle_ms = np.asarray(idle_lateness) * 1e3
+    p50, p99, worst = (float(np.percentile(steady_ms, 50)), float(np.percentile(steady_ms, 99)), float(steady_ms.max()))
+    idle_p99 = float(np.percentile(idle_ms, 99))
+    log(f"asyncio consumer in an async actor, {received:,}/{count:,} records at {count / sent_s:,.0f}/s: its loop's "
+        f"{len(steady_ms):,} ticks late by p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.1f} ms; "
+        f"an idle async actor's meanwhile: p99 {idle_p99:.2f} ms")
+    return Result(
+        f"(info) asyncio consumer's event loop, {TICK_S * 1e3:.0f} ms ticks late by, @ {AIO_RATE:,}/s", count / sent_s,
+        p50_ms=p50, p99_ms=p99, ratio_vs="an idle async actor's p99 (lower is better)", ratio=p99 / idle_p99 if idle_p99 > 0 else None,
+        extra={"key": "aio_loop_lateness", "max_ms": round(worst, 2), "idle_p99_ms": round(idle_p99, 3),
+               "ticks": int(len(steady_ms)), "received": received, "sent": count},
+    )
+
 
 def producer_accepts(option: str) -> bool:
     return option in inspect.signature(Producer.__init__).parameters
@@ -424,6 +586,10 @@ def main() -> int:
                        "received_per_rep": [r[3] for r in lat_runs]},
             ))
         ray.kill(latency_consumer)
+
+        # ---- 6. the asyncio clients (before the baselines: the same bus) ----------------------------------
+        results.append(aio_send_and_wait(bus, create("bench-aio-send-and-wait", 1), rounds=2 * mode.reps))
+        results.append(aio_loop_lateness(bus, create("bench-aio-lateness", AIO_PARTITIONS), 2 * mode.latency_s))
 
         # ---- 4a. Redis Streams -------------------------------------------------------------------------
         redis_results: dict[str, Result] = {}

@@ -18,10 +18,39 @@ import pytest
 # would cut the run short without a report.
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 # Ray's processes export metrics every 10 s by default; tests that read the Prometheus endpoint
-# would wait that long for each value. Every Ray process the tests start inherits this.
-os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
+# would wait that long for each value. Every Ray process the tests start inherits this (an idle
+# Ray session costs the same CPU with it as with the default).
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
+
+
+def _dashboard_agent_on_a_free_port() -> None:
+    """Make the Ray nodes this process starts serve their dashboard agent on a free port.
+
+    Ray's dashboard agent listens on port 52365 unless told otherwise, and ``ray.init`` cannot tell
+    it. A second Ray on the machine finds the port taken and retries it for about 3 s before going
+    on without it: every test that runs logbus in a process of its own, as users do (the console
+    command, the examples, two processes over one data directory), paid that while the suite's Ray
+    held the port. Nodes this process starts take a free port instead (as ``Cluster`` gives its
+    worker nodes), leaving 52365 to those processes.
+    """
+    from ray._private import node, ray_constants
+
+    start = node.Node.__init__
+    if getattr(start, "free_agent_port", False):
+        return
+
+    def init(self, ray_params, *args, **kwargs):
+        if ray_params.dashboard_agent_listen_port == ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
+            ray_params.dashboard_agent_listen_port = None  # Node then asks for port 0: any free one
+        start(self, ray_params, *args, **kwargs)
+
+    init.free_agent_port = True
+    node.Node.__init__ = init
+
+
+_dashboard_agent_on_a_free_port()
 
 
 def pytest_runtest_logreport(report):
@@ -115,6 +144,27 @@ def topic_name(request):
     return "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name)[:60] + "-" + uuid.uuid4().hex[:6]
 
 
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+RAY_FREE_DIRS = ("storage", "protocol")
+# Modules that replace the shared Ray session with a multi-node cluster: last in tests/actors, so
+# that the shared session is started once before them and once after (in tests/api), and the
+# modules of the three-node cluster (tests/actors/conftest.py) one after another, sharing it.
+CLUSTER_MODULES = {
+    "test_reassign.py": 1,  # a cluster of its own (four nodes in racks)
+    "test_compaction_replicas.py": 2,
+    "test_gateway_failover.py": 2,
+    "test_replication.py": 2,
+}
+
+
+def run_order(item) -> tuple[int, int]:
+    parts = os.path.relpath(str(item.fspath), TESTS_DIR).split(os.sep)
+    if parts[0] in RAY_FREE_DIRS or len(parts) == 1:
+        return (0, 0)  # the Ray-free suites first: they fail fast and need no cluster
+    if parts[0] == "actors":
+        return (1, CLUSTER_MODULES.get(parts[-1], 0))
+    return (2, 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    # Run the Ray-free suites first: they fail fast and need no cluster.
-    items.sort(key=lambda item: 0 if os.sep + "storage" + os.sep in str(item.fspath) or os.sep + "protocol" + os.sep in str(item.fspath) else 1)
+    items.sort(key=run_order)  # stable: files keep their order within each group

@@ -168,6 +168,11 @@ class Connection:
                 with self._lock:
                     self._close_locked(f"send failed: {error}")  # every request still waiting fails
 
+    @property
+    def sending_in_background(self) -> bool:
+        """Whether the connection's sender thread holds frames the replica has not read yet."""
+        return self._sender_active
+
     def cancel(self, request_id: int) -> bool:
         """Tell the replica its reply to ``request_id`` is no longer wanted; the request's Future is cancelled.
 
@@ -336,6 +341,13 @@ class Channels:
                 return connection
         connection.close()  # another thread connected first, or the entry changed
         return self.connection(replica) if self._entries.get(key) is entry else None
+
+    def backlogged(self) -> int:
+        """How many open connections have frames waiting for a replica that is not reading (a stopped
+        process, a full socket): their sender threads send them, not the callers."""
+        with self._lock:
+            connections = [e.connection for e in self._entries.values() if e.connection is not None and not e.connection.closed]
+        return sum(1 for c in connections if c.sending_in_background)
 
     def _look_up(self, key, replica, entry: _Entry) -> None:
         try:

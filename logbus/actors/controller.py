@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import uuid
@@ -52,7 +53,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
-from logbus.actors import metrics
+from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
@@ -136,7 +137,8 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
             "connect to that cluster, or use another data_dir"
         )
     context = ray.get_runtime_context()
-    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir})
+    lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir,
+                     "ray_auth": ray_auth.cluster_auth()})  # how a process over the same directory joins (client.py)
     return lock
 
 
@@ -1406,6 +1408,14 @@ class Controller:
         return await self.groups.delete_group(group_id)
 
 
+@functools.cache
+def _controller_actor_class():
+    """The controller's Ray actor class, made once per process (see partition_replica's
+    ``_replica_actor_class``): Ray inspects and exports each new ``ray.remote(cls)`` on its first
+    use, about 0.2 s for this class, which every ``connect()`` paid."""
+    return ray.remote(Controller)
+
+
 def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | None = None, max_replicas_per_node: int | None = None):
     """Get or create the cluster's controller: detached, named, restarted forever by Ray.
 
@@ -1417,7 +1427,7 @@ def get_or_create(namespace: str, data_dir: str, replica_replacement_ms: int | N
     if max_replicas_per_node is not None:
         options["max_replicas_per_node"] = max_replicas_per_node
     return (
-        ray.remote(Controller)
+        _controller_actor_class()
         .options(
             name=CONTROLLER_NAME,
             namespace=namespace,

@@ -363,6 +363,10 @@ class ClusterBackend:
                 return await asyncio.wait_for(_wrapped(sent), timeout_s)
             return await _await_ref(sent, timeout_s)
 
+    def channels_backlogged(self) -> int:
+        """Local channels to replicas with frames waiting for a replica that is not reading (see Channels.backlogged)."""
+        return self._channels.backlogged()
+
     def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
         return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
 
@@ -546,7 +550,8 @@ class Gateway:
         """Connections now, since start, their limit and how many were refused over it; requests served by
         (API key, version); frames refused; and the bytes of open requests: now, at most so far, the
         limit, and how many requests waited for room; one connection's limit, and how many requests waited
-        for their connection's share."""
+        for their connection's share; and how many local channels to replicas have frames waiting for a
+        replica that is not reading (sent by the channel's own thread, never the gateway's loop)."""
         budget = self._budget
         return {
             "pid": os.getpid(),
@@ -562,6 +567,7 @@ class Gateway:
             "requests_waited_for_room": budget.waited,
             "open_request_bytes_connection_limit": CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes,
             "requests_waited_for_connection_room": self.requests_waited_for_connection_room,
+            "replica_channels_backlogged": self.backend.channels_backlogged(),
         }
 
     def shutdown(self) -> None:
@@ -740,6 +746,12 @@ def _check_port(port) -> int:
     return port
 
 
+@functools.cache
+def _gateway_actor_class():
+    """The gateway's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(Gateway)
+
+
 def start_gateways(
     namespace: str,
     controller,
@@ -786,7 +798,7 @@ def start_gateways(
         except ValueError:
             pass  # none there yet
         actor = (
-            ray.remote(Gateway)
+            _gateway_actor_class()
             .options(
                 name=gateway_name(node_id),
                 namespace=namespace,

@@ -35,6 +35,7 @@ brought up to date by the controller's first reply.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import uuid
@@ -110,6 +111,7 @@ class NodeAgent:
         self._link_task: asyncio.Task | None = None
         self._link_tried_ms = -LINK_RETRY_MS
         self._link_retry_ms = LINK_RETRY_MS
+        self._links_dropped = 0  # closed, or silent for LINK_SILENT_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -270,6 +272,14 @@ class NodeAgent:
         self._start()
         return os.getpid()
 
+    async def status(self) -> dict:
+        """This agent's process, whether its heartbeat link is open, and how many links it dropped
+        (closed, or unanswered for LINK_SILENT_MS) since it started."""
+        self._start()
+        link = self._link
+        return {"pid": os.getpid(), "heartbeat_link_open": link is not None and not link.closed,
+                "heartbeat_links_dropped": self._links_dropped}
+
     # --- the one timer of the node -----------------------------------------------------------------
 
     def _start(self) -> None:
@@ -352,6 +362,7 @@ class NodeAgent:
             logger.info("node %s: heartbeat link %s; reopening it", self.node_id[:8], "closed" if link.closed else "silent")
             link.close()
             self._link = None
+            self._links_dropped += 1
         if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
             self._link_tried_ms = now_ms
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
@@ -378,10 +389,16 @@ def agent_actor_name(node_id: str) -> str:
     return f"logbus-node-agent:{node_id}"
 
 
+@functools.cache
+def _agent_actor_class():
+    """The agent's Ray actor class, made once per process (see partition_replica's ``_replica_actor_class``)."""
+    return ray.remote(NodeAgent)
+
+
 def start_agent(namespace: str, node_id: str, controller_name: str):
     """Get or create the agent of ``node_id``, pinned there."""
     return (
-        ray.remote(NodeAgent)
+        _agent_actor_class()
         .options(
             name=agent_actor_name(node_id),
             namespace=namespace,

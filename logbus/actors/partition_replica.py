@@ -220,6 +220,7 @@ class PartitionReplica:
         self._agent_handle = None  # this node's agent (asked for our role on our behalf)
         self._role_question: asyncio.Task | None = None
         self._isr_proposal: asyncio.Task | None = None  # the ISR change asked of the controller
+        self._fetch_waits_expired = 0  # consumers' long polls that ended with no data when their wait ran out
         self._segments_seen = 0
         self._log_gauges = metrics.LogGauges(topic, partition)
         self._loop_ready = False
@@ -640,6 +641,8 @@ class PartitionReplica:
         if consumer:
             metrics.latency("fetch", monotonic_ms() - started_ms)
         if result is None:
+            if consumer and request.max_wait_ms > 0:
+                self._fetch_waits_expired += 1
             offset = int(request.offset)
             return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
         if consumer:
@@ -807,6 +810,11 @@ class PartitionReplica:
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._parking),
+            # Consumers' long polls that waited here until their max_wait_ms ran out, with no data.
+            "fetch_waits_expired": self._fetch_waits_expired,
+            # As a reassignment's new replica: the copy's rate limit (None: none), and the bytes copied under one.
+            "throttle_bytes_per_s": self._fetcher.throttle_bytes_per_s,
+            "throttled_copy_bytes": self._fetcher.throttled_copy_bytes,
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,

@@ -69,6 +69,7 @@ class ReplicaFetcher:
         self._appended = appended
         self._active = active
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit
+        self.throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
         self._throttle_until = 0.0
         self._task: asyncio.Task | None = None
 
@@ -142,6 +143,7 @@ class ReplicaFetcher:
         if not rate:
             self._throttle_until = 0.0
             return
+        self.throttled_copy_bytes += copied
         loop = asyncio.get_running_loop()
         now = loop.time()
         self._throttle_until = max(self._throttle_until, now) + copied / rate

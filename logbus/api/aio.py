@@ -201,8 +201,7 @@ class Producer:
     median of 0.27-0.30 ms against 0.23-0.25 ms for the sync
     ``send().result()``, about +0.045 ms (the completion's hop from the
     reply's thread to the loop, and the coroutine's wake-up;
-    ``test_send_and_wait_costs_little_more_than_the_sync_path`` measures
-    it). ``await send()`` alone, records queued back to back: 4-10 µs per
+    perf/bench_broker.py's asyncio cases measure it). ``await send()`` alone, records queued back to back: 4-10 µs per
     record on the loop against 1-2 µs for the sync ``send()`` (the asyncio
     Future, the done-callback, and the garbage collector's share of them),
     plus 2-4 µs when its completion reaches the loop. A send that takes the
@@ -490,10 +489,9 @@ class Consumer:
     (building ConsumerRecords for getmany()) holds the loop up for at most
     the interpreter's switch interval (5 ms) at a time; getmany_arrow()
     does little per-row work. Measured in an async Ray actor consuming
-    20,000 records/s with getmany() (the load test in
-    ``tests/api/test_aio.py``): a coroutine ticking every 10 ms in the same
-    loop ran late by 0.7-0.9 ms at the median and 6-9 ms at the 99th
-    percentile.
+    20,000 records/s with getmany() (perf/bench_broker.py's asyncio cases):
+    a coroutine ticking every 10 ms in the same loop ran late by 0.7-0.9 ms
+    at the median and 6-9 ms at the 99th percentile.
     """
 
     def __init__(self, bus: Bus, *topics: str, **options: Any) -> None:
@@ -852,7 +850,8 @@ class Consumer:
     async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
         """Commit ``offsets`` (default: the position of every assigned partition) and wait.
 
-        Errors as :meth:`logbus.Consumer.commit` (IllegalGenerationError after a rebalance, ...).
+        Errors as :meth:`logbus.Consumer.commit` (CommitFailedError after the group went on without
+        this member, ...).
         """
         self._check_started()
         if offsets is not None:
@@ -865,8 +864,10 @@ class Consumer:
             if not undelivered:
                 consumer.commit()
                 return
-            # Partitions with records kept here are committed where those start.
-            positions = {tp: consumer.position(tp) for tp in consumer.assignment()}
+            # Partitions with records kept here are committed where those start; the others at their
+            # positions, as the sync commit() does (a partition with no position yet, its leader away
+            # say, is not waited for).
+            positions = consumer._positions()
             positions.update((tp, offset) for tp, offset in undelivered.items() if tp in positions)
             consumer.commit(positions)
 

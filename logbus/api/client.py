@@ -12,6 +12,7 @@ import psutil
 import ray
 
 from logbus.actors import controller as controller_actor
+from logbus.actors import ray_auth
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
@@ -72,7 +73,17 @@ class Bus:
             cached = self._metadata.get(topic)
         if cached is not None and not refresh:
             return cached
-        raw = get(self._controller.topic_metadata.remote(topic))
+        return self.metadata_arrived(self.request_metadata(topic))
+
+    def request_metadata(self, topic: str):
+        """Ask the controller for ``topic``'s metadata without waiting: an ObjectRef to pass to
+        :meth:`metadata_arrived` (callers that must not wait for the controller, such as a consumer's poll)."""
+        validate_topic_name(topic)
+        return self._controller.topic_metadata.remote(topic)
+
+    def metadata_arrived(self, ref, timeout_s: float | None = CONTROL_TIMEOUT_S) -> TopicMetadata:
+        """The metadata a :meth:`request_metadata` reply holds, now cached; raises what the controller raised."""
+        raw = get(ref, timeout_s=timeout_s)
         metadata = TopicMetadata(
             raw["name"],
             raw["topic_id"],
@@ -81,8 +92,13 @@ class Bus:
             tuple(p["leader_epoch"] for p in raw["partitions"]),
         )
         with self._lock:
-            self._metadata[topic] = metadata
+            self._metadata[metadata.name] = metadata
         return metadata
+
+    def cached_metadata(self, topic: str) -> TopicMetadata | None:
+        """The cached metadata of ``topic``, or None (never asks the controller)."""
+        with self._lock:
+            return self._metadata.get(topic)
 
     def forget(self, topic: str) -> None:
         with self._lock:
@@ -148,11 +164,17 @@ def connect(
       (the embedded default), with data under ``./logbus-data`` or ``data_dir``.
       If another process already serves that data directory (an application,
       while you run the ``logbus`` command beside it), join its Ray cluster
-      instead; if that cluster cannot be joined, raise
+      instead, with that cluster's Ray auth mode and token (the embedded
+      cluster runs in Ray's token mode; this process's environment needs no
+      RAY_AUTH_* setting for it); if that cluster cannot be joined, raise
       DataDirectoryInUseError naming the process that holds the directory.
       One data directory is only ever served by one controller.
     - ``address`` given: join that Ray cluster (``ray.init(address=...)``;
       ``"auto"`` finds a cluster started on this machine with ``ray start``).
+      A cluster in Ray's token mode needs ``RAY_AUTH_MODE=token`` and its
+      token (``RAY_AUTH_TOKEN_PATH`` or ``RAY_AUTH_TOKEN``) in this process's
+      environment: Ray turns token mode on by itself only for clusters it
+      finds on this machine.
     - Inside a Ray task or actor, or after ``ray.init``: use the running Ray.
 
     Gets the cluster's controller (a detached actor named in ``namespace``) or
@@ -229,6 +251,7 @@ def _start_or_join_embedded(data_dir: str, namespace: str, options: dict) -> Dir
                 f"data directory {data_dir} is served by another logbus cluster ({holder}); "
                 f"connect with namespace={note.get('namespace')!r} to join it, or use another data_dir"
             )
+        _use_cluster_auth(note, data_dir, holder)
         try:
             ray.init(**{"log_to_driver": True, **options, "address": note["gcs_address"], "namespace": namespace})
         except Exception as error:  # noqa: BLE001 (any failure to join is reported the same way)
@@ -240,6 +263,29 @@ def _start_or_join_embedded(data_dir: str, namespace: str, options: dict) -> Dir
     except BaseException:
         starting.release()
         raise
+
+
+def _use_cluster_auth(note: dict, data_dir: str, holder: str) -> None:
+    """Join with the auth of the cluster that serves ``data_dir``, as its controller noted it.
+
+    Ray gives a process that joins by address no token of its own accord
+    (``logbus/actors/ray_auth.py``), and the embedded default's cluster runs
+    in token mode: so the joiner takes the mode and the token file from the
+    note (a token of its own, in RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, wins).
+    A note without them (a controller of an older logbus) gets Ray's rule for
+    a cluster found on this machine: token mode if a token is found.
+    """
+    auth = note.get("ray_auth")
+    if auth is None:
+        ray_auth.use_local_cluster_rule()
+        return
+    ray_auth.use_auth(auth)
+    if auth.get("mode") == ray_auth.TOKEN_MODE and not ray_auth.has_own_token():
+        raise DataDirectoryInUseError(
+            f"data directory {data_dir} is held by a logbus controller ({holder}) whose Ray cluster uses token "
+            f"authentication, and its token is only in that process's environment: give this process the token "
+            f"({ray_auth.TOKEN_ENV} or {ray_auth.TOKEN_PATH_ENV})"
+        )
 
 
 def _connect_controller(

@@ -28,19 +28,34 @@ iterating over the consumer (kafka-python's ``for record in consumer``) hands
 them out one at a time. ``poll_arrow()`` returns one pyarrow Table and does
 no per-row Python work.
 
-Retriable errors (a leader election, a replica or the controller
-restarting) stay inside the consumer, as in Kafka's clients: ``poll()``
-retries them (after a metadata refresh) until its timeout and returns what it
-has; ``commit()``, ``committed()`` and the offset lookups retry them until
-their timeout (``default_api_timeout_ms`` unless given), then raise
-RequestTimedOutError. Only non-retriable errors reach the caller otherwise.
+Partitions are read independently, as Kafka's consumer reads them: each
+partition's position lookup and fetches go on by themselves, so one whose
+leader is away (an election, a dead or stopped replica, a call that is not
+answered) holds up no other. Retriable errors (a leader election, a replica
+or the controller restarting) stay inside the consumer, as in Kafka's
+clients: a partition that meets one is retried alone, after a backoff
+(RETRY_BACKOFF_MIN_S doubling to RETRY_BACKOFF_MAX_S) and with metadata
+asked for afresh, while ``poll()`` goes on reading the others and returns
+what it has. The retries are part of ``poll()``'s work: nothing runs on a
+timer. Metadata, position lookups and the group's committed offsets are
+asked for without waiting, so ``poll()`` never waits for the controller or a
+leader longer than its own timeout; their replies are taken by the poll they
+arrive in. A non-retriable error of one partition (OffsetOutOfRangeError with
+``auto_offset_reset="none"``, say) is raised by ``poll()``, as Kafka's.
+``commit()``, ``committed()`` and the offset lookups retry retriable errors
+until their timeout (``default_api_timeout_ms`` unless given), then raise
+RequestTimedOutError.
 
 Group management: with a ``group_id``, ``subscribe()`` (or topics given to
 the constructor) lets the group coordinator (in the controller) assign
 partitions across the group's members; positions start from the group's
 committed offsets (or ``auto_offset_reset``); ``commit()`` stores positions
 durably. Rebalance listeners and auto-commit run inside ``poll()``, on the
-caller's thread.
+caller's thread. A member the group went on without (its session expired,
+or the coordinator removed it) rejoins by itself in ``poll()``, as Kafka's
+consumer does: its partitions are reported lost (``on_partitions_lost``) and
+a new assignment follows; a commit it made meanwhile raises
+CommitFailedError (see ``logbus/api/group_membership.py``).
 
 Not thread-safe (like Kafka's consumer): use one consumer per thread.
 """
@@ -68,7 +83,13 @@ from logbus.actors.channel_client import channels as local_channels
 from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus
-from logbus.api.group_membership import GroupMembership, checked_offsets, retry_until
+from logbus.api.group_membership import (
+    RETRY_BACKOFF_MAX_S,
+    RETRY_BACKOFF_MIN_S,
+    GroupMembership,
+    checked_offsets,
+    retry_until,
+)
 from logbus.errors import (
     ChannelReplyTooLargeError,
     IllegalStateError,
@@ -89,7 +110,10 @@ from logbus.storage.names import validate_partition, validate_topic_name
 logger = logging.getLogger(__name__)
 
 OFFSET_RESETS = ("earliest", "latest", "none")
-STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch this late makes the consumer check for a new leader
+STALE_FETCH_GRACE_S = 1.5  # past its long poll, a fetch (or lookup) this late makes the consumer check for a new leader
+# A metadata request or the group's committed offsets unanswered this long (a stopped controller) is
+# given up; they are asked for again when needed (a stopped controller answers in order when it runs).
+CALL_PATIENCE_S = 5.0
 FETCHES_IN_FLIGHT = 2  # per partition at the log end: one waits at the leader while the other's reply travels
 DEFAULT_API_TIMEOUT_MS = 60_000  # Kafka's default.api.timeout.ms: how long commit() and the lookups retry
 # A call made inside poll() (a position lookup, the commit before partitions are revoked) waits at least
@@ -121,7 +145,8 @@ class _Partition:
 
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
-        "arrow_scalars", "actor_fetch_until", "needs_committed", "resets",
+        "arrow_scalars", "actor_fetch_until", "needs_committed", "resets", "lookup", "retry_at_s", "backoff_s",
+        "stale_since_s",
     )
 
     def __init__(self, tp: TopicPartition, needs_committed: bool = False) -> None:
@@ -144,6 +169,14 @@ class _Partition:
         # Assigned by the group: the position comes from the group's committed offset, if there is one.
         self.needs_committed = needs_committed
         self.resets = 0  # counts reset_to(): records handed out one at a time check it (see Consumer.__next__)
+        # The position lookup on its way to the leader: (ObjectRef, sent at, resets then, leader actor id).
+        self.lookup: tuple | None = None
+        # After a retriable error: no request before retry_at_s (the backoff doubles up to
+        # RETRY_BACKOFF_MAX_S and starts again after a success), and the next one goes where
+        # metadata asked for after stale_since_s says (None: the cached metadata will do).
+        self.retry_at_s = 0.0
+        self.backoff_s = RETRY_BACKOFF_MIN_S
+        self.stale_since_s: float | None = None
 
     def reset_to(self, offset: int | None) -> None:
         """Make ``offset`` the position and fetch from there (None: find a position again, by auto_offset_reset)."""
@@ -153,7 +186,18 @@ class _Partition:
         self.error = None
         self.needs_committed = False
         self.resets += 1
+        self.lookup = None  # a lookup on its way is answered for nobody
         self.drop_fetches()
+
+    def retry_later(self, now: float, refresh_metadata: bool = True) -> None:
+        """A retriable error: the next request waits out the backoff and goes by fresh metadata."""
+        self.retry_at_s = now + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, RETRY_BACKOFF_MAX_S)
+        if refresh_metadata and self.stale_since_s is None:
+            self.stale_since_s = now
+
+    def succeeded(self) -> None:
+        self.backoff_s = RETRY_BACKOFF_MIN_S
 
     def drop_fetches(self) -> None:
         """Forget the outstanding fetches and start a new fetch session (the next fetch reads from fetch_offset)."""
@@ -415,6 +459,13 @@ class Consumer:
         # Positions count only records handed out (see __next__).
         self._pending: deque[tuple[_Partition, int, ConsumerRecord]] = deque()
         self._timestamp_type_columns: dict[int, pa.Array] = {}  # for poll_arrow
+        # Asked for without waiting (see _pump): metadata per topic, (ObjectRef, sent at); the send time
+        # of each topic's last metadata that arrived; no request for a topic before its retry time.
+        self._metadata_calls: dict[str, tuple] = {}
+        self._metadata_fresh_s: dict[str, float] = {}
+        self._metadata_retry_at_s: dict[str, float] = {}
+        # The group's committed offsets for partitions it just assigned: (ObjectRef, sent at, [(state, resets)]).
+        self._committed_call: tuple | None = None
         if topics:
             self.subscribe(list(topics))
 
@@ -450,9 +501,61 @@ class Consumer:
             )
         leader = metadata.leaders[tp.partition]
         if leader is None:
-            self._bus.forget(tp.topic)
             raise LeaderNotAvailableError(f"{tp} has no leader right now (an election is in progress)")
         return leader
+
+    def _leader_for(self, state: _Partition, now: float):
+        """The leader to send the partition's next request to, by metadata at least as fresh as the
+        partition needs; None while that metadata is on its way (asked for here, never waited for).
+        Raises LeaderNotAvailableError while the partition has no leader, InvalidPartitionError for
+        a partition the topic does not have."""
+        topic = state.tp.topic
+        fresh = False
+        if state.stale_since_s is not None:
+            if self._metadata_fresh_s.get(topic, -math.inf) < state.stale_since_s:
+                self._refresh_metadata(topic, now)
+                return None
+            state.stale_since_s = None
+            fresh = True
+        metadata = self._bus.cached_metadata(topic)
+        if metadata is None or (state.tp.partition >= metadata.partition_count and not fresh):
+            # Not cached yet, or the topic may have grown since it was: ask again.
+            state.stale_since_s = now
+            self._refresh_metadata(topic, now)
+            return None
+        if state.tp.partition >= metadata.partition_count:
+            raise InvalidPartitionError(
+                f"topic {topic!r} has partitions 0..{metadata.partition_count - 1}, not {state.tp.partition}"
+            )
+        leader = metadata.leaders[state.tp.partition]
+        if leader is None:
+            raise LeaderNotAvailableError(f"{state.tp} has no leader right now (an election is in progress)")
+        return leader
+
+    def _refresh_metadata(self, topic: str, now: float) -> None:
+        """Ask the controller for ``topic``'s metadata, unless that is under way or failed just now."""
+        if topic not in self._metadata_calls and now >= self._metadata_retry_at_s.get(topic, 0.0):
+            self._metadata_calls[topic] = (self._bus.request_metadata(topic), now)
+
+    def _take_metadata(self, topic: str, ref) -> None:
+        """Metadata arrived (cached by the bus), or the controller's error: asked again after a backoff."""
+        _, sent_s = self._metadata_calls.pop(topic)
+        try:
+            self._bus.metadata_arrived(ref, timeout_s=CALL_PATIENCE_S)
+        except LogbusError as error:
+            logger.debug("metadata of %r: %s; asking again later", topic, error)
+            self._metadata_retry_at_s[topic] = time.monotonic() + RETRY_BACKOFF_MAX_S
+            return
+        self._metadata_fresh_s[topic] = max(self._metadata_fresh_s.get(topic, -math.inf), sent_s)
+
+    def _failed(self, state: _Partition, error: LogbusError, now: float) -> None:
+        """One of the partition's requests failed: retried alone later if retrying may help, else
+        raised by poll() (Kafka's consumer raises a partition's non-retriable error too)."""
+        if error.retriable:
+            logger.debug("%s: %s: %s; retrying", state.tp, type(error).__name__, error)
+            state.retry_later(now)
+        else:
+            state.error = error
 
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
         """Read exactly these partitions (replacing any previous assignment)."""
@@ -639,11 +742,78 @@ class Consumer:
             start, high_watermark, _ = found[state.tp]
             state.reset_to(start if self.auto_offset_reset == "earliest" else high_watermark)
 
+    def _find_positions(self, now: float) -> None:
+        """Ask for the positions of partitions that have none, each on its own (replies are taken by
+        _take_committed and _take_lookup as they arrive): the group's committed offset for a
+        partition the group just assigned, else by auto_offset_reset from its leader's offsets."""
+        states = [
+            s for s in self._partitions.values()
+            if s.position is None and s.lookup is None and s.error is None and now >= s.retry_at_s
+        ]
+        if not states:
+            return
+        wanted = [s for s in states if s.needs_committed]
+        if wanted and self._committed_call is None:
+            ref = self._committer().committed_call([s.tp for s in wanted])
+            self._committed_call = (ref, now, [(s, s.resets) for s in wanted])
+        resets = [s for s in states if not s.needs_committed]
+        if resets and self.auto_offset_reset == "none":
+            raise OffsetOutOfRangeError(
+                f"no position for {[s.tp for s in resets]} and auto_offset_reset='none'; seek() first"
+            )
+        for state in resets:
+            try:
+                leader = self._leader_for(state, now)
+            except LogbusError as error:
+                self._failed(state, error, now)
+                continue
+            if leader is not None:
+                state.lookup = (leader.offsets.remote(), now, state.resets, leader._actor_id)
+
+    def _take_lookup(self, state: _Partition, ref) -> None:
+        """A position lookup's reply: the position by auto_offset_reset, or a retry later."""
+        if state.lookup is None or state.lookup[0] != ref:
+            return  # sought, reset or revoked meanwhile
+        state.lookup = None
+        if self._partitions.get(state.tp) is not state or state.position is not None:
+            return
+        try:
+            start, high_watermark, _ = get(ref, timeout_s=CALL_PATIENCE_S)
+        except LogbusError as error:
+            self._failed(state, error, time.monotonic())
+            return
+        state.succeeded()
+        state.reset_to(start if self.auto_offset_reset == "earliest" else high_watermark)
+
+    def _take_committed(self, ref) -> None:
+        """The group's committed offsets arrived: positions for the partitions that have one; the others
+        go by auto_offset_reset (or everything asked about is retried later, after an error)."""
+        if self._committed_call is None or self._committed_call[0] != ref:
+            return
+        _, _, asked = self._committed_call
+        self._committed_call = None
+        waiting = [s for s, resets in asked if self._partitions.get(s.tp) is s and s.resets == resets and s.position is None]
+        try:
+            found = get(ref, timeout_s=CALL_PATIENCE_S)
+        except LogbusError as error:
+            if not error.retriable:
+                raise
+            logger.debug("group %r: reading committed offsets: %s; asking again", self.group_id, error)
+            for state in waiting:
+                state.retry_later(time.monotonic(), refresh_metadata=False)  # the coordinator's error, not the leader's
+            return
+        for state in waiting:
+            committed = found.get(state.tp)
+            if committed is not None:
+                state.reset_to(committed.offset)
+            else:
+                state.needs_committed = False  # nothing committed: auto_offset_reset decides
+
     # --- fetching ------------------------------------------------------------------------------------
 
-    def _send_fetches(self) -> None:
+    def _send_fetches(self, now: float) -> None:
         for state in self._partitions.values():
-            if state.paused or state.error is not None or state.fetch_offset is None:
+            if state.paused or state.error is not None or state.fetch_offset is None or now < state.retry_at_s:
                 continue
             if len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
@@ -663,11 +833,12 @@ class Consumer:
             if full:
                 continue
             try:
-                leader = self._leader(state.tp)
+                leader = self._leader_for(state, now)
             except LogbusError as error:
-                if not error.retriable:
-                    state.error = error
-                continue  # retriable (no leader yet): the next round asks again
+                self._failed(state, error, now)  # no leader yet: asked again after the backoff
+                continue
+            if leader is None:
+                continue  # its metadata is on its way
             # The replica skips its CRC check when we check every batch ourselves, and sends
             # small results inside its reply (one round trip instead of two).
             request = FetchRequest(
@@ -678,23 +849,51 @@ class Consumer:
             ref = send_fetch(leader, request, channels)
             state.in_flight.append((ref, state.fetch_offset, time.monotonic(), leader._actor_id, state.session))
 
-    def _drop_stale_fetches(self) -> None:
-        """Give up on fetches that outlived their long poll and whose leader has since been replaced.
+    def _check_late_calls(self, now: float) -> None:
+        """Give up on fetches and position lookups that outlived their long poll and whose leader has
+        since been replaced (or is gone), and on metadata and committed-offset calls unanswered for
+        CALL_PATIENCE_S.
 
-        A fetch sent to a replica whose node died may never be answered.
+        A call to a replica whose node died, or whose process is stopped, may never be answered. A
+        late one makes the consumer ask for its topic's metadata (without waiting, and again every
+        STALE_FETCH_GRACE_S while it stays late); once metadata sent for after it was late arrives,
+        a call whose leader is no longer the partition's is dropped, and the partition asks the
+        new leader, or retries until there is one.
         """
-        now = time.monotonic()
-        patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
-        stale = [s for s in self._partitions.values() if s.in_flight and now - s.in_flight[0][2] > patience_s]
-        for topic in {s.tp.topic for s in stale}:
-            self._bus.forget(topic)
-        for state in stale:
-            try:
-                leader = self._leader(state.tp)
-            except LogbusError:
-                leader = None
-            if leader is None or leader._actor_id != state.in_flight[0][3]:
-                state.drop_fetches()
+        fetch_patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
+        for state in self._partitions.values():
+            if state.in_flight:
+                _, _, sent_s, actor_id, _ = state.in_flight[0]
+                if self._leader_replaced(state, sent_s + fetch_patience_s, actor_id, now):
+                    state.drop_fetches()
+            if state.lookup is not None:
+                _, sent_s, _, actor_id = state.lookup
+                if self._leader_replaced(state, sent_s + STALE_FETCH_GRACE_S, actor_id, now):
+                    state.lookup = None  # asked again of the new leader (or after the backoff, without one)
+        for topic, (_, sent_s) in list(self._metadata_calls.items()):
+            if now - sent_s > CALL_PATIENCE_S:
+                del self._metadata_calls[topic]  # asked again when needed
+        if self._committed_call is not None and now - self._committed_call[1] > CALL_PATIENCE_S:
+            for state, resets in self._committed_call[2]:
+                state.retry_later(now, refresh_metadata=False)
+            self._committed_call = None
+
+    def _leader_replaced(self, state: _Partition, late_at_s: float, actor_id, now: float) -> bool:
+        """Whether a call to ``actor_id`` that is late from ``late_at_s`` went to a replica that is no
+        longer the partition's leader, by metadata asked for since then (asked for here if needed)."""
+        if now <= late_at_s:
+            return False
+        topic = state.tp.topic
+        fresh_s = self._metadata_fresh_s.get(topic, -math.inf)
+        if fresh_s <= late_at_s or now - fresh_s > STALE_FETCH_GRACE_S:
+            self._refresh_metadata(topic, now)
+        if fresh_s <= late_at_s:
+            return False
+        metadata = self._bus.cached_metadata(topic)
+        if metadata is None or state.tp.partition >= metadata.partition_count:
+            return False
+        leader = metadata.leaders[state.tp.partition]
+        return leader is None or leader._actor_id != actor_id
 
     def _receive(self, state: _Partition, fetch: tuple) -> None:
         """Take the reply to one of the partition's outstanding fetches.
@@ -722,13 +921,12 @@ class Consumer:
             state.reset_to(None)  # the next round finds a position by auto_offset_reset
             return
         except LogbusError as error:
-            if error.retriable:
-                self._bus.forget(state.tp.topic)  # the next fetch asks for fresh metadata
-                return
-            state.error = error
+            if session == state.session:
+                self._failed(state, error, time.monotonic())  # retriable: the next fetch goes by fresh metadata
             return
         if session != state.session:
             return  # a seek happened meanwhile
+        state.succeeded()
         state.at_end = not large
         if data is None or meta.next_offset <= state.fetch_offset:
             return  # the long poll expired empty, or an earlier fetch already brought these records
@@ -746,9 +944,12 @@ class Consumer:
     def _pump(self, timeout_s: float) -> None:
         """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records.
 
-        Retriable errors stay here: a partition whose position cannot be
-        found yet, or whose leader is away, is asked again in the next round
-        (after a metadata refresh) until the time is up.
+        Each partition goes on by itself: one without a position has it
+        looked up, one with a position is fetched, and one that met a
+        retriable error (its leader away, a lookup or fetch unanswered) is
+        retried once its backoff is over, by fresh metadata, all without
+        holding up the others. Every request is sent without waiting; each
+        round waits for whichever reply comes first, until the time is up.
         """
         deadline = time.monotonic() + timeout_s
         if self._subscribed and self._membership is not None:
@@ -760,23 +961,16 @@ class Consumer:
                 return
         self._maybe_auto_commit()
         while True:
-            waiting = [s for s in self._partitions.values() if s.position is None]
-            if waiting:
-                try:
-                    self._init_positions(waiting, max(deadline - time.monotonic(), CALL_TIMEOUT_MIN_S))
-                except LogbusError as error:
-                    if not error.retriable:
-                        raise
-                    logger.debug("finding positions of %s: %s; asking again", [s.tp for s in waiting], error)
-                    self._forget_topics_of([s.tp for s in waiting])(error)
-            self._send_fetches()
+            now = time.monotonic()
+            self._find_positions(now)
+            self._send_fetches(now)
             self._raise_errors()
             if any(s.buffered_rows and not s.paused for s in self._partitions.values()):
                 return
+            self._check_late_calls(now)
+            calls = self._outstanding_calls()
             remaining = deadline - time.monotonic()
-            self._drop_stale_fetches()
-            in_flight = {f[0]: (s, f) for s in self._partitions.values() for f in s.in_flight}
-            if not in_flight:
+            if not calls:
                 if remaining > 0:
                     time.sleep(min(remaining, 0.05))
                     continue
@@ -787,21 +981,39 @@ class Consumer:
                 if not self._maintain_group(deadline):
                     return
                 continue
-            # A group member waits in short slices, so a rebalance reaches it within ~0.1 s.
-            slice_s = 0.1 if membership is not None else 0.5
-            ready = _wait_any(list(in_flight), max(0.0, min(remaining, slice_s)))
+            # A group member waits in short slices, so a rebalance reaches it within ~0.1 s; so does a
+            # consumer with partitions waiting to be retried (their backoffs end while it waits).
+            waiting_retry = any(s.retry_at_s > now for s in self._partitions.values())
+            slice_s = 0.1 if membership is not None or waiting_retry else 0.5
+            ready = _wait_any(list(calls), max(0.0, min(remaining, slice_s)))
             for ref in ready:
-                self._receive(*in_flight[ref])
+                handler, args = calls[ref]
+                handler(*args)
             # Collect the replies of other partitions that are already done, without waiting (a
             # partition with records in hand, e.g. the one just received, need not be asked: each
             # ray.wait costs a fraction of a ms).
-            others = [r for r, (state, _) in in_flight.items() if r not in ready and not state.buffered_rows]
+            others = [r for r, (handler, args) in calls.items() if r not in ready and not (handler == self._receive and args[0].buffered_rows)]
             if others:
                 for ref in _done_now(others):
-                    self._receive(*in_flight[ref])
-            self._send_fetches()  # prefetch before handing records out
+                    handler, args = calls[ref]
+                    handler(*args)
+            self._send_fetches(time.monotonic())  # prefetch before handing records out
             if remaining <= 0 and not ready:
                 return
+
+    def _outstanding_calls(self) -> dict:
+        """Every request on its way, as {ObjectRef or Future: (handler, its arguments)}."""
+        calls = {}
+        for state in self._partitions.values():
+            for fetch in state.in_flight:
+                calls[fetch[0]] = (self._receive, (state, fetch))
+            if state.lookup is not None:
+                calls[state.lookup[0]] = (self._take_lookup, (state, state.lookup[0]))
+        if self._committed_call is not None:
+            calls[self._committed_call[0]] = (self._take_committed, (self._committed_call[0],))
+        for topic, (ref, _) in self._metadata_calls.items():
+            calls[ref] = (self._take_metadata, (topic, ref))
+        return calls
 
     def _raise_errors(self) -> None:
         for state in self._partitions.values():
@@ -1078,18 +1290,31 @@ class Consumer:
         for tp in partitions:
             self._partitions.pop(tp, None)
 
-    def _maintain_group(self, deadline: float) -> bool:
-        """Act on what the coordinator said; join if needed. False while this member may not fetch."""
-        membership = self._membership
-        # A commit before partitions are revoked gets some time even within a short poll().
-        commit_deadline = max(deadline, time.monotonic() + CALL_TIMEOUT_MIN_S)
-        if membership.lost:
-            membership.lost = False
+    def _drop_lost(self) -> None:
+        """If the member's generation ended without it (see GroupMembership.take_lost), give up every
+        partition held without committing (another member may own them now) and tell the listener."""
+        if self._membership.take_lost():
             lost = list(self._partitions)
             self._partitions = {}
             self._call_listener("on_partitions_lost", lost)
-        if not membership.coordinator_ok:
-            return False  # stop fetching until the coordinator answers again
+
+    def _maintain_group(self, deadline: float) -> bool:
+        """Act on what the coordinator said; join if needed. False while this member may not fetch.
+
+        A member the coordinator no longer knows, or whose generation is over,
+        rejoins here by itself (Kafka's consumer does the same in poll()): its
+        partitions are dropped as lost, and the join brings a new assignment.
+        The join is never waited for past ``deadline``: a later poll() takes
+        its reply.
+        """
+        membership = self._membership
+        # A commit before partitions are revoked gets some time even within a short poll().
+        commit_deadline = max(deadline, time.monotonic() + CALL_TIMEOUT_MIN_S)
+        self._drop_lost()
+        if not membership.coordinator_ok and membership.generation >= 0:
+            # Stop fetching until the coordinator answers again (or, past the session timeout, the
+            # partitions are lost and the member joins again).
+            return False
         if membership.revoke_requested:
             revoke, membership.revoke_requested = membership.revoke_requested, ()
             self._revoke(revoke, commit=True, deadline=commit_deadline)
@@ -1100,6 +1325,7 @@ class Consumer:
             result = membership.join(tuple(self._partitions), deadline)
             if result is None:
                 return False
+            self._drop_lost()  # the generation before this one ended while the join was on its way
             assigned = set(result.assignment)
             self._revoke([tp for tp in self._partitions if tp not in assigned], commit=True, deadline=commit_deadline)
             added = [tp for tp in result.assignment if tp not in self._partitions]
@@ -1148,10 +1374,11 @@ class Consumer:
         ``offsets`` maps TopicPartitions to the next offset to read (an int >= 0)
         or to an OffsetAndMetadata(offset, metadata). Retriable errors are
         retried until ``timeout_ms`` (None: ``default_api_timeout_ms``), then
-        RequestTimedOutError, as Kafka's commitSync(timeout). Raises
-        IllegalGenerationError / UnknownMemberIdError / RebalanceInProgressError
-        if this member's generation is stale (a rebalance happened): poll()
-        again to rejoin.
+        RequestTimedOutError, as Kafka's commitSync(timeout). As Kafka's, raises
+        CommitFailedError if the group went on without this member (its session
+        expired, or it was removed: the next poll() rejoins, and its partitions
+        are reported lost), and RebalanceInProgressError while the group
+        rebalances (poll() to take part, then commit again).
         """
         self._check_open()
         deadline = self._deadline(timeout_ms)

@@ -18,6 +18,18 @@ When the coordinator cannot be reached the consumer stops fetching; if that
 lasts longer than the session timeout, its partitions are treated as lost
 (another member may own them by now) and it joins again once the
 coordinator is back.
+
+The member rejoins by itself, as Kafka's consumer does: when the coordinator
+says it does not know the member (its session expired, or it was removed) or
+that its generation is over, from a heartbeat or a commit, the generation
+ends here too. The next ``poll()`` reports the partitions lost (not revoked:
+they may be another member's already, so nothing is committed for them) and
+joins again. A commit refused that way raises CommitFailedError, as Kafka's
+commitSync raises CommitFailedException; retrying it cannot succeed.
+
+A join call is never waited for longer than the ``poll()`` that makes it: a
+call still unanswered when the poll's time is up stays outstanding, and the
+next poll takes its reply (a stopped controller answers when it runs again).
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from ray.exceptions import RayError
 
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get, unwrap
 from logbus.errors import (
+    CommitFailedError,
     IllegalGenerationError,
     InvalidConfigError,
     InvalidPartitionError,
@@ -51,12 +64,14 @@ HEARTBEAT_TIMEOUT_FRACTION = 0.5  # beyond its long poll, a heartbeat call may t
 JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generation to form
 MIN_HEARTBEAT_SPACING_S = 0.01
 NOT_MEMBER_RECHECK_S = 0.05
-ERROR_RETRY_S = 0.5  # after a failed heartbeat, the next one is this long (at most an interval) later
+ERROR_RETRY_S = 0.5  # after a failed heartbeat or join, the next one is this long (at most an interval) later
 RETRY_BACKOFF_MIN_S = 0.05  # a call retried after a retriable error waits this long first, doubling
 RETRY_BACKOFF_MAX_S = 1.0  # up to this
+PARTITION_COUNT_TIMEOUT_S = 5.0  # an asynchronous commit waits this long at most for a topic's partition count
 # A commit refused with these needs the member to rejoin (in poll()) first: retrying it with the same
 # generation cannot succeed, so it goes to the caller, as Kafka's commitSync raises CommitFailedException
-# or RebalanceInProgressException (RebalanceInProgressError is retriable, but only after the rejoin).
+# (CommitFailedError, for the first two) or RebalanceInProgressException (RebalanceInProgressError is
+# retriable, but only after the rejoin).
 REJOIN_ERRORS = (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgressError)
 
 logger = logging.getLogger(__name__)
@@ -167,6 +182,13 @@ class GroupMembership:
         self.generation = -1
         self.topics: tuple[str, ...] = ()
         self.pattern: str | None = None
+        # Subscribed (group management): only a member of a generation may commit. A consumer with
+        # manually assigned partitions commits as a non-member (generation -1) instead.
+        self.managed = False
+        # The join call on its way or held by the coordinator: (ObjectRef, time.monotonic() when sent,
+        # wait asked for in ms); and when the next may be sent (after an error, or a reply not held).
+        self._join_call: tuple | None = None
+        self._join_not_before_s = 0.0
         self.needs_join = True
         self.revoke_requested: tuple[TopicPartition, ...] = ()
         self.lost = False
@@ -198,38 +220,48 @@ class GroupMembership:
             raise InvalidConfigError(f"pattern must be a str or None, not {pattern!r}")
         with self._lock:
             self.topics, self.pattern = topics, pattern
+            self.managed = True
             self.needs_join = True
+            self._join_call = None  # one on its way carries the old subscription: its reply is not waited for
 
     def join(self, owned: tuple[TopicPartition, ...], deadline_s: float) -> JoinResult | None:
-        """Join (or rejoin) until a generation forms or ``deadline_s`` passes (then None: call again later)."""
-        controller = self._bus.controller
+        """Join (or rejoin) until a generation forms or ``deadline_s`` passes (then None: call again later).
+
+        A join call still unanswered at ``deadline_s`` stays outstanding (the
+        coordinator holds it up to JOIN_WAIT_MAX_S, or it is queued at a
+        stopped controller) and the next call takes its reply; one unanswered
+        past its own timeout is given up and the coordinator marked
+        unreachable. ``owned`` is what a cooperative member holds when the
+        call is sent.
+        """
         while True:
-            options = {
-                "member_id": self.member_id,
-                "group_instance_id": self.group_instance_id,
-                "client_id": self.client_id,
-                "topics": self.topics,
-                "pattern": self.pattern,
-                "owned": owned if self.cooperative else (),
-                "protocols": self.protocols,
-                "session_timeout_ms": self.session_timeout_ms,
-                "rebalance_timeout_ms": self.max_poll_interval_ms,
-                "max_poll_interval_ms": self.max_poll_interval_ms,
-            }
-            # The coordinator holds the call until the generation forms (or the wait ends).
-            wait_ms = int(max(0.0, min(deadline_s - time.monotonic(), JOIN_WAIT_MAX_S)) * 1000)
-            sent_s = time.monotonic()
+            now = time.monotonic()
+            if self._join_call is None:
+                if now < self._join_not_before_s:
+                    if deadline_s <= now:
+                        return None
+                    time.sleep(min(self._join_not_before_s, deadline_s) - now)
+                    continue
+                self._join_call = self._send_join(owned)
+            ref, sent_s, wait_ms = self._join_call
+            give_up_s = sent_s + wait_ms / 1000 + self.session_timeout_ms / 1000
+            ready, _ = ray.wait([ref], timeout=max(0.0, min(deadline_s, give_up_s) - time.monotonic()))
+            if not ready:
+                if time.monotonic() >= give_up_s:
+                    self._join_call = None
+                    self._join_not_before_s = time.monotonic() + ERROR_RETRY_S
+                    self._mark_unreachable()
+                return None
+            self._join_call = None
             try:
-                result = get(
-                    controller.group_join.remote(self.group_id, options, wait_ms),
-                    timeout_s=wait_ms / 1000 + self.session_timeout_ms / 1000,
-                )
+                result = get(ref)
             except UnknownMemberIdError:
                 self.member_id = ""
                 continue
             except LogbusError as error:
                 if not error.retriable:
                     raise
+                self._join_not_before_s = time.monotonic() + ERROR_RETRY_S
                 self._mark_unreachable()
                 return None
             self._mark_reachable()
@@ -240,26 +272,100 @@ class GroupMembership:
                     self.needs_join = False
                     self.revoke_requested = ()
                 return result
-            remaining = deadline_s - time.monotonic()
-            if remaining <= 0:
-                return None
             if time.monotonic() - sent_s < wait_ms / 2000:
-                # Not held (no wait asked for, or the coordinator has too many calls waiting): back off.
-                time.sleep(min(result.retry_backoff_ms / 1000, remaining))
+                # Not held (the coordinator has too many calls waiting): back off.
+                self._join_not_before_s = time.monotonic() + result.retry_backoff_ms / 1000
+            if time.monotonic() >= deadline_s:
+                return None
+
+    def _send_join(self, owned: tuple[TopicPartition, ...]) -> tuple:
+        options = {
+            "member_id": self.member_id,
+            "group_instance_id": self.group_instance_id,
+            "client_id": self.client_id,
+            "topics": self.topics,
+            "pattern": self.pattern,
+            "owned": owned if self.cooperative else (),
+            "protocols": self.protocols,
+            "session_timeout_ms": self.session_timeout_ms,
+            "rebalance_timeout_ms": self.max_poll_interval_ms,
+            "max_poll_interval_ms": self.max_poll_interval_ms,
+        }
+        # The coordinator holds the call until the generation forms (or the wait ends).
+        wait_ms = int(JOIN_WAIT_MAX_S * 1000)
+        return self._bus.controller.group_join.remote(self.group_id, options, wait_ms), time.monotonic(), wait_ms
+
+    def take_lost(self) -> bool:
+        """Whether the partitions held were lost (the generation ended without a rebalance this member
+        took part in) since the last call: the consumer drops them without committing."""
+        with self._lock:
+            lost, self.lost = self.lost, False
+            return lost
+
+    def _generation_over(self, member: str, generation: int, unknown_member: bool) -> bool:
+        """The coordinator said that ``member`` in ``generation`` is no longer a member (``unknown_member``)
+        or that the generation is over: end it here too, so the next poll() rejoins. Nothing changes if
+        the member has rejoined since (the answer is about an older generation). True if it ended."""
+        with self._lock:
+            if (self.member_id, self.generation) != (member, generation):
+                return False
+            self.coordinator_ok = True  # it answered
+            self._unreachable_since = None
+            if unknown_member:
+                self.member_id = ""
+            if self.generation >= 0:
+                self.lost = True  # another member may own the partitions by now
+            self.generation = -1
+            self.needs_join = True
+            self.revoke_requested = ()
+            return True
+
+    def _commit_identity(self) -> tuple[str, int]:
+        """(member id, generation) a commit is sent with; CommitFailedError for a subscribed consumer
+        that is not a member of a generation now (it was removed, or is rejoining): poll() first."""
+        with self._lock:
+            if self.generation >= 0:
+                return self.member_id, self.generation
+            if self.managed:
+                raise CommitFailedError(
+                    f"group {self.group_id!r}: this consumer is not a member of the group's current generation "
+                    "(it was removed, or is rejoining); poll() to rejoin, then commit the new assignment's positions"
+                )
+            return "", -1
+
+    def _commit_refused(self, error: LogbusError, member: str, generation: int) -> LogbusError:
+        """What a commit refused with ``error`` raises: CommitFailedError (the generation ended: the
+        next poll() rejoins) for an unknown member or a stale generation, else ``error`` itself."""
+        if isinstance(error, CommitFailedError):
+            return error
+        if isinstance(error, (UnknownMemberIdError, IllegalGenerationError)):
+            self._generation_over(member, generation, unknown_member=isinstance(error, UnknownMemberIdError))
+            failure = CommitFailedError(
+                f"group {self.group_id!r}: the commit was refused because the group rebalanced without this member "
+                f"({error}); poll() rejoins, and the new assignment starts from the group's committed offsets"
+            )
+            failure.__cause__ = error
+            return failure
+        if isinstance(error, RebalanceInProgressError):
+            with self._lock:
+                self.needs_join = True
+        return error
 
     def commit(self, offsets: dict, deadline_s: float | None = None) -> None:
-        """Commit with this member's generation (or as a non-member before the first join) and wait.
+        """Commit with this member's generation (or as a non-member, for manually assigned partitions) and wait.
 
         Retriable errors are retried until ``deadline_s`` (``time.monotonic()``;
         None: one try), then RequestTimedOutError. Every try commits as the
-        member it started as: a generation that went stale meanwhile is refused
-        (REJOIN_ERRORS), never replaced by a commit as a non-member.
+        member it started as: a generation that went stale meanwhile is refused,
+        never replaced by a commit as a non-member. Raises CommitFailedError if
+        the member's generation is over (the next poll() rejoins) and
+        RebalanceInProgressError if the group is rebalancing.
         """
         offsets = checked_offsets(offsets)
-        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
+        member, generation = self._commit_identity()
 
         def attempt(remaining_s: float) -> None:
-            self._check_partition_counts(offsets)
+            self._check_partition_counts(offsets, remaining_s)
             get(self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets), timeout_s=remaining_s)
 
         try:
@@ -267,41 +373,47 @@ class GroupMembership:
                 attempt(CONTROL_TIMEOUT_S)
             else:
                 retry_until(deadline_s, f"committing offsets of group {self.group_id!r}", attempt, self._forget_topics(offsets))
-        except REJOIN_ERRORS:
-            with self._lock:
-                self.needs_join = True
-            raise
+        except REJOIN_ERRORS as error:
+            refused = self._commit_refused(error, member, generation)
+            if refused is error:
+                raise
+            raise refused from error
 
     def commit_async(self, offsets: dict, callback=None) -> None:
-        """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
+        """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done (the error as
+        :meth:`commit` would raise it)."""
         offsets = checked_offsets(offsets)
         if callback is not None and not callable(callback):
             raise InvalidConfigError(f"callback must be a callable taking (offsets, error), not {callback!r}")
+        member, generation = self.member_id, self.generation
 
         def finished(error: BaseException | None) -> None:
             if isinstance(error, REJOIN_ERRORS):
-                with self._lock:
-                    self.needs_join = True
+                error = self._commit_refused(error, member, generation)
             if callback is not None:
                 callback(offsets, error)
             elif error is not None:
                 logger.debug("group %r: an asynchronous commit failed: %s", self.group_id, error)
 
         try:
-            self._check_partition_counts(offsets)
+            member, generation = self._commit_identity()
+            self._check_partition_counts(offsets, PARTITION_COUNT_TIMEOUT_S, cached_only=True)
         except LogbusError as error:
-            if not error.retriable:
+            if not error.retriable and not isinstance(error, CommitFailedError):
                 raise
-            finished(error)  # as Kafka's commitAsync: a retriable failure goes to the callback, not the caller
+            finished(error)  # as Kafka's commitAsync: a failure of the commit goes to the callback, not the caller
             return
-        member, generation = (self.member_id, self.generation) if self.generation >= 0 else ("", -1)
         ref = self._bus.controller.commit_offsets.remote(self.group_id, member, generation, offsets)
         ref.future().add_done_callback(lambda future: finished(None if future.exception() is None else unwrap(future.exception())))
 
     def committed(self, partitions: list[TopicPartition], timeout_s: float = CONTROL_TIMEOUT_S) -> dict:
         """The group's committed OffsetAndMetadata (or None) of each partition (one try; see retry_until)."""
+        return get(self.committed_call(partitions), timeout_s=timeout_s)
+
+    def committed_call(self, partitions: list[TopicPartition]):
+        """Ask for the group's committed offsets without waiting: an ObjectRef to what :meth:`committed` returns."""
         partitions = [_checked_partition(tp) for tp in partitions]
-        return get(self._bus.controller.fetch_committed.remote(self.group_id, list(partitions)), timeout_s=timeout_s)
+        return self._bus.controller.fetch_committed.remote(self.group_id, list(partitions))
 
     def _forget_topics(self, offsets: dict) -> Callable[[LogbusError], None]:
         """A retry hook: forget the cached metadata of the committed topics (they may have changed)."""
@@ -312,18 +424,26 @@ class GroupMembership:
 
         return forget
 
-    def _check_partition_counts(self, offsets: dict[TopicPartition, int | OffsetAndMetadata]) -> None:
+    def _check_partition_counts(
+        self, offsets: dict[TopicPartition, int | OffsetAndMetadata], timeout_s: float, cached_only: bool = False
+    ) -> None:
         """Refuse partitions past their topic's count.
 
         A partition past the topic's count is the caller's mistake (InvalidPartitionError), not the
         retriable "unknown partition" the coordinator would answer; the cached partition count is
-        refreshed once before saying so, since the topic may have grown.
+        refreshed once before saying so, since the topic may have grown. The metadata is waited for
+        ``timeout_s`` at most (a stopped controller must not hold up a commit past its timeout);
+        with ``cached_only``, a topic whose metadata is not cached is left to the coordinator's own
+        check (an asynchronous commit, the auto-commit inside poll(), never waits to ask).
         """
         for topic in {tp.topic for tp in offsets}:
             highest = max(tp.partition for tp in offsets if tp.topic == topic)
-            count = self._bus.topic_metadata(topic).partition_count
-            if highest >= count:
-                count = self._bus.topic_metadata(topic, refresh=True).partition_count
+            metadata = self._bus.cached_metadata(topic)
+            if metadata is None and cached_only:
+                continue
+            if metadata is None or highest >= metadata.partition_count:
+                metadata = self._bus.metadata_arrived(self._bus.request_metadata(topic), timeout_s=timeout_s)
+            count = metadata.partition_count
             if highest >= count:
                 raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{count - 1}; cannot commit partition {highest}")
 
@@ -388,15 +508,11 @@ class GroupMembership:
                 result = ray.get(ref, timeout=wait_ms / 1000 + self.session_timeout_ms / 1000 * HEARTBEAT_TIMEOUT_FRACTION)
             except RayError as error:
                 cause = unwrap(error)
-                if isinstance(cause, UnknownMemberIdError):
-                    with self._lock:
-                        self._unreachable_since = None
-                        self.coordinator_ok = True
-                        self.member_id = ""
-                        self.generation = -1
-                        self.lost = True
-                        self.needs_join = True
-                elif isinstance(cause, (IllegalGenerationError, RebalanceInProgressError)):
+                if isinstance(cause, (UnknownMemberIdError, IllegalGenerationError)):
+                    # Removed (session expired, fenced, too long between polls), or the generation is
+                    # over: as Kafka's heartbeat thread, end the generation; poll() rejoins.
+                    self._generation_over(member, generation, unknown_member=isinstance(cause, UnknownMemberIdError))
+                elif isinstance(cause, RebalanceInProgressError):
                     with self._lock:
                         self.needs_join = True
                 else:

@@ -124,16 +124,23 @@ def _summary_text(summary: SegmentSummary) -> str:
 
 
 def write_summary(path: str, summary: SegmentSummary) -> None:
-    """Write and sync a new summary file (the swap's renames make it visible)."""
-    with open(path, "w") as file:
-        file.write(_summary_text(summary))
-        file.flush()
-        os.fsync(file.fileno())
+    """Write and sync a new summary file (the swap's renames make it visible); StorageError naming it on failure."""
+    try:
+        with open(path, "w") as file:
+            file.write(_summary_text(summary))
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        raise StorageError(f"writing segment summary {path} failed: {error}") from error
 
 
 def replace_summary(path: str, summary: SegmentSummary) -> None:
-    """Replace the summary of a segment in the log, atomically (after a truncation into it)."""
-    write_atomically(path, _summary_text(summary))
+    """Replace the summary of a segment in the log, atomically (after a truncation into it);
+    StorageError naming it on failure (then the file holds the old summary or the new one)."""
+    try:
+        write_atomically(path, _summary_text(summary))
+    except OSError as error:
+        raise StorageError(f"writing segment summary {path} failed: {error}") from error
 
 
 def read_summary(path: str) -> SegmentSummary | None:
@@ -372,7 +379,10 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
     from logbus.storage.record_batch import decode_records  # noqa: PLC0415 (Arrow, only in a cleaning's thread)
 
     cleaned = CleanedSegment(plan.directory, group[0].base_offset, group[-1].end_offset, group)
-    _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)  # leftovers of an attempt that failed
+    try:
+        _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)  # leftovers of an attempt that failed
+    except OSError as error:
+        raise StorageError(f"removing the files of an earlier cleaning, {cleaned.path(LOG_SUFFIX)} and its indexes, failed: {error}") from error
     out = LogSegment(plan.directory, cleaned.base_offset, plan.index_interval_bytes, file_suffix=CLEANED_SUFFIX)
     producers = ProducerStateTable()
     try:
@@ -410,7 +420,10 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                     out.append(part_header, [framed], allow_gap=True)
                     cleaned.bytes_after += part_header.size_bytes
         for index in (out.offset_index, out.time_index):
-            open(index.path, "ab").close()  # an emptied segment has no entries, but has its files
+            try:
+                open(index.path, "ab").close()  # an emptied segment has no entries, but has its files
+            except OSError as error:
+                raise StorageError(f"creating index {index.path} failed: {error}") from error
         out.flush()
         out.close()
         write_summary(cleaned.path(SUMMARY_SUFFIX), SegmentSummary(cleaned.end_offset, tuple(producers.entries())))
@@ -423,9 +436,14 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
 
 
 def discard(cleaned: CleanedSegment) -> None:
-    """Remove a cleaned segment's files that were not swapped in."""
+    """Remove a cleaned segment's files that were not swapped in (``.cleaned``, and ``.swap`` of a
+    swap that did not commit). Best effort: a file that stays is removed by the next cleaning of
+    that group, or on open (``complete_swaps``)."""
     if cleaned.state == "written":
-        _remove(cleaned.path(suffix) for suffix in SEGMENT_SUFFIXES)
+        try:
+            _remove(cleaned.path(suffix, stage) for suffix in SEGMENT_SUFFIXES for stage in (CLEANED_SUFFIX, SWAP_SUFFIX))
+        except OSError as error:
+            logger.warning("cannot remove cleaned segment %s: %s", cleaned.path(LOG_SUFFIX), error)
         cleaned.state = "discarded"
 
 
@@ -461,24 +479,35 @@ def _finish_swap(directory: str, base_offset: int, end_offset: int) -> None:
 
 
 def commit_swap(cleaned: CleanedSegment) -> None:
-    """Swap a written cleaned segment in for its sources, on disk (steps 2 and 3 of the module docstring).
+    """Commit a written cleaned segment's swap (step 2 of the module docstring): its files are
+    renamed to ``.swap``, the log file last, and the directory is synced.
 
-    The caller (the log's owner) has closed the source segments' files and
-    opens the new segment afterwards.
+    The source segments' files are not touched: they stay open and in use. StorageError if a step
+    fails: ``cleaned.state`` is still "written" if the log file's rename did not happen (then
+    nothing changed for the log; :func:`discard` removes the files), or "committed" (the
+    directory's sync failed: the swap is visible, and its completion is up to open).
     """
     if cleaned.state != "written":
         raise InternalStateError(f"cleaned segment {cleaned.base_offset} is {cleaned.state}, not written")
     try:
         for suffix in SWAP_ORDER:
             os.replace(cleaned.path(suffix), cleaned.path(suffix, SWAP_SUFFIX))
+            if suffix == LOG_SUFFIX:
+                cleaned.state = "committed"
         _sync_directory(cleaned.directory)
     except OSError as error:
-        raise StorageError(f"swapping in cleaned segment {cleaned.base_offset} failed: {error}") from error
-    cleaned.state = "committed"
+        raise StorageError(f"swapping in cleaned segment {cleaned.path(LOG_SUFFIX)} failed: {error}") from error
+
+
+def finish_swap(cleaned: CleanedSegment) -> None:
+    """Complete a committed swap (step 3 of the module docstring): the replaced segments' files go
+    and the new one's take their final names. The caller (the log's owner) has closed the source
+    segments' files and opens the new segment afterwards. StorageError if a step fails (open
+    completes it: every step may be repeated)."""
     try:
         _finish_swap(cleaned.directory, cleaned.base_offset, cleaned.end_offset)
     except OSError as error:
-        raise StorageError(f"finishing the swap of cleaned segment {cleaned.base_offset} failed: {error}") from error
+        raise StorageError(f"finishing the swap of cleaned segment {cleaned.path(LOG_SUFFIX, SWAP_SUFFIX)} failed: {error}") from error
 
 
 def _base_of(name: str) -> int:

@@ -16,6 +16,16 @@ It is rewritten (write, fsync, rename) whenever an entry is added or
 entries are removed; if it is missing or unreadable the log rebuilds it from
 the leader epochs stamped on its batches.
 
+On open the log keeps, of the entries the file holds, those inside the log
+(:meth:`LeaderEpochCache.clamp`: from the log start offset, below the log end
+offset), and it keeps memory so whenever its start or end moves. So a file
+that missed a removal (a truncation from either end, or a clear, whose write
+failed) holds nothing the log would use: removals change memory first, then
+write the file, and raise StorageError if that fails, with memory already
+what the next open will find. :meth:`assign` changes memory only once the
+file is written; an append that fails after it puts the old entries back
+(the new one starts at the log end, which the next open drops too).
+
 This class is not thread-safe; its owner (a partition log) serialises access.
 """
 
@@ -24,6 +34,7 @@ from __future__ import annotations
 import bisect
 import os
 
+from logbus.errors import StorageError
 from logbus.storage.files import write_atomically
 
 CHECKPOINT_FILE = "leader-epoch-checkpoint"
@@ -56,9 +67,14 @@ class LeaderEpochCache:
         self.entries = entries
         return True
 
-    def save(self) -> None:
-        lines = [f"0\n{len(self.entries)}\n"] + [f"{epoch} {start}\n" for epoch, start in self.entries]
-        write_atomically(self.path, "".join(lines))
+    def save(self, entries: list[tuple[int, int]] | None = None) -> None:
+        """Write ``entries`` (default: the entries in memory) to the checkpoint; StorageError naming it on failure."""
+        entries = self.entries if entries is None else entries
+        lines = [f"0\n{len(entries)}\n"] + [f"{epoch} {start}\n" for epoch, start in entries]
+        try:
+            write_atomically(self.path, "".join(lines))
+        except OSError as error:
+            raise StorageError(f"writing the leader epoch checkpoint {self.path} failed: {error}") from error
 
     @property
     def latest_epoch(self) -> int:
@@ -69,11 +85,13 @@ class LeaderEpochCache:
         if epoch < 0 or epoch <= self.latest_epoch:
             return False
         # A later epoch can never start before an earlier one's start.
-        while self.entries and self.entries[-1][1] > start_offset:
-            self.entries.pop()
-        self.entries.append((epoch, start_offset))
+        entries = list(self.entries)
+        while entries and entries[-1][1] > start_offset:
+            entries.pop()
+        entries.append((epoch, start_offset))
         if persist:
-            self.save()
+            self.save(entries)  # StorageError: nothing changed in memory
+        self.entries = entries
         return True
 
     def end_offset_for(self, epoch: int, log_end_offset: int) -> tuple[int, int]:
@@ -91,14 +109,15 @@ class LeaderEpochCache:
             return self.entries[i][0], log_end_offset
         return self.entries[i][0], self.entries[i + 1][1]
 
-    def truncate_from_end(self, end_offset: int) -> None:
+    def truncate_from_end(self, end_offset: int, persist: bool = True) -> None:
         """Drop entries that start at or after ``end_offset`` (the log was cut there)."""
         kept = [entry for entry in self.entries if entry[1] < end_offset]
         if kept != self.entries:
             self.entries = kept
-            self.save()
+            if persist:
+                self.save()
 
-    def truncate_from_start(self, start_offset: int) -> None:
+    def truncate_from_start(self, start_offset: int, persist: bool = True) -> None:
         """The log now starts at ``start_offset``: clamp the entry that spans it, drop older ones."""
         i = 0
         while i + 1 < len(self.entries) and self.entries[i + 1][1] <= start_offset:
@@ -108,7 +127,13 @@ class LeaderEpochCache:
             kept[0] = (kept[0][0], start_offset)
         if kept != self.entries:
             self.entries = kept
-            self.save()
+            if persist:
+                self.save()
+
+    def clamp(self, start_offset: int, end_offset: int) -> None:
+        """Keep, in memory only, what lies inside a log from ``start_offset`` to ``end_offset`` (on open)."""
+        self.truncate_from_start(start_offset, persist=False)
+        self.truncate_from_end(end_offset, persist=False)
 
     def clear(self) -> None:
         self.entries = []

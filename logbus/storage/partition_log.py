@@ -40,6 +40,32 @@ reply's ``first_offset`` is the offset asked for (the batches cover every
 offset from there); a read that finds only a gap up to its bound returns no
 batch but a ``next_offset`` past the gap, so no reader waits at a gap.
 
+Write contract (a full disk, an I/O error: whatever OSError a write step
+meets). What memory holds (the segments, each one's size, next offset and
+index entries, the log start offset, the epoch cache, the producer table) is
+what the next open would recover from the files, after every call, whether
+it returned or raised; a step that fails raises StorageError naming its file.
+
+- An append is all or nothing: its steps are a roll if one is due (see
+  :meth:`_roll_to`), the log file, the index entries it is due, the epoch
+  checkpoint if its leader epoch is new, and the sync its flush policy asks
+  for. If one fails, the ones done are undone (the files cut back, the epoch
+  entries put back) and the producer table, updated only after the last
+  step, has not changed: the batch is not in the log, a retry appends it
+  once, and its offset was never given to another batch.
+- Operations on several files (a roll, a truncation, delete_records, a
+  truncation to a new start) are made of steps that each leave a whole log
+  on disk (a segment is deleted by removing its log file first; a new one is
+  made before an old one it replaces goes), and memory follows each step
+  done. The state files written along the way (recovery point, log start,
+  cleaner checkpoint, epoch checkpoint, a cleaned segment's summary) are each
+  harmless when a failed write leaves them stale: the recovery point only
+  says where scanning starts, a log start below the first segment's base
+  counts as that base, and open keeps only the epochs inside the log.
+- A cleaning's swap is atomic on disk (cleaner.py); when it fails the log is
+  read back from disk (:meth:`_resync`). If even that fails, the log closes
+  itself and every call raises StorageError until its owner opens it again.
+
 This class is not thread-safe: its owner (a partition replica actor)
 serialises calls.
 """
@@ -61,7 +87,7 @@ from logbus.errors import (
 )
 from logbus.clock import wall_ms
 from logbus.storage import batch_header as bh
-from logbus.storage.files import write_atomically
+from logbus.storage.files import replace_file, sync_directory
 from logbus.storage.cleaner import (
     CleanedSegment,
     CleaningPlan,
@@ -69,6 +95,7 @@ from logbus.storage.cleaner import (
     build_offset_map,
     clean_group,
     commit_swap,
+    finish_swap,
     complete_swaps,
     discard,
     SegmentSummary,
@@ -79,7 +106,7 @@ from logbus.storage.cleaner import (
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.producer_state import ProducerStateTable
-from logbus.storage.segment import LOG_SUFFIX, LogSegment
+from logbus.storage.segment import INDEX_SUFFIX, LOG_SUFFIX, SUMMARY_SUFFIX, TIME_INDEX_SUFFIX, LogSegment, segment_file_name
 
 
 logger = logging.getLogger(__name__)
@@ -154,29 +181,47 @@ class PartitionLog:
             raise StorageError(f"cannot create log directory {directory}: {error}") from error
         self.segments: list[LogSegment] = []
         self._bases: list[int] = []
+        self._failure: str | None = None  # why the log closed itself (see _resync)
+        self.epochs = LeaderEpochCache(directory)
+        self.producer_state = ProducerStateTable()
+        self.recovery = self._load()
+        self._last_flush_ms = self.clock_ms()
+
+    def _load(self) -> RecoveryReport:
+        """Open the segments and state files as they are on disk, and rebuild what memory derives from them."""
         try:
-            swaps = complete_swaps(directory)
+            swaps = complete_swaps(self.directory)
         except OSError as error:
-            raise StorageError(f"cannot complete the cleanings interrupted in {directory}: {error}") from error
+            raise StorageError(f"cannot complete the cleanings interrupted in {self.directory}: {error}") from error
         self._gaps = os.path.exists(self._path(OFFSET_GAPS_FILE))
-        self.recovery = self._open_segments(tuple(swaps))
+        recovery = self._open_segments(tuple(swaps))
         self._trim_active_summary()
         self._log_start = self._read_number(LOG_START_OFFSET_FILE, 0)
         checkpoint = self._read_text(CLEANER_CHECKPOINT_FILE).split()
         self._cleaner_checkpoint = int(checkpoint[0]) if checkpoint[:1] and checkpoint[0].isdigit() else 0
         self._tombstones_due_ms = int(checkpoint[1]) if checkpoint[1:2] and checkpoint[1].isdigit() else None
-        self.epochs = LeaderEpochCache(directory)
-        self.producer_state = ProducerStateTable()
         self._rebuild_derived_state(trust_epoch_checkpoint=True)
-        self._last_flush_ms = self.clock_ms()
+        return recovery
 
     def _rebuild_derived_state(self, trust_epoch_checkpoint: bool = False) -> None:
-        """Rebuild the producer table (and, if needed, the epoch cache) from the batch headers."""
+        """Rebuild the producer table (and, if needed, the epoch cache) from the batch headers.
+
+        Of a checkpoint's epochs, those inside the log are kept (see leader_epoch_cache.py).
+        """
         loaded = trust_epoch_checkpoint and self.epochs.load()
-        if loaded:
-            self.epochs.truncate_from_end(self.log_end_offset)
-        else:
+        if not loaded:
             self.epochs.entries = []
+        self._rebuild_producer_state(rebuild_epochs=not loaded)
+        self.epochs.clamp(self.log_start_offset, self.log_end_offset)
+        if not loaded:
+            try:
+                self.epochs.save()
+            except StorageError as error:  # rebuilt again on the next open
+                logger.warning("%s", error)
+
+    def _rebuild_producer_state(self, rebuild_epochs: bool = False) -> None:
+        """The producer table from the batch headers (and the cleaner's summaries); with
+        ``rebuild_epochs``, the epoch cache (in memory) too."""
         self.producer_state.clear()
         end = self.log_end_offset
         for segment in self.segments:
@@ -191,13 +236,11 @@ class PartitionLog:
                         self.producer_state.apply(entry)
                     pending = []
                     self.producer_state.update(header)
-                if not loaded:
+                if rebuild_epochs:
                     self.epochs.assign(header.leader_epoch, header.base_offset, persist=False)
             del view
             for entry in pending:
                 self.producer_state.apply(entry)
-        if not loaded:
-            self.epochs.save()
 
     def _summary_of(self, segment: LogSegment):
         """The cleaner's summary of a cleaned segment, or None (also, with a warning, if it is unreadable:
@@ -211,11 +254,13 @@ class PartitionLog:
     # --- opening and recovery -------------------------------------------------------------
 
     def _open_segments(self, swaps: tuple[str, ...] = ()) -> RecoveryReport:
+        names = os.listdir(self.directory)
         bases = sorted(
             int(name[: -len(LOG_SUFFIX)])
-            for name in os.listdir(self.directory)
+            for name in names
             if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
         )
+        self._remove_orphans(names, set(bases))
         recovery_point = self._read_recovery_point()
         scanned = truncated = deleted = 0
         errors: list[str] = []
@@ -252,6 +297,17 @@ class PartitionLog:
             self._add_segment(LogSegment(self.directory, 0, self.config.index_interval_bytes))
         return RecoveryReport(scanned, truncated, deleted, tuple(errors), swaps)
 
+    def _remove_orphans(self, names: list[str], bases: set[int]) -> None:
+        """Remove the index and summary files of segments whose log file is gone (a deletion that
+        failed after it): harmless, but they would sit there for good. Best effort."""
+        for name in names:
+            base, _, suffix = name.partition(".")
+            if base.isdigit() and "." + suffix in (INDEX_SUFFIX, TIME_INDEX_SUFFIX, SUMMARY_SUFFIX) and int(base) not in bases:
+                try:
+                    os.unlink(self._path(name))
+                except OSError as error:
+                    logger.warning("cannot remove %s, left by a deleted segment: %s", name, error)
+
     def _path(self, name: str) -> str:
         return os.path.join(self.directory, name)
 
@@ -271,14 +327,37 @@ class PartitionLog:
     def _read_recovery_point(self) -> int | None:
         return self._read_number(RECOVERY_POINT_FILE, None)
 
+    def _write_state(self, name: str, text: str, adopt: Callable[[], None] | None = None) -> None:
+        """Replace the state file ``name`` (files.py); StorageError naming it if that fails.
+
+        ``adopt`` takes the new value into memory as soon as the file holds it
+        (before the directory's sync, which can still fail), so that memory
+        always matches the file: a failure before the rename changes neither.
+        """
+        path = self._path(name)
+        try:
+            replace_file(path, text)
+        except OSError as error:
+            raise StorageError(f"writing {path} failed: {error}") from error
+        if adopt is not None:
+            adopt()
+        try:
+            sync_directory(self.directory)
+        except OSError as error:
+            raise StorageError(f"syncing directory {self.directory} after writing {path} failed: {error}") from error
+
     def _allow_gaps(self) -> None:
         """Before the first gap is written: from now on (and after a restart) offsets may have gaps."""
         if not self._gaps:
-            write_atomically(self._path(OFFSET_GAPS_FILE), "offsets in this log may have gaps (compaction)\n")
-            self._gaps = True
+            self._write_state(OFFSET_GAPS_FILE, "offsets in this log may have gaps (compaction)\n", self._gaps_allowed)
+
+    def _gaps_allowed(self) -> None:
+        self._gaps = True
 
     def _write_recovery_point(self, offset: int) -> None:
-        write_atomically(os.path.join(self.directory, RECOVERY_POINT_FILE), f"{offset}\n")
+        """Where the next open starts scanning. Stale, it is harmless: every segment but the active one
+        was synced when it rolled, and the active one is always scanned."""
+        self._write_state(RECOVERY_POINT_FILE, f"{offset}\n")
 
     def _add_segment(self, segment: LogSegment) -> None:
         self.segments.append(segment)
@@ -308,6 +387,8 @@ class PartitionLog:
 
     def _check_open(self) -> None:
         if self._closed:
+            if self._failure is not None:
+                raise StorageError(f"log {self.directory} closed itself: {self._failure}")
             raise StorageError(f"log {self.directory} is closed")
 
     def _validate_copied(self, view: memoryview, position: int) -> bh.BatchHeader:
@@ -393,15 +474,17 @@ class PartitionLog:
             header = self._validate_copied(view, position)
             end = self.log_end_offset
             gap = header.base_offset > end and covered
+            data = view[position : position + header.size_bytes]
             if header.base_offset < end <= header.last_offset and first is None and self._is_empty():
-                self._roll_to(header.base_offset)
+                self._start_at_batch(header, data)
             elif header.base_offset != end and not gap:
                 raise InvalidRecordError(
                     f"batch at offset {header.base_offset} does not continue the log at {self.log_end_offset}"
                 )
-            if gap:
-                self._allow_gaps()
-            self._write(header, [view[position : position + header.size_bytes]], allow_gap=gap)
+            else:
+                if gap:
+                    self._allow_gaps()
+                self._write(header, [data], allow_gap=gap)
             first = first or header
             last = header
             position += header.size_bytes
@@ -414,20 +497,47 @@ class PartitionLog:
             first.base_offset, last.last_offset, last.next_offset - first.base_offset, last.max_timestamp_ms, self.log_end_offset
         )
 
+    def _start_at_batch(self, header: bh.BatchHeader, data: memoryview) -> None:
+        """An empty log whose end lies inside ``header``'s batch takes the whole batch: its empty
+        segment is replaced by one at the batch's base offset. If the batch does not go in, the log
+        is rolled back to where it ended (if even that fails, it stays empty at the batch's base
+        offset, where the next copy of the batch continues it)."""
+        end = self.log_end_offset
+        try:
+            self._roll_to(header.base_offset)
+            self._write(header, [data])
+        except StorageError:
+            if not self._closed and self.log_end_offset != end:
+                try:
+                    self._roll_to(end)
+                except StorageError as error:
+                    logger.warning("%s; the log stays empty at offset %d", error, self.log_end_offset)
+            raise
+
     def _is_empty(self) -> bool:
         return len(self.segments) == 1 and self.active_segment.is_empty
 
     def _write(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False) -> None:
+        """Write one batch, all or nothing (see the write contract in the module docstring)."""
         self._maybe_roll(header)
         active = self.active_segment
-        active.append(header, parts, allow_gap)
-        self.epochs.assign(header.leader_epoch, header.base_offset)
+        tail = active.tail()
+        epochs = self.epochs.entries
+        active.append(header, parts, allow_gap)  # all or nothing
+        try:
+            # A follower's first batch may start below its log start (append_as_follower): its epoch
+            # starts, in this log, at the log start, as open would clamp it.
+            self.epochs.assign(header.leader_epoch, max(header.base_offset, self.log_start_offset))
+            policy = self.config.flush_policy
+            if policy == "batch":
+                active.flush(indexes=False)
+            elif policy == "interval":
+                self.maybe_flush()
+        except StorageError:
+            active.restore(tail)
+            self.epochs.entries = epochs  # the file may hold the new entry: it starts at the log end, so open drops it
+            raise
         self.producer_state.update(header)
-        policy = self.config.flush_policy
-        if policy == "batch":
-            self.flush(indexes=False)
-        elif policy == "interval":
-            self.maybe_flush()
         active.release_page_cache(self.config.cache_tail_bytes)
 
     def _maybe_roll(self, incoming: bh.BatchHeader) -> None:
@@ -454,6 +564,15 @@ class PartitionLog:
         return self._roll_to(self.log_end_offset)
 
     def _new_segment(self, base_offset: int) -> LogSegment:
+        """An empty segment at ``base_offset``. Files a deleted segment left at that base offset go
+        first (its index files are cut before their first write: offset_index.py). StorageError if
+        that or the creation fails: then no segment was made."""
+        summary = self._path(segment_file_name(base_offset, SUMMARY_SUFFIX))
+        if os.path.exists(summary):  # would make the new segment look like a cleaned one
+            try:
+                os.unlink(summary)
+            except OSError as error:
+                raise StorageError(f"removing {summary}, left by a deleted segment, failed: {error}") from error
         segment = LogSegment(self.directory, base_offset, self.config.index_interval_bytes)
         if not segment.is_empty:  # a leftover file at this base offset cannot be ours
             segment.delete()
@@ -463,18 +582,49 @@ class PartitionLog:
     def _roll_to(self, base_offset: int) -> LogSegment:
         """Make an empty active segment at ``base_offset`` (at or past the log end; past it only in a
         log that may have gaps, or an empty log): an empty active segment is replaced, else the
-        active one is synced and a new one added."""
+        active one is synced and a new one added.
+
+        Steps: sync the active segment (if it holds batches), create the new one's log file,
+        delete an empty active segment it replaces, write the recovery point. A failure in the
+        first three changes nothing (a file made is removed again); after them the roll stands,
+        and a recovery point not written only makes the next open scan more. StorageError either way.
+        """
         active = self.active_segment
-        if active.is_empty:
-            self.segments.pop()
-            self._bases.pop()
-            active.delete()
-        else:
+        if active.is_empty and active.base_offset == base_offset:
+            return active
+        if not active.is_empty:
             active.flush()
         segment = self._new_segment(base_offset)
-        self._add_segment(segment)
+        if active.is_empty:
+            try:
+                active.delete()
+            except StorageError:
+                self._discard_new_segment(segment)
+                raise
+            self.segments[-1] = segment
+            self._bases[-1] = base_offset
+        else:
+            self._add_segment(segment)
         self._write_recovery_point(segment.base_offset)
         return segment
+
+    def _discard_new_segment(self, segment: LogSegment) -> None:
+        """Remove a segment just made and not yet in the log (a later step of its operation failed).
+
+        If it cannot be removed, it is empty, and open drops it if it lies below the active segment
+        (an empty segment before the last) or, in a log without gaps, past the log end (it does not
+        continue the log): then nothing changed. Else the log is read back from disk.
+        """
+        try:
+            segment.delete()
+        except StorageError as error:
+            segment.close()
+            base = segment.base_offset
+            if base < self.active_segment.base_offset or (not self._gaps and base > self.log_end_offset):
+                logger.warning("%s; the next open removes it", error)
+            else:
+                logger.warning("%s; taking the log as it is on disk", error)
+                self._resync()
 
     # --- flushing --------------------------------------------------------------------------------
 
@@ -560,24 +710,49 @@ class PartitionLog:
         """Remove every batch that holds an offset >= ``offset`` (batches go whole); return the new log end.
 
         Used by replication when a follower must drop a divergent tail. Never
-        goes below the log start offset.
+        goes below the log start offset: if the batch holding it would go
+        (delete_records moved it inside a batch), the log is emptied at its
+        start instead (:meth:`truncate_fully_and_start_at`). The segments past ``offset`` are
+        deleted newest first, then the active one is cut: each step is all or
+        nothing, so a failure (StorageError) leaves a shorter log that is
+        still whole, and what memory derives from the log follows it; the
+        state files written after that are each harmless when stale.
         """
         self._check_open()
         if offset >= self.log_end_offset:
             return self.log_end_offset
-        offset = max(offset, self.log_start_offset)
-        while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
-            segment = self.segments.pop()
-            self._bases.pop()
-            segment.delete()
-        self.active_segment.truncate_to(offset)
-        self._trim_active_summary()
-        self._write_recovery_point(min(self._read_recovery_point() or 0, self.active_segment.base_offset))
-        if self._cleaner_checkpoint > self.active_segment.base_offset:
+        start = self.log_start_offset
+        offset = max(offset, start)
+        found = self.segments[max(0, bisect.bisect_right(self._bases, offset) - 1)].find_batch(offset)
+        if found is not None and found[1].base_offset < start:
+            # The batch to cut holds the log start (delete_records moved it inside the batch): the
+            # log would end below its start. Empty it at its start instead, as a follower started
+            # there is (it takes that batch whole again, see append_as_follower).
+            self.truncate_fully_and_start_at(start)
+            return self.log_end_offset
+        failure = None
+        try:
+            while len(self.segments) > 1 and self.segments[-1].base_offset >= offset:
+                self.segments[-1].delete()  # StorageError: the segment is intact
+                self.segments.pop()
+                self._bases.pop()
+            self.active_segment.truncate_to(offset)
+        except StorageError as error:
+            failure = error
+        epochs = self.epochs.entries
+        self.epochs.truncate_from_end(self.log_end_offset, persist=False)
+        self._rebuild_producer_state()
+        active_base = self.active_segment.base_offset
+        steps = [
+            self._trim_active_summary,
+            lambda: self._write_recovery_point(min(self._read_recovery_point() or 0, active_base)),
+        ]
+        if self._cleaner_checkpoint > active_base:
             # What is appended from here on is new: dirty for the next cleaning.
-            self._write_cleaner_checkpoint(self.active_segment.base_offset, self._tombstones_due_ms)
-        self.epochs.truncate_from_end(self.log_end_offset)
-        self._rebuild_derived_state(trust_epoch_checkpoint=True)
+            steps.append(lambda: self._write_cleaner_checkpoint(active_base, self._tombstones_due_ms))
+        if self.epochs.entries != epochs:
+            steps.append(self.epochs.save)
+        _run_steps(steps, failure)
         return self.log_end_offset
 
     def _trim_active_summary(self) -> None:
@@ -593,21 +768,54 @@ class PartitionLog:
         replace_summary(segment.summary_path, SegmentSummary(end, kept))
 
     def truncate_fully_and_start_at(self, offset: int) -> None:
-        """Delete every segment and start an empty log at ``offset`` (a follower far behind the leader's start)."""
+        """Delete every segment and start an empty log at ``offset`` (a follower far behind the leader's start).
+
+        The segments go oldest first, then the new empty one is made and the
+        last old one deleted: every step is all or nothing and leaves a log
+        that is whole (a shorter one), so after a failure (StorageError)
+        memory follows what was done, and a retry finishes the work.
+        """
         self._check_open()
-        for segment in self.segments:
-            segment.delete()
-        self.segments, self._bases = [], []
-        self._add_segment(self._new_segment(offset))
-        self._write_recovery_point(offset)
-        self._set_log_start(offset)
-        self._write_cleaner_checkpoint(offset, None)
-        self.epochs.clear()
-        self.producer_state.clear()
+        failure = None
+        try:
+            while len(self.segments) > 1:
+                self._delete_oldest(persist_epochs=False)
+            last = self.active_segment
+            if last.base_offset == offset:
+                last.truncate_to(offset)
+            else:
+                segment = self._new_segment(offset)
+                try:
+                    last.delete()
+                except StorageError:
+                    self._discard_new_segment(segment)
+                    raise
+                self.segments[-1] = segment
+                self._bases[-1] = offset
+        except StorageError as error:
+            failure = error
+            if self._closed:  # reading the log back failed too (see _resync)
+                raise
+        if failure is None:
+            self.epochs.entries = []
+            self.producer_state.clear()
+            steps = [
+                lambda: self._write_recovery_point(offset),
+                lambda: self._set_log_start(offset),
+                lambda: self._write_cleaner_checkpoint(offset, None),
+                self.epochs.save,
+            ]
+        else:
+            self.epochs.clamp(self.log_start_offset, self.log_end_offset)
+            self._rebuild_producer_state()
+            steps = [self.epochs.save]
+        _run_steps(steps, failure)
 
     def _set_log_start(self, offset: int) -> None:
-        write_atomically(self._path(LOG_START_OFFSET_FILE), f"{offset}\n")
-        self._log_start = offset
+        def adopt() -> None:
+            self._log_start = offset
+
+        self._write_state(LOG_START_OFFSET_FILE, f"{offset}\n", adopt)
 
     def delete_records(self, offset: int) -> int:
         """Kafka's DeleteRecords: make ``offset`` the log start offset; returns the log start offset.
@@ -621,13 +829,29 @@ class PartitionLog:
         self._check_open()
         if isinstance(offset, bool) or not isinstance(offset, int) or offset > self.log_end_offset:
             raise OffsetOutOfRangeError(f"cannot delete records below {offset!r}: the log ends at {self.log_end_offset}")
-        if offset <= self.log_start_offset:
-            return self.log_start_offset
-        self._set_log_start(offset)
-        while len(self.segments) > 1 and self.segments[1].base_offset <= offset:
-            self._delete_oldest()
-        self.epochs.truncate_from_start(offset)
+        failure = None
+        if offset > self.log_start_offset:
+            try:
+                self._set_log_start(offset)
+            except StorageError as error:
+                if self._log_start != offset:
+                    raise  # the file kept the old log start: nothing changed
+                failure = error  # only the directory's sync failed: the new log start stands
+        # The rest also completes a call that failed part way before.
+        _run_steps([self._clamp_epochs, self._delete_below_log_start], failure)
         return self.log_start_offset
+
+    def _clamp_epochs(self, persist: bool = True) -> None:
+        """Keep the epochs inside the log, as open does (leader_epoch_cache.py): in memory whatever
+        the checkpoint's write does, as open would drop the others from the file too."""
+        epochs = self.epochs.entries
+        self.epochs.clamp(self.log_start_offset, self.log_end_offset)
+        if persist and self.epochs.entries != epochs:
+            self.epochs.save()
+
+    def _delete_below_log_start(self) -> None:
+        while len(self.segments) > 1 and self.segments[1].base_offset <= self.log_start_offset:
+            self._delete_oldest()
 
     def enforce_retention(self) -> int:
         """Delete whole old segments past retention.ms or retention.bytes; return how many went.
@@ -637,9 +861,11 @@ class PartitionLog:
         self._check_open()
         now = self.clock_ms()
         config = self.config
-        deleted = 0
+        deleted = len(self.segments)
+        self._delete_below_log_start()  # left by a delete_records that failed part way
+        deleted -= len(self.segments)
         if not config.delete:
-            return 0
+            return deleted
         if config.retention_ms >= 0:
             active = self.active_segment
             if not active.is_empty and now - active.max_timestamp_ms > config.retention_ms and len(self.segments) == 1:
@@ -667,11 +893,13 @@ class PartitionLog:
             return self.active_segment.max_timestamp_ms + self.config.retention_ms + 1
         return None
 
-    def _delete_oldest(self) -> None:
-        segment = self.segments.pop(0)
+    def _delete_oldest(self, persist_epochs: bool = True) -> None:
+        """Delete the first segment (StorageError: it is intact); the epochs before the new log start go,
+        in memory whatever the checkpoint's write does (open drops them too)."""
+        self.segments[0].delete()
+        self.segments.pop(0)
         self._bases.pop(0)
-        segment.delete()
-        self.epochs.truncate_from_start(self.log_start_offset)
+        self._clamp_epochs(persist_epochs)
 
     # --- compaction (see cleaner.py) --------------------------------------------------------------
 
@@ -736,7 +964,9 @@ class PartitionLog:
         still the log's, unchanged; False (and the cleaned files are removed) if they are not.
 
         Called by the log's owner, like every other method; the swap is atomic
-        on disk (see cleaner.py).
+        on disk (see cleaner.py). StorageError if a step fails: before the swap
+        commits, the log is as it was (the cleaned files are removed); after,
+        the log is read back from disk, which completes the swap (:meth:`_resync`).
         """
         sources = cleaned.sources
         position = next((i for i, s in enumerate(self.segments) if s is sources[0].segment), None)
@@ -753,27 +983,50 @@ class PartitionLog:
         if not current or not cleaned.changed:
             discard(cleaned)
             return current
-        self._allow_gaps()
+        try:
+            self._allow_gaps()
+        except StorageError:
+            discard(cleaned)
+            raise
+        try:
+            commit_swap(cleaned)
+        except StorageError:
+            if cleaned.state == "written":  # not committed: the log is as it was
+                discard(cleaned)
+            else:
+                self._resync()  # committed, not yet durable: take what is on disk
+            raise
         for source in sources:
             source.segment.close()
         try:
-            commit_swap(cleaned)
+            finish_swap(cleaned)
             segment = LogSegment.open_existing(self.directory, cleaned.base_offset, self.config.index_interval_bytes, allow_gaps=True)
         except (StorageError, CorruptRecordError, OSError):
-            self._reopen_segments()  # what is on disk is the old segments or the new one: take it
+            self._resync()  # the swap committed: open completes it
             raise
         end = position + len(sources)
         self.segments[position:end] = [segment]
         self._bases[position:end] = [segment.base_offset]
         return True
 
-    def _reopen_segments(self) -> None:
-        """Open the segments again from disk, as on open (after a swap that failed half way)."""
-        for segment in self.segments:
+    def _resync(self) -> None:
+        """Take the log as it is on disk, as on open (after an operation on several files failed half
+        way, e.g. a cleaning's swap). If even that fails, the log closes itself: every later call
+        raises StorageError, and the log's owner opens it again."""
+        previous = self.segments
+        for segment in previous:
             segment.close()
         self.segments, self._bases = [], []
-        complete_swaps(self.directory)
-        self._open_segments()
+        try:
+            self._load()
+        except (StorageError, CorruptRecordError, OSError) as error:
+            for segment in self.segments:
+                segment.close()
+            # Closed, the log still answers its offsets as they last were.
+            self.segments, self._bases = previous, [segment.base_offset for segment in previous]
+            self._closed = True
+            self._failure = f"after a failed write, reading it back from disk failed: {error}"
+            raise StorageError(f"log {self.directory} {self._failure}") from error
 
     def finish_cleaning(self, plan: CleaningPlan, cleaned: list[CleanedSegment]) -> None:
         """After every group of ``plan`` was swapped in: the segments up to its end are clean now."""
@@ -782,8 +1035,11 @@ class PartitionLog:
 
     def _write_cleaner_checkpoint(self, first_dirty: int, tombstones_due_ms: int | None) -> None:
         due = -1 if tombstones_due_ms is None else tombstones_due_ms
-        write_atomically(self._path(CLEANER_CHECKPOINT_FILE), f"{first_dirty} {due}\n")
-        self._cleaner_checkpoint, self._tombstones_due_ms = first_dirty, tombstones_due_ms
+
+        def adopt() -> None:
+            self._cleaner_checkpoint, self._tombstones_due_ms = first_dirty, tombstones_due_ms
+
+        self._write_state(CLEANER_CHECKPOINT_FILE, f"{first_dirty} {due}\n", adopt)
 
     def clean(self, upper_bound: int | None = None) -> list[CleanedSegment]:
         """Run one cleaning now if one is due, in this thread (owners that must keep serving run
@@ -808,11 +1064,13 @@ class PartitionLog:
         """Sync and close every file; the log can be reopened from its directory."""
         if self._closed:
             return
-        self.active_segment.flush()
-        self._write_recovery_point(self.log_end_offset)
-        for segment in self.segments:
-            segment.close()
-        self._closed = True
+        try:
+            self.active_segment.flush()
+            self._write_recovery_point(self.log_end_offset)
+        finally:  # closed whatever failed: the next open recovers from what is on disk
+            for segment in self.segments:
+                segment.close()
+            self._closed = True
 
     def delete(self) -> None:
         """Remove the log's files and directory."""
@@ -829,6 +1087,18 @@ class PartitionLog:
             os.rmdir(self.directory)
         except OSError:
             pass
+
+
+def _run_steps(steps: list[Callable[[], None]], failure: StorageError | None = None) -> None:
+    """Run every step, even after one failed (each leaves the log whole on its own); then raise the
+    first StorageError, ``failure`` if given."""
+    for step in steps:
+        try:
+            step()
+        except StorageError as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
 
 
 def _byte_view(buffer) -> memoryview:

@@ -25,6 +25,19 @@ Crash contract: the log file is the truth; indexes are derived and rebuilt by
 or only increasing where gaps are allowed), cuts the file at the first bad
 batch, and returns the number of bytes cut.
 
+Write contract: what is in memory (size, next offset, timestamps, index
+entries) is what :meth:`recover` would find in the files. An append writes
+the log file, then the index entries it is due (each file written before
+memory changes); if any write fails (a full disk, an I/O error: whatever
+OSError), every file is cut back to where the append found it and
+StorageError, naming the file, is raised: the batch is not in the segment.
+The owner undoes an append whose later steps failed with :meth:`restore`. A
+cut that fails too (the disk refuses even that) is left pending: memory
+already holds the old state, the extra bytes lie past the logical end, and
+:meth:`repair` cuts them before anything else is written to the segment (the
+write fails if it still cannot), so a batch is never appended after bytes
+that recovery could mistake for one.
+
 Page cache. Appends land in the OS page cache, and a replica's cache would
 grow with everything it ever wrote. :meth:`release_page_cache` hands the pages
 more than a given number of bytes behind the end back to the kernel (written
@@ -37,6 +50,7 @@ This class is not thread-safe.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -48,6 +62,7 @@ from logbus.storage import batch_header as bh
 from logbus.storage.offset_index import OffsetIndex
 from logbus.storage.time_index import TimeIndex
 
+logger = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -72,6 +87,19 @@ class SegmentRecovery:
     valid_bytes: int
     truncated_bytes: int
     error: str | None  # why the scan stopped early, if it did
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentTail:
+    """Where a segment's end stood (:meth:`LogSegment.tail`): what an append changes, to undo it."""
+
+    size_bytes: int
+    next_offset: int
+    max_timestamp_ms: int
+    first_timestamp_ms: int | None
+    bytes_since_index_entry: int
+    offset_entries: int
+    time_entries: int
 
 
 class LogSegment:
@@ -102,6 +130,7 @@ class LogSegment:
         # that next, and finds its batch without an index lookup and header scan.
         self._read_end: tuple[int, int] | None = None
         self._cache_released_to = 0  # file position below which the page cache has been advised away
+        self._cut_pending = False  # the log file may hold bytes past size_bytes (a failed write's, not yet cut)
 
     # --- opening ---------------------------------------------------------------------------
 
@@ -136,6 +165,8 @@ class LogSegment:
             return False
         if last is None:
             return False
+        if len(self.time_index) and self.time_index.entry(len(self.time_index) - 1)[1] >= last.next_offset - self.base_offset:
+            return False  # entries past the log's end: left by a cut that failed (see offset_index.py)
         self.next_offset = last.next_offset
         self.max_timestamp_ms = max(self.time_index.last_key or -1, last.max_timestamp_ms)
         return True
@@ -214,7 +245,8 @@ class LogSegment:
         next offset, or with ``allow_gap`` (a compacted log) any offset past it
         (InternalStateError otherwise, before anything is written; the
         partition log assigns or checks offsets first, so this is a bug).
-        On an I/O error nothing is left behind: the file is cut back to its old size.
+        All or nothing: on an I/O error (log file or index) every file is cut
+        back to where it was and StorageError is raised (see the module docstring).
         """
         if header.base_offset != self.next_offset and not (allow_gap and header.base_offset > self.next_offset):
             # Written anyway, a gap or an overlap would be served to readers, and the next recovery
@@ -222,20 +254,60 @@ class LogSegment:
             raise InternalStateError(
                 f"batch at offset {header.base_offset} does not continue segment {self.log_path} at offset {self.next_offset}"
             )
+        self.repair()
+        tail = self.tail()
         position = self.size_bytes
         size = header.size_bytes
         try:
-            written = os.pwritev(self._fd, parts, position)
-            if written != size:  # rare short write: finish it
-                data = b"".join(bytes(p) for p in parts)
-                while written < size:
-                    written += os.pwrite(self._fd, data[written:], position + written)
-        except OSError as error:
-            self._truncate_file(position)
-            raise StorageError(f"append to {self.log_path} failed: {error}") from error
-        self.size_bytes = position + size
-        self._index_batch(header, position)
+            try:
+                written = os.pwritev(self._fd, parts, position)
+                if written != size:  # a short write (the disk filling up): finish it, or fail
+                    data = b"".join(bytes(p) for p in parts)
+                    while written < size:
+                        written += os.pwrite(self._fd, data[written:], position + written)
+            except OSError as error:
+                raise StorageError(f"append to {self.log_path} failed: {error}") from error
+            self.size_bytes = position + size
+            self._index_batch(header, position)  # StorageError naming the index that failed
+        except StorageError:
+            self.restore(tail)
+            raise
         return position
+
+    def tail(self) -> SegmentTail:
+        """Where the segment ends now, for :meth:`restore`."""
+        return SegmentTail(
+            self.size_bytes, self.next_offset, self.max_timestamp_ms, self.first_timestamp_ms,
+            self._bytes_since_index_entry, len(self.offset_index), len(self.time_index),
+        )
+
+    def restore(self, tail: SegmentTail) -> None:
+        """Undo the appends made since ``tail``: memory at once, the files now or (if a cut fails)
+        before the next write (see the module docstring). Never raises."""
+        self.size_bytes = tail.size_bytes
+        self.next_offset = tail.next_offset
+        self.max_timestamp_ms = tail.max_timestamp_ms
+        self.first_timestamp_ms = tail.first_timestamp_ms
+        self._bytes_since_index_entry = tail.bytes_since_index_entry
+        self._read_end = None
+        self.offset_index.truncate_entries(tail.offset_entries)
+        self.time_index.truncate_entries(tail.time_entries)
+        self._cut_pending = True
+        try:
+            self.repair()
+        except StorageError as error:
+            logger.warning("%s; cut before the next write", error)
+
+    def repair(self) -> None:
+        """Make the cuts a failed write left pending (log file and indexes); StorageError if one fails again."""
+        if self._cut_pending:
+            try:
+                os.ftruncate(self._fd, self.size_bytes)
+            except OSError as error:
+                raise StorageError(f"cutting {self.log_path} back to {self.size_bytes} bytes failed: {error}") from error
+            self._cut_pending = False
+        self.offset_index.repair()
+        self.time_index.repair()
 
     def release_page_cache(self, keep_bytes: int) -> None:
         """Advise the kernel to drop the log file's cached pages more than ``keep_bytes`` before its end.
@@ -262,14 +334,16 @@ class LogSegment:
         self._cache_released_to = end
 
     def flush(self, indexes: bool = True) -> None:
-        """Force the log (and its indexes, unless ``indexes`` is False) to disk."""
+        """Force the log (and its indexes, unless ``indexes`` is False) to disk; StorageError naming
+        the file that failed (nothing else changes: the bytes stay written)."""
+        self.repair()
         try:
             os.fdatasync(self._fd)
-            if indexes:
-                self.offset_index.flush()
-                self.time_index.flush()
         except OSError as error:
             raise StorageError(f"fsync of {self.log_path} failed: {error}") from error
+        if indexes:
+            self.offset_index.flush()
+            self.time_index.flush()
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -366,8 +440,9 @@ class LogSegment:
             return 0
         position, header = found
         removed = self.size_bytes - position
-        self._truncate_file(position)
-        self.offset_index.truncate_from_position(position)
+        self._truncate_file(position)  # StorageError: nothing changed
+        self._cut_pending = False
+        self.offset_index.truncate_from_position(position)  # memory now; a file that cannot be cut, before the next write
         self.time_index.truncate_from_offset(header.base_offset - self.base_offset)
         self._reload_tail_state()
         return removed
@@ -404,21 +479,45 @@ class LogSegment:
         return self.size_bytes == 0
 
     def close(self) -> None:
+        """Close the files (making pending cuts first, where the disk allows)."""
+        if self._fd >= 0:
+            try:
+                self.repair()
+            except StorageError as error:
+                # Closing anyway: the next open scans the bytes past the end, and keeps them only
+                # if they are whole batches (written, but never acknowledged).
+                logger.warning("%s; closing anyway", error)
+        self._close_files()
+
+    def _close_files(self) -> None:
         self._map = None
         self._mapped_bytes = 0
         self._read_end = None
         if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # every write was made (or undone) before
         self.offset_index.close()
         self.time_index.close()
 
     def delete(self) -> None:
-        self.close()
-        for path in (self.log_path, self.summary_path):
+        """Remove the segment's files; the log file first, as its removal is what removes the segment
+        (open lists segments by their log files). StorageError if that fails: the segment is then
+        intact and stays open. Files that outlive it (an index, a summary) are ignored on open and
+        replaced before a new segment at the same base offset uses them."""
+        try:
+            os.unlink(self.log_path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise StorageError(f"deleting {self.log_path} failed: {error}") from error
+        self._close_files()
+        for remove in (lambda: os.unlink(self.summary_path), self.offset_index.delete, self.time_index.delete):
             try:
-                os.unlink(path)
+                remove()
             except FileNotFoundError:
                 pass
-        self.offset_index.delete()
-        self.time_index.delete()
+            except OSError as error:
+                logger.warning("segment %s is gone, but a file of it stays: %s", self.log_path, error)

@@ -15,7 +15,7 @@ import pytest
 import logbus
 from logbus import TopicPartition
 from tests.actors.replica_files import committed_records
-from tests.actors.test_replication import cluster, leader_status, serving_leader, statuses, wait_isr  # noqa: F401 (cluster: the three-node fixture)
+from tests.actors.test_replication import leader_status, serving_leader, statuses, wait_isr
 from tests.conftest import close_bus, wait_for
 from tests.healing import assert_healed
 

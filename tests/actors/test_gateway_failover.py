@@ -1,8 +1,8 @@
 """The Kafka gateway across a leader's death: a confluent-kafka producer (acks=all, idempotent)
 follows the new leader when the leader's node is killed, and loses no acknowledged record.
 
-Multi-node on one machine with ``ray.cluster_utils.Cluster``, with the
-cluster, fault injection and invariant checks of ``test_replication.py``:
+Multi-node on one machine with ``ray.cluster_utils.Cluster`` (the three-node cluster of
+tests/actors/conftest.py), with the fault injection and invariant checks of ``test_replication.py``:
 one gateway per replica node, so Metadata names the leader's node's gateway
 as each partition's leader and the producer sends there; killing that node
 kills its gateway too, and the producer must find the new leader through the
@@ -23,14 +23,12 @@ from logbus.actors.gateway import KafkaGateway
 from logbus.protocol import kafka_gateway as kg
 from tests.actors.test_gateway import Raw
 
-from tests.actors.test_replication import (  # noqa: F401 (fixtures: the cluster, three replica nodes, a bus on it)
+from tests.actors.test_replication import (  # noqa: F401 (rbus: the fixture of a bus on the three-node cluster)
     REPLICA_RESOURCE,
     check_invariants,
-    cluster,
     kill_node,
     serving_leader,
     rbus,
-    three_replica_nodes,
     wait_isr,
     wait_new_leader,
 )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 
 import pytest
@@ -23,29 +22,34 @@ from logbus.storage import encode_batch
 from tests.conftest import close_bus, wait_for
 from tests.healing import assert_healed
 
-WINDOW_S = 3.0
+WINDOW_HEARTBEATS = 15  # a window of this many node heartbeats (5 a second: 3 s on an idle machine)
+
+
+def call_counts(bus) -> dict[str, int]:
+    return ray.get(bus.controller.call_counts.remote(), timeout=60)
 
 
 def calls_in_window(bus) -> dict[str, int]:
-    before = ray.get(bus.controller.call_counts.remote(), timeout=60)
-    time.sleep(WINDOW_S)  # a measurement window, not a wait for a condition
-    after = ray.get(bus.controller.call_counts.remote(), timeout=60)
+    """The controller's calls while the node's agent sends WINDOW_HEARTBEATS heartbeats over its link:
+    a window counted in heartbeats, which a loaded machine stretches along with everything else."""
+    before = call_counts(bus)
+    wait_for(lambda: call_counts(bus).get("node_heartbeat_link", 0) >= before.get("node_heartbeat_link", 0) + WINDOW_HEARTBEATS,
+             timeout_s=120, interval_s=0.1, message=f"{WINDOW_HEARTBEATS} heartbeats over the link")
+    after = call_counts(bus)
     return {name: after.get(name, 0) - before.get(name, 0) for name in after}
 
 
-def test_an_idle_topic_of_32_partitions_does_not_raise_the_controllers_call_rate(bus, topic_name):
+def test_an_idle_topic_of_8_partitions_adds_no_calls_to_the_controller(bus, topic_name):
+    """Steady state: the node agent's heartbeats (per node, over the agent's socket, heartbeat_link.py)
+    and nothing per replica, with one partition as with eight."""
     bus.admin.create_topic(topic_name + "-one", partitions=1)
+    wait_for(lambda: call_counts(bus).get("replica_started", 0) >= 1, timeout_s=60, message="the replica said it started")
     one = calls_in_window(bus)
-    bus.admin.create_topic(topic_name + "-many", partitions=32)
-    wait_for(lambda: ray.get(bus.controller.call_counts.remote()).get("replica_started", 0) >= 33, timeout_s=120,
-             message="every replica said it started")
+    bus.admin.create_topic(topic_name + "-many", partitions=8)
+    wait_for(lambda: call_counts(bus).get("replica_started", 0) >= 9, timeout_s=120, message="every replica said it started")
     many = calls_in_window(bus)
-    # Steady state: the node agent's heartbeats (5 a second for the node), nothing per replica,
-    # and they come over the agent's socket (heartbeat_link.py), not as actor calls.
-    assert sum(one.values()) <= 15 * WINDOW_S, one
-    assert sum(many.values()) <= sum(one.values()) + 5, (one, many)
-    assert many.get("node_heartbeat_link", 0) >= 2 * WINDOW_S, many
-    assert all(count == 0 for name, count in many.items() if name != "node_heartbeat_link"), many
+    for window in (one, many):
+        assert {name: count for name, count in window.items() if count and name != "node_heartbeat_link"} == {}, (one, many)
 
 
 def test_a_controller_that_stops_answering_gets_a_new_heartbeat_link_once_it_runs_again(bus, topic_name):
@@ -54,18 +58,20 @@ def test_a_controller_that_stops_answering_gets_a_new_heartbeat_link_once_it_run
     bus.admin.create_topic(topic_name, partitions=1)
     node_id = ray.get_runtime_context().get_node_id()
     lease = NodeLease(node_directory(bus.namespace, node_id))
-    wait_for(lambda: ray.get(bus.controller.call_counts.remote()).get("node_heartbeat_link", 0) > 0, timeout_s=60,
-             message="heartbeats over the link")
-    opened = ray.get(bus.controller.call_counts.remote())["heartbeat_links_opened"]
+    agent = ray.get_actor(agent_actor_name(node_id), namespace=bus.namespace)
+    wait_for(lambda: call_counts(bus).get("node_heartbeat_link", 0) > 0, timeout_s=60, message="heartbeats over the link")
+    opened = call_counts(bus)["heartbeat_links_opened"]
+    dropped = get(agent.status.remote())["heartbeat_links_dropped"]
     controller_pid = get(bus.controller.ping.remote())
     os.kill(controller_pid, signal.SIGSTOP)
-    try:
-        time.sleep(2.5)  # the fault: silent for longer than the agent's 1.6 s before it drops a link
+    try:  # the fault lasts until the agent gives the silent link up
+        wait_for(lambda: get(agent.status.remote())["heartbeat_links_dropped"] > dropped, timeout_s=60,
+                 message="the agent dropping the silent link")
     finally:
         os.kill(controller_pid, signal.SIGCONT)
-    wait_for(lambda: ray.get(bus.controller.call_counts.remote())["heartbeat_links_opened"] > opened, timeout_s=60,
-             message="a new heartbeat link")
+    wait_for(lambda: call_counts(bus)["heartbeat_links_opened"] > opened, timeout_s=60, message="a new heartbeat link")
     wait_for(lambda: lease.expires_ms > monotonic_ms(), timeout_s=60, message="the node's lease renewed")
+    assert get(agent.status.remote())["heartbeat_link_open"]
     with logbus.Producer(bus) as producer:
         assert producer.send(topic_name, b"after the pause").result(timeout=60).offset == 0
     assert assert_healed(bus, topic_name) == {0: 1}
@@ -89,7 +95,7 @@ def test_a_write_that_finds_the_nodes_lease_lapsed_waits_for_the_next_renewal(bu
     finally:
         os.kill(agent_pid, signal.SIGCONT)
     assert get(pending).base_offset == 1
-    assert lease.expires_ms > monotonic_ms()
+    wait_for(lambda: lease.expires_ms > monotonic_ms(), timeout_s=60, message="the node's lease renewed")
     assert assert_healed(bus, topic_name) == {0: 2}
 
 

@@ -44,6 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
         ["consume"],
         ["status"],
         ["gateway"],
+        ["join"],
     ],
 )
 def test_every_command_has_help(argv, capsys):
@@ -78,6 +79,41 @@ def test_usage_errors_exit_2_without_connecting(capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "usage: logbus" in err and "error:" in err, argv
+
+
+def test_join_checks_its_arguments_and_token_before_starting_ray(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for argv in (
+        ["join"],  # no address
+        ["join", "--address", "auto"],  # a host joins a head by its address
+        ["join", "--address", "10.0.0.1:6379", "--rack", "rack 1"],
+        ["join", "--address", "10.0.0.1:6379", "--rack", "-r1"],
+        ["join", "--address", "10.0.0.1:6379", "--replica-slots", "-1"],
+    ):
+        assert main(argv) == 2, argv
+        assert "usage: logbus join" in capsys.readouterr().err, argv
+    assert main(["join", "--address", "10.0.0.1:6379", "--token-file", str(tmp_path / "missing")]) == 1
+    assert "error: cannot read the token file" in capsys.readouterr().err
+    (tmp_path / "empty").write_text("")
+    assert main(["join", "--address", "10.0.0.1:6379", "--token-file", str(tmp_path / "empty")]) == 1
+    assert "is empty" in capsys.readouterr().err
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token there
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["join", "--address", "10.0.0.1:6379"]) == 1
+    assert "the cluster's token is needed" in capsys.readouterr().err
+
+
+def test_join_runs_ray_start_with_the_slots_and_the_rack():
+    args = logbus.cli.build_parser().parse_args(
+        ["join", "--address", "10.0.0.1:6379", "--replica-slots", "16", "--rack", "r1", "--node-ip-address", "10.0.0.2",
+         "--num-cpus", "0"])
+    assert logbus.cli.ray_start_argv(args, "ray") == [
+        "ray", "start", "--address", "10.0.0.1:6379", "--resources", '{"logbus_replica": 16}', "--disable-usage-stats",
+        "--labels", "logbus.rack=r1", "--node-ip-address", "10.0.0.2", "--num-cpus", "0"]
+    args = logbus.cli.build_parser().parse_args(["join", "--address", "h:1", "--replica-slots", "0", "--block"])
+    assert logbus.cli.ray_start_argv(args, "ray") == ["ray", "start", "--address", "h:1", "--resources", "{}",
+                                                      "--disable-usage-stats", "--block"]
 
 
 def test_the_cli_error_is_part_of_the_error_tree():

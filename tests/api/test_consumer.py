@@ -209,9 +209,7 @@ def test_kafka_python_idioms_subscribe_in_the_constructor_and_iterate(bus, topic
         assert [r.offset for r in got if r.partition == partition] == list(range(20))
     # Nothing more: iteration stops after consumer_timeout_ms without a record (kafka-python's StopIteration).
     consumer._consumer_timeout_s = 0.5  # white box: shorten the wait for this check
-    started = time.monotonic()
     assert list(consumer) == []
-    assert 0.5 <= time.monotonic() - started < 30
     consumer.close()
 
 

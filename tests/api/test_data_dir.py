@@ -67,8 +67,9 @@ sys.stdin.readline()  # stay up (serving, or joined) until told to go
 """
 
 
-def start(data_dir: str, prefix: str, count: int) -> subprocess.Popen:
-    env = dict(os.environ, RAY_ENABLE_AUTO_CONNECT="0", PYTHONPATH=str(REPO_ROOT))
+def start(data_dir: str, prefix: str, count: int, env: dict | None = None) -> subprocess.Popen:
+    """Run APP; ``env``: its whole environment (default: this process's, which may carry Ray's auth settings)."""
+    env = dict(os.environ if env is None else env, RAY_ENABLE_AUTO_CONNECT="0", PYTHONPATH=str(REPO_ROOT))
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen(
         [sys.executable, "-c", APP, data_dir, prefix, str(count)],
@@ -140,3 +141,44 @@ def test_two_processes_over_one_data_directory_lose_nothing(tmp_path, ray_sessio
     assert not lost, f"{len(lost)} acknowledged records lost, e.g. {lost[:3]}"
     moved = [value for value, where in acked.items() if stored[value] != where]
     assert not moved, f"records stored at other offsets than acknowledged: {moved[:3]}"
+
+
+def user_environment(home: Path, **settings: str) -> dict:
+    """The environment a user's shell has: no RAY_AUTH_* (pytest's carries the RAY_AUTH_MODE its own
+    ray.init set), HOME a directory of its own (so no token is found in ~/.ray unless Ray writes one)."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_AUTH_")}
+    return {**env, "HOME": str(home), **settings}
+
+
+@pytest.mark.parametrize("first_settings, second_settings", [
+    # A user's environment: the first process's embedded Ray turns token mode on by itself and writes
+    # a token to its ~/.ray; the second, with another HOME and no token, joins by address.
+    ({}, {}),
+    # Token mode asked for: the first has a token file of its own, the second only the mode.
+    ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "{tmp}/token"}, {"RAY_AUTH_MODE": "token"}),
+    # Auth turned off by the first process's user; the second's environment says token (as pytest's does).
+    ({"RAY_AUTH_MODE": "disabled"}, {"RAY_AUTH_MODE": "token"}),
+], ids=["user-environment", "token-mode", "first-disabled"])
+def test_a_second_process_joins_with_the_first_ones_ray_auth(tmp_path, first_settings, second_settings):
+    """The second connect() over a data directory joins the first's cluster with that cluster's auth mode and
+    token, whatever its own environment says (before, it got InvalidAuthToken, then DataDirectoryInUseError)."""
+    (tmp_path / "token").write_text("a-token-of-this-test-" + uuid.uuid4().hex)
+    first_env = user_environment(tmp_path / "home-a", **{k: v.format(tmp=tmp_path) for k, v in first_settings.items()})
+    second_env = user_environment(tmp_path / "home-b", **second_settings)
+    data_dir = str(tmp_path / "data")
+    first = start(data_dir, "a", 20, env=first_env)
+    processes = [first]
+    try:
+        gcs = message(first, "gcs")
+        second = start(data_dir, "b", 20, env=second_env)
+        processes.append(second)
+        assert message(second, "gcs") == gcs
+        acked = {**message(first, "acked"), **message(second, "acked")}
+        assert len(acked) == 40
+        if not first_settings:
+            # The token the second process used is the one Ray wrote for the first.
+            assert (tmp_path / "home-a" / ".ray" / "auth_token").is_file()
+            assert not (tmp_path / "home-b" / ".ray").exists()
+    finally:
+        stop(*processes)

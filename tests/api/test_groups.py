@@ -118,10 +118,7 @@ def test_three_members_one_dies_partitions_move_and_nothing_is_skipped(bus, topi
     wait_for(lambda: balanced([0, 1, 2]), timeout_s=90, interval_s=0, message="three members own all partitions")
     victim_partitions = set(assignments[2])
     os.kill(ray.get(workers[2].pid.remote()), signal.SIGKILL)
-    killed_at = time.monotonic()
     wait_for(lambda: balanced([0, 1]), timeout_s=90, interval_s=0, message="the survivors own all partitions")
-    moved_after_s = time.monotonic() - killed_at
-    assert moved_after_s < 3.0 + 30  # session timeout plus a rebalance, with room for a busy machine
 
     def drained():
         # Short polls: a member with nothing left must not hold up the one still reading.

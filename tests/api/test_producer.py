@@ -8,6 +8,7 @@ failed for good (KIP-360).
 import asyncio
 import concurrent.futures
 import json
+import threading
 import time
 
 import pyarrow as pa
@@ -60,8 +61,12 @@ def test_record_futures_work_with_wait_and_as_completed(bus, topic_name):
     assert not done and len(not_done) == 300
     with pytest.raises(concurrent.futures.TimeoutError):
         next(concurrent.futures.as_completed(futures, timeout=0.01))
-    # Still pending here: as_completed yields them as their batches complete, after the linger.
+    # Still pending here: as_completed yields them as their batches complete (sent by a flush from
+    # another thread rather than at the linger's end).
+    flushing = threading.Thread(target=producer.flush, kwargs={"timeout": 60})
+    flushing.start()
     yielded = list(concurrent.futures.as_completed(futures, timeout=60))
+    flushing.join(timeout=60)
     assert sorted(map(id, yielded)) == sorted(map(id, futures))  # each future once, itself (not its batch)
     done, not_done = concurrent.futures.wait(futures, timeout=60)
     assert len(done) == 300 and not not_done

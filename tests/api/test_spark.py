@@ -6,16 +6,10 @@ start); it runs on the shared Ray session of tests/conftest.py.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 import zlib
 from collections import Counter
-from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -300,93 +294,70 @@ def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(s
     assert {(row["partition"], row["offset"]): row["ms"] for row in rows} == appended
 
 
-# --- Spark holding every CPU of its Ray cluster ------------------------------------------------------
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-ALL_CPUS_APP = r"""
-import json, sys, time
-import ray
-import pyarrow as pa
-import logbus, logbus.spark
-from logbus.api.dataset import read_dataset
-
-data_dir, records = sys.argv[1], int(sys.argv[2])
-ray.init(address="local", num_cpus=2, object_store_memory=300 << 20, include_dashboard=False, log_to_driver=False)
-bus = logbus.connect(data_dir=data_dir)
-bus.admin.create_topic("events", partitions=3)
-with logbus.Producer(bus) as producer:
-    for i in range(records):
-        producer.send("events", b"%d" % i, key=b"k%d" % (i % 50))
-spark = logbus.spark.init_spark("all-cpus", num_executors=1, executor_cores=2, configs={"spark.ui.showConsoleProgress": "false"})
-deadline = time.monotonic() + 60  # Ray's view of free resources follows the executor's start shortly after
-while ray.available_resources().get("CPU", 0.0) > 0 and time.monotonic() < deadline:
-    time.sleep(0.2)
-report = {"cpus": ray.cluster_resources().get("CPU"), "free_cpus": ray.available_resources().get("CPU", 0.0)}
-
-df = logbus.spark.read(spark, "events", bus=bus)
-rows = df.select("partition", "offset", "value").collect()
-report["read"] = [int(bytes(row["value"])) for row in rows]
-report["positions"] = len({(row["partition"], row["offset"]) for row in rows})
-
-bus.admin.create_topic("copy", partitions=2)
-report["written"] = logbus.spark.write(df.select("key", "value"), "copy", bus=bus)
-copied = pa.concat_tables(ray.get(read_dataset("copy", bus=bus, num_cpus=0).to_arrow_refs()))
-report["copied"] = [int(v) for v in copied["value"].to_pylist()]
-
-batches = []
-stream = logbus.spark.stream(
-    spark, "events", "all-cpus", lambda batch, batch_id: batches.append(batch.count()), max_offsets_per_trigger=records // 2,
-    trigger_interval_s=0, bus=bus, until_caught_up=True, progress=lambda progress: None,
-)
-stream.await_termination(timeout_s=300)
-report["streamed"] = batches
-print("REPORT " + json.dumps(report), flush=True)
-logbus.spark.stop_spark()
-ray.shutdown()
-"""
+# --- no CPU free for Ray tasks ------------------------------------------------------------------------
 
 
-def stop_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass  # already gone
+@ray.remote(num_cpus=0)
+class CpuHolder:
+    """Holds the CPUs it was created with (``.options(num_cpus=...)``) until it is killed."""
+
+    def ready(self) -> bool:
+        return True
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_read_write_and_stream_while_spark_holds_every_cpu(tmp_path):
-    """init_spark(executor_cores=2) on a Ray of 2 CPUs: read, write and stream still finish.
+def free_cpus() -> float:
+    return ray.available_resources().get("CPU", 0.0)
 
-    The executors hold both CPUs for the session's life; read tasks of one CPU
-    each used to wait for them forever (Ray Data: "backpressured:
-    tasks(ResourceBudget)"), and so did ray.data.from_spark's metadata tasks
-    in write. A process of its own: its own Ray of 2 CPUs and its own Spark
-    (the suite's share one Ray of 4 CPUs and one Spark of 1 core).
+
+@pytest.mark.timeout(300)
+def test_read_write_and_stream_while_every_cpu_is_held(spark, module_bus):
+    """With no CPU of Ray free (Spark's executor holds one, as init_spark(executor_cores=...) as large
+    as Ray's CPU count holds them all; an actor holds the rest), read, write and stream still finish.
+
+    Read tasks of one CPU each used to wait for a free CPU forever (Ray Data: "backpressured:
+    tasks(ResourceBudget)"), and so did ray.data.from_spark's metadata tasks in write. The suite's
+    Ray session and Spark serve it: what matters to Ray's scheduler is that no CPU is free, not
+    which actors hold them.
     """
-    records, deadline_s = 3_000, 420
-    env = dict(os.environ, RAY_ENABLE_AUTO_CONNECT="0", PYTHONPATH=str(REPO_ROOT))
-    env.pop("RAY_ADDRESS", None)
-    process = subprocess.Popen(
-        [sys.executable, "-c", ALL_CPUS_APP, str(tmp_path / "data"), str(records)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(REPO_ROOT), env=env,
-        start_new_session=True,  # its Ray and Spark processes too, to end them all if it hangs
-    )
+    records = 3_000
+    events, copy = f"sp-cpu-{uuid.uuid4().hex[:8]}", f"sp-cpu-copy-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(events, partitions=3)
+    module_bus.admin.create_topic(copy, partitions=2)
+    with logbus.Producer(module_bus) as producer:
+        for i in range(records):
+            producer.send(events, b"%d" % i, key=b"k%d" % (i % 50))
+    spare = wait_for(free_cpus, timeout_s=60, interval_s=0.2, message="CPUs that Spark's executor leaves free")
+    holders = []
+
+    def every_cpu_held() -> bool:
+        free = free_cpus()  # Ray's view of free resources follows an actor's start or end shortly after
+        if free > 0:
+            holders.append(CpuHolder.options(num_cpus=free).remote())
+            ray.get(holders[-1].ready.remote(), timeout=60)
+        return free == 0
+
     try:
-        output, _ = process.communicate(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        stop_group(process.pid, signal.SIGTERM)  # the driver shuts its Ray down on SIGTERM
-        try:
-            output, _ = process.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            stop_group(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-        pytest.fail(f"read/write/stream with Spark holding every CPU did not finish in {deadline_s} s:\n{output[-5000:]}")
-    reports = [line[len("REPORT "):] for line in output.splitlines() if line.startswith("REPORT ")]
-    assert process.returncode == 0 and reports, output[-5000:]
-    report = json.loads(reports[0])
-    assert report["cpus"] == 2 and report["free_cpus"] == 0  # Spark's executor holds both
-    assert sorted(report["read"]) == list(range(records)) and report["positions"] == records
-    assert report["written"] == records and sorted(report["copied"]) == list(range(records))
-    assert sum(report["streamed"]) == records and len(report["streamed"]) >= 2
+        wait_for(every_cpu_held, timeout_s=60, interval_s=0.2, message="every CPU held")
+
+        df = logbus.spark.read(spark, events, bus=module_bus)
+        rows = df.select("partition", "offset", "value").collect()
+        assert sorted(int(bytes(row["value"])) for row in rows) == list(range(records))
+        assert len({(row["partition"], row["offset"]) for row in rows}) == records
+
+        assert logbus.spark.write(df.select("key", "value"), copy, bus=module_bus) == records
+        copied = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(copy, bus=module_bus, num_cpus=0).to_arrow_refs()))
+        assert sorted(int(v) for v in copied["value"].to_pylist()) == list(range(records))
+
+        batches = []
+        stream = logbus.spark.stream(
+            spark, events, f"sp-cpu-{uuid.uuid4().hex[:8]}", lambda batch, batch_id: batches.append(batch.count()),
+            max_offsets_per_trigger=records // 2, trigger_interval_s=0, bus=module_bus, until_caught_up=True,
+            progress=lambda progress: None,
+        )
+        assert stream.await_termination(timeout_s=240)
+        assert sum(batches) == records and len(batches) >= 2
+        assert free_cpus() == 0  # held throughout
+    finally:
+        for holder in holders:
+            ray.kill(holder)
+    wait_for(lambda: free_cpus() >= spare, timeout_s=60, interval_s=0.2, message="the held CPUs free again")

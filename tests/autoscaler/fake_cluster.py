@@ -276,6 +276,15 @@ class FakeAutoscalingCluster:
             logger.info("worker nodes %d -> %d in %.1f s", since.workers, live, seconds)
         return seconds
 
+    def termination_reasons(self, node_ids: list[str]) -> dict[str, list[str]]:
+        """Why the autoscaler ended each of ``node_ids``, as its log (the head's ``monitor.log``) says:
+        ``StandardAutoscaler: Terminating the node with id ID and ip IP. (REASON)``. The fake provider
+        gives each node the id Ray knows it by."""
+        log = Path(self.session_dir) / "logs" / "monitor.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        found = re.findall(r"Terminating the node with id (\S+) and ip \S+\. \((.*?)\)", text)
+        return {node_id: [reason for found_id, reason in found if found_id == node_id] for node_id in node_ids}
+
     def processes(self) -> list[psutil.Process]:
         """This machine's processes that belong to this cluster (see the module docstring)."""
         marks = [re.escape(mark) for mark in (self.address, self.session_dir) if mark]

@@ -77,12 +77,13 @@ def test_idle_nodes_go_away_once_actors_and_groups_are_removed(cluster):
     ray.get(group.ready(), timeout=SCALE_TIMEOUT_S)
     ray.get(replica.node_id.remote(), timeout=SCALE_TIMEOUT_S)
 
+    used = cluster.node_ids()
     released = cluster.mark()
     ray.kill(replica)
     remove_placement_group(group)
-    seconds = cluster.wait_for_workers(0, timeout_s=SCALE_TIMEOUT_S, since=released)
-    # A node goes only after idle_timeout_s of idleness (less 1 s: Ray and this process read clocks at other moments).
-    assert seconds >= IDLE_TIMEOUT_S - 1
+    cluster.wait_for_workers(0, timeout_s=SCALE_TIMEOUT_S, since=released)
+    # Each went for being idle (past idle_timeout_s), as the autoscaler's log says of each node it ends.
+    assert cluster.termination_reasons(used) == {node_id: ["idle"] for node_id in used}
     # The autoscaler may start one node more than needed while others are still starting.
     up, down = cluster.scale_events[-2:]
     assert up.from_workers == 0 and up.to_workers >= 2

@@ -1,0 +1,169 @@
+"""logbus on Ray hosts that each have a network address of their own, with Ray's token authentication on.
+
+The cluster (``netns_cluster``, tests/cluster/netns.py): a Ray head, three
+nodes that joined with ``logbus join --token-file`` (replica slots, one rack
+each) and a client host whose driver runs the workload, each in a network
+namespace of its own. Checked here: the hosts' addresses and isolation, a
+topic replicated over three hosts and read back through a driver on another
+host, token auth refusing drivers and hosts without the token, the network
+faults (a host cut off, two hosts cut from each other) and the process
+faults (a host paused, killed and joined again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from logbus.actors.controller import OWNER_LOCK_FILE
+from logbus.actors.placement import replica_directory
+from tests.cluster.history import check, compare_replicas, load, replica_records
+from tests.cluster.netns import CLIENT, HEAD, _process_state, _run
+from tests.cluster.workload import Workload
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+TOPIC = "events"
+
+
+def test_every_host_has_an_address_of_its_own_and_no_route_out(netns_cluster):
+    cluster = netns_cluster
+    nodes = cluster.ray_nodes()
+    live = {node["NodeManagerAddress"]: node for node in nodes if node["Alive"]}
+    assert set(live) == {host.ip for host in cluster.hosts.values()}
+    for role in cluster.nodes:
+        node = live[cluster.hosts[role].ip]
+        assert node["Resources"].get("logbus_replica") == 8
+        assert node["Labels"].get("logbus.rack") == cluster.hosts[role].rack
+    for role in (HEAD, CLIENT):
+        assert "logbus_replica" not in live[cluster.hosts[role].ip]["Resources"]
+    for host in cluster.hosts.values():
+        addresses = json.loads(_run(["ip", "-n", host.netns, "-j", "-4", "addr", "show"]).stdout)
+        assert sorted(a["local"] for link in addresses for a in link["addr_info"]) == sorted(["127.0.0.1", host.ip])
+        routes = _run(["ip", "-n", host.netns, "route", "show"]).stdout
+        assert "default" not in routes and "via" not in routes, routes
+
+
+@pytest.fixture(scope="module")
+def workload(netns_cluster, tmp_path_factory):
+    """A driver on the client host, connected over the network with the cluster's token."""
+    directory = tmp_path_factory.mktemp("multihost")
+    driver = Workload(netns_cluster, str(directory / "data"), f"mh-{uuid.uuid4().hex[:8]}", str(directory / "history.jsonl"))
+    driver.data_dir = str(directory / "data")
+    yield driver
+    driver.close()
+
+
+def test_a_topic_replicated_over_three_hosts_is_produced_and_consumed_from_a_fourth(netns_cluster, workload):
+    cluster = netns_cluster
+    described = workload.call("create_topic", topic=TOPIC, partitions=3, replication_factor=3,
+                              config={"min.insync.replicas": "2"})
+    replica_node_ids = {node["NodeID"] for node in cluster.ray_nodes()
+                        if node["Alive"] and node["NodeManagerAddress"] in {cluster.hosts[r].ip for r in cluster.nodes}}
+    for partition, statuses in zip(described["partitions"], described["statuses"]):
+        assert len(partition["replicas"]) == 3
+        assert sorted(partition["isr"]) == sorted(partition["replicas"])
+        assert {s["node_id"] for s in statuses} == replica_node_ids  # one replica on each replica host
+
+    # The controller runs on the head; its owner note says how a process over the same directory joins.
+    note = json.loads(open(os.path.join(workload.data_dir, "controller", OWNER_LOCK_FILE + ".json")).read())
+    head_node = next(n for n in cluster.ray_nodes() if n["Alive"] and n["NodeManagerAddress"] == cluster.hosts[HEAD].ip)
+    assert note["node_id"] == head_node["NodeID"]
+    assert note["ray_auth"] == {"mode": "token", "token_file": str(cluster.token_file)}
+
+    counts = workload.call("produce", topic=TOPIC, count=300)
+    assert counts["acked"] == 300 and counts["failed"] == 0, counts
+    read = workload.call("read_all", topic=TOPIC, consumer="final")
+    assert read["read"] == 300
+    report = check(load(workload.history_path), complete_consumers=["final"])
+    assert report.ok, report.as_dict()
+    assert report.acked == 300
+
+    # Every replica holds the same records up to the high watermark.
+    described = workload.call("describe", topic=TOPIC)
+    for partition in described["partitions"]:
+        logs = {r: replica_records(replica_directory(workload.data_dir, TOPIC, partition["partition"], r), partition["high_watermark"])
+                for r in partition["replicas"]}
+        compared = compare_replicas(logs, bound=partition["high_watermark"])
+        assert not compared["disagree"] and not compared["missing"], compared
+        assert sum(len(records) for records in logs.values()) == 3 * partition["high_watermark"]
+    assert sum(p["high_watermark"] for p in described["partitions"]) == 300
+
+
+CONNECT = "import sys, ray\nray.init(address=sys.argv[1], log_to_driver=False)\nprint('connected')\n"
+
+
+def test_token_auth_refuses_drivers_and_hosts_without_the_token(netns_cluster, tmp_path):
+    cluster = netns_cluster
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text(uuid.uuid4().hex)
+    assert "connected" in cluster.python(CONNECT)
+    for popen_options in ({"token": False}, {"env": {"RAY_AUTH_TOKEN_PATH": str(wrong)}}):
+        with pytest.raises(RuntimeError, match=r"exited|ran past") as refused:
+            cluster.python(CONNECT, timeout_s=120, **popen_options)
+        assert "connected" not in str(refused.value)
+
+    # A host joining with a wrong token does not become a node; with the cluster's token it does.
+    cluster.add_host("n4", replica_slots=4, rack="rack-4")
+    argv = cluster.join_argv("n4")
+    argv[argv.index("--token-file") + 1] = str(wrong)
+    env = cluster.ray_environment(cluster.hosts["n4"])
+    joined = subprocess.run(["ip", "netns", "exec", cluster.hosts["n4"].netns, *argv], env=env, capture_output=True,
+                            text=True, timeout=400)
+    assert joined.returncode != 0
+    cluster.kill("n4")  # whatever the failed start left running
+    cluster.join("n4")
+    node = cluster.wait_for_node("n4")
+    assert node["Resources"].get("logbus_replica") == 4 and node["Labels"].get("logbus.rack") == "rack-4"
+    cluster.kill("n4")
+
+
+def test_a_cut_host_and_a_cut_pair_lose_exactly_their_paths(netns_cluster):
+    cluster = netns_cluster
+    assert cluster.reachable("n1", "n2") and cluster.reachable(CLIENT, "n1")
+    cluster.cut("n1")
+    try:
+        assert not cluster.reachable("n1", "n2")
+        assert not cluster.reachable(CLIENT, "n1")
+        assert not cluster.reachable("n2", "n1")
+        assert cluster.reachable("n2", "n3")
+    finally:
+        cluster.heal("n1")
+    assert cluster.reachable("n1", "n2") and cluster.reachable(CLIENT, "n1")
+
+    cluster.cut_pair("n1", "n2")
+    try:
+        assert not cluster.reachable("n1", "n2")
+        assert not cluster.reachable("n2", "n1")
+        assert cluster.reachable("n1", "n3") and cluster.reachable("n3", "n2") and cluster.reachable(CLIENT, "n1")
+    finally:
+        cluster.heal_all()
+    assert cluster.reachable("n1", "n2") and cluster.reachable("n2", "n1")
+    assert not cluster.cut_pairs and not cluster.cut_hosts
+
+
+def _states(pids):
+    return [state for state in map(_process_state, pids) if state is not None]
+
+
+def test_a_host_paused_resumed_killed_and_joined_again(netns_cluster):
+    cluster = netns_cluster
+    before = cluster.wait_for_node("n3")
+    pids = cluster.pids("n3")
+    assert pids  # its raylet and Ray's agents at least
+    cluster.pause("n3")
+    try:
+        assert set(_states(pids)) == {"T"}
+    finally:
+        cluster.resume("n3")
+    assert "T" not in _states(pids)
+
+    cluster.kill("n3")
+    assert cluster.pids("n3") == []
+    cluster.restart("n3")
+    after = cluster.wait_for_node("n3", not_node_id=before["NodeID"])
+    assert after["Resources"].get("logbus_replica") == 8
