@@ -779,9 +779,17 @@ class ReplicaState:
         follow = self._following(epoch)
         if follow is None:
             return []
-        target, follow.ask_epoch = truncation_target(
-            log.epochs, log.log_start_offset, log.log_end_offset, leader_epoch, leader_end_offset
-        )
+        if leader_epoch == UNDEFINED_EPOCH:
+            # The leader holds no epoch at or below ours: its log is empty at its start (DeleteRecords
+            # took everything; the epoch cache keeps only epochs inside the log), or it never had one
+            # of ours. As Kafka's fetcher, keep what is committed (our high watermark) and fetch from
+            # there: an out-of-range answer then cuts to the leader's end or starts at its start.
+            target = max(log.log_start_offset, min(self._follower_high_watermark, log.log_end_offset))
+            follow.ask_epoch = None
+        else:
+            target, follow.ask_epoch = truncation_target(
+                log.epochs, log.log_start_offset, log.log_end_offset, leader_epoch, leader_end_offset
+            )
         follow.needs_truncation = follow.ask_epoch is not None  # each round asks about an older epoch: it ends
         if target >= log.log_end_offset:
             return []
@@ -831,9 +839,18 @@ class ReplicaState:
             return []
         if log.log_end_offset < leader_start_offset:
             return [StartLogAt(leader_start_offset)]  # everything we hold is below the leader's start: nothing is cut
-        follow.needs_truncation = True  # our log runs past the leader's: cut it by epoch again
+        actions: list = []
+        if log.log_end_offset > leader_end_offset:
+            # Our log runs past the leader's end: what is past it is not committed (after a clean
+            # election the leader holds every committed record), so it goes first.
+            if leader_end_offset < log.log_start_offset:
+                self._cut_high_watermark(leader_start_offset, log.log_end_offset)
+                return [StartLogAt(leader_start_offset)]
+            self._cut_high_watermark(leader_end_offset, log.log_end_offset)
+            actions.append(Truncate(leader_end_offset))
+        follow.needs_truncation = True  # and what remains is cut by epoch again
         follow.ask_epoch = None
-        return []
+        return actions
 
     def on_fetch_failed(self, epoch: int) -> None:
         """A call to the leader failed or timed out: the next fetch waits briefly."""

@@ -231,10 +231,26 @@ def test_a_fetch_past_the_leader_or_below_its_start_is_resolved(open_log):
     # The leader's log starts past ours (its delete_records, or retention): start empty at its start.
     assert run(log, state.on_out_of_range(1, 10, 12, log)) == [StartLogAt(10)]
     assert (log.log_start_offset, log.log_end_offset) == (10, 10)
-    # Our log runs past the leader's end: truncate by epoch again before the next fetch.
+    # Our log runs past the leader's end: cut to its end, then truncate by epoch again before the next fetch.
     append(log, 0, 5)
-    assert state.on_out_of_range(1, 0, 12, log) == []
+    assert run(log, state.on_out_of_range(1, 0, 12, log)) == [Truncate(12)]
+    assert log.log_end_offset == 12
     assert isinstance(state.next_fetch(1, log), AskEpochEnd)
+
+
+def test_a_leader_with_no_epoch_of_ours_leaves_the_follower_its_committed_records(open_log):
+    """A leader whose log is empty at its start (DeleteRecords took everything) holds no epoch: the
+    follower keeps what is below its high watermark, as Kafka's fetcher does, and its high watermark
+    does not go back."""
+    log = open_log()
+    append(log, 0, 4)
+    state = ReplicaState(1, 0, partition_name="t-0")
+    run(log, state.become_follower(0, 0, "leader-0", log)[1])
+    state.fetch_reply_applied(0, FetchResponse(4, 4, 2, 0, 0), log)
+    run(log, state.become_follower(1, 2, "leader-2", log)[1])
+    assert state.next_fetch(1, log) == AskEpochEnd(0)
+    assert run(log, state.on_epoch_end(1, -1, -1, log)) == [Truncate(2)]
+    assert log.log_end_offset == 2 and state.high_watermark(log.log_end_offset) == 2
 
 
 def test_a_reply_is_appended_then_the_leaders_log_start_and_high_watermark_are_adopted(open_log):
