@@ -12,6 +12,7 @@ import importlib
 from logbus import errors
 from logbus.errors import *  # noqa: F401,F403  (the error tree is part of the public API)
 from logbus.protocol.messages import (
+    ConsumerGroupMetadata,
     ConsumerRecord,
     OffsetAndTimestamp,
     PartitionInfo,

@@ -17,7 +17,8 @@ Flag spellings follow Kafka's tools (``kafka-topics``, ``kafka-console-producer`
     logbus nodes drain NODE_ID [--throttle 10485760]
     logbus status
     logbus gateway --port 9092 [--host 0.0.0.0 --advertised-host HOST] [--all-nodes]
-    logbus join --address HEAD:6379 --token-file auth_token [--replica-slots 32] [--rack r1]
+        [--tls-cert PEM --tls-key PEM [--tls-ca PEM]] [--sasl-mechanism SCRAM-SHA-512 ...] [--allow-plaintext]
+    logbus join --address HEAD:6379 --token-file auth_token --data-dir /var/lib/logbus [--replica-slots 32] [--rack r1]
 
 Connecting: without ``--address`` (and without ``RAY_ADDRESS`` in the
 environment) each invocation joins the cluster of the process that serves
@@ -47,7 +48,11 @@ import sys
 import threading
 import time
 
-from logbus.errors import CliError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.errors import CliError, InvalidConfigError, InvalidPartitionError, LogbusError, OffsetOutOfRangeError, UnknownTopicError
+from logbus.options import INT32_MAX, INT64_MAX, MS_MAX, check_int
+from logbus.retry import retry_until
+from logbus.protocol.cluster_metadata import PARTITIONS_MAX
+from logbus.protocol.listener_security import SASL_MECHANISMS, ListenerSecurity
 from logbus.storage.names import validate_topic_name
 
 PROG = "logbus"
@@ -131,43 +136,31 @@ def _err(message: str) -> None:
 # --- argument types -----------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
-    return value
+def _int_flag(flag: str, minimum: int = 1, maximum: int = INT64_MAX, unit: str = ""):
+    """An argparse type: the flag's text as an int, checked as every client checks the option
+    (logbus/options.py), so a flag and the option it sets fail with the same words."""
 
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = text  # not an int: the check names it as given
+        try:
+            return check_int(flag, value, minimum, maximum, unit=unit)
+        except InvalidConfigError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, not {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535, not {value}")
-    return value
+    parse.__name__ = flag  # argparse names the type in its own messages
+    return parse
 
 
 def _offset(text: str):
     if text in ("earliest", "latest"):
         return text
     try:
-        return _non_negative_int(text)
+        return _int_flag("--offset", 0)(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected 'earliest', 'latest' or a non-negative integer, not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--offset must be 'earliest', 'latest' or an int from 0 to {INT64_MAX}, not {text!r}") from None
 
 
 def _config_items(text: str) -> list[tuple[str, str]]:
@@ -512,13 +505,19 @@ NODES_HEADERS = ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Repli
 REASSIGN_HEADERS = ["Topic", "Partition", "TargetNodes", "Adding", "Removing", "Copied(replica:offset/leader)", "Throttle(B/s)"]
 
 
+def _refusals(nodes: list[dict]) -> str:
+    """Lines for the hosts the cluster refused (a data directory of another cluster)."""
+    return "".join(f"Refused: node {n['node_id']} on Ray node {n['ray_node_id']}: {n['refused']}\n" for n in nodes if n.get("refused"))
+
+
 def cmd_nodes_list(args) -> int:
-    """Print every node that may host replicas: replicas, leaders, replica limit, liveness and drain state."""
+    """Print every node that may host replicas: replicas, leaders, replica limit, liveness and drain state;
+    then the hosts the cluster refused, and why."""
     with _connected(args) as bus:
         nodes = bus.admin.nodes()
     rows = [[n["node_id"], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
-             n["replicas_down"], "yes" if n.get("draining") else "no"] for n in nodes]
-    sys.stdout.write(_table(NODES_HEADERS, rows))
+             n["replicas_down"], "yes" if n.get("draining") else "no"] for n in nodes if not n.get("refused")]
+    sys.stdout.write(_table(NODES_HEADERS, rows) + _refusals(nodes))
     return 0
 
 
@@ -551,7 +550,9 @@ def cmd_gateway(args) -> int:
     """Serve Kafka's wire protocol until interrupted (Ctrl-C or SIGTERM), so Kafka clients (kcat,
     kafka-python, confluent-kafka, aiokafka) produce to and consume from logbus.
 
-    Listens on 127.0.0.1 unless --host names another address. Prints the
+    Listens on 127.0.0.1 unless --host names another address; another
+    address needs TLS (--tls-cert, --tls-key) and authentication (--sasl-mechanism,
+    or client certificates with --tls-ca), or --allow-plaintext. Prints the
     bootstrap servers to give Kafka clients, then one line per gateway
     (broker); stops the gateways on exit.
     """
@@ -564,7 +565,13 @@ def cmd_gateway(args) -> int:
         with _connected(args) as bus:
             limits = {name: value for name, value in (("max_request_bytes", args.max_request_bytes),
                                                       ("max_connections", args.max_connections)) if value is not None}
-            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits)
+            security = {"ssl_certfile": args.tls_cert, "ssl_keyfile": args.tls_key, "ssl_cafile": args.tls_ca,
+                        "sasl_mechanisms": tuple(args.sasl_mechanism or ()), "allow_plaintext": args.allow_plaintext,
+                        "allow_plain_without_tls": args.allow_plain_without_tls}
+            gateway = bus.start_gateway(args.host, args.port, all_nodes=args.all_nodes, advertised_host=args.advertised_host, **limits, **security)
+            exposed = ListenerSecurity(**security).exposure_warning(args.host)
+            if exposed:
+                sys.stderr.write(f"warning: {exposed}\n")
             try:
                 sys.stdout.write(f"Kafka gateway serving: bootstrap.servers={gateway.bootstrap_servers}\n")
                 for host, port, broker_id, node_id in gateway.brokers:
@@ -599,14 +606,17 @@ def _label_value(text: str) -> str:
     return text
 
 
-def ray_start_argv(args, ray: str) -> list[str]:
-    """The ``ray start`` command that ``logbus join`` runs for ``args``."""
-    from logbus.actors.placement import REPLICA_NODE_RESOURCE
+def ray_start_argv(args, ray: str, node_id: str | None = None) -> list[str]:
+    """The ``ray start`` command that ``logbus join`` runs for ``args``, the host being node ``node_id``."""
+    from logbus.actors.placement import NODE_LABEL, REPLICA_NODE_RESOURCE
 
     resources = {REPLICA_NODE_RESOURCE: args.replica_slots} if args.replica_slots else {}
     argv = [ray, "start", "--address", args.address, "--resources", json.dumps(resources), "--disable-usage-stats"]
+    labels = [f"{NODE_LABEL}={node_id}"] if node_id else []
     if args.rack:
-        argv += ["--labels", f"{RACK_LABEL}={args.rack}"]
+        labels.append(f"{RACK_LABEL}={args.rack}")
+    if labels:
+        argv += ["--labels", ",".join(labels)]
     for flag, value in (("--node-ip-address", args.node_ip_address), ("--temp-dir", args.temp_dir), ("--num-cpus", args.num_cpus)):
         if value is not None:
             argv += [flag, str(value)]
@@ -624,9 +634,18 @@ def cmd_join(args) -> int:
     (--rack). Ray's processes keep running after the command returns; with
     --block the command becomes ``ray start --block`` and lasts as long as
     the node. The head's token is printed by ``ray get-auth-token`` there.
+
+    A host with replica slots is a logbus node of its own, kept in its data
+    directory (--data-dir, default ./logbus-data): the first join writes a
+    new node id into DIR/meta.properties, and every join advertises it (the
+    node label ``logbus.node``), so a host that joins again after a restart,
+    as a new Ray node, gets its replicas back, which reopen their logs in
+    DIR. The cluster records its own id in that file the first time it uses
+    the host, and refuses a directory of another cluster.
     """
     from logbus.actors import ray_auth
-    from logbus.actors.placement import embedded_slots
+    from logbus.actors.placement import NODE_DATA_DIR_ENV, embedded_slots
+    from logbus.storage import node_identity
 
     address = args.address  # checked by _check()
     if args.replica_slots is None:
@@ -637,11 +656,23 @@ def cmd_join(args) -> int:
         env = ray_auth.join_environment(args.token_file)
     except ValueError as error:
         raise CliError(str(error)) from None
+    node = ""
+    node_id = None
+    if args.replica_slots:
+        data_dir = os.path.abspath(args.data_dir or DEFAULT_DATA_DIR_HELP)
+        try:
+            meta, created = node_identity.load_or_create(data_dir)
+        except OSError as error:
+            raise CliError(f"cannot use the data directory {data_dir}: {error}") from None
+        node_id = meta.node_id
+        env[NODE_DATA_DIR_ENV] = data_dir  # the host's Ray processes (its replicas) keep their logs there
+        cluster = f" of cluster {meta.cluster_id}" if meta.cluster_id else ""
+        node = f" as {'new ' if created else ''}node {node_id}{cluster} (data directory {data_dir})"
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    argv = ray_start_argv(args, ray)
+    argv = ray_start_argv(args, ray, node_id)
     rack = f", rack {args.rack}" if args.rack else ""
     if args.block:
-        sys.stdout.write(f"Joining {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+        sys.stdout.write(f"Joining {address}{node} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
         sys.stdout.flush()
         os.execve(ray, argv, env)  # the node's lifetime is the command's
     try:
@@ -650,7 +681,7 @@ def cmd_join(args) -> int:
         raise CliError(f"ray start did not finish joining {address} in {JOIN_TIMEOUT_S} s") from None
     if result.returncode != 0:
         raise CliError(f"ray start exited {result.returncode}; this host did not join {address}")
-    sys.stdout.write(f"Joined {address} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
+    sys.stdout.write(f"Joined {address}{node} with {args.replica_slots} replica slot(s){rack}, token authentication on\n")
     return 0
 
 
@@ -699,6 +730,11 @@ def _status(bus) -> dict:
     }
 
 
+def _short_node_id(node_id: str) -> str:
+    """A host's node id whole (``node-`` and 16 hex digits), a Ray node id's first 16 hex digits."""
+    return node_id if node_id.startswith("node-") else node_id[:16]
+
+
 def _mib(value) -> str:
     return "-" if value is None else f"{value / (1 << 20):.1f}"
 
@@ -714,13 +750,15 @@ def cmd_status(args) -> int:
     nodes = status["nodes"]
     out = [
         f"logbus: namespace {status['namespace']}, data dir {status['data_dir']}\n",
-        f"Nodes: {len(nodes)} ({sum(1 for n in nodes if n['alive'])} alive), "
+        f"Nodes: {sum(1 for n in nodes if not n.get('refused'))} ({sum(1 for n in nodes if n['alive'])} alive), "
         f"{sum(n['replicas'] for n in nodes)} replicas; MaxReplicas is max.replicas.per.node\n",
         _table(
             ["NodeID", "Alive", "Replicas", "Leaders", "MaxReplicas", "Bytes", "MiBPerReplica", "Draining"],
-            [[n["node_id"][:16], "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
-              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"] for n in nodes],
+            [[_short_node_id(n["node_id"]), "yes" if n["alive"] else "no", n["replicas"], n["leaders"], _dash(n["max_replicas"]),
+              n.get("bytes", 0), _mib(n.get("memory_per_replica_bytes")), "yes" if n.get("draining") else "no"]
+             for n in nodes if not n.get("refused")],
         ),
+        _refusals(nodes),
         f"\nTopics: {len(status['topics'])}\n",
     ]
     if status["topics"]:
@@ -821,17 +859,13 @@ def cmd_groups_describe(args) -> int:
     return 0
 
 
-def _retrying(call, timeout_s: float = RETRY_TIMEOUT_S):
+def _retrying(call, what: str, timeout_s: float = RETRY_TIMEOUT_S):
     """``call()``, called again after retriable logbus errors (a leader being elected) until ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except LogbusError as error:
-            # UnknownTopicError is retriable for clients that wait for a topic to appear; not here.
-            if not error.retriable or isinstance(error, UnknownTopicError) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    return retry_until(
+        time.monotonic() + timeout_s, what, lambda _left_s: call(),
+        # UnknownTopicError is retriable for clients that wait for a topic to appear; not here.
+        retriable=lambda error: error.retriable and not isinstance(error, UnknownTopicError),
+    )
 
 
 def _reset_target(args):
@@ -902,10 +936,10 @@ def cmd_groups_reset_offsets(args) -> int:
         validate_topic_name(topic)
     to = _reset_target(args)
     with _connected(args) as bus:
-        current, plan = _retrying(lambda: _reset_plan(bus, group, to, topics))
+        current, plan = _retrying(lambda: _reset_plan(bus, group, to, topics), f"planning the reset of group {group!r}")
         if args.execute:
             # Idempotent: a retry after a retriable error (the offsets topic's leader moving) commits the same offsets.
-            applied = _retrying(lambda: bus.admin.reset_offsets(group, to=to, topics=topics))
+            applied = _retrying(lambda: bus.admin.reset_offsets(group, to=to, topics=topics), f"resetting the offsets of group {group!r}")
     if not args.execute:
         sys.stdout.write(_table(GROUPS_PLAN_HEADERS, [[group, tp.topic, tp.partition, _dash(current.get(tp)), offset] for tp, offset in plan]))
         _err("Dry run: nothing was changed. Add --execute to set these offsets.")
@@ -999,7 +1033,7 @@ def _add_groups_parser(commands, common: argparse.ArgumentParser) -> None:
     target = reset.add_mutually_exclusive_group(required=True)
     target.add_argument("--to-earliest", action="store_true", help="to each partition's log start offset")
     target.add_argument("--to-latest", action="store_true", help="to each partition's high watermark")
-    target.add_argument("--to-offset", type=_non_negative_int, metavar="N", help="to offset N (clamped to the partition's range)")
+    target.add_argument("--to-offset", type=_int_flag("--to-offset", 0), metavar="N", help="to offset N (clamped to the partition's range)")
     target.add_argument("--to-datetime", type=_datetime, metavar="ISO8601", help="to the first record at or after this time, e.g. 2026-11-22T10:00:00Z (local time without a zone)")
     run = reset.add_mutually_exclusive_group()
     run.add_argument("--execute", action="store_true", help="apply the reset (default: only print the plan)")
@@ -1027,8 +1061,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     create = actions.add_parser("create", parents=[common], help="create a topic", description=cmd_topics_create.__doc__)
     create.add_argument("--topic", required=True, help="topic name: 1-249 characters from [a-zA-Z0-9._-]")
-    create.add_argument("--partitions", type=_positive_int, default=1, help="number of partitions (default: 1)")
-    create.add_argument("--replication-factor", type=_positive_int, default=1, help="replicas per partition, on distinct Ray nodes (default: 1)")
+    create.add_argument("--partitions", type=_int_flag("--partitions", 1, PARTITIONS_MAX), default=1, help="number of partitions (default: 1)")
+    create.add_argument("--replication-factor", type=_int_flag("--replication-factor"), default=1, help="replicas per partition, on distinct Ray nodes (default: 1)")
     create.add_argument("--config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a topic config override, e.g. retention.ms=60000 (repeatable; or k1=v1,k2=v2)")
     create.add_argument("--if-not-exists", action="store_true", help="succeed quietly if the topic exists")
     create.set_defaults(func=cmd_topics_create)
@@ -1053,7 +1087,7 @@ def build_parser() -> argparse.ArgumentParser:
     alter = actions.add_parser("alter", parents=[common], help="change topic configs or partition count", description=cmd_topics_alter.__doc__)
     alter.add_argument("--topic", required=True, help="the topic to alter")
     alter.add_argument("--config", "--add-config", dest="config", action="extend", type=_config_items, metavar="KEY=VALUE", help="a config override to set (repeatable; or k1=v1,k2=v2)")
-    alter.add_argument("--partitions", type=_positive_int, help="grow the topic to this many partitions")
+    alter.add_argument("--partitions", type=_int_flag("--partitions", 1, PARTITIONS_MAX), help="grow the topic to this many partitions")
     alter.set_defaults(func=cmd_topics_alter)
 
     # produce
@@ -1077,7 +1111,7 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--file", metavar="PATH", help="read lines from PATH instead of stdin")
     produce.add_argument("--parse-key", action="store_true", help="split each line into key and value (separator: --key-separator, default TAB)")
     produce.add_argument("--key-separator", metavar="SEP", help="split each line at the first SEP into key and value (implies --parse-key)")
-    produce.add_argument("--partition", type=_non_negative_int, help="send every record to this partition")
+    produce.add_argument("--partition", type=_int_flag("--partition", 0, INT32_MAX), help="send every record to this partition")
     produce.add_argument("--header", action="append", type=_header_item, metavar="KEY=VALUE", help="a header added to every record (repeatable)")
     produce.add_argument("--acks", "--request-required-acks", dest="acks", type=_acks, default="all", help="0, 1 or all (= -1): what the leader waits for before acknowledging (default: all)")
     produce.add_argument("--compression", "--compression-codec", dest="compression", choices=("none", "lz4", "zstd"), default="none", help="batch compression (default: none)")
@@ -1103,10 +1137,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _topic_argument(consume)
     consume.add_argument("--from-beginning", action="store_true", help="start at the earliest offset of every partition (default: at the end)")
-    consume.add_argument("--partition", type=_non_negative_int, help="read only this partition")
+    consume.add_argument("--partition", type=_int_flag("--partition", 0, INT32_MAX), help="read only this partition")
     consume.add_argument("--offset", type=_offset, help="with --partition: earliest, latest or an offset to start at")
-    consume.add_argument("--max-messages", type=_positive_int, help="exit after printing this many records")
-    consume.add_argument("--timeout-ms", type=_non_negative_int, help="exit when no record arrived for this long (default: wait forever)")
+    consume.add_argument("--max-messages", type=_int_flag("--max-messages"), help="exit after printing this many records")
+    consume.add_argument("--timeout-ms", type=_int_flag("--timeout-ms", 0, MS_MAX, unit="ms"), help="exit when no record arrived for this long (default: wait forever)")
     consume.add_argument("--format", choices=FORMATS, default="value", help="output format (default: value)")
     consume.add_argument("--print-offsets", action="store_true", help="prefix each line with Partition:P<TAB>Offset:O<TAB> (value and kv formats)")
     consume.set_defaults(func=cmd_consume)
@@ -1121,32 +1155,39 @@ def build_parser() -> argparse.ArgumentParser:
     nodes_list.set_defaults(func=cmd_nodes_list)
     drain = node_actions.add_parser("drain", parents=[common], help="move every replica off a node", description=cmd_nodes_drain.__doc__)
     drain.add_argument("node", metavar="NODE", help="the node id (a unique prefix is enough)")
-    drain.add_argument("--throttle", type=_positive_int, metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
+    drain.add_argument("--throttle", type=_int_flag("--throttle", unit="bytes per second"), metavar="BYTES_PER_S", help="limit each moving replica's copy rate")
     drain.set_defaults(func=cmd_nodes_drain)
 
     # gateway
     gateway = commands.add_parser("gateway", parents=[common], help="serve Kafka's wire protocol to Kafka clients",
                                   description=cmd_gateway.__doc__)
     gateway.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1; other addresses only when asked)")
-    gateway.add_argument("--port", type=_port, default=9092, help="port to listen on (default: 9092; 0: any free port)")
+    gateway.add_argument("--port", type=_int_flag("--port", 0, 65535), default=9092, help="port to listen on (default: 9092; 0: any free port)")
     gateway.add_argument("--advertised-host", metavar="HOST", help="address clients are told to connect to (default: --host, or the node's IP for 0.0.0.0)")
     gateway.add_argument("--all-nodes", action="store_true", help="one gateway on every node that hosts replicas (else: this node only)")
-    gateway.add_argument("--max-request-bytes", type=_positive_int, metavar="BYTES",
+    gateway.add_argument("--max-request-bytes", type=_int_flag("--max-request-bytes", 1, INT32_MAX, unit="bytes"), metavar="BYTES",
                          help="larger requests close their connection (default: 104857600, Kafka's socket.request.max.bytes)")
-    gateway.add_argument("--max-connections", type=_positive_int, metavar="N",
+    gateway.add_argument("--max-connections", type=_int_flag("--max-connections", 1, INT32_MAX), metavar="N",
                          help="client connections per gateway; one more is closed when accepted (default: 4096)")
+    gateway.add_argument("--tls-cert", metavar="PEM", help="the gateway's TLS certificate (chain); with --tls-key, clients connect with TLS")
+    gateway.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    gateway.add_argument("--tls-ca", metavar="PEM", help="CA certificates client certificates must be signed by (requires them)")
+    gateway.add_argument("--sasl-mechanism", action="append", choices=SASL_MECHANISMS, metavar="MECHANISM",
+                         help=f"a SASL mechanism clients authenticate with ({', '.join(SASL_MECHANISMS)}; repeat for several)")
+    gateway.add_argument("--allow-plaintext", action="store_true", help="listen on a non-loopback --host without TLS and authentication")
+    gateway.add_argument("--allow-plain-without-tls", action="store_true", help="offer SASL PLAIN without TLS (passwords in the clear)")
     gateway.set_defaults(func=cmd_gateway)
 
     # join
     join = commands.add_parser("join", parents=[common], help="join this host to a running cluster as a Ray node (token auth)",
                                description=cmd_join.__doc__)
     join.add_argument("--token-file", metavar="PATH", help="the cluster's token (default: $RAY_AUTH_TOKEN_PATH, $RAY_AUTH_TOKEN or ~/.ray/auth_token)")
-    join.add_argument("--replica-slots", type=_non_negative_int, metavar="N",
+    join.add_argument("--replica-slots", type=_int_flag("--replica-slots", 0), metavar="N",
                       help="replicas this host may hold (default: what its memory holds at 96 MiB each; 0: no replicas)")
     join.add_argument("--rack", type=_label_value, help="this host's rack (node label logbus.rack): replicas of a partition go to distinct racks")
     join.add_argument("--node-ip-address", metavar="IP", help="this host's address the other hosts reach (default: Ray's choice)")
     join.add_argument("--temp-dir", metavar="DIR", help="Ray's directory for this node's sockets, logs and session files (default: Ray's)")
-    join.add_argument("--num-cpus", type=_non_negative_int, metavar="N", help="CPUs this node offers to Ray tasks (default: Ray's count)")
+    join.add_argument("--num-cpus", type=_int_flag("--num-cpus", 0), metavar="N", help="CPUs this node offers to Ray tasks (default: Ray's count)")
     join.add_argument("--block", action="store_true", help="stay in the foreground for the node's lifetime (ray start --block)")
     join.set_defaults(func=cmd_join)
 

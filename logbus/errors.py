@@ -102,6 +102,27 @@ class UnknownMemberIdError(LogbusError):
     """The group coordinator does not know this member (it was removed)."""
 
 
+class FencedInstanceIdError(UnknownMemberIdError):
+    """A static member's old member id: a newer process with the same group instance id took its place
+    (Kafka's FENCED_INSTANCE_ID). The old process is a zombie and must stop; as an UnknownMemberIdError
+    it is no member any more."""
+
+
+class FencedMemberEpochError(UnknownMemberIdError):
+    """A KIP-848 member's epoch is not one the coordinator gave it (Kafka's FENCED_MEMBER_EPOCH): it must give
+    up its partitions and join again with epoch 0."""
+
+
+class UnsupportedAssignorError(InvalidConfigError):
+    """A KIP-848 member asked for a server-side assignor the coordinator does not have (Kafka's
+    UNSUPPORTED_ASSIGNOR)."""
+
+
+class InconsistentGroupProtocolError(InvalidConfigError):
+    """A member's protocol type, or every assignment strategy it lists, differs from its group's members'
+    (Kafka's INCONSISTENT_GROUP_PROTOCOL)."""
+
+
 class IllegalGenerationError(LogbusError):
     """The member's group generation is stale (a rebalance happened)."""
 
@@ -123,6 +144,11 @@ class GroupNotEmptyError(LogbusError):
     """The operation needs an inactive group but the group has members."""
 
 
+class GroupSubscribedToTopicError(LogbusError):
+    """Committed offsets of a topic the group's members subscribe to cannot be deleted (Kafka's
+    GROUP_SUBSCRIBED_TO_TOPIC)."""
+
+
 class OutOfOrderSequenceError(RetriableError):
     """An idempotent producer's batch does not continue its sequence (an earlier batch is still being retried)."""
 
@@ -139,12 +165,34 @@ class DuplicateSequenceError(LogbusError):
 
 
 class ProducerFencedError(LogbusError):
-    """A newer producer with the same producer id has a higher epoch."""
+    """A newer producer with the same producer id (or transactional id) has a higher epoch: this one is a
+    zombie, and every later call of it fails the same way; close it (Kafka's PRODUCER_FENCED)."""
 
 
 class DataDirectoryInUseError(LogbusError):
     """Another live process owns this data directory (a logbus controller of another Ray cluster or
     namespace, or another replica process); its files are never opened twice."""
+
+
+class InconsistentClusterIdError(LogbusError):
+    """A host's data directory belongs to another logbus cluster (Kafka's InconsistentClusterIdException).
+
+    Its ``meta.properties`` names a cluster id other than the cluster's it
+    joined; the message names both. The cluster places nothing on that node
+    and opens none of its files: join the host with the data directory of
+    this cluster, or an empty one.
+    """
+
+
+class SaslAuthenticationError(LogbusError):
+    """A SASL login to the Kafka gateway failed (Kafka's SaslAuthenticationException): a message that
+    cannot be read, a wrong proof or an unknown user. The message names neither the password nor
+    whether the user exists."""
+
+
+class NodeIdentityError(LogbusError):
+    """A host's logbus identity cannot be used: its ``meta.properties`` is unreadable or malformed, or
+    names a node id other than the one the host advertises (its Ray node label ``logbus.node``)."""
 
 
 # --- cluster state: retriable ---------------------------------------------------
@@ -168,6 +216,11 @@ class FencedLeaderEpochError(RetriableError):
 
 class LeaderNotAvailableError(RetriableError):
     """The partition has no live leader right now (an election is in progress)."""
+
+
+class ReplicaNotAvailableError(RetriableError):
+    """The replica's node is not in the cluster right now (its host has not joined again yet, or is
+    being brought back): calls to that replica wait until it is (Kafka's REPLICA_NOT_AVAILABLE)."""
 
 
 class RequestTimedOutError(RetriableError, TimeoutError):
@@ -294,6 +347,47 @@ class ReassignmentInProgressError(LogbusError):
 class NoReassignmentInProgressError(LogbusError):
     """A reassignment was to be cancelled, but the partition is not being reassigned (Kafka's
     NO_REASSIGNMENT_IN_PROGRESS). Nothing changed."""
+
+
+# --- transactions (KIP-98) ---------------------------------------------------------
+
+
+class InvalidProducerEpochError(LogbusError):
+    """A transactional call carries a producer epoch the coordinator does not hold for it, and no newer
+    instance fenced it: a request from before the producer's own epoch bump (Kafka's
+    INVALID_PRODUCER_EPOCH). Not retriable: the producer's transaction state is out of step."""
+
+
+class InvalidProducerIdMappingError(LogbusError):
+    """The transactional id is not (or no longer) mapped to the producer id the call carries: the
+    producer must call ``init_transactions()`` (Kafka's INVALID_PRODUCER_ID_MAPPING)."""
+
+
+class InvalidTxnStateError(LogbusError):
+    """The call is not allowed in the transaction's current state: committing an aborted transaction,
+    sending outside ``begin_transaction()``, beginning one while another is open (Kafka's
+    INVALID_TXN_STATE). Nothing changed."""
+
+
+class TransactionAbortedError(LogbusError):
+    """The transaction was aborted before this record or call could complete (by
+    ``abort_transaction()``, or because an earlier send of it failed); send again in a new
+    transaction (Kafka's TransactionAbortedException)."""
+
+
+class ConcurrentTransactionsError(RetriableError):
+    """The transaction coordinator is still completing this transactional id's previous transaction
+    (writing its markers) or another change of it; retry shortly (Kafka's CONCURRENT_TRANSACTIONS)."""
+
+
+class InvalidTransactionTimeoutError(LogbusError, ValueError):
+    """``transaction_timeout_ms`` is not a positive int at most the coordinator's maximum (15 minutes,
+    Kafka's transaction.max.timeout.ms) (Kafka's INVALID_TRANSACTION_TIMEOUT)."""
+
+
+class TransactionalIdNotFoundError(LogbusError):
+    """The transaction coordinator has no state for this transactional id: it was never initialised, or
+    it expired after a long idle time; call ``init_transactions()`` (Kafka's TRANSACTIONAL_ID_NOT_FOUND)."""
 
 
 __all__ = [name for name, value in globals().items() if isinstance(value, type) and issubclass(value, LogbusError)]

@@ -66,6 +66,7 @@ from logbus.api.dataset import (
     task_slots,
 )
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
+from logbus.options import check_flag
 from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
 
@@ -143,11 +144,6 @@ def check_spark(spark) -> None:
             f"this Spark session runs on {master!r}, not on Ray: logbus hands data to Spark through RayDP, "
             "so start the session with logbus.spark.init_spark(...)"
         )
-
-
-def _check_flag(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
 
 
 # --- offsets in Spark's spelling -----------------------------------------------------------------
@@ -261,6 +257,7 @@ def read(
     ending_offsets="latest",
     include_headers: bool = False,
     bus: Bus | None = None,
+    isolation_level: str = "read_uncommitted",
 ):
     """Read ``[starting_offsets, ending_offsets)`` of ``topic`` as a Spark DataFrame.
 
@@ -274,16 +271,21 @@ def read(
     The read tasks take no CPU (they mostly wait on the replicas' fetches), so
     a read runs even while Spark's executors hold every CPU of the cluster
     (``init_spark(executor_cores=...)`` as large as Ray's CPU count).
+
+    ``isolation_level`` (Spark's ``kafka.isolation.level``): "read_uncommitted"
+    (the default) or "read_committed": only records of committed transactions
+    (and of none), up to each partition's last stable offset ("latest" means
+    that offset). Transaction markers are never rows.
     """
     from pyspark.sql import functions as F
 
     validate_topic_name(topic)
-    _check_flag("include_headers", include_headers)
+    check_flag("include_headers", include_headers)
     check_bus(bus)
     start = _offsets(starting_offsets, topic, "starting_offsets", LATEST)
     end = _offsets(ending_offsets, topic, "ending_offsets", EARLIEST)
     check_spark(spark)
-    source = TopicDatasource(topic, start, end, bus)
+    source = TopicDatasource(topic, start, end, bus, isolation_level=isolation_level)
     if source.num_rows == 0:
         return spark.createDataFrame([], kafka_schema(include_headers))
     # Zero-CPU read tasks: Spark's executors (Ray actors of executor_cores CPUs each) keep
@@ -415,6 +417,44 @@ def _write_partitions(df, sink: TopicSink) -> int:
     return written
 
 
+def _send_partitions(df, topic: str, producer, sinks: dict, bus: Bus) -> int:
+    """Send every partition of ``df`` through ``producer`` (a transactional one, in this process), in
+    the transaction it has open; returns the records sent. The partitions' Arrow tables come from
+    Spark's executors as in :func:`_write_partitions`, and go out with send_table."""
+    import ray
+    from pyspark.storagelevel import StorageLevel
+    from raydp.spark.dataset import _fetch_arrow_table_from_executor
+
+    columns = _check_columns(df)
+    keyed = "key" in columns
+    sink = sinks.get(keyed)
+    if sink is None:  # (one per stream and key presence: a sink checks the topic and options when made)
+        sink = sinks[keyed] = TopicSink(
+            topic, key_column="key" if keyed else None, value_column="value", bus=bus,
+            headers_column="headers", timestamp_column=None, partition_column="partition",
+        )
+    df = df.select(*columns)
+    context = df.sparkSession.sparkContext
+    writer = context._jvm.org.apache.spark.sql.raydp.ObjectStoreWriter
+    info = writer.prepareRecoverableRDD(df._jdf, context._getJavaStorageLevel(StorageLevel.MEMORY_AND_DISK))
+    rdd_id = info.rddId()
+    futures, sent = [], 0
+    try:
+        locations, schema_json, agent_url = info.locations(), info.schemaJson(), info.driverAgentUrl()
+        fetch = _fetch_arrow_table_from_executor.options(num_cpus=0)
+        refs = [fetch.remote(f"raydp-executor-{locations[p]}", rdd_id, p, schema_json, agent_url) for p in range(info.numPartitions())]
+        for ref in refs:
+            table = sink.table_of(ray.get(ref))
+            if table.num_rows:
+                futures.append(producer.send_table(topic, table))
+                sent += table.num_rows
+    finally:
+        writer.releaseRecoverableRDD(rdd_id)
+    for future in futures:
+        future.result()  # the first failed batch's error (the transaction then aborts)
+    return sent
+
+
 def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     """Write the rows of ``df`` into ``topic``; returns the number of records written.
 
@@ -469,6 +509,9 @@ def stream(
     until_caught_up: bool = False,
     max_batches: int | None = None,
     progress=None,
+    output_topic: str | None = None,
+    transactional_id: str | None = None,
+    producer_options: dict | None = None,
 ):
     """Micro-batches of ``topic`` as DataFrames, in the ``foreachBatch`` style; returns the running stream.
 
@@ -484,17 +527,38 @@ def stream(
     ``.await_termination()``, which re-raises the error that ended it.
     ``until_caught_up`` ends the stream at the first trigger with nothing to do.
     See :mod:`logbus.api.streaming`.
+
+    Exactly once into a topic: with ``output_topic`` and ``transactional_id``,
+    ``process_batch(df, batch_id)`` returns the DataFrame to write (columns as
+    :func:`write`), and each batch writes it into ``output_topic`` and commits
+    its input offsets in one transaction: a batch restarted after its write
+    and before its commit aborts the first write (read_committed readers never
+    see it) and writes again, so each output record is visible once. The rows
+    travel from Spark's executors to this process's transactional producer
+    (one producer, so one transaction per batch).
     """
     from logbus.api.streaming import MicroBatchStream, log_progress
 
     if not callable(process_batch):
         raise InvalidConfigError("process_batch must be a callable taking (DataFrame, batch_id)")
-    _check_flag("include_headers", include_headers)
+    check_flag("include_headers", include_headers)
     check_spark(spark)
 
-    def run_batch(start: dict, end: dict, batch_id: int) -> None:
+    if (output_topic is None) != (transactional_id is None):
+        raise InvalidConfigError("output_topic and transactional_id go together (a transactional write of the batch's output)")
+    if output_topic is not None:
+        validate_topic_name(output_topic)
+    sinks: dict = {}
+
+    def run_batch(start: dict, end: dict, batch_id: int, producer=None) -> None:
         df = read(spark, topic, starting_offsets=start, ending_offsets=end, include_headers=include_headers, bus=micro.bus)
-        process_batch(df, batch_id)
+        output = process_batch(df, batch_id)
+        if producer is not None:
+            from pyspark.sql import DataFrame
+
+            if not isinstance(output, DataFrame):
+                raise InvalidRecordError(f"process_batch must return the DataFrame to write into {output_topic!r}, not {type(output).__name__}")
+            _send_partitions(output, output_topic, producer, sinks, micro.bus)
 
     micro = MicroBatchStream(
         topic,
@@ -505,5 +569,7 @@ def stream(
         starting_offsets=starting_offsets,
         bus=bus,
         progress=progress or log_progress,
+        transactional_id=transactional_id,
+        producer_options=check_producer_options(producer_options) if transactional_id is not None else None,
     )
     return micro.start(until_caught_up=until_caught_up, max_batches=max_batches)

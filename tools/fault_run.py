@@ -8,8 +8,8 @@ Prints one JSON object per seed on stdout (``seed``, ``ok``, ``violations``,
 counts, the history checker's report, the replicas' comparison and the last
 description of the topic); progress goes to stderr. Exits 0 if every run
 kept every invariant and healed to its full ISR, 1 otherwise. Needs root
-(network namespaces). On a shared machine run it under the test lock:
-``/work/wt/run-tests.sh .venv/bin/python tools/fault_run.py 1 2 3``.
+(network namespaces), and the machine to itself (nothing else running):
+``.venv/bin/python tools/fault_run.py 1 2 3``.
 See tests/cluster/fault_run.py for what a run does and checks.
 """
 

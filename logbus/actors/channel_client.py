@@ -37,6 +37,10 @@ RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this 
 SEND_PARTS_MAX = 64  # buffers per sendmsg call (Linux allows 1,024)
 BACKLOG_MAX_BYTES = 64 << 20  # frames queued for a replica's socket by callers that may not wait
 LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
+# Replicas the registry remembers. Past that, a new one drops the oldest entries without an open
+# connection (replicas on other nodes, failed lookups): those cost one lookup to learn again. Entries
+# with a connection are replicas on this node, bounded by what one node hosts.
+ENTRIES_MAX = 4096
 
 
 class Connection:
@@ -301,10 +305,11 @@ class _Entry:
 class Channels:
     """Per process: the local channel connection of each replica on this node, by actor id."""
 
-    def __init__(self) -> None:
+    def __init__(self, entries_max: int = ENTRIES_MAX) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._entries: dict[object, _Entry] = {}
+        self.entries_max = entries_max
 
     def connection(self, replica) -> Connection | None:
         """The open connection to ``replica`` (an actor handle), or None: use an actor call."""
@@ -314,6 +319,8 @@ class Channels:
             if entry is not None and entry.state == "ready" and entry.connection is not None and not entry.connection.closed:
                 return entry.connection
             if entry is None or (entry.state in ("failed", "looking-up") and time.monotonic() >= entry.retry_at):
+                if entry is None and len(self._entries) >= self.entries_max:
+                    self._drop_unconnected()
                 entry = self._entries[key] = _Entry()
                 start_lookup = True
             else:
@@ -341,6 +348,17 @@ class Channels:
                 return connection
         connection.close()  # another thread connected first, or the entry changed
         return self.connection(replica) if self._entries.get(key) is entry else None
+
+    def _drop_unconnected(self) -> None:
+        """Under the lock, with the registry full: forget the oldest half of the entries without an open
+        connection (a lookup on its way for one of them then finds its entry gone and is dropped)."""
+        unconnected = [key for key, entry in self._entries.items() if entry.connection is None or entry.connection.closed]
+        for key in unconnected[: max(1, len(self._entries) // 2)]:
+            del self._entries[key]
+
+    def entry_count(self) -> int:
+        """How many replicas the registry remembers (at most ``entries_max``, beyond replicas with a connection)."""
+        return len(self._entries)
 
     def backlogged(self) -> int:
         """How many open connections have frames waiting for a replica that is not reading (a stopped

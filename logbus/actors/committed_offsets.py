@@ -15,6 +15,18 @@ than to every commit ever made. Deleting a group writes a tombstone for each
 of its committed partitions.
 
 The topic is created on first use, through the host's ``create_internal_topic``.
+
+Offsets in transactions (KIP-98). A transactional producer's offsets
+(``send_offsets_to_transaction``) are appended as a *transactional* batch of
+that producer (its id and epoch, no sequence number, as Kafka's coordinator
+writes them), and held as pending per producer id, invisible to readers of
+committed offsets, until the transaction's marker on this topic: the
+transaction coordinator, once it has written that marker, calls
+:meth:`CommittedOffsets.transaction_completed`, which makes them committed
+(COMMIT) or drops them (ABORT). On start the table is rebuilt the same way
+from the log: a transactional batch's offsets wait for its producer's next
+marker, and those with no marker yet are pending again (the restarted
+transaction coordinator writes that marker).
 """
 
 from __future__ import annotations
@@ -27,11 +39,13 @@ from logbus.actors.fetcher import reply_async
 from logbus.actors.remote import unwrap
 from logbus.errors import LeaderNotAvailableError, LogbusError
 from logbus.protocol.group_coordinator import (
+    GROUP_METADATA_KEY_VERSION,
     OFFSETS_TOPIC,
     OffsetAndMetadata,
     decode_offset_commit_key,
     decode_offset_commit_value,
     offset_commit_key,
+    offsets_key_version,
 )
 from logbus.protocol.messages import FetchRequest, TopicPartition
 
@@ -44,6 +58,9 @@ LOAD_TIMEOUT_S = 60.0
 LOAD_FETCH_BYTES = 16 << 20
 COMMIT_RETRY_S = 10.0  # a commit retries a moving or not-yet-leased offsets leader this long
 RETRY_BACKOFF_S = 0.1
+# Batch attributes (storage/batch_header.py, Kafka's bit positions): a transactional producer's batch, a marker.
+TRANSACTIONAL_BIT = 0x10
+CONTROL_BIT = 0x20
 
 Key = tuple[str, str, int]  # (group id, topic, partition)
 
@@ -54,6 +71,7 @@ class CommittedOffsets:
     def __init__(self, host) -> None:
         self._host = host  # the controller's GroupHost side (see group_service.GroupHost)
         self.table: dict[Key, OffsetAndMetadata] = {}
+        self.pending: dict[int, dict[Key, OffsetAndMetadata]] = {}  # producer id -> offsets of its open transaction
         self._loaded: asyncio.Event | None = None
 
     def get(self, group_id: str, tp: TopicPartition) -> OffsetAndMetadata | None:
@@ -81,7 +99,7 @@ class CommittedOffsets:
         deadline = time.monotonic() + LOAD_TIMEOUT_S
         while True:
             try:
-                self.table = await self._read_all()
+                self.table, self.pending = await self._read_all()
                 return
             except Exception as error:  # noqa: BLE001 (a leader moving or restarting: retry until the deadline)
                 cause = unwrap(error)
@@ -90,26 +108,43 @@ class CommittedOffsets:
                     raise LeaderNotAvailableError(f"committed offsets are not readable yet: {cause!r}") from None
                 await asyncio.sleep(0.2)
 
-    async def _read_all(self) -> dict[Key, OffsetAndMetadata]:
+    async def _read_all(self) -> tuple[dict[Key, OffsetAndMetadata], dict[int, dict[Key, OffsetAndMetadata]]]:
         from logbus.storage import record_batch as rb  # noqa: PLC0415 (see _append)
 
         leader = self._host.leader_handle(OFFSETS_TOPIC, 0)
         offset, high_watermark, _ = await asyncio.wait_for(leader.offsets.remote(), 10)
-        table = {}
+        table: dict[Key, OffsetAndMetadata] = {}
+        pending: dict[int, dict[Key, OffsetAndMetadata]] = {}
         while offset < high_watermark:  # (a compacted log: a reply may start past the offset asked for)
             meta, data = await asyncio.wait_for(reply_async(leader.fetch.remote(FetchRequest(offset, LOAD_FETCH_BYTES))), 30)
             if data is None:
                 break
-            for _, _, records in rb.slice_batches(data, offset, high_watermark):
+            for header, _, records in rb.slice_batches(data, offset, high_watermark):
+                if header.attributes & CONTROL_BIT:  # a transaction's marker: its offsets take effect, or not
+                    commit, _ = rb.control_record(records)
+                    done = pending.pop(header.producer_id, {})
+                    if commit:
+                        _apply(table, done)
+                    continue
+                target = pending.setdefault(header.producer_id, {}) if header.attributes & TRANSACTIONAL_BIT else table
                 for key, value in zip(records.column("key").to_pylist(), records.column("value").to_pylist()):
+                    if offsets_key_version(key) >= GROUP_METADATA_KEY_VERSION:
+                        continue  # Kafka's group metadata records (logbus keeps its groups in groups.json)
                     group_id, tp = decode_offset_commit_key(key)
                     if value is None:
-                        table.pop((group_id, tp.topic, tp.partition), None)
+                        if target is table:
+                            table.pop((group_id, tp.topic, tp.partition), None)
+                        else:
+                            target[(group_id, tp.topic, tp.partition)] = None
                     else:
                         decoded = decode_offset_commit_value(value)
-                        table[(group_id, tp.topic, tp.partition)] = OffsetAndMetadata(decoded.offset, decoded.metadata, decoded.leader_epoch)
+                        target[(group_id, tp.topic, tp.partition)] = OffsetAndMetadata(decoded.offset, decoded.metadata, decoded.leader_epoch)
             offset = meta.next_offset
-        return table
+        return table, pending
+
+    async def ensure_topic(self) -> None:
+        """Create ``__consumer_offsets`` now if it does not exist (Kafka tools expect to find it)."""
+        await self._ensure_topic()
 
     async def _ensure_topic(self) -> None:
         if OFFSETS_TOPIC in self._host.partition_counts():
@@ -128,10 +163,54 @@ class CommittedOffsets:
         for tp, om in offsets.items():
             self.table[(group_id, tp.topic, tp.partition)] = om
 
+    async def commit_transactional(
+        self, producer_id: int, producer_epoch: int, group_id: str, records: list[tuple[bytes, bytes]], offsets: dict
+    ) -> None:
+        """Append offset-commit ``records`` as a transactional batch of the producer (acks='all'); the
+        ``offsets`` stay pending until :meth:`transaction_completed` for that producer.
+
+        They are recorded as pending before the append: if the transaction is
+        completed while the append is on its way, the completion sees them (an
+        abort drops them; the leader refuses a late batch from a fenced epoch).
+        """
+        from logbus.storage import record_batch as rb  # noqa: PLC0415 (see _append)
+
+        entries = {(group_id, tp.topic, tp.partition): om for tp, om in offsets.items()}
+        pending = self.pending.setdefault(producer_id, {})
+        before = {key: pending[key] for key in entries if key in pending}
+        pending.update(entries)
+        batch = rb.encode_batch(
+            [v for _, v in records], [k for k, _ in records],
+            producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=rb.NO_SEQUENCE, transactional=True,
+        )
+        try:
+            await self._append_batch(batch)
+        except BaseException:
+            current = self.pending.get(producer_id)
+            if current is pending:  # still the same transaction's: undo this call's offsets
+                for key, om in entries.items():
+                    if key in before:
+                        current[key] = before[key]
+                    elif current.get(key) is om:
+                        del current[key]
+            raise
+
+    def transaction_completed(self, producer_id: int, commit: bool) -> None:
+        """The marker of ``producer_id``'s transaction is on ``__consumer_offsets``: its pending offsets
+        become committed (commit) or are dropped (abort)."""
+        done = self.pending.pop(producer_id, None)
+        if commit and done:
+            _apply(self.table, done)
+
     async def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete every committed offset of ``group_id``: a tombstone per partition, appended with
         acks='all', then the entries here. Returns the partitions whose offsets went."""
-        partitions = sorted(self.partitions_of(group_id))
+        return await self.delete_partitions(group_id, sorted(self.partitions_of(group_id)))
+
+    async def delete_partitions(self, group_id: str, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Delete the committed offsets of ``partitions`` of ``group_id`` (those it has): tombstones, then
+        the entries here. Returns the partitions whose offsets went."""
+        partitions = [tp for tp in partitions if (group_id, tp.topic, tp.partition) in self.table]
         if not partitions:
             return []
         await self._append([(offset_commit_key(group_id, tp), None) for tp in partitions])
@@ -146,8 +225,10 @@ class CommittedOffsets:
         # handle to it), and has no use for Arrow.
         from logbus.storage import record_batch as rb  # noqa: PLC0415
 
-        await self._ensure_topic()
-        batch = rb.encode_batch([v for _, v in records], [k for k, _ in records])
+        await self._append_batch(rb.encode_batch([v for _, v in records], [k for k, _ in records]))
+
+    async def _append_batch(self, batch: bytes) -> None:
+        await self.ensure_topic()
         deadline = time.monotonic() + COMMIT_RETRY_S
         while True:
             # A fresh or moving offsets leader refuses writes until its lease is confirmed: retry briefly.
@@ -161,3 +242,12 @@ class CommittedOffsets:
                 if not retriable or time.monotonic() > deadline:
                     raise cause from None
                 await asyncio.sleep(RETRY_BACKOFF_S)
+
+
+def _apply(table: dict, offsets: dict) -> None:
+    """Apply offsets to ``table`` (a None deletes the key)."""
+    for key, om in offsets.items():
+        if om is None:
+            table.pop(key, None)
+        else:
+            table[key] = om

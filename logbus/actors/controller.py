@@ -25,7 +25,18 @@ out); each replica's role change then stays pending until the replica
 acknowledges it, sent again on a bounded backoff and at once when its node
 is heard again (``RoleDeliveries``). A replica whose node is gone for
 ``replica_replacement_ms`` is replaced by a new replica on another live node,
-which copies the log from the leader.
+which copies the log from the leader, unless its node has come back.
+
+Nodes are named by their logbus node ids (``placement.py``): a host's
+identity, kept in its data directory, outlives its Ray nodes. The controller
+maps each node to the Ray node carrying its label now, and runs the node's
+agent and replicas there (``_refresh_nodes``); a host that joins again as a
+new Ray node gets its replicas back, which reopen their logs where the host
+keeps them (no copy), and a replica that was the only in-sync one leads
+again. It looks for such hosts among Ray's nodes once a second, only while a
+node hosting replicas is away. Before placing anything on a host new to it,
+it checks the host's data directory and records the cluster's id there
+(``NodeAgent.identify``); a directory of another cluster is refused.
 
 Consumer groups are the :class:`~logbus.actors.group_service.GroupService`'s:
 the controller forwards the group RPCs to it and serves it the small
@@ -55,6 +66,7 @@ from ray.util.placement_group import placement_group, placement_group_table, rem
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
+from logbus.actors.transaction_service import TransactionService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.logs import configure_logging
@@ -63,17 +75,17 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
+    RayNode,
     autoscaler_replica_capacity,
-    live_node_ids,
-    node_limits,
-    node_racks,
     replica_directory,
+    replica_hosts,
     uses_replica_slots,
 )
 from logbus.actors.remote import unwrap
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
+    InconsistentClusterIdError,
     InvalidConfigError,
     InvalidPartitionError,
     InvalidReassignmentError,
@@ -81,6 +93,8 @@ from logbus.errors import (
     InvalidTopicError,
     LeaderNotAvailableError,
     NodeCapacityError,
+    NodeIdentityError,
+    ReplicaNotAvailableError,
     RequestTimedOutError,
     UnknownTopicError,
 )
@@ -94,6 +108,7 @@ from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
+from logbus.storage.node_identity import is_node_id
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +128,8 @@ FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a 
 FENCE_POLL_S = 0.01
 ROLE_CALL_TIMEOUT_S = 5.0  # a become_leader / become_follower not answered in this long is sent again (RoleDeliveries)
 NODE_STEADY_MS = 10_000  # a node heard again must stay alive this long before another expiry is reported as new
+NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
+IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
 
 if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
     raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
@@ -163,10 +180,16 @@ class _Node:
 
     __slots__ = (
         "node_id", "agent", "incarnation", "down", "epochs", "version", "acked", "dead_since_ms", "next_replace_ms", "revived_ms",
+        "ray_node_id", "data_dir", "past_ray_nodes",
     )
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
+        # The Ray node it is on now. A node named by its Ray node id is that Ray node for good; a host's
+        # node (a logbus node id) is found by its label, and checked (``identify``), before it is used.
+        self.ray_node_id: str | None = None if is_node_id(node_id) else node_id
+        self.data_dir: str | None = None  # where its replicas keep their logs; None: the cluster's data directory
+        self.past_ray_nodes: set[str] = set()  # Ray nodes it was on before (a host that joined again): never again
         self.agent = None  # the node agent's handle, once started
         self.incarnation: str | None = None  # of the agent process last heard
         self.down: set[str] = set()  # replica file names the agent reports down (exited or stopped)
@@ -176,6 +199,11 @@ class _Node:
         self.dead_since_ms: int | None = None  # when its lease ran out (None while alive)
         self.next_replace_ms = 0  # replacing its replicas elsewhere is tried again no sooner
         self.revived_ms: int | None = None  # when it was last heard again after its lease ran out
+
+    @property
+    def ready(self) -> bool:
+        """Whether its replicas can run now: it is on a Ray node, checked."""
+        return self.ray_node_id is not None
 
 
 class Controller:
@@ -208,6 +236,11 @@ class Controller:
             self._refused = error
             return
         self.metadata = self._load()
+        if self.metadata.upgraded_from is not None:
+            # Written again at once in the current format: its node ids (Ray node ids then) stay what they
+            # name, nodes without a logbus label; the cluster id is new (placement.py, cluster_metadata.py).
+            self._persist()
+            logger.info("metadata.json upgraded from version %d: cluster id %s", self.metadata.upgraded_from, self.metadata.cluster_id)
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
         self._nodes: dict[str, _Node] = {}
         self._by_name: dict[str, tuple[str, int, int]] = {}  # replica file name -> (topic, partition, replica id)
@@ -216,7 +249,6 @@ class Controller:
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
         self._versions = 0  # counter of epoch table versions
         self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
-        self._throttles: dict[tuple[str, int], int | None] = {}  # reassignments' copy limits (bytes/s)
         self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
         self._last_preferred_check_ms = monotonic_ms()
         # Role changes not yet acknowledged by their replicas, sent again until they are (elections.py).
@@ -225,8 +257,17 @@ class Controller:
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
+        # Ray nodes as last seen (``_refresh_nodes``), hosts checked or refused by Ray node id.
+        self._hosts: list[RayNode] = []
+        self._identified: dict[str, dict] = {}  # Ray node id -> {"node_id", "data_dir", "agent"}
+        self._refused_hosts: dict[str, dict] = {}  # Ray node id -> {"node_id", "error"}
+        self._refresh_lock_: asyncio.Lock | None = None
+        self._discovery: asyncio.Task | None = None
+        self._last_discovery_ms = 0
+        self._duplicates_told: set[tuple] = set()  # (node id, its Ray nodes) logged as carried twice
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
+        self.transactions = TransactionService(self, self.groups)
 
     # --- persistence ---------------------------------------------------------------------------
 
@@ -262,14 +303,17 @@ class Controller:
         if self._control_loop is None:
             self._control_loop = asyncio.get_running_loop().create_task(self._run_control_loop())
             self.groups.start()
+            self.transactions.start()
 
     async def _restore(self) -> None:
-        if self.metadata.reassign_dead_nodes(live_node_ids()):
+        await self._refresh_nodes()
+        if self.metadata.reassign_dead_nodes(self._live_nodes()):
             self._persist()
             self._reindex()
         for node in list(self._nodes.values()):
-            self._agent(node)
-            self._push_epochs(node)
+            if node.ready:
+                self._agent(node)
+                self._push_epochs(node)
         # A partition left without a leader (its leader was lost before the restart) elects one
         # now, from its ISR: every node counts alive through the restart grace, and one whose
         # agent then reports the new leader down, or stays silent, starts the next election.
@@ -287,14 +331,18 @@ class Controller:
         handle = self._replicas.get(key)
         if handle is None:
             state = topic.partitions[partition]
+            node = self._node_entry(state.nodes[str(replica_id)])
+            if not node.ready:
+                raise ReplicaNotAvailableError(
+                    f"{topic.name}-{partition}: replica {replica_id} is on node {node.node_id}, which is not in the cluster now")
             handle = start_replica(
                 namespace=self.namespace,
                 topic=topic.name,
                 topic_id=topic.topic_id,
                 partition=partition,
                 replica_id=replica_id,
-                node_id=state.nodes[str(replica_id)],
-                directory=replica_directory(self.data_dir, topic.name, partition, replica_id),
+                node_id=node.ray_node_id,
+                directory=self._replica_directory(node, topic.name, partition, replica_id),
                 config=topic.config,
                 leader_epoch=state.leader_epoch,
                 controller_name=CONTROLLER_NAME,
@@ -303,12 +351,26 @@ class Controller:
             self._replicas[key] = handle
         return handle
 
+    def _replica_directory(self, node: _Node, topic: str, partition: int, replica_id: int) -> str:
+        return replica_directory(node.data_dir or self.data_dir, topic, partition, replica_id)
+
+    def _handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
+        """A replica's handle, or None when it has none or its node is away (ReplicaNotAvailableError)."""
+        if replica_id is None:
+            return None
+        try:
+            return self._replica_handle(topic, partition, replica_id)
+        except ReplicaNotAvailableError:
+            return None
+
     async def _start_partition(self, topic: TopicState, partition: int) -> None:
-        """Start a partition's replica actors (concurrently), fence its epoch, and tell each its role."""
+        """Start a partition's replica actors (concurrently), fence its epoch, and tell each its role.
+
+        Replicas on nodes away now start when their node comes back (``_move_node``)."""
         state = topic.partitions[partition]
-        handles = {r: self._replica_handle(topic, partition, r) for r in state.replicas}
+        handles = {r: h for r in state.replicas if (h := self._handle_or_none(topic, partition, r)) is not None}
         pings = await asyncio.gather(*(h.ping.remote() for h in handles.values()), return_exceptions=True)
-        if all(isinstance(p, Exception) for p in pings):
+        if pings and all(isinstance(p, Exception) for p in pings):
             raise pings[0]
         await self._fenced(topic, partition)
         await self._announce(topic, partition)
@@ -360,8 +422,8 @@ class Controller:
             # Superseded: the newer epoch's announce (after its own fence) expects what is due now.
             self._deliveries.delivered(key, epoch)
             return
-        handle = self._replica_handle(topic, partition, replica_id)
         try:
+            handle = self._replica_handle(topic, partition, replica_id)  # ReplicaNotAvailableError: its node is away
             if replica_id == state.leader:
                 call = handle.become_leader.remote(epoch, list(state.replicas), list(state.isr))
             else:
@@ -423,7 +485,9 @@ class Controller:
 
     def _agent(self, node: _Node):
         if node.agent is None:
-            node.agent = start_agent(self.namespace, node.node_id, CONTROLLER_NAME)
+            if not node.ready:
+                raise ReplicaNotAvailableError(f"node {node.node_id} is not in the cluster now")
+            node.agent = start_agent(self.namespace, node.ray_node_id, CONTROLLER_NAME, node.node_id)
             if node.incarnation is None:
                 self._liveness.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
         return node.agent
@@ -432,6 +496,8 @@ class Controller:
         """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
         if not node.epochs and node.agent is None:
             return  # a node without replicas needs no agent
+        if not node.ready:
+            return  # away: its agent gets the table in its first heartbeat's reply
         version, epochs = list(node.version), dict(node.epochs)
 
         async def push() -> None:
@@ -548,22 +614,31 @@ class Controller:
                 return
             await asyncio.sleep(FENCE_POLL_S)
 
-    async def node_heartbeat(self, node_id: str, incarnation: str, down: list[str], version: list | None) -> dict:
+    async def node_heartbeat(
+        self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None
+    ) -> dict:
         """A node agent's lease renewal: the replicas it reports down, and the epoch table version it applied.
 
         The reply carries the node's epoch table whenever the agent is behind
         (a new agent, a restarted controller, a change not yet pushed); the
-        agent applies it before it extends the node's lease.
+        agent applies it before it extends the node's lease. An agent on a
+        Ray node other than the one its node is mapped to is answered
+        ``stale`` (the host joined again elsewhere); one whose node is not
+        mapped yet (this controller is starting) is answered ``wait``.
         """
         self._check_owner()
         self._calls["node_heartbeat"] += 1
-        return self._renew(node_id, incarnation, down, version)
+        return self._renew(node_id, incarnation, down, version, ray_node_id)
 
-    def _renew(self, node_id: str, incarnation: str, down: list[str], version: list | None) -> dict:
+    def _renew(self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None) -> dict:
         now = monotonic_ms()
         node = self._nodes.get(node_id)
         if node is None:
             node = self._nodes[node_id] = _Node(node_id)
+        if not node.ready:
+            return {"wait": True}
+        if ray_node_id is not None and ray_node_id != node.ray_node_id:
+            return {"stale": True}
         self._liveness.heard(node_id, now)
         # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
         # its replicas may lead partitions that have no leader (a controller restart, say).
@@ -599,7 +674,8 @@ class Controller:
             raise TypeError("a heartbeat's down must be a list and its version a list or null")
         self._check_owner()
         self._calls["node_heartbeat_link"] += 1
-        return self._renew(str(message["node"]), str(message["incarnation"]), down, version)
+        ray_node = message.get("ray_node")
+        return self._renew(str(message["node"]), str(message["incarnation"]), down, version, None if ray_node is None else str(ray_node))
 
     async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
         """A replica process started (or Ray restarted it): its partition's current leadership."""
@@ -630,12 +706,13 @@ class Controller:
         }
 
     def _loads(self) -> list[NodeLoad]:
-        """What placement knows of the live nodes: replicas and leaders from the metadata, racks from
-        Ray's node labels, and each node's replica limit."""
-        limits = {n: limit for n, limit in node_limits(self.max_replicas_per_node).items() if n not in self._draining}
+        """What placement knows of the live nodes (as last seen: ``_refresh_nodes``): replicas and leaders
+        from the metadata, racks from Ray's node labels, and each node's replica limit."""
+        hosts = [host for host in self._usable_hosts() if host.node_id not in self._draining]
+        limits = {host.node_id: host.limit for host in hosts}
         self._use_slots = uses_replica_slots()
         loads = self.metadata.node_loads(sorted(limits), limits)
-        racks = node_racks()
+        racks = {host.node_id: host.rack for host in hosts}
         for load in loads:
             load.rack = racks.get(load.node_id, "")
         return loads
@@ -649,16 +726,16 @@ class Controller:
         state_topic = self.metadata.topic(topic)
         if not 0 <= partition < len(state_topic.partitions):
             raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
-        leader = state_topic.partitions[partition].leader
-        if leader is None:
+        handle = self._handle_or_none(state_topic, partition, state_topic.partitions[partition].leader)
+        if handle is None:
             raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
-        return self._replica_handle(state_topic, partition, leader)
+        return handle
 
     async def create_internal_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
         await self._create_topic(name, partitions, replication_factor, config, internal=True)
 
     def live_node_count(self) -> int:
-        return len(live_node_ids())
+        return len(self._live_nodes())
 
     # --- failure detection and elections: driven by nodes and events, not by replicas --------------
 
@@ -710,6 +787,7 @@ class Controller:
                 names |= set(node.epochs)
         if names:
             await self._check_replicas(names)
+        self._look_for_nodes(now)
         self._redeliver(now)
         self._watch_leaderless(now)
         if now - self._last_preferred_check_ms > PREFERRED_LEADER_CHECK_MS:
@@ -763,7 +841,11 @@ class Controller:
             logger.exception("announcing %s-%d failed: %r", topic.name, partition, error)
 
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
-        """Replace replicas whose node has been dead for replica_replacement_ms."""
+        """Replace replicas whose node has been dead for replica_replacement_ms and has not come back.
+
+        A node that came back (Ray counts it alive, or its host joined again as
+        a new Ray node: ``_refresh_nodes`` looks once a second while it is
+        away) keeps its replicas: they reopen their logs there."""
         state = topic.partitions[partition]
         live_nodes = None
         replaced = False
@@ -776,9 +858,9 @@ class Controller:
             if state.isr == [r]:
                 continue  # the only in-sync copy: replacing it would lose the partition's data
             if live_nodes is None:
-                live_nodes = live_node_ids()
+                live_nodes = self._live_nodes()
             if node.node_id in live_nodes:
-                continue  # Ray still counts the node alive: Ray restarts the actor there
+                continue  # Ray still counts the node alive (Ray restarts the actor there), or its host joined again
             used = {state.nodes[str(x)] for x in state.replicas if x != r}
             free = [n for n in live_nodes if n not in used]
             if not free:
@@ -800,6 +882,153 @@ class Controller:
         if node is None:
             node = self._nodes[node_id] = _Node(node_id)
         return node
+
+    # --- node identity: which Ray node each node is now ------------------------------------------------
+
+    @property
+    def _refresh_lock(self) -> asyncio.Lock:
+        if self._refresh_lock_ is None:
+            self._refresh_lock_ = asyncio.Lock()
+        return self._refresh_lock_
+
+    def _usable_hosts(self) -> list[RayNode]:
+        """The live Ray nodes, as last seen, that are their node now: a node named by its Ray node id, or a
+        host's node mapped there (checked); hosts refused and Ray nodes a host left are not."""
+        usable = []
+        for host in self._hosts:
+            if host.ray_node_id in self._refused_hosts:
+                continue
+            node = self._nodes.get(host.node_id)
+            if not host.labelled or (node is not None and node.ray_node_id == host.ray_node_id):
+                usable.append(host)
+        return usable
+
+    def _live_nodes(self) -> list[str]:
+        """The ids of the nodes that may host replicas now (as last seen: ``_refresh_nodes``), sorted."""
+        return sorted({host.node_id for host in self._usable_hosts()})
+
+    def _ray_node_of(self, node_id: str | None) -> str | None:
+        node = self._nodes.get(node_id) if node_id is not None else None
+        return node.ray_node_id if node is not None else (None if node_id is None or is_node_id(node_id) else node_id)
+
+    def _node_of_ray_node(self, ray_node_id: str) -> str:
+        """The node a Ray node is (as last seen): its label's node id, else its own id."""
+        return next((host.node_id for host in self._hosts if host.ray_node_id == ray_node_id), ray_node_id)
+
+    async def _refresh_nodes(self) -> None:
+        """Look through Ray's nodes: map each host's node to the Ray node carrying its label now.
+
+        A host new to this controller is checked first (``_identify``); a
+        node whose Ray node is gone, or silent while another Ray node carries
+        its label (the host joined again before Ray declared its old Ray node
+        dead), moves to that Ray node (``_move_node``). A node keeps its Ray
+        node while that one heartbeats, whatever else carries its label (two
+        hosts with one identity: a copied data directory), and never goes
+        back to a Ray node it left. One GCS query, plus a check per new host.
+        """
+        async with self._refresh_lock:
+            self._last_discovery_ms = monotonic_ms()
+            hosts = await asyncio.to_thread(replica_hosts, self.max_replicas_per_node)
+            now = monotonic_ms()
+            candidates: dict[str, list[str]] = {}
+            for host in hosts:
+                if host.labelled and host.ray_node_id not in self._refused_hosts:
+                    candidates.setdefault(host.node_id, []).append(host.ray_node_id)
+            moves = []
+            for node_id, ray_node_ids in sorted(candidates.items()):
+                node = self._node_entry(node_id)
+                fresh = [r for r in ray_node_ids if r not in node.past_ray_nodes]
+                if node.ray_node_id in fresh and (len(fresh) == 1 or self._node_alive(node_id, now)):
+                    if len(fresh) > 1 and (node_id, tuple(sorted(fresh))) not in self._duplicates_told:
+                        self._duplicates_told.add((node_id, tuple(sorted(fresh))))
+                        logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
+                                     "directory?); it stays on %s", node_id, sorted(fresh), node.ray_node_id[:12])
+                    continue
+                others = [r for r in fresh if r != node.ray_node_id]
+                if others:
+                    moves.append((node, others[0]))
+            found = await asyncio.gather(*(self._identify(ray_node_id, node.node_id) for node, ray_node_id in moves))
+            self._hosts = hosts
+            for (node, ray_node_id), identity in zip(moves, found):
+                if identity is not None:
+                    self._move_node(node, ray_node_id, identity)
+
+    async def _identify(self, ray_node_id: str, node_id: str) -> dict | None:
+        """Check the host on ``ray_node_id`` through an agent there (its data directory holds ``node_id``'s
+        identity and this cluster's id, recorded now if it had none); its identity, or None if it cannot
+        be used now (refused for good: another cluster's directory; or not answering: tried again later)."""
+        known = self._identified.get(ray_node_id)
+        if known is not None:
+            return known
+        agent = start_agent(self.namespace, ray_node_id, CONTROLLER_NAME, node_id)
+        try:
+            found = await asyncio.wait_for(agent.identify.remote(self.metadata.cluster_id), IDENTIFY_TIMEOUT_S)
+        except Exception as raised:  # noqa: BLE001 (refused below, or tried again at the next look)
+            error = unwrap(raised)
+            if isinstance(error, (InconsistentClusterIdError, NodeIdentityError)):
+                self._refused_hosts[ray_node_id] = {"node_id": node_id, "error": str(error)}
+                logger.error("Ray node %s refused as node %s: %s", ray_node_id[:12], node_id, error)
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+            else:
+                logger.warning("Ray node %s (node %s) not checked yet: %s: %s", ray_node_id[:12], node_id, type(error).__name__, error)
+            return None
+        identity = {"node_id": node_id, "data_dir": found.get("data_dir"), "agent": agent}
+        self._identified[ray_node_id] = identity
+        return identity
+
+    def _move_node(self, node: _Node, ray_node_id: str, identity: dict) -> None:
+        """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
+
+        The actors on the Ray node it leaves are killed (that Ray node is dead,
+        or about to be declared so: its host joined again). Its replicas start
+        on the new Ray node at once and open their logs in the host's data
+        directory; they ask for their roles, and the agent's first heartbeat
+        brings elections for their partitions (a replica that was the only
+        in-sync one leads again).
+        """
+        old = node.ray_node_id
+        if old is not None:
+            node.past_ray_nodes.add(old)
+        names = [n for n in node.epochs if n in self._by_name]  # its replicas (_reindex)
+        old_handles = [self._replicas.pop(self._by_name[n]) for n in names if self._by_name[n] in self._replicas]
+        old_agent = node.agent
+        node.ray_node_id, node.data_dir = ray_node_id, identity["data_dir"]
+        node.agent, node.incarnation, node.acked, node.down = identity["agent"], None, None, set()
+        for handle in [*old_handles, *([old_agent] if old_agent is not None else [])]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        (logger.info if old is None else logger.warning)(
+            "node %s is on Ray node %s%s: %d replicas, data directory %s", node.node_id, ray_node_id[:12],
+            "" if old is None else f" now (was {old[:12]}): its replicas open their logs there", len(names), node.data_dir or self.data_dir)
+        if not names:
+            return
+        self._liveness.expect(node.node_id, monotonic_ms())  # its agent has its first heartbeat to send
+        self._push_epochs(node)
+        for name in names:
+            topic_name, partition, replica_id = self._by_name[name]
+            try:
+                self._replica_handle(self.metadata.topics[topic_name], partition, replica_id)
+            except Exception as error:  # noqa: BLE001 (its role delivery or the next look tries again)
+                logger.warning("%s-%d: replica %d did not start on node %s: %r", topic_name, partition, replica_id, node.node_id, error)
+
+    def _look_for_nodes(self, now: int) -> None:
+        """Each tick: while a node hosting replicas is away, look through Ray's nodes for it (once a second)."""
+        if now - self._last_discovery_ms < NODE_DISCOVERY_MS or (self._discovery is not None and not self._discovery.done()):
+            return
+        if not any(n.epochs and (not n.ready or n.dead_since_ms is not None) for n in self._nodes.values()):
+            return
+        self._discovery = asyncio.get_running_loop().create_task(self._refresh_safely())
+
+    async def _refresh_safely(self) -> None:
+        try:
+            await self._refresh_nodes()
+        except Exception:  # noqa: BLE001 (the next look tries again)
+            logger.exception("looking through Ray's nodes failed")
 
     # --- admin -------------------------------------------------------------------------------------
 
@@ -824,9 +1053,10 @@ class Controller:
         self, name, partitions, replication_factor, config, internal: bool = False, timeout_s: float = CREATE_TIMEOUT_S
     ) -> None:
         reserved = None
+        await self._refresh_nodes()
         async with self._lock:
             try:
-                topic = self.metadata.create_topic(name, partitions, replication_factor, config, live_node_ids(), loads=self._loads())
+                topic = self.metadata.create_topic(name, partitions, replication_factor, config, self._live_nodes(), loads=self._loads())
             except (NodeCapacityError, InvalidReplicationFactorError):
                 if internal or autoscaler_replica_capacity() == 0:
                     raise
@@ -838,7 +1068,7 @@ class Controller:
             async with self._lock:
                 try:
                     topic = self.metadata.create_topic(
-                        name, partitions, replication_factor, config, live_node_ids(), placements=reserved.placements
+                        name, partitions, replication_factor, config, self._live_nodes(), placements=reserved.placements
                     )
                 except BaseException:
                     reserved.release()
@@ -888,8 +1118,13 @@ class Controller:
             reservation.release()
             raise
         self._use_slots = True
+        try:
+            await self._refresh_nodes()  # the nodes just added (hosts among them are checked first)
+        except BaseException:
+            reservation.release()
+            raise
         reservation.placements = [
-            [placement_group_table(g)["bundles_to_node_id"][i] for i in range(replication_factor)] for g in groups
+            [self._node_of_ray_node(placement_group_table(g)["bundles_to_node_id"][i]) for i in range(replication_factor)] for g in groups
         ]
         return reservation
 
@@ -970,8 +1205,9 @@ class Controller:
 
     async def create_partitions(self, name: str, total: int) -> TopicDescription:
         await self._ready()
+        await self._refresh_nodes()
         async with self._lock:
-            added = self.metadata.create_partitions(name, total, live_node_ids(), loads=self._loads())
+            added = self.metadata.create_partitions(name, total, self._live_nodes(), loads=self._loads())
             topic = self.metadata.topic(name)
             self._persist()
             for node in self._reindex():
@@ -1000,8 +1236,9 @@ class Controller:
         # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync
         # replica: at once, before the replicas (one of them perhaps paused) are told the new config.
         await self._check_partitions({(name, p) for p in range(len(topic.partitions))})
-        handles = [self._replica_handle(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        await asyncio.gather(*(h.update_config.remote(overrides) for h in handles))
+        # A replica whose node is away is told when it starts there again (it is created with the topic's config).
+        handles = [self._handle_or_none(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
+        await asyncio.gather(*(h.update_config.remote(overrides) for h in handles if h is not None))
         return dict(overrides)
 
     async def delete_records(self, offsets: dict) -> dict:
@@ -1048,24 +1285,23 @@ class Controller:
         self._calls["reassign_partitions"] += 1
         if not isinstance(assignments, dict) or not assignments:
             raise InvalidReassignmentError("assignments must be a non-empty {(topic, partition): [node ids]} dict")
+        await self._refresh_nodes()
         async with self._lock:
-            live = live_node_ids()
+            live = self._live_nodes()
             trial = ClusterMetadata.from_json(self.metadata.to_json())
             for (topic, partition), nodes in assignments.items():
                 trial.start_reassignment(topic, partition, list(nodes), live)  # raises before anything changes
             started = {}
             for (topic, partition), nodes in assignments.items():
-                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live)
+                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live, throttle_bytes_per_s)
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
-        for (topic, partition), added in started.items():
-            if added:
-                self._throttles[(topic, partition)] = throttle_bytes_per_s
-                if reserved is not None:
-                    topic_state = self.metadata.topics[topic]
-                    for r in added:
-                        self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
+        if reserved is not None:
+            for (topic, partition), added in started.items():
+                topic_state = self.metadata.topics[topic]
+                for r in added:
+                    self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
         if reserved is not None:
             reserved.release()
         await asyncio.gather(*(self._begin_move(t, p) for (t, p), added in started.items()))
@@ -1076,11 +1312,10 @@ class Controller:
         state = topic.partitions[partition]
         for r in state.adding:
             self._agent(self._node_entry(state.nodes[str(r)]))
-        throttle = self._throttles.get((topic_name, partition))
+        throttle = state.throttle_bytes_per_s
         if throttle:  # before they are told to follow: the copy starts throttled
-            await asyncio.gather(
-                *(self._replica_handle(topic, partition, r).set_throttle.remote(throttle) for r in state.adding), return_exceptions=True
-            )
+            handles = [self._handle_or_none(topic, partition, r) for r in state.adding]
+            await asyncio.gather(*(h.set_throttle.remote(throttle) for h in handles if h is not None), return_exceptions=True)
         await self._start_partition(topic, partition)
         if self.metadata.reassignment_ready(topic_name, partition):
             asyncio.get_running_loop().create_task(self._finish_move(topic_name, partition))
@@ -1100,11 +1335,9 @@ class Controller:
             self._persist()
             for node in self._reindex():
                 self._push_epochs(node)
-        self._throttles.pop((topic_name, partition), None)
         state = topic.partitions[partition]
-        await asyncio.gather(
-            *(self._replica_handle(topic, partition, r).set_throttle.remote(None) for r in state.replicas), return_exceptions=True
-        )
+        handles = [self._handle_or_none(topic, partition, r) for r in state.replicas]
+        await asyncio.gather(*(h.set_throttle.remote(None) for h in handles if h is not None), return_exceptions=True)
         await self._announce_safely(topic, partition)
         await self._remove_replicas(topic, partition, removed, old_nodes)
         await self._check_partitions({(topic_name, partition)})  # the leader the move chose may be gone meanwhile
@@ -1146,7 +1379,6 @@ class Controller:
                 self._persist()
                 for node in self._reindex():
                     self._push_epochs(node)
-            self._throttles.pop((topic_name, partition), None)
             await self._announce_safely(topic, partition)
             await self._remove_replicas(topic, partition, removed, old_nodes)
             cancelled.append((topic_name, partition))
@@ -1158,17 +1390,15 @@ class Controller:
         out = []
         for (topic_name, partition), moving in sorted(self.metadata.reassignments().items()):
             topic = self.metadata.topics[topic_name]
-            handles = {r: self._replica_handle(topic, partition, r) for r in moving["adding"]}
             leader = topic.partitions[partition].leader
-            if leader is not None:
-                handles[leader] = self._replica_handle(topic, partition, leader)
+            handles = {r: self._handle_or_none(topic, partition, r) for r in [*moving["adding"], *([leader] if leader is not None else [])]}
+            handles = {r: h for r, h in handles.items() if h is not None}
             found = await asyncio.gather(*(asyncio.wait_for(h.offsets.remote(), 10) for h in handles.values()), return_exceptions=True)
             ends = {r: (f[2] if isinstance(f, tuple) else None) for r, f in zip(handles, found)}
             out.append({
                 "topic": topic_name, "partition": partition, **moving,
                 "leader_log_end_offset": ends.get(leader),
                 "copied": {str(r): ends.get(r) for r in moving["adding"]},
-                "throttle_bytes_per_s": self._throttles.get((topic_name, partition)),
             })
         return out
 
@@ -1179,7 +1409,8 @@ class Controller:
         nodes with replica slots, one is asked for (up to ``timeout_s``).
         """
         await self._ready()
-        if node_id not in live_node_ids() and node_id not in self._nodes:
+        await self._refresh_nodes()
+        if node_id not in self._live_nodes() and node_id not in self._nodes:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
         already = node_id in self._draining
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
@@ -1227,17 +1458,22 @@ class Controller:
             await self.reassign_partitions(plan, throttle_bytes_per_s)
         return {"moving": sorted(plan)}
 
-    async def elect_preferred_leaders(self, topics: list[str] | None = None) -> list:
+    async def elect_preferred_leaders(self, topics: list[str] | None = None, partitions: list | None = None) -> list:
         """Give leadership back to each partition's preferred leader (its first replica) where it is
-        alive and in sync: after failovers, leaders spread evenly again. Returns the partitions moved."""
+        alive and in sync: after failovers, leaders spread evenly again. ``partitions`` ((topic,
+        partition) pairs), if given, narrows ``topics`` to those (Kafka's ElectLeaders). Returns the
+        partitions moved."""
         await self._ready()
         now = monotonic_ms()
         changed = []
+        only = None if partitions is None else {(t, int(p)) for t, p in partitions}
         async with self._lock:
             for topic in list(self.metadata.topics.values()):
                 if topics is not None and topic.name not in topics:
                     continue
                 for p, state in enumerate(topic.partitions):
+                    if only is not None and (topic.name, p) not in only:
+                        continue
                     if state.adding or not state.replicas or state.leader == state.replicas[0]:
                         continue
                     alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
@@ -1260,18 +1496,20 @@ class Controller:
         topic = self.metadata.topic(name)
         partitions = []
         for p, state in enumerate(topic.partitions):
-            handle = self._replica_handle(topic, p, state.leader) if state.leader is not None else None
+            # A leader on a node away now (for the moments before its lease runs out) is no leader to clients.
+            handle = self._handle_or_none(topic, p, state.leader)
             partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
-        """For the Kafka gateway, in one call: per topic named (every topic but the internal ones when
-        ``names`` is None; None for a name that is no topic) its id, config and, per partition, the
-        leader's handle, epoch and node and its replicas' and in-sync replicas' nodes; and the nodes
-        hosting replicas whose leases ran out (``dead_nodes``)."""
+        """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``
+        included as Kafka lists it, when ``names`` is None; None for a name that is no topic) its id,
+        config and, per partition, the leader's handle, epoch and node and its replicas' and in-sync
+        replicas' nodes; and the nodes hosting replicas whose leases ran out (``dead_nodes``). Nodes
+        here are the Ray nodes they are on now (a gateway is a Ray node's), a node away none."""
         await self._ready()
         topics = {}
-        for name in (await self.list_topics()) if names is None else names:
+        for name in (await self.list_topics(include_internal=True)) if names is None else names:
             topic = self.metadata.topics.get(name)
             if topic is None:
                 topics[name] = None
@@ -1279,16 +1517,39 @@ class Controller:
             partitions = []
             for p, state in enumerate(topic.partitions):
                 leader = state.leader
+                handle = self._handle_or_none(topic, p, leader)
                 partitions.append({
-                    "leader": self._replica_handle(topic, p, leader) if leader is not None else None,
+                    "leader": handle,
                     "leader_epoch": state.leader_epoch,
-                    "leader_node": state.nodes.get(str(leader)) if leader is not None else None,
-                    "replica_nodes": [state.nodes[str(r)] for r in state.replicas if str(r) in state.nodes],
-                    "isr_nodes": [state.nodes[str(r)] for r in state.isr if str(r) in state.nodes],
+                    "leader_node": self._ray_node_of(state.nodes.get(str(leader))) if handle is not None else None,
+                    "replica_nodes": [n for r in state.replicas if (n := self._ray_node_of(state.nodes.get(str(r)))) is not None],
+                    "isr_nodes": [n for r in state.isr if (n := self._ray_node_of(state.nodes.get(str(r)))) is not None],
                 })
             topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
         now = monotonic_ms()
-        return {"topics": topics, "dead_nodes": [n for n in self._nodes if not self._node_alive(n, now)]}
+        dead = [n.ray_node_id for n in self._nodes.values() if n.ray_node_id is not None and not self._node_alive(n.node_id, now)]
+        return {"topics": topics, "dead_nodes": dead}
+
+    async def scram_credential(self, user: str, mechanism: str) -> dict | None:
+        """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
+        await self._ready()
+        return self.metadata.scram_credential(user, mechanism)
+
+    async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
+        """Set each (user, mechanism, credential) of ``upserts``, then delete each (user, mechanism or
+        None for all) of ``deletions``; durable before this returns. Per deletion, whether it found one."""
+        await self._ready()
+        async with self._lock:
+            for user, mechanism, credential in upserts:
+                self.metadata.set_scram_credential(user, mechanism, credential)
+            found = [self.metadata.delete_scram_credential(user, mechanism) for user, mechanism in deletions]
+            self._persist()
+        return found
+
+    async def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> mechanism -> iterations of every SCRAM credential (never the credential itself)."""
+        await self._ready()
+        return self.metadata.scram_users()
 
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
@@ -1299,18 +1560,23 @@ class Controller:
         return producer_id
 
     async def replica_statuses(self, name: str) -> list[list[dict]]:
-        """Every replica's own view (role, epoch, offsets, last recovery): for `logbus status` and tools."""
+        """Every replica's own view (role, epoch, offsets, bytes fetched as follower, last recovery): for
+        `logbus status` and tools. The controller adds its ``node`` (``node_id`` is the replica's Ray
+        node) and ``directory`` (None while its node was not seen), also to a replica that did not answer."""
         await self._ready()
         topic = self.metadata.topic(name)
+
+        async def status(p: int, r: int):
+            return await asyncio.wait_for(self._replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S)
+
         # Every replica is asked at once: one that does not answer costs its 5 s once, not once per partition.
         asked = [(p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        found = await asyncio.gather(
-            *(asyncio.wait_for(self._replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S) for p, r in asked),
-            return_exceptions=True,
-        )
+        found = await asyncio.gather(*(status(p, r) for p, r in asked), return_exceptions=True)
         out: list[list[dict]] = [[] for _ in topic.partitions]
         for (p, r), f in zip(asked, found):
-            out[p].append(f if isinstance(f, dict) else {"replica_id": r, "error": repr(f)})
+            node = self._node_entry(topic.partitions[p].nodes[str(r)])
+            where = {"node": node.node_id, "directory": self._replica_directory(node, name, p, r) if node.ready else None}
+            out[p].append({**f, **where} if isinstance(f, dict) else {"replica_id": r, "error": repr(f), **where})
         return out
 
     async def nodes(self) -> list[dict]:
@@ -1324,7 +1590,9 @@ class Controller:
                     counts[state.nodes[str(r)]] += 1
                 if state.leader is not None:
                     leaders[state.nodes[str(state.leader)]] += 1
-        limits = node_limits(self.max_replicas_per_node)
+        await self._refresh_nodes()
+        usable = self._usable_hosts()
+        limits = {host.node_id: host.limit for host in usable}
         now = monotonic_ms()
         # Bytes from the leaders' own view, memory from each node's agent: asked now, concurrently.
         sizes: dict[str, int] = collections.Counter()
@@ -1332,8 +1600,8 @@ class Controller:
         for found in statuses:
             for replicas in found if isinstance(found, list) else []:
                 for status in replicas:
-                    if "node_id" in status:
-                        sizes[status["node_id"]] += status.get("size_bytes", 0)
+                    if "size_bytes" in status:
+                        sizes[status["node"]] += status["size_bytes"]
         agents = [(n, n.agent) for n in self._nodes.values() if n.agent is not None]
         usage = await asyncio.gather(*(asyncio.wait_for(a.usage.remote(), 10) for _, a in agents), return_exceptions=True)
         memory = {n.node_id: u.get("uss_mean_bytes") for (n, _), u in zip(agents, usage) if isinstance(u, dict)}
@@ -1350,7 +1618,16 @@ class Controller:
                 "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
                 "replicas_down": len(node.down) if node is not None else 0,
                 "draining": node_id in self._draining,
+                "ray_node_id": node.ray_node_id if node is not None else self._ray_node_of(node_id),
+                "data_dir": (node.data_dir if node is not None else None) or self.data_dir,
             })
+        # Hosts refused (another cluster's data directory): listed with the reason, never used.
+        live = {host.ray_node_id for host in self._hosts}
+        for ray_node_id, refused in sorted(self._refused_hosts.items()):
+            if ray_node_id in live:
+                out.append({"bytes": 0, "memory_per_replica_bytes": None, "node_id": refused["node_id"], "replicas": 0, "leaders": 0,
+                            "max_replicas": None, "alive": False, "replicas_down": 0, "draining": False,
+                            "ray_node_id": ray_node_id, "data_dir": None, "refused": refused["error"]})
         return out
 
     async def call_counts(self) -> dict[str, int]:
@@ -1375,29 +1652,41 @@ class Controller:
         await self._ready()
         return await self.groups.join(group_id, options, wait_ms)
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+    async def group_sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None = None, wait_ms: int = 0,
+                         group_instance_id: str | None = None, protocol_type: str | None = None, protocol_name: str | None = None):
         await self._ready()
-        return await self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms, wait_ms)
+        return await self.groups.sync(group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type, protocol_name)
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool:
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        """KIP-848's ConsumerGroupHeartbeat (see ``GroupService.consumer_heartbeat``; ``options`` are its keyword arguments)."""
         await self._ready()
-        return await self.groups.leave(group_id, member_id)
+        return await self.groups.consumer_heartbeat(group_id, member_id, member_epoch, **options)
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
+                              group_instance_id: str | None = None):
         await self._ready()
-        await self.groups.commit_offsets(group_id, member_id, generation, offsets)
+        return await self.groups.heartbeat(group_id, member_id, generation, poll_idle_ms, wait_ms, group_instance_id)
+
+    async def group_leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
+        await self._ready()
+        return await self.groups.leave(group_id, member_id, group_instance_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict,
+                             group_instance_id: str | None = None, retention_ms: int | None = None) -> None:
+        await self._ready()
+        await self.groups.commit_offsets(group_id, member_id, generation, offsets, group_instance_id, retention_ms)
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         await self._ready()
         return await self.groups.fetch_committed(group_id, partitions)
 
-    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+    async def list_groups(self, with_protocol_type: bool = False) -> list[tuple]:
         await self._ready()
-        return await self.groups.list_groups()
+        return await self.groups.list_groups(with_protocol_type)
 
-    async def describe_group(self, group_id: str) -> dict:
+    async def describe_group(self, group_id: str, protocol_details: bool = False) -> dict:
         await self._ready()
-        return await self.groups.describe_group(group_id)
+        return await self.groups.describe_group(group_id, protocol_details)
 
     async def reset_offsets(self, group_id: str, to, topics: list[str] | None = None) -> dict:
         await self._ready()
@@ -1406,6 +1695,43 @@ class Controller:
     async def delete_group(self, group_id: str) -> list:
         await self._ready()
         return await self.groups.delete_group(group_id)
+
+    async def delete_group_offsets(self, group_id: str, partitions: list) -> dict:
+        """Kafka's OffsetDelete (see ``GroupService.delete_offsets``)."""
+        await self._ready()
+        return await self.groups.delete_offsets(group_id, partitions)
+
+    async def ensure_offsets_topic(self) -> None:
+        """Create ``__consumer_offsets`` if it does not exist yet (a Kafka gateway starting: Kafka's tools
+        expect to find it before the first commit)."""
+        await self._ready()
+        await self.groups.offsets.ensure_topic()
+
+    # --- transactions: forwarded to the transaction service ---------------------------------------------
+
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected: tuple | None = None) -> tuple[int, int]:
+        await self._ready()
+        return await self.transactions.init_producer_id(transactional_id, timeout_ms, expected)
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list) -> None:
+        await self._ready()
+        await self.transactions.add_partitions(transactional_id, producer_id, epoch, partitions)
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        await self._ready()
+        await self.transactions.add_offsets(transactional_id, producer_id, epoch, group_id)
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        await self._ready()
+        await self.transactions.txn_offset_commit(transactional_id, producer_id, epoch, group_metadata, offsets)
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        await self._ready()
+        await self.transactions.end_txn(transactional_id, producer_id, epoch, commit)
+
+    async def describe_transactions(self) -> list[dict]:
+        await self._ready()
+        return await self.transactions.describe()
 
 
 @functools.cache

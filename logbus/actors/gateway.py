@@ -61,7 +61,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.channel_client import cancel_request
 from logbus.actors.channel_client import channels as local_channels
-from logbus.actors.controller import CONTROLLER_NAME
+from logbus.actors.controller import CONTROLLER_NAME, CREATE_TIMEOUT_S
 from logbus.actors.fetcher import send_fetch
 from logbus.actors.remote import CONTROL_TIMEOUT_S, unwrap
 from logbus.errors import (
@@ -76,8 +76,11 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol import kafka_gateway as kg
+from logbus.protocol.kafka_sasl import SASL_API_VERSIONS, Authenticator
+from logbus.protocol.listener_security import ListenerSecurity
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, FetchRequest
+from logbus.protocol.scram import ScramCredential
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, PRODUCE_INLINE_MAX_BYTES, READ_UNCOMMITTED, FetchRequest, TopicPartition
 from logbus.storage.log_config import LogConfig
 
 logger = logging.getLogger(__name__)
@@ -367,12 +370,13 @@ class ClusterBackend:
         """Local channels to replicas with frames waiting for a replica that is not reading (see Channels.backlogged)."""
         return self._channels.backlogged()
 
-    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
-        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms)
+    def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int = READ_UNCOMMITTED):
+        return self._fetch(topic, partition, offset, max_bytes, max_wait_ms, isolation_level)
 
-    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+    async def _fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int):
         timeout_s = max_wait_ms / 1000 + CALL_MARGIN_S
-        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES)
+        request = FetchRequest(offset, max_bytes, max_wait_ms, verify_crc=False, inline_max_bytes=FETCH_INLINE_MAX_BYTES,
+                               isolation_level=isolation_level)
         with self._leader_errors(topic, partition, "a fetch", timeout_s):
             leader = await self._leader(topic, partition)
             try:
@@ -394,10 +398,10 @@ class ClusterBackend:
             data = await asyncio.wait_for(_wrapped(data.future()), timeout_s)
         return meta, data
 
-    async def offsets(self, topic: str, partition: int) -> tuple[int, int, int]:
+    async def offsets(self, topic: str, partition: int, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
         leader = await self._leader(topic, partition)
         with self._leader_errors(topic, partition, "an offsets query", CALL_MARGIN_S):
-            return await _await_ref(leader.offsets.remote(), CALL_MARGIN_S)
+            return await _await_ref(leader.offsets.remote(isolation_level), CALL_MARGIN_S)
 
     async def offset_for_timestamp(self, topic: str, partition: int, timestamp_ms: int) -> int:
         leader = await self._leader(topic, partition)
@@ -410,7 +414,7 @@ class ClusterBackend:
         return await self._call("allocate_producer_id")
 
     async def create_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
-        await self._call("create_topic", name, partitions, replication_factor, config)
+        await self._call("create_topic", name, partitions, replication_factor, config, timeout_s=CREATE_TIMEOUT_S + CALL_MARGIN_S)
 
     async def delete_topic(self, name: str) -> None:
         await self._call("delete_topic", name)
@@ -420,32 +424,107 @@ class ClusterBackend:
         session_s = options.get("session_timeout_ms", 0) / 1000
         return await self._call("group_join", group_id, options, wait_ms, timeout_s=wait_ms / 1000 + session_s + CALL_MARGIN_S)
 
-    async def group_heartbeat(self, group_id: str, member_id: str, generation: int):
-        return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0)
+    async def group_sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None, wait_ms: int,
+                         group_instance_id: str | None, protocol_type: str | None, protocol_name: str | None):
+        return await self._call("group_sync", group_id, member_id, generation, assignments, wait_ms, group_instance_id, protocol_type,
+                                protocol_name, timeout_s=wait_ms / 1000 + CALL_MARGIN_S)
 
-    async def group_leave(self, group_id: str, member_id: str) -> bool:
-        return await self._call("group_leave", group_id, member_id)
+    async def consumer_group_heartbeat(self, group_id: str, member_id: str, member_epoch: int, options: dict) -> dict:
+        return await self._call("consumer_group_heartbeat", group_id, member_id, member_epoch, options)
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
-        await self._call("commit_offsets", group_id, member_id, generation, offsets)
+    async def topic_names_by_id(self) -> dict[str, str]:
+        """{topic id (hex): name} of the topics looked up so far."""
+        return {cached.view.topic_id: name for name, cached in self._topics.items()}
+
+    async def group_heartbeat(self, group_id: str, member_id: str, generation: int, group_instance_id: str | None = None):
+        return await self._call("group_heartbeat", group_id, member_id, generation, 0, 0, group_instance_id)
+
+    async def group_leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
+        return await self._call("group_leave", group_id, member_id, group_instance_id)
+
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict, group_instance_id: str | None = None,
+                             retention_ms: int | None = None) -> None:
+        await self._call("commit_offsets", group_id, member_id, generation, offsets, group_instance_id, retention_ms)
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         return await self._call("fetch_committed", group_id, partitions)
 
     async def describe_group(self, group_id: str) -> dict:
-        return await self._call("describe_group", group_id)
+        return await self._call("describe_group", group_id, True)
 
     async def list_groups(self) -> list:
-        return await self._call("list_groups")
+        return await self._call("list_groups", True)
+
+    async def delete_group(self, group_id: str) -> None:
+        await self._call("delete_group", group_id)
+
+    async def delete_group_offsets(self, group_id: str, partitions: list) -> dict:
+        return await self._call("delete_group_offsets", group_id, partitions)
+
+    async def ensure_offsets_topic(self) -> None:
+        await self._call("ensure_offsets_topic", timeout_s=CREATE_TIMEOUT_S)
+
+    # --- administration ----------------------------------------------------------------------------------
+
+    async def create_partitions(self, name: str, total: int) -> None:
+        await self._call("create_partitions", name, total, timeout_s=CREATE_TIMEOUT_S)
+        self._stale.add(name)
+
+    async def delete_records(self, topic: str, partition: int, offset: int) -> int:
+        found = await self._call("delete_records", {(topic, partition): offset})
+        return found[TopicPartition(topic, partition)]
+
+    async def alter_config(self, name: str, config: dict, delete: list[str]) -> None:
+        await self._call("alter_config", name, config, delete)
+        self._stale.add(name)
+
+    async def end_offset_for_epoch(self, topic: str, partition: int, epoch: int) -> tuple[int, int]:
+        leader = await self._leader(topic, partition)
+        with self._leader_errors(topic, partition, "an epoch query", CALL_MARGIN_S):
+            return tuple(await _await_ref(leader.end_offset_for_epoch.remote(epoch), CALL_MARGIN_S))
+
+    async def elect_preferred_leaders(self, partitions: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        moved = await self._call("elect_preferred_leaders", sorted({t for t, _ in partitions}), [tuple(tp) for tp in partitions])
+        for topic, _ in moved:
+            self._stale.add(topic)
+        return [tuple(tp) for tp in moved]
+
+    async def replica_statuses(self, topic: str) -> list[list[dict]]:
+        return await self._call("replica_statuses", topic)
+
+    async def data_dir(self) -> str:
+        return await self._call("get_data_dir")
+
+    # The transaction coordinator's calls wait for appends and markers (at most its own bound,
+    # transaction_service.CALL_WAIT_S_MAX, before it answers retriable): CONTROL_TIMEOUT_S covers that.
+
+    async def txn_init_producer_id(self, transactional_id: str, timeout_ms: int, expected) -> tuple[int, int]:
+        return tuple(await self._call("txn_init_producer_id", transactional_id, timeout_ms, expected))
+
+    async def txn_add_partitions(self, transactional_id: str, producer_id: int, epoch: int, partitions: list) -> None:
+        await self._call("txn_add_partitions", transactional_id, producer_id, epoch, partitions)
+
+    async def txn_add_offsets(self, transactional_id: str, producer_id: int, epoch: int, group_id: str) -> None:
+        await self._call("txn_add_offsets", transactional_id, producer_id, epoch, group_id)
+
+    async def txn_offset_commit(self, transactional_id: str, producer_id: int, epoch: int, group_metadata: tuple, offsets: dict) -> None:
+        await self._call("txn_offset_commit", transactional_id, producer_id, epoch, group_metadata, offsets)
+
+    async def txn_end(self, transactional_id: str, producer_id: int, epoch: int, commit: bool) -> None:
+        await self._call("txn_end", transactional_id, producer_id, epoch, commit)
 
 
 class Gateway:
     """One node's Kafka listener (see the module docstring). Its listener runs in a thread of its own."""
 
     def __init__(self, namespace: str, host: str, port: int, advertised_host: str | None, max_request_bytes: int,
-                 max_connections: int = MAX_CONNECTIONS_DEFAULT) -> None:
+                 max_connections: int = MAX_CONNECTIONS_DEFAULT, config: dict | None = None, security: dict | None = None) -> None:
         node_id = ray.get_runtime_context().get_node_id()
-        self._settings = (host, port, advertised_host, max_request_bytes, max_connections)  # as asked (see start_gateways)
+        broker_config = kg.BrokerConfig.from_dict(config)
+        self.security = ListenerSecurity.from_dict(security)
+        # As asked (see start_gateways).
+        self._settings = (host, port, advertised_host, max_request_bytes, max_connections, broker_config.to_dict(), self.security.to_dict())
+        self._ssl = self.security.ssl_context()
         self.max_connections = max_connections
         self.connections_refused = 0
         self._refused_warned_s = -REFUSED_WARNING_INTERVAL_S
@@ -456,7 +535,10 @@ class Gateway:
         bound_port = self._sock.getsockname()[1]
         self.broker = kg.Broker(kg.broker_id_for(node_id), advertised_host, bound_port, node_id)
         self.backend = ClusterBackend(namespace, self.broker)
-        self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes)
+        self.handler = kg.KafkaHandler(self.backend, max_request_bytes=max_request_bytes, config=broker_config)
+        self.auth = Authenticator(self.security, self._scram_credential)
+        if self.auth.enabled:
+            self.handler.api_versions.update(SASL_API_VERSIONS)
         self.connections = 0
         self.connections_total = 0
         self.refused_frames = 0
@@ -468,10 +550,15 @@ class Gateway:
         self._thread = threading.Thread(target=self._run, args=(started,), name="logbus-kafka-gateway", daemon=True)
         self._thread.start()
         started.result(timeout=30)
-        logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d)", node_id, host, bound_port, advertised_host, bound_port)
+        logger.info("Kafka gateway on node %s listening on %s:%d (advertised %s:%d, %s)", node_id, host, bound_port, advertised_host, bound_port,
+                    self.security.security_protocol)
         self._namespace = namespace
         if ray.get_runtime_context().was_current_actor_reconstructed:
             threading.Thread(target=self._rejoin, name="logbus-kafka-gateway-rejoin", daemon=True).start()
+
+    async def _scram_credential(self, user: str, mechanism: str) -> ScramCredential | None:
+        found = await self.backend._call("scram_credential", user, mechanism)
+        return None if found is None else ScramCredential.from_dict(found)
 
     def _rejoin(self) -> None:
         """Ray restarted this gateway: learn the other gateways' addresses and tell them this one's.
@@ -503,7 +590,7 @@ class Gateway:
         asyncio.set_event_loop(self._loop)
 
         async def serve() -> None:
-            self._server = await asyncio.start_server(self._serve_connection, sock=self._sock)
+            self._server = await asyncio.start_server(self._serve_connection, sock=self._sock, ssl=self._ssl)
             started.set_result(None)
 
         try:
@@ -532,8 +619,9 @@ class Gateway:
         """(advertised host, port, broker id, node id)."""
         return self.broker.host, self.broker.port, self.broker.broker_id, self.broker.node_id
 
-    def settings(self) -> tuple[str, int, str | None, int, int]:
-        """(host, port, advertised host, max request bytes, max connections) as asked for when it was started."""
+    def settings(self) -> tuple[str, int, str | None, int, int, dict, dict]:
+        """(host, port, advertised host, max request bytes, max connections, broker settings, listener security) as asked for
+        when it was started."""
         return self._settings
 
     def set_peers(self, peers: list[tuple[str, int, int, str]]) -> None:
@@ -560,6 +648,7 @@ class Gateway:
             "connections_limit": self.max_connections,
             "connections_refused": self.connections_refused,
             "requests": dict(self.handler.requests_served),
+            "requests_unserved": dict(self.handler.requests_unserved),
             "refused_frames": self.refused_frames,
             "open_request_bytes": budget.used,
             "open_request_bytes_peak": budget.peak,
@@ -568,6 +657,9 @@ class Gateway:
             "open_request_bytes_connection_limit": CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes,
             "requests_waited_for_connection_room": self.requests_waited_for_connection_room,
             "replica_channels_backlogged": self.backend.channels_backlogged(),
+            "authentications": {"succeeded": self.auth.stats.succeeded, "failed": self.auth.stats.failed,
+                                "refused_frames": self.auth.stats.refused_frames, "by_mechanism": dict(self.auth.stats.by_mechanism),
+                                "addresses_throttled": len(self.auth.throttle)},
         }
 
     def shutdown(self) -> None:
@@ -610,6 +702,8 @@ class Gateway:
         responses: asyncio.Queue = asyncio.Queue(maxsize=IN_FLIGHT_MAX)
         sender = asyncio.ensure_future(self._send_responses(responses, writer))
         peer = writer.get_extra_info("peername")
+        session = self.auth.session(peer)  # SASL's turn first, when the listener has it
+        start_request = functools.partial(self.handler.start, connection=connection)
         # This connection's share of the gateway's room: however slow its requests (long polls, produce
         # requests waiting for acks), it leaves the other half to the other connections.
         own = _Budget(CONNECTION_BYTES_FACTOR * self.handler.max_request_bytes)
@@ -619,8 +713,9 @@ class Gateway:
             while not sender.done():
                 prefix = await reader.readexactly(4)
                 size = int.from_bytes(prefix, "big", signed=True)
-                if size < 8 or size > self.handler.max_request_bytes:
-                    raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {self.handler.max_request_bytes})")
+                size_max = session.frame_bytes_max or self.handler.max_request_bytes
+                if size < 8 or size > size_max:
+                    raise KafkaProtocolError(f"a request of {size} bytes (the maximum is {size_max})")
                 if own.must_wait(size):
                     self.requests_waited_for_connection_room += 1
                 await own.acquire(size)
@@ -629,7 +724,7 @@ class Gateway:
                     await self._budget.acquire(size)
                     release = _Release((own, self._budget), size)
                     frame = await reader.readexactly(size)
-                    pending = asyncio.ensure_future(_released_after(self.handler.start(frame, connection), release))
+                    pending = asyncio.ensure_future(_released_after(session.start(frame, start_request), release))
                 except BaseException:
                     release()
                     raise
@@ -762,8 +857,18 @@ def start_gateways(
     advertised_host: str | None = None,
     max_request_bytes: int | None = None,
     max_connections: int | None = None,
+    config: dict | None = None,
+    security: ListenerSecurity | None = None,
 ) -> KafkaGateway:
     """Start (or find) the gateway actors and tell each of the others; see ``Bus.start_gateway``.
+
+    ``config``: broker settings by Kafka's names (``auto.create.topics.enable``,
+    ``num.partitions``, ``default.replication.factor``; see
+    :class:`~logbus.protocol.kafka_gateway.BrokerConfig`). ``__consumer_offsets``
+    is created before this returns, as a Kafka cluster has it from the start.
+    ``security``: the listener's TLS and SASL; a gateway that would listen
+    off loopback without them is refused here, before anything starts
+    (:meth:`~logbus.protocol.listener_security.ListenerSecurity.exposure_warning`).
 
     A gateway already running on a node is used as it is if it was started
     with the same settings, and IllegalStateError is raised (nothing is
@@ -782,14 +887,17 @@ def start_gateways(
         max_connections = MAX_CONNECTIONS_DEFAULT
     if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
         raise InvalidConfigError(f"max_connections must be a positive int, not {max_connections!r}")
+    broker_config = kg.BrokerConfig.from_dict(config).to_dict()
+    security = security if security is not None else ListenerSecurity()
+    security.ssl_context()  # files that cannot be read fail here, with the driver's error
     if all_nodes:
-        nodes = [n["node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
+        nodes = [n["ray_node_id"] for n in ray.get(controller.nodes.remote(), timeout=CONTROL_TIMEOUT_S) if n["alive"] and n["replicas"]]
         here = ray.get_runtime_context().get_node_id()
         if not nodes:
             nodes = [here]
     else:
         nodes = [ray.get_runtime_context().get_node_id()]
-    asked = (host, port, advertised_host, max_request_bytes, max_connections)
+    asked = (host, port, advertised_host, max_request_bytes, max_connections, broker_config, security.to_dict())
     actors, created = [], []
     for node_id in nodes:
         try:
@@ -797,6 +905,7 @@ def start_gateways(
             continue
         except ValueError:
             pass  # none there yet
+        exposed = security.exposure_warning(host)  # before one starts: raises unless allowed
         actor = (
             _gateway_actor_class()
             .options(
@@ -810,10 +919,12 @@ def start_gateways(
                 max_concurrency=8,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             )
-            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections)
+            .remote(namespace, host, port, advertised_host, max_request_bytes, max_connections, broker_config, security.to_dict())
         )
         actors.append(actor)
         created.append(actor)
+        if exposed:
+            logger.warning("%s", exposed)
     try:
         addresses = ray.get([a.address.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
         settings = ray.get([a.settings.remote() for a in actors], timeout=CONTROL_TIMEOUT_S)
@@ -827,12 +938,14 @@ def start_gateways(
         if tuple(found) != asked:
             # Ours are the ones started with what was asked (another caller may have started one meanwhile).
             _end([a for a, theirs in zip(actors, settings) if tuple(theirs) == asked and any(a is c for c in created)])
-            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections"), found))
+            was = dict(zip(("host", "port", "advertised_host", "max_request_bytes", "max_connections", "config", "security"), found))
             raise IllegalStateError(
                 f"a Kafka gateway already runs on node {node_id}, started with {was}; stop it (KafkaGateway.stop()) "
                 f"to start one with other settings"
             )
     ray.get([a.set_peers.remote(addresses) for a in actors], timeout=CONTROL_TIMEOUT_S)
+    # Kafka's tools (lag monitors reading __consumer_offsets) expect it before the first commit.
+    ray.get(controller.ensure_offsets_topic.remote(), timeout=CREATE_TIMEOUT_S + CONTROL_TIMEOUT_S)
     return KafkaGateway(namespace, tuple(tuple(a) for a in addresses))
 
 

@@ -52,20 +52,28 @@ from typing import Protocol
 
 from logbus.actors.committed_offsets import CommittedOffsets
 from logbus.actors.state_writer import StateWriter
-from logbus.clock import monotonic_ms
+from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
+    FencedMemberEpochError,
     GroupNotEmptyError,
+    GroupSubscribedToTopicError,
     InvalidConfigError,
     InvalidGroupIdError,
     InvalidPartitionError,
+    UnknownMemberIdError,
     UnknownTopicError,
+    UnsupportedAssignorError,
 )
 from logbus.protocol.group_coordinator import (
+    DEFAULT_REBALANCE_TIMEOUT_MS,
     DEFAULT_SESSION_TIMEOUT_MS,
+    REBALANCE_TIMEOUT_MS_MAX,
     GroupCoordinator,
     GroupState,
+    JoinPending,
     JoinResult,
     OffsetAndMetadata,
+    SyncPending,
     long_poll_wait_ms,
     validate_group_id,
 )
@@ -81,6 +89,7 @@ LONG_POLLS_MAX = 500  # calls waiting at once (the controller's max_concurrency 
 JOIN_RECHECK_MS = 1_000  # a held join re-runs the join this often even without a change (a safety net)
 GROUP_TICK_S = 0.1  # sessions and rebalance timeouts are checked this often
 OFFSETS_CALL_TIMEOUT_S = 10.0
+CONSUMER_SESSION_TIMEOUT_MS = 45_000  # Kafka's group.consumer.session.timeout.ms (KIP-848 members)
 
 
 class GroupHost(Protocol):
@@ -293,7 +302,114 @@ class GroupService:
                 return result
             await self._wait_change("join", group_id, result.member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
 
-    async def heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0):
+    async def sync(self, group_id: str, member_id: str, generation: int, assignments: dict | None = None, wait_ms: int = 0,
+                   group_instance_id: str | None = None, protocol_type: str | None = None, protocol_name: str | None = None):
+        """SyncGroup (Kafka's classic protocol): the member's assignment of ``generation``; the leader's
+        call brings every member's (see ``GroupCoordinator.sync``).
+
+        A follower's call is held until the leader's has come (or the group
+        changes otherwise), at most ``wait_ms`` and half the member's session
+        timeout; then it returns SyncPending (call again).
+        """
+        self.start()
+        loop = asyncio.get_running_loop()
+        session_ms = self.coordinator.session_timeout_ms(group_id, member_id) or DEFAULT_SESSION_TIMEOUT_MS
+        deadline = loop.time() + long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000
+        keep_alive = True
+        while True:
+            try:
+                result = self.coordinator.sync(
+                    group_id, member_id, generation, assignments=assignments if keep_alive else None, group_instance_id=group_instance_id,
+                    protocol_type=protocol_type, protocol_name=protocol_name, now_ms=monotonic_ms(), keep_alive=keep_alive,
+                )
+            finally:
+                event = await self._settle(group_id)
+            remaining_ms = (deadline - loop.time()) * 1000
+            if not isinstance(result, SyncPending) or remaining_ms <= 0 or not self._may_long_poll():
+                return result
+            keep_alive = False  # re-runs of this held call are not new signs of life
+            await self._wait_change("sync", group_id, member_id, event, min(remaining_ms, JOIN_RECHECK_MS))
+
+    async def consumer_heartbeat(self, group_id: str, member_id: str, member_epoch: int, *, group_instance_id: str | None = None,
+                                 rebalance_timeout_ms: int = -1, topics: list | None = None, pattern: str | None = None,
+                                 assignor: str | None = None, owned: list | None = None, client_id: str = "kafka") -> dict:
+        """KIP-848's ConsumerGroupHeartbeat, for members that ask for ``group.protocol=consumer``.
+
+        Such a member is assigned by the coordinator (as logbus's own
+        consumers are), always with cooperative-sticky: a KIP-848 member keeps
+        its partitions while the group rebalances, and one that moves is
+        withheld until its owner's heartbeat no longer lists it (the
+        assignors of KIP-848 are incremental). Every heartbeat is a join (its
+        subscription and owned partitions; None: unchanged since the last),
+        so the group forms a generation once each member has heartbeated
+        since the rebalance began, and the member's epoch is the generation
+        it holds. Epoch 0 joins (with the client's own ``member_id``, as
+        version 1 has it; "" gets one made), -1 leaves, -2 (a static member
+        going away for a while) changes nothing. Returns {member_id,
+        member_epoch, assignment (partitions, or None while a rebalance is
+        under way), rebalancing}.
+
+        Raises UnknownMemberIdError (join again with epoch 0),
+        FencedMemberEpochError (an epoch ahead of the group's),
+        UnsupportedAssignorError, InconsistentGroupProtocolError (the group's
+        members have no cooperative-sticky: a classic group).
+        """
+        self.start()
+        validate_group_id(group_id)
+        if assignor not in (None, "", "uniform", "cooperative-sticky"):
+            raise UnsupportedAssignorError(f"server assignor {assignor!r}; the coordinator has 'uniform' (cooperative-sticky)")
+        if member_epoch == -1:
+            try:
+                left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms())
+            finally:
+                await self._settle(group_id)
+            if not left:
+                raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+            return {"member_id": member_id, "member_epoch": -1, "assignment": None, "rebalancing": False}
+        view = self.coordinator.member_view(group_id, member_id) if member_id else None
+        if member_epoch == -2:
+            if view is None:
+                raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+            return {"member_id": member_id, "member_epoch": -2, "assignment": None, "rebalancing": False}
+        if member_epoch != 0 and view is None:
+            raise UnknownMemberIdError(f"group {group_id!r} has no member {member_id!r}")
+        if view is not None and member_epoch > view[4]:
+            raise FencedMemberEpochError(f"member {member_id!r} has epoch {member_epoch}; the group's is {view[4]}")
+        if member_epoch == 0 and view is not None:
+            owned = []  # joining again (after an error): it holds nothing
+        previous_topics, previous_pattern, previous_owned = (view[0], view[1], view[2]) if view is not None else ((), None, ())
+        timeout_ms = rebalance_timeout_ms if rebalance_timeout_ms > 0 else DEFAULT_REBALANCE_TIMEOUT_MS
+        options = {
+            "group_instance_id": group_instance_id,
+            "client_id": client_id,
+            "topics": tuple(topics) if topics is not None else previous_topics,
+            "pattern": pattern if pattern is not None or topics is not None else previous_pattern,
+            "owned": tuple(owned) if owned is not None else previous_owned,
+            "protocols": ("cooperative-sticky",),
+            "session_timeout_ms": CONSUMER_SESSION_TIMEOUT_MS,
+            "rebalance_timeout_ms": min(timeout_ms, REBALANCE_TIMEOUT_MS_MAX),
+            "max_poll_interval_ms": min(timeout_ms, REBALANCE_TIMEOUT_MS_MAX),
+            "member_epochs": True,
+        }
+        if not options["topics"] and options["pattern"] is None:
+            options["pattern"] = "(?!)"  # subscribed to nothing (yet): a pattern no topic matches
+        try:
+            if view is None:
+                result = self.coordinator.join(group_id, member_id="", new_member_id=member_id or None, now_ms=monotonic_ms(), **options)
+                if isinstance(result, JoinPending) and not member_id:
+                    result = self.coordinator.join(group_id, member_id=result.member_id, now_ms=monotonic_ms(), **options)
+            else:
+                result = self.coordinator.join(group_id, member_id=member_id, now_ms=monotonic_ms(), **options)
+        finally:
+            await self._settle(group_id)
+        if isinstance(result, JoinResult):
+            return {"member_id": result.member_id, "member_epoch": result.generation, "assignment": list(result.assignment), "rebalancing": False}
+        now = self.coordinator.member_view(group_id, result.member_id)
+        epoch = max(1, now[3] if now is not None and now[3] > 0 else (now[4] if now is not None else 1))
+        return {"member_id": result.member_id, "member_epoch": epoch, "assignment": None, "rebalancing": True}
+
+    async def heartbeat(self, group_id: str, member_id: str, generation: int, poll_idle_ms: int, wait_ms: int = 0,
+                        group_instance_id: str | None = None):
         """Heartbeat; with ``wait_ms``, a long poll: when there is nothing to do, the reply waits
         until the group changes (then says what to do) or the wait ends.
 
@@ -307,7 +423,8 @@ class GroupService:
         self.start()
         started = time.monotonic()
         try:
-            result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms())
+            result = self.coordinator.heartbeat(group_id, member_id, generation, poll_idle_ms=poll_idle_ms, now_ms=monotonic_ms(),
+                                                group_instance_id=group_instance_id)
         finally:
             event = await self._settle(group_id)
         if result.rejoin or result.revoke or not self._may_long_poll():
@@ -325,17 +442,62 @@ class GroupService:
                 await self._settle(group_id)
         return dataclasses.replace(result, waited_ms=waited_ms, woken=woken)
 
-    async def leave(self, group_id: str, member_id: str) -> bool:
+    async def leave(self, group_id: str, member_id: str, group_instance_id: str | None = None) -> bool:
         self.start()
-        left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms())
+        left = self.coordinator.leave(group_id, member_id, now_ms=monotonic_ms(), group_instance_id=group_instance_id)
         await self._settle(group_id)
         return left
 
     # --- offsets RPCs ---------------------------------------------------------------------------------
 
-    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict) -> None:
-        """OffsetCommit: validated by the coordinator, durable in ``__consumer_offsets`` before it returns."""
+    async def commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict,
+                             group_instance_id: str | None = None, retention_ms: int | None = None) -> None:
+        """OffsetCommit: validated by the coordinator, durable in ``__consumer_offsets`` before it returns.
+
+        The records carry the commit's wall-clock time and, with ``retention_ms``
+        (Kafka's OffsetCommit v2-v4 retention time), the time they expire.
+        """
         await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        commit_ms = wall_ms()
+        expire_ms = None if retention_ms is None or retention_ms < 0 else commit_ms + retention_ms
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
+                                                      commit_timestamp_ms=commit_ms, expire_timestamp_ms=expire_ms,
+                                                      group_instance_id=group_instance_id)
+        finally:
+            await self._settle(group_id)  # the call may have expired members (or created the group)
+        await self.offsets.commit(group_id, records, checked)
+        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+
+    async def txn_offset_commit(
+        self, group_id: str, member_id: str, generation: int, offsets: dict, producer_id: int, producer_epoch: int
+    ) -> None:
+        """TxnOffsetCommit (KIP-447): checked against the group's generation and member like a commit,
+        written to ``__consumer_offsets`` as a transactional batch of the producer, and pending until
+        the transaction's marker there (see committed_offsets.py). The transaction service checks the
+        producer before it calls this."""
+        await self.offsets.ready()
+        checked = self._checked_offsets(offsets)
+        if not checked:
+            return
+        try:
+            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms(),
+                                                      commit_timestamp_ms=wall_ms())
+        finally:
+            await self._settle(group_id)
+        await self.offsets.commit_transactional(producer_id, producer_epoch, group_id, records, checked)
+
+    def transaction_completed(self, producer_id: int, commit: bool) -> None:
+        """The transaction coordinator wrote ``producer_id``'s marker on ``__consumer_offsets``."""
+        self.offsets.transaction_completed(producer_id, commit)
+        if commit:
+            self.start()
+
+    def _checked_offsets(self, offsets: dict) -> dict:
+        """{TopicPartition: OffsetAndMetadata} from a commit's argument; caller errors raised."""
         counts = self._host.partition_counts()
         checked = {}
         if not isinstance(offsets, dict):
@@ -353,14 +515,7 @@ class GroupService:
                     raise InvalidConfigError(f"the offset to commit for {tp} must be an int >= 0 or an OffsetAndMetadata, not {om!r}")
                 om = OffsetAndMetadata(om)
             checked[tp] = om
-        if not checked:
-            return
-        try:
-            records = self.coordinator.commit_offsets(group_id, member_id, generation, checked, now_ms=monotonic_ms())
-        finally:
-            await self._settle(group_id)  # the call may have expired members (or created the group)
-        await self.offsets.commit(group_id, records, checked)
-        self.start()  # lag to export (after the commit: a timer started before it may have found nothing)
+        return checked
 
     async def fetch_committed(self, group_id: str, partitions: list) -> dict:
         """OffsetFetch: {TopicPartition: OffsetAndMetadata or None}."""
@@ -370,15 +525,27 @@ class GroupService:
 
     # --- administration --------------------------------------------------------------------------------
 
-    async def list_groups(self) -> list[tuple[str, str, str | None]]:
+    async def list_groups(self, with_protocol_type: bool = False) -> list[tuple]:
+        """(group id, state, protocol) of every group with members or committed offsets; with
+        ``with_protocol_type``, its protocol type fourth ("" for a group of committed offsets only)."""
         await self.offsets.ready()
-        known = {g.group_id: (g.group_id, g.state.value, g.protocol) for g in self.coordinator.list_groups()}
+        known = {}
+        for g in self.coordinator.list_groups():
+            entry = (g.group_id, g.state.value, g.protocol)
+            if with_protocol_type:
+                entry += (self.coordinator.describe(g.group_id).protocol_type or "",)
+            known[g.group_id] = entry
         for group_id in self.offsets.group_ids():
-            known.setdefault(group_id, (group_id, GroupState.EMPTY.value, None))
+            known.setdefault(group_id, (group_id, GroupState.EMPTY.value, None) + (("",) if with_protocol_type else ()))
         return sorted(known.values())
 
-    async def describe_group(self, group_id: str) -> dict:
-        """Members and assignment, and per partition the committed offset, log end offset and lag."""
+    async def describe_group(self, group_id: str, protocol_details: bool = False) -> dict:
+        """Members and assignment, and per partition the committed offset, log end offset and lag.
+
+        With ``protocol_details`` (for the Kafka gateway's DescribeGroups), also the group's
+        protocol type and leader, and each member's kind (``kafka``), its metadata for the
+        group's protocol and the assignment bytes its leader gave it.
+        """
         validate_group_id(group_id)
         await self.offsets.ready()
         description = self.coordinator.describe(group_id)
@@ -394,7 +561,7 @@ class GroupService:
             current = committed.offset if committed is not None else None
             lag = None if current is None or end is None else max(0, end - current)
             rows.append({"topic": tp.topic, "partition": tp.partition, "current_offset": current, "log_end_offset": end, "lag": lag, "consumer_id": owners.get(tp)})
-        return {
+        described = {
             "group_id": group_id,
             "state": description.state.value if description.state is not GroupState.DEAD else GroupState.EMPTY.value,
             "protocol": description.protocol,
@@ -405,6 +572,36 @@ class GroupService:
             ],
             "offsets": rows,
         }
+        if protocol_details:
+            described["protocol_type"] = description.protocol_type
+            described["leader"] = description.leader
+            for row, m in zip(described["members"], description.members):
+                row.update(kafka=m.kafka, topics=list(m.topics), metadata=m.metadata, assignment_bytes=m.assignment_bytes)
+        return described
+
+    async def delete_offsets(self, group_id: str, partitions: list) -> dict:
+        """Kafka's OffsetDelete: delete the group's committed offsets of ``partitions`` (tombstones in
+        ``__consumer_offsets``). Returns {TopicPartition: None, or the error for that partition}: a
+        partition of a topic the group's members subscribe to keeps its offset
+        (GroupSubscribedToTopicError). Raises InvalidGroupIdError for a group that does not exist,
+        GroupNotEmptyError never (Kafka deletes offsets of topics no member subscribes to)."""
+        validate_group_id(group_id)
+        await self.offsets.ready()
+        description = self.coordinator.describe(group_id)
+        if description.state is GroupState.DEAD and not self.offsets.partitions_of(group_id):
+            raise InvalidGroupIdError(f"group {group_id!r} does not exist (no members and no committed offsets)")
+        subscribed = {t for m in description.members for t in m.topics} | {tp.topic for m in description.members for tp in m.assignment}
+        results: dict = {}
+        deleted = []
+        for tp in partitions:
+            tp = TopicPartition(*tp)
+            if tp.topic in subscribed:
+                results[tp] = GroupSubscribedToTopicError(f"group {group_id!r} subscribes to topic {tp.topic!r}")
+            else:
+                results[tp] = None
+                deleted.append(tp)
+        await self.offsets.delete_partitions(group_id, deleted)
+        return results
 
     async def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete an inactive group: its state here and its committed offsets (tombstones in

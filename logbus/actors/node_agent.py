@@ -30,6 +30,15 @@ that one whose role change from the controller does not come asks for it.
 After a restart (Ray restarts the agent like any actor) the agent starts
 with no lease, finds its node's replicas from their fence files, and is
 brought up to date by the controller's first reply.
+
+Identity. An agent runs on one Ray node (its actor name and its files are
+the Ray node's) and speaks for one logbus node: the host's identity, which
+outlives its Ray nodes (``placement.py``). Its heartbeats name both; the
+controller renews a node's lease only from the agent on the Ray node it maps
+the node to now, and answers any other ``stale``: that agent revokes its
+lease (its leaders stop) and stops heartbeating. ``identify`` reads the
+host's data directory and records the cluster's id there, before the
+controller places anything on the node.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from logbus.actors.heartbeat_link import HeartbeatLink
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
 from logbus.actors.logs import configure_logging
+from logbus.actors.placement import host_identity
 from logbus.clock import monotonic_ms
 from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIMEOUT_MS
@@ -93,10 +103,12 @@ class _Watched:
 class NodeAgent:
     """The node's lease holder and replica watcher (see the module docstring)."""
 
-    def __init__(self, namespace: str, node_id: str, controller_name: str) -> None:
+    def __init__(self, namespace: str, node_id: str, controller_name: str, logbus_node_id: str | None = None) -> None:
         configure_logging()
         self.namespace = namespace
-        self.node_id = node_id
+        self.node_id = node_id  # the Ray node's id: the agent's name and its files are the Ray node's
+        self.logbus_node_id = logbus_node_id or node_id  # the node it speaks for (placement.py)
+        self.stale = False  # the controller maps the node to another Ray node now: no more heartbeats
         self.controller_name = controller_name
         self.directory = node_directory(namespace, node_id)
         os.makedirs(self.directory, exist_ok=True)
@@ -280,10 +292,15 @@ class NodeAgent:
         return {"pid": os.getpid(), "heartbeat_link_open": link is not None and not link.closed,
                 "heartbeat_links_dropped": self._links_dropped}
 
+    async def identify(self, cluster_id: str) -> dict:
+        """The host's identity, checked, with ``cluster_id`` recorded on first use (``placement.host_identity``):
+        ``{"node_id", "data_dir"}``. InconsistentClusterIdError for a data directory of another cluster."""
+        return await asyncio.to_thread(host_identity, self.logbus_node_id, cluster_id)
+
     # --- the one timer of the node -----------------------------------------------------------------
 
     def _start(self) -> None:
-        if self._task is not None:
+        if self._task is not None or self.stale:
             return
         self._urgent = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -329,12 +346,13 @@ class NodeAgent:
         link = self._usable_link(sent_ms)
         try:
             if link is not None:
-                message = {"node": self.node_id, "incarnation": self.incarnation, "down": down, "version": self.epochs_version}
+                message = {"node": self.logbus_node_id, "ray_node": self.node_id, "incarnation": self.incarnation, "down": down,
+                           "version": self.epochs_version}
                 reply = await asyncio.wait_for(link.call(message, sent_ms), timeout=LEASE_MS / 1000)
             else:
                 controller = await self._controller()
                 reply = await asyncio.wait_for(
-                    controller.node_heartbeat.remote(self.node_id, self.incarnation, down, self.epochs_version),
+                    controller.node_heartbeat.remote(self.logbus_node_id, self.incarnation, down, self.epochs_version, self.node_id),
                     timeout=LEASE_MS / 1000,
                 )
         except asyncio.TimeoutError:
@@ -344,6 +362,11 @@ class NodeAgent:
         except Exception:  # noqa: BLE001 (the controller is restarting: look it up again)
             self._controller_handle = None
             return
+        if reply.get("stale"):
+            self._go_stale()
+            return
+        if reply.get("wait"):
+            return  # the controller is starting and has not found this node yet: no renewal
         if reply.get("epochs") is not None:
             self._apply_epochs(reply["version"], reply["epochs"])  # before the lease: fences first
         if sequence <= self._heartbeat_applied:
@@ -351,6 +374,20 @@ class NodeAgent:
         self._heartbeat_applied = sequence
         if reply.get("version") == self.epochs_version:
             self.lease.extend(sent_ms + LEASE_MS)
+
+    def _go_stale(self) -> None:
+        """The controller maps this node to another Ray node now (the host joined again): revoke the lease,
+        so this Ray node's leaders take no more writes, and stop heartbeating."""
+        if self.stale:
+            return
+        self.stale = True
+        self.lease.revoke()
+        logger.warning("node %s: the controller maps node %s to another Ray node now; this agent stops heartbeating",
+                       self.node_id[:8], self.logbus_node_id)
+        if self._link is not None:
+            self._link.close()
+        if self._task is not None:
+            self._task.cancel()
 
     def _usable_link(self, now_ms: int) -> HeartbeatLink | None:
         """The open heartbeat link, or None (heartbeat through Ray) while one is being opened."""
@@ -395,8 +432,9 @@ def _agent_actor_class():
     return ray.remote(NodeAgent)
 
 
-def start_agent(namespace: str, node_id: str, controller_name: str):
-    """Get or create the agent of ``node_id``, pinned there."""
+def start_agent(namespace: str, node_id: str, controller_name: str, logbus_node_id: str | None = None):
+    """Get or create the agent of the Ray node ``node_id``, pinned there, speaking for ``logbus_node_id``
+    (by default the Ray node's own id: a node without a logbus label)."""
     return (
         _agent_actor_class()
         .options(
@@ -410,5 +448,5 @@ def start_agent(namespace: str, node_id: str, controller_name: str):
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
         )
-        .remote(namespace, node_id, controller_name)
+        .remote(namespace, node_id, controller_name, logbus_node_id)
     )

@@ -66,6 +66,18 @@ idempotent producer that overtook their predecessors wait for them (see
 All durable state is rebuilt from disk in ``__init__`` (Ray reruns only the
 constructor on restart); the role is relearned from the controller.
 
+Transactions (KIP-98). ``produce`` takes a transactional producer's batches
+as any idempotent producer's (the producer registered the partition with its
+coordinator first; the leader does not check that, as Kafka before KIP-890).
+The coordinator ends a transaction with ``write_txn_markers``: the leader
+appends one marker (control batch) per transaction, with acks=all. A
+read_committed fetch (``FetchRequest.isolation_level``) reads up to the last
+stable offset, the smaller of the high watermark and the first offset of the
+oldest ongoing transaction, and its reply names the aborted transactions it
+overlaps (from the log's transaction indexes). A long-polling fetch waits on
+the same wakeup as any (appends and high-watermark moves), and those are what
+move the last stable offset. Followers copy markers like any batch.
+
 Retry contract: a produce that failed may have been appended (the caller
 cannot tell a lost reply from a lost request); the idempotent producer's
 sequence numbers make its retries safe. Fetches and offset queries are
@@ -102,6 +114,7 @@ from logbus.errors import (
     NotEnoughReplicasError,
     NotLeaderError,
     OffsetOutOfRangeError,
+    ProducerFencedError,
     RequestTimedOutError,
 )
 from logbus.protocol import local_channel as wire
@@ -111,6 +124,8 @@ from logbus.protocol.messages import (
     FETCH_MAX_BYTES_MAX,
     FETCH_WAIT_MS_MAX,
     PRODUCE_TIMEOUT_MS_DEFAULT,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
     FetchRequest,
     FetchResponse,
     ProduceResponse,
@@ -268,6 +283,16 @@ class PartitionReplica:
     @property
     def high_watermark(self) -> int:
         return self.state.high_watermark(self.log.log_end_offset)
+
+    @property
+    def last_stable_offset(self) -> int:
+        """The smaller of the high watermark and the first offset of the oldest ongoing transaction:
+        read_committed readers read below it."""
+        return self.state.last_stable_offset(self.log)
+
+    def _read_limit(self, isolation_level: int) -> int:
+        """Where a consumer's fetch (or an offsets query) ends for its isolation level."""
+        return self.state.read_limit(isolation_level, self.log)
 
     # --- carrying out the replication state's actions ---------------------------------------------------
 
@@ -492,9 +517,15 @@ class PartitionReplica:
         if config.flush_policy == "interval" and "flush" not in self._timers:
             self._timers.arm("flush", config.flush_ms / 1000, self._flush_due)
 
-    def _after_follower_append(self) -> None:
-        """A follower compacts its own copy: a rolled segment may make a cleaning due."""
-        if self.log.config.compact and len(self.log.segments) != self._segments_seen:
+    def _after_follower_append(self, unstable_before: int | None) -> None:
+        """A follower compacts its own copy: a rolled segment may make a cleaning due, and so may a
+        marker that ended the transaction holding cleanings back (``unstable_before``: the log's first
+        unstable offset before the append)."""
+        if not self.log.config.compact:
+            return
+        if unstable_before is not None and self.log.first_unstable_offset() != unstable_before:
+            self._cleaning.arm()
+        if len(self.log.segments) != self._segments_seen:
             self._segments_seen = len(self.log.segments)
             self._cleaning.arm()
 
@@ -609,6 +640,60 @@ class PartitionReplica:
         if not await self._parking.wait_until(lambda: state.high_watermark >= end_offset, check, timeout_ms):
             raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
 
+    async def write_txn_markers(self, markers: list, leader_epoch: int | None = None, timeout_ms: int = PRODUCE_TIMEOUT_MS_DEFAULT) -> list:
+        """As leader, for the transaction coordinator: end transactions on this partition (KIP-98's
+        WriteTxnMarkers). ``markers``: (producer id, producer epoch, coordinator epoch, commit) each;
+        one marker (a control batch, COMMIT or ABORT) is appended per item, in order.
+
+        Returns one entry per marker, once every marker written is under the high
+        watermark (acks=all): None (written) or the error that refused it,
+        ProducerFencedError when its producer epoch is older than the
+        producer's here (a newer epoch has written since: the transaction was
+        completed before). A marker for a producer with no ongoing transaction
+        here is written all the same, as Kafka's leader does (it is harmless:
+        it ends nothing, and it moves the producer's epoch here). Raises, for
+        the whole call, NotLeaderError, FencedLeaderEpochError,
+        NotEnoughReplicasError, RequestTimedOutError (all retriable: a marker
+        written twice ends nothing the second time), InvalidRecordError (a
+        malformed marker; nothing is written) or StorageError.
+        """
+        self._started()
+        state = self._check_leader(leader_epoch)
+        if not await self._lease_held():
+            raise NotLeaderError(
+                f"{self.topic}-{self.partition}: this leader may not take writes (its node's lease ran out, or "
+                f"epoch {self.leader_epoch} is no longer the partition's current one)"
+            )
+        state = self._check_leader(leader_epoch)  # again: the role may have changed while the lease was awaited
+        parsed = [_txn_marker(marker) for marker in markers]
+        min_isr = self.log.config.min_insync_replicas
+        if state.in_sync_count() < min_isr:
+            raise NotEnoughReplicasError(
+                f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
+            )
+        self._run(self.state.before_append(self.log, monotonic_ms()))  # followers parked at the end were in sync up to now
+        results: list = []
+        end_offset = None
+        for producer_id, producer_epoch, coordinator_epoch, commit in parsed:
+            try:
+                result = self.log.append_marker(
+                    producer_id, producer_epoch, commit, coordinator_epoch, leader_epoch=self.leader_epoch, timestamp_ms=wall_ms()
+                )
+            except ProducerFencedError as error:
+                results.append(error)
+                continue
+            results.append(None)
+            end_offset = result.last_offset + 1
+        if end_offset is not None:
+            self._parking.appended_now()
+            self._after_append()
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
+            self._run(self.state.after_append(self.log, monotonic_ms()))
+            if self.log.config.compact:
+                self._cleaning.arm()  # a cleaning the transaction held back (nothing at or above the LSO is cleaned)
+            await self._wait_committed(state, end_offset, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
+        return results
+
     async def _read(self, request: FetchRequest, limit, max_bytes_cap: int) -> ReadResult | None:
         """Whole batches from ``request.offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
@@ -644,17 +729,26 @@ class PartitionReplica:
             if consumer and request.max_wait_ms > 0:
                 self._fetch_waits_expired += 1
             offset = int(request.offset)
-            return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch), None
+            return FetchResponse(
+                offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self.state.reply_stable_offset(self.log)
+            ), None
         if consumer:
             metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
         data = self._packaging.for_channel(result) if channel else self._packaging.for_actor_call(result, request)
         if request.session is not None:  # only once packaged: a refused reply leaves the session where it was
             self._sessions.answered(request.session, result.next_offset)
-        meta = FetchResponse(result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch)
+        aborted = ()
+        if consumer and request.isolation_level == READ_COMMITTED:
+            aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset))
+        meta = FetchResponse(
+            result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch,
+            self.state.reply_stable_offset(self.log), aborted,
+        )
         return meta, data
 
     async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:
-        """For consumers: whole batches from ``request.offset`` below the high watermark: (FetchResponse, data).
+        """For consumers: whole batches from ``request.offset`` below the high watermark (the last stable
+        offset for ``isolation_level`` READ_COMMITTED): (FetchResponse, data).
 
         Waits up to ``request.max_wait_ms`` for data when there is none yet.
         ``data`` is None when nothing arrived in time; otherwise whole batches
@@ -667,7 +761,8 @@ class PartitionReplica:
         """
         self._started()
         self._check_leader()
-        return await self._serve_fetch(request, lambda: self.high_watermark)
+        self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level, before any wait
+        return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level))
 
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, socket address) of this replica's local channel, or None where there is none."""
@@ -690,7 +785,8 @@ class PartitionReplica:
         self._check_leader()
         # Every result travels inside the reply, however large (no object store on this path),
         # up to what one frame can carry.
-        return await self._serve_fetch(request, lambda: self.high_watermark, channel=True)
+        self._read_limit(request.isolation_level)
+        return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level), channel=True)
 
     async def replica_fetch(self, follower_id: int, epoch: int, request: FetchRequest) -> tuple[FetchResponse, object]:
         """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress.
@@ -741,10 +837,11 @@ class PartitionReplica:
         self._arm_retention()
         return start
 
-    async def offsets(self) -> tuple[int, int, int]:
-        """(log start offset, high watermark, log end offset)."""
+    async def offsets(self, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
+        """(log start offset, high watermark, log end offset); with ``isolation_level`` READ_COMMITTED,
+        the last stable offset instead of the high watermark (ListOffsets' latest for such readers)."""
         self._started()
-        return self.log.log_start_offset, self.high_watermark, self.log.log_end_offset
+        return self.log.log_start_offset, self._read_limit(isolation_level), self.log.log_end_offset
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
@@ -807,6 +904,7 @@ class PartitionReplica:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "size_bytes": self.log.size_bytes,
+            "fetched_bytes": self._fetcher.fetched_bytes,  # copied from leaders since this process started
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._parking),
@@ -825,9 +923,23 @@ class PartitionReplica:
         }
 
 
-def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int) -> str:
-    # The topic id keeps a re-created topic's actors apart from a deleted one's.
-    return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}"
+def _txn_marker(marker) -> tuple[int, int, int, bool]:
+    """A transaction marker as write_txn_markers takes it: (producer id, producer epoch, coordinator epoch,
+    commit); InvalidRecordError for anything else."""
+    try:
+        producer_id, producer_epoch, coordinator_epoch, commit = marker
+    except (TypeError, ValueError):
+        raise InvalidRecordError(f"a transaction marker is (producer id, producer epoch, coordinator epoch, commit), not {marker!r}") from None
+    for name, value in (("producer id", producer_id), ("producer epoch", producer_epoch), ("coordinator epoch", coordinator_epoch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRecordError(f"a transaction marker's {name} must be an int >= 0, not {value!r}")
+    return producer_id, producer_epoch, coordinator_epoch, bool(commit)
+
+
+def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int, node_id: str) -> str:
+    # The topic id keeps a re-created topic's actors apart from a deleted one's; the Ray node's id keeps the
+    # actor of a host that joined again apart from its predecessor on the old Ray node, whose name Ray frees late.
+    return f"logbus-replica:{topic}:{partition}:{replica_id}:{topic_id[:12]}:{node_id[:12]}"
 
 
 @functools.cache
@@ -860,7 +972,7 @@ def start_replica(
     return (
         _replica_actor_class()
         .options(
-            name=replica_actor_name(topic, topic_id, partition, replica_id),
+            name=replica_actor_name(topic, topic_id, partition, replica_id, node_id),
             namespace=namespace,
             lifetime="detached",
             get_if_exists=True,

@@ -1,18 +1,32 @@
-"""Where replicas live: the Ray nodes that may host them, and each replica's directory on its node.
+"""Where replicas live: the nodes that may host them, the Ray node each is now, and each replica's directory.
 
 If any live node offers the custom resource ``logbus_replica``, only such
 nodes host replicas (so a cluster can keep them off its head node); otherwise
 every live node does. A replica's log directory is
 ``{data_dir}/replica-{id}/{topic}-{partition}``: replica ids are per
 partition, and a replacement replica gets a fresh id, hence a fresh directory.
+
+Node identity. A host that joined with ``logbus join --data-dir DIR`` is the
+node named by the id in ``DIR/meta.properties`` (``storage/node_identity.py``),
+which it advertises as the Ray node label ``logbus.node``; ``logbus join``
+also gives its Ray processes the environment variable
+``LOGBUS_NODE_DATA_DIR=DIR``, which Ray's workers on that node inherit, so
+the node's replicas keep their logs in DIR (``data_dir`` above is DIR) and
+:func:`host_identity`, run there, can read and record the identity. A Ray
+node without the label is the node named by its Ray node id, with its
+replicas under the cluster's data directory (the controller's), as on one
+machine, where every Ray node sees that directory. The controller maps each
+node id to the Ray node carrying it now (:func:`replica_hosts`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import ray
 
+from logbus.storage import node_identity
 from logbus.storage.names import partition_dir_name
 
 REPLICA_NODE_RESOURCE = "logbus_replica"
@@ -23,11 +37,71 @@ REPLICA_MEMORY_BYTES = 96 << 20
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives this resource to the head node only
 
 
-def live_node_ids() -> list[str]:
-    """The live Ray nodes that may host replicas, sorted (see the module docstring)."""
+NODE_LABEL = "logbus.node"  # a host's logbus node id, advertised by `logbus join`
+NODE_DATA_DIR_ENV = "LOGBUS_NODE_DATA_DIR"  # the host's data directory, in the environment of its Ray processes
+
+
+def node_id_of(node: dict) -> str:
+    """The node id of a Ray node (an entry of ``ray.nodes()``): its ``logbus.node`` label, else its Ray node id."""
+    return (node.get("Labels") or {}).get(NODE_LABEL) or node["NodeID"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RayNode:
+    """A live Ray node that may host replicas, as placement sees it."""
+
+    ray_node_id: str
+    node_id: str  # its logbus node id (label), or its Ray node id when it has no label
+    labelled: bool
+    limit: int  # replicas it may hold (replica_limit)
+    rack: str  # "" when it has none
+
+
+def _replica_entries() -> list[dict]:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
-    return sorted(node["NodeID"] for node in (marked or nodes))
+    return marked or nodes
+
+
+def replica_hosts(max_replicas_per_node: int | None = None) -> list[RayNode]:
+    """The live Ray nodes that may host replicas (see the module docstring), sorted by Ray node id; one GCS query.
+
+    Two Ray nodes may carry one node id for a while: a host that restarted
+    joins again before Ray declares its old Ray node dead. The controller
+    decides which one is the node (controller.py, ``_refresh_nodes``).
+    """
+    hosts = []
+    for node in _replica_entries():
+        labels = node.get("Labels") or {}
+        hosts.append(RayNode(
+            ray_node_id=node["NodeID"],
+            node_id=node_id_of(node),
+            labelled=bool(labels.get(NODE_LABEL)),
+            limit=replica_limit(node, max_replicas_per_node),
+            rack=next((labels[k] for k in RACK_LABELS if labels.get(k)), ""),
+        ))
+    return sorted(hosts, key=lambda host: host.ray_node_id)
+
+
+def live_node_ids() -> list[str]:
+    """The node ids of the live Ray nodes that may host replicas, sorted (see the module docstring)."""
+    return sorted({host.node_id for host in replica_hosts()})
+
+
+def host_identity(node_id: str, cluster_id: str) -> dict:
+    """Run on a host's Ray node: its data directory and identity, checked, with ``cluster_id`` recorded on first use.
+
+    Returns ``{"node_id", "data_dir"}``; ``data_dir`` None when the host's Ray
+    processes were not given one (a Ray node labelled by other means): its
+    replicas then live under the cluster's data directory. Raises
+    InconsistentClusterIdError for a directory of another cluster and
+    NodeIdentityError for one without this node's identity.
+    """
+    directory = os.environ.get(NODE_DATA_DIR_ENV)
+    if not directory:
+        return {"node_id": node_id, "data_dir": None}
+    node_identity.adopt(directory, node_id, cluster_id)
+    return {"node_id": node_id, "data_dir": os.path.abspath(directory)}
 
 
 EMBEDDED_MEMORY_SHARE = 0.6  # of the machine's memory, what an embedded cluster's replicas may use
@@ -63,20 +137,13 @@ RACK_LABELS = ("logbus.rack", "ray.io/availability-zone", "zone")  # the first a
 
 
 def node_racks() -> dict[str, str]:
-    """The rack of every live node that may host replicas, from its Ray labels ("" where it has none)."""
-    live = set(live_node_ids())
-    racks = {}
-    for node in ray.nodes():
-        if node["NodeID"] in live:
-            labels = node.get("Labels") or {}
-            racks[node["NodeID"]] = next((labels[k] for k in RACK_LABELS if labels.get(k)), "")
-    return racks
+    """The rack of every live node that may host replicas (by node id), from its Ray labels ("" where it has none)."""
+    return {host.node_id: host.rack for host in replica_hosts()}
 
 
 def node_limits(max_replicas_per_node: int | None = None) -> dict[str, int]:
-    """The replica limit of every live node that may host replicas."""
-    live = set(live_node_ids())
-    return {node["NodeID"]: replica_limit(node, max_replicas_per_node) for node in ray.nodes() if node["NodeID"] in live}
+    """The replica limit of every live node that may host replicas (by node id)."""
+    return {host.node_id: host.limit for host in replica_hosts(max_replicas_per_node)}
 
 
 def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int) -> str:

@@ -48,7 +48,9 @@ class ReplicaFetcher:
     ``run(actions)`` carries out the state's actions; ``look_at_fence()``
     reads the fence file (a newer epoch there: a role change we may have
     missed); ``appended()`` is told after each append (a rolled segment may
-    make a cleaning due); nothing is fetched once ``active()`` says False.
+    make a cleaning due, and so may a transaction marker: it is given the
+    log's first unstable offset from before the append); nothing is fetched
+    once ``active()`` says False.
     """
 
     def __init__(
@@ -58,7 +60,7 @@ class ReplicaFetcher:
         label: str,
         run: Callable[[list], None],
         look_at_fence: Callable[[], None],
-        appended: Callable[[], None],
+        appended: Callable[[int | None], None],
         active: Callable[[], bool],
     ) -> None:
         self.state = state
@@ -70,6 +72,7 @@ class ReplicaFetcher:
         self._active = active
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit
         self.throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
+        self.fetched_bytes = 0  # appended from leaders' fetch replies, since this process started
         self._throttle_until = 0.0
         self._task: asyncio.Task | None = None
 
@@ -114,10 +117,12 @@ class ReplicaFetcher:
                     if isinstance(data, ray.ObjectRef):
                         data = await data
                     # The reply's offsets say which gaps (offsets the leader compacted) it covers.
+                    unstable = self.log.first_unstable_offset()
                     self.log.append_as_follower(data, append.first_offset, append.next_offset)
                     copied = len(data)
+                    self.fetched_bytes += copied
                     del data
-                    self._appended()
+                    self._appended(unstable)
                     await self._pace(copied)
                 self._run(state.fetch_reply_applied(epoch, meta, self.log))
             except asyncio.CancelledError:

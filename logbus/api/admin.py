@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import datetime
 
-import math
-
 from logbus.actors.controller import CREATE_TIMEOUT_S
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
+from logbus.options import check_int, check_seconds
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import (
     InvalidConfigError,
@@ -26,9 +25,7 @@ CONFIG_SOURCES = ("default", "topic")  # where a topic config's value comes from
 
 
 def _seconds(what: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-        raise InvalidConfigError(f"{what} must be a positive number of seconds, not {value!r}")
-    return float(value)
+    return check_seconds(what, value, positive=True)
 
 
 def _positive(what: str, value, error, limit: int | None = None):
@@ -156,6 +153,36 @@ class Admin:
         validate_group_id(group_id)
         return get(self._bus.controller.describe_group.remote(group_id))
 
+    def create_scram_user(self, name: str, password: str, mechanism: str = "SCRAM-SHA-512", iterations: int = 4096) -> None:
+        """Let ``name`` authenticate to the Kafka gateway's SASL (SCRAM ``mechanism``, and PLAIN) with ``password``.
+
+        The password is salted and hashed here (PBKDF2, ``iterations`` rounds,
+        4096..16384); only the salted credential reaches the cluster, kept in
+        the controller's metadata. Setting a user's credential again replaces
+        it (connections already authenticated stay so). Raises
+        InvalidConfigError for an unknown mechanism, an empty password or a
+        bad user name.
+        """
+        from logbus.protocol.scram import check_user_name, make_credential
+
+        check_user_name(name)
+        credential = make_credential(mechanism, password, iterations=iterations)
+        get(self._bus.controller.alter_scram_credentials.remote([(name, mechanism, credential.to_dict())], []))
+
+    def delete_scram_user(self, name: str, mechanism: str | None = None) -> bool:
+        """Remove ``name``'s SCRAM credential for ``mechanism`` (every one if None); whether there was one."""
+        from logbus.protocol.scram import MECHANISMS, check_user_name
+
+        check_user_name(name)
+        if mechanism is not None and mechanism not in MECHANISMS:
+            raise InvalidConfigError(f"SCRAM mechanism must be one of {sorted(MECHANISMS)}, not {mechanism!r}")
+        [found] = get(self._bus.controller.alter_scram_credentials.remote([], [(name, mechanism)]))
+        return found
+
+    def list_scram_users(self) -> dict[str, dict[str, int]]:
+        """``{user: {mechanism: iterations}}`` of every SCRAM credential (never the credentials themselves)."""
+        return get(self._bus.controller.scram_users.remote())
+
     def delete_group(self, group_id: str) -> list[TopicPartition]:
         """Delete an inactive consumer group: its state and its committed offsets (tombstones in
         ``__consumer_offsets``, which compaction then removes). Returns the partitions whose
@@ -275,5 +302,4 @@ class Admin:
 
 
 def _throttle(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-        raise InvalidConfigError(f"throttle_bytes_per_s must be a positive int (bytes per second) or None, not {value!r}")
+    check_int("throttle_bytes_per_s", value, none_ok=True, unit="bytes per second")

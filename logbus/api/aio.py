@@ -40,13 +40,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from logbus.api import consumer as sync_consumer
 from logbus.api import producer as sync_producer
 from logbus.api.client import Bus
+from logbus.options import INT64_MAX, check_int, check_ms
 from logbus.errors import IllegalStateError, InvalidConfigError
-from logbus.protocol.messages import ConsumerRecord, RecordMetadata, TopicPartition
+from logbus.protocol.group_coordinator import OffsetAndMetadata
+from logbus.protocol.messages import ConsumerGroupMetadata, ConsumerRecord, RecordMetadata, TopicPartition
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +56,6 @@ logger = logging.getLogger(__name__)
 # worker thread that would stall the event loop for as long. Here it is paid at import instead.
 pa.scalar(0)
 
-# What the sync producer charges its buffer per record on top of the key, value and headers
-# (headers: name, value and this much each). The loop's estimate must never be below the sync
-# producer's own count, so it adds a margin to the sync producer's figures.
-RECORD_CHARGE_BYTES = sync_producer.RECORD_OVERHEAD_BYTES + 16
-HEADER_CHARGE_BYTES = 12 + 4
 GETONE_WAIT_MS = 200  # getone() polls in slices this long, so stop() never waits on it for longer
 GETONE_POLL_MAX = 500  # records one poll of getone() fetches; the rest wait in the consumer for the next calls
 STOP_SETTLE_S = 5.0  # stop() waits this long for the replies of the last records to reach the loop
@@ -126,40 +122,6 @@ class _LoopBridge:
                 logger.exception("a completion callback failed")
 
 
-def _charge(data) -> int | None:
-    """Bytes ``data`` (a key or value) counts for in the producer's buffer; None if not known before sending."""
-    if data is None:
-        return 0
-    kind = data.__class__
-    if kind is bytes or kind is bytearray:
-        return len(data)
-    if kind is str:
-        return len(data) if data.isascii() else len(data.encode("utf-8", "surrogatepass"))
-    if kind is memoryview:
-        return data.nbytes
-    return None  # something the sync producer rejects, or (with a serializer) turns into bytes of its own
-
-
-def _record_charge(value, key, headers) -> int | None:
-    """At least what the sync producer charges its buffer for this record, or None if that cannot be known."""
-    value_bytes = _charge(value)
-    key_bytes = _charge(key)
-    if value_bytes is None or key_bytes is None:
-        return None
-    size = RECORD_CHARGE_BYTES + value_bytes + key_bytes
-    if headers is not None:
-        try:
-            items = headers.items() if isinstance(headers, dict) else headers
-            for name, header in items:
-                header_bytes = _charge(header)
-                if header_bytes is None or name.__class__ is not str:
-                    return None
-                size += HEADER_CHARGE_BYTES + len(name.encode("utf-8", "surrogatepass")) + header_bytes
-        except (TypeError, ValueError):
-            return None  # malformed: the sync producer names the mistake
-    return size
-
-
 class Producer:
     """Sends records from coroutines; ``await send()`` never blocks the event loop.
 
@@ -176,15 +138,16 @@ class Producer:
     ``max_block_ms`` for space. So ``send()`` calls it on the loop's thread
     when neither can happen, and on this producer's worker thread otherwise:
 
-    * on the loop when the topic has been sent to before (its metadata is
-      cached by the sync producer from then on), the record's size is known
+    * on the loop when the sync producer holds the topic's metadata (it
+      keeps it once the topic is sent to, for its last TOPICS_MAX topics),
+      the record's size is known
       before it is sent (key and value are bytes, str or None and no
       serializer is configured), and the bytes of every record this producer
       has handed over and not seen completed, plus this one, fit
-      ``buffer_memory_bytes``. This producer counts at least what the sync
-      producer counts, and frees it later (when the completion reaches the
-      loop), so the sync producer's buffer then has room and ``send()``
-      cannot wait;
+      ``buffer_memory_bytes``. This producer counts what the sync producer
+      counts (with the same function, ``record_charge_bytes``), and frees it
+      later (when the completion reaches the loop), so the sync producer's
+      buffer then has room and ``send()`` cannot wait;
     * on the worker otherwise, and also whenever an earlier send is still
       waiting there or a ``send_table`` (whose size the sync producer
       computes itself) is in the buffer, so that records keep the order in
@@ -225,7 +188,6 @@ class Producer:
         self._worker: ThreadPoolExecutor | None = None
         self._bridge: _LoopBridge | None = None
         self._state = "new"  # -> "started" -> "stopped"
-        self._known_topics: set[str] = set()  # topics whose metadata the sync producer holds
         self._backlog = 0  # sends and tables handed to the worker whose queuing the loop has not yet seen
         self._held_bytes = 0  # charges of records handed over and not yet completed (as seen by the loop)
         self._unsized = 0  # records and tables in the sync producer whose charge the loop does not know
@@ -299,13 +261,13 @@ class Producer:
         returned Future does not unsend the record.
         """
         producer = self._running()
-        charge = _record_charge(value, key, headers) if self._sizes_known else None
+        charge = sync_producer.record_charge_bytes(value, key, headers) if self._sizes_known else None
         if (
             charge is not None
             and not self._backlog
             and not self._unsized
             and topic.__class__ is str
-            and topic in self._known_topics
+            and producer._holds_metadata(topic)
             and self._held_bytes + charge <= self._buffer_limit
         ):
             # Cannot block: the metadata is cached and the buffer has room (see the class docstring).
@@ -343,11 +305,42 @@ class Producer:
         # The sync flush returns once the replies are in; their completions may still be on their way here.
         await self._settle(pending, None)
 
+    # --- transactions (a producer made with transactional_id=...) ---------------------------------
+
+    async def init_transactions(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.init_transactions`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.init_transactions, timeout_s)
+
+    async def begin_transaction(self) -> None:
+        """As :meth:`logbus.Producer.begin_transaction` (after every send handed to the worker)."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.begin_transaction)
+
+    async def send_offsets_to_transaction(self, offsets: dict, group_metadata, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.send_offsets_to_transaction`, off the loop."""
+        producer = self._running()
+        await self._loop.run_in_executor(self._worker, producer.send_offsets_to_transaction, offsets, group_metadata, timeout_s)
+
+    async def commit_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.commit_transaction`: on the worker, after every send handed to it,
+        so the transaction holds every record whose ``send()`` was awaited before."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.commit_transaction, timeout_s)
+        await self._settle(pending, None)
+
+    async def abort_transaction(self, timeout_s: float | None = None) -> None:
+        """As :meth:`logbus.Producer.abort_transaction`, on the worker after every send handed to it."""
+        producer = self._running()
+        pending = list(self._unsettled)
+        await self._loop.run_in_executor(self._worker, producer.abort_transaction, timeout_s)
+        await self._settle(pending, None)
+
     async def partitions_for(self, topic: str) -> list[int]:
         """The partition numbers of ``topic`` (fetched once, off the loop)."""
         producer = self._running()
         partitions = await self._loop.run_in_executor(self._worker, producer.partitions_for, topic)
-        self._known_topics.add(topic)
         return partitions
 
     # --- completions ----------------------------------------------------------------------------
@@ -376,7 +369,6 @@ class Producer:
             if not queued.done():
                 queued.set_exception(error)
             return
-        self._known_topics.add(topic)
         self._track(job.result(), charge, result)
         if not queued.done():
             queued.set_result(result)
@@ -460,27 +452,119 @@ async def _await(awaitable):
     return await awaitable
 
 
+class Queued:
+    """What the asyncio consumer's plain methods return: the call is made, queued on its worker.
+
+    ``assign()``, ``seek()``, ``pause()``, ``resume()``, ``subscribe()`` and
+    ``unsubscribe()`` are plain methods, as aiokafka's are: they check their
+    arguments at once (raising InvalidConfigError and the like there), queue
+    the call to run on the consumer's worker thread before anything asked of
+    the consumer later, and return this. Code written for aiokafka ignores
+    it; code written when logbus.aio's were coroutines awaits it (``await
+    consumer.seek(tp, 5)``), which waits until the call ran and raises its
+    error. An error of a call nobody awaited (``seek()`` of a partition not
+    assigned, say) is raised instead by the consumer's next call, or by a
+    getmany()/getone() queued after it, which gives its records back: never
+    dropped.
+    """
+
+    __slots__ = ("_consumer", "_future", "awaited")
+
+    def __init__(self, consumer: "Consumer", future: asyncio.Future) -> None:
+        self._consumer = consumer
+        self._future = future
+        self.awaited = False
+        future.add_done_callback(self._ran)
+
+    def done(self) -> bool:
+        """Whether the call has run (or failed)."""
+        return self._future.done()
+
+    def _ran(self, future: asyncio.Future) -> None:
+        error = None if future.cancelled() else future.exception()  # also marks it retrieved for asyncio
+        if error is not None and not self.awaited:
+            self._consumer._unawaited_failed(self, error)
+
+    def __await__(self):
+        self.awaited = True
+        self._consumer._claimed(self)
+        return (yield from asyncio.shield(self._future).__await__())
+
+
+class _Fetch:
+    """One getmany()/getone()/getmany_arrow() call's work on the worker, and what became of its records.
+
+    ``abandoned`` is set on the loop when the caller stops waiting (it was
+    cancelled); the worker reads it before and after the poll. A poll whose
+    caller left before it ended gives its records back to the sync consumer
+    there and then; one whose caller left just after has them given back by
+    a call queued on the worker at once (see Consumer._abandoned).
+    """
+
+    __slots__ = ("arrow", "timeout_ms", "take", "convert_max", "abandoned", "handed")
+
+    def __init__(self, arrow: bool, timeout_ms: float, take: int | None, convert_max: int | None) -> None:
+        self.arrow = arrow
+        self.timeout_ms = timeout_ms
+        self.take = take
+        self.convert_max = convert_max
+        self.abandoned = False  # written on the loop, read on the worker (one attribute: atomic)
+        self.handed: tuple | None = None  # (records or Table, resets of their partitions) handed to the caller
+
+    def run(self, consumer: sync_consumer.Consumer):
+        if self.abandoned:
+            return None  # its caller left before it started
+        if self.arrow:
+            got = consumer.poll_arrow(timeout_ms=self.timeout_ms, max_records=self.take)
+            resets = consumer._resets_of(consumer.assignment()) if got.num_rows else {}
+        else:
+            got = consumer._hand_out(self.take, self.timeout_ms / 1000, self.convert_max)
+            resets = consumer._resets_of(got)
+        if self.abandoned:
+            _give_back(consumer, got, resets)
+            return None
+        self.handed = (got, resets)
+        return got
+
+
+def _give_back(consumer: sync_consumer.Consumer, got, resets) -> None:
+    """On the worker: return records nobody read to the sync consumer, the one buffer of undelivered records."""
+    if isinstance(got, pa.Table):
+        consumer._give_back_table(got, resets)
+    elif got:
+        consumer._give_back(got, resets)
+
+
 class Consumer:
     """Reads records from coroutines; nothing it does blocks the event loop.
 
     ``Consumer(bus, *topics, **options)``: the options are those of
     :class:`logbus.Consumer` (group_id, auto_offset_reset, fetch_max_wait_ms,
-    ...); with ``topics``, ``start()`` subscribes to them. The sync consumer
-    is built by ``await start()``, so option errors are raised there.
+    ...); with ``topics``, ``start()`` subscribes to them (without a
+    group_id: every partition of them, no coordinator, no commits). The sync
+    consumer is built by ``await start()``, so option errors are raised
+    there.
 
     The sync consumer is not thread-safe, so this one confines it to a
     single worker thread of its own and runs every call there, in the order
-    the calls were made; the loop only awaits. Hence every method that
-    touches it is a coroutine (``await consumer.seek(...)``), except
-    ``assignment()``, which returns what the worker last saw. A call whose
-    caller stops waiting (cancellation, a timeout) still runs to its end on
-    the worker: a poll in progress finishes there, and its records are kept
-    here and returned by the next getmany()/getone(). Records kept that way
-    are not yet delivered: ``commit()`` and ``position()`` count from the
-    first of them, and seeks, ``assign()`` and ``stop()`` put them back.
-    The sync consumer is polled only while nothing is kept, so the commits
-    it makes itself (auto-commit, before a rebalance) never pass a record
-    not yet delivered.
+    the calls were made; the loop only awaits. As in aiokafka, ``assign()``,
+    ``seek()``, ``pause()``, ``resume()``, ``subscribe()`` and
+    ``unsubscribe()`` are plain methods (they queue the call and return a
+    :class:`Queued`, which may be awaited), ``assignment()`` and ``paused()``
+    answer at once, and the rest are coroutines.
+
+    Records are kept in one place: the sync consumer, whose positions count
+    only the records handed out (see ``logbus/api/consumer.py``, "handing
+    records out"). ``getone()`` converts a few hundred records at a time
+    there and takes one; the next calls take the others on the loop itself
+    while the worker is idle (nothing else touches the sync consumer then),
+    without a thread hop. A call whose caller stops waiting (cancellation, a
+    timeout) still runs to its end on the worker, and its records go back to
+    the sync consumer, which hands them out again next; so ``commit()`` and
+    ``position()`` never count them. (The one window: a caller cancelled in
+    the instant between its poll's end and its own wake-up has its records
+    given back by a call queued at once, and a call another coroutine had
+    queued before that runs first; a ``commit()`` there counts them.)
 
     A rebalance listener's methods (given to ``subscribe()``) may be plain or
     ``async def``; see :class:`_Listener`.
@@ -504,14 +588,16 @@ class Consumer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._state = "new"  # -> "started" -> "stopping" -> "stopped"
-        self._poll: asyncio.Future | None = None  # the poll running on the worker, if any
-        self._poll_arrow = False  # whether it is a poll_arrow()
+        # Plain calls made before start(): (the call, the loop Future its Queued waits on), run by start().
+        self._before_start: list[tuple[Callable, asyncio.Future]] = []
+        self._jobs = 0  # calls submitted to the worker and not yet finished (as the loop sees them)
         self._poll_error: BaseException | None = None  # raised by a poll nobody was waiting for any more
-        # Records fetched and not yet delivered (a caller stopped waiting, or getone() took one of
-        # many): in the form they were fetched in, only one of the two at a time.
-        self._kept: dict[TopicPartition, list[ConsumerRecord]] = {}
-        self._kept_table: pa.Table | None = None
+        self._unawaited: tuple[Queued, BaseException] | None = None  # the first failed plain call nobody awaited
+        # The assignment and paused partitions as the loop answers them: set at once by the plain calls,
+        # and from the worker's own view whenever it has nothing left to run.
         self._assignment: frozenset[TopicPartition] = frozenset()
+        self._paused: frozenset[TopicPartition] = frozenset()
+        self._worker_view: tuple[frozenset, frozenset] = (frozenset(), frozenset())
         # While a coroutine listener runs, the worker waits for it and runs the calls it makes.
         self._inline: queue.SimpleQueue | None = None
         self._inline_lock = threading.Lock()
@@ -519,7 +605,8 @@ class Consumer:
     # --- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Build the sync consumer on the worker thread; subscribe to the topics given, if any."""
+        """Build the sync consumer on the worker thread; subscribe to the topics given, if any, and run
+        the plain calls made before (``assign()`` before ``start()``, as aiokafka allows)."""
         if self._state == "started":
             return
         if self._state != "new":
@@ -532,6 +619,7 @@ class Consumer:
             )
         except BaseException:
             self._worker.shutdown(wait=False)
+            self._fail_before_start(IllegalStateError("the consumer failed to start"))
             raise
         self._state = "started"
         if self._topics:
@@ -540,32 +628,32 @@ class Consumer:
             except BaseException:
                 await self.stop()
                 raise
+        before, self._before_start = self._before_start, []
+        for fn, waiter in before:
+            self._submit(fn).add_done_callback(functools.partial(_settle_from, waiter))
+
+    def _fail_before_start(self, error: BaseException) -> None:
+        before, self._before_start = self._before_start, []
+        for _, waiter in before:
+            if not waiter.done():
+                waiter.set_exception(error)
 
     async def stop(self) -> None:
         """Close the sync consumer (committing with auto-commit, leaving the group). Idempotent.
 
-        A poll in progress finishes first (getone() polls in slices of
-        GETONE_WAIT_MS; a getmany() waits up to its ``timeout_ms``). Records
-        fetched but not delivered are put back first, so the close's
-        auto-commit does not pass them.
+        The calls queued before it run first: a poll in progress finishes
+        (getone() polls in slices of GETONE_WAIT_MS; a getmany() waits up to
+        its ``timeout_ms``), and records nobody read are back in the sync
+        consumer, so the close's auto-commit does not pass them.
         """
         if self._state != "started":
             if self._state == "new":
                 self._state = "stopped"
+                self._fail_before_start(IllegalStateError("the consumer was stopped before it started"))
             return
         self._state = "stopping"
         try:
-            poll = self._poll
-            if poll is not None:
-                await asyncio.wait([poll])
-                self._polled(poll)
-            undelivered = self._take_kept_offsets(None)
-
-            def close(consumer: sync_consumer.Consumer) -> None:
-                _seek_back(consumer, undelivered)
-                consumer.close()
-
-            await self._run(close)
+            await self._run(lambda consumer: consumer.close())
         finally:
             self._state = "stopped"
             self._worker.shutdown(wait=False)
@@ -594,6 +682,10 @@ class Consumer:
     def _check_started(self) -> None:
         if self._state != "started":
             raise IllegalStateError("the consumer is not started" if self._state == "new" else "the consumer is stopped")
+        if self._unawaited is not None:
+            _, error = self._unawaited
+            self._unawaited = None
+            raise error
 
     def _submit(self, fn: Callable[[sync_consumer.Consumer], Any]) -> asyncio.Future:
         """Run ``fn(sync consumer)`` on the worker thread, after every call submitted before it."""
@@ -603,16 +695,26 @@ class Consumer:
             try:
                 return fn(consumer)
             finally:
-                # Read on the loop by assignment(): rebinding one attribute is atomic.
-                self._assignment = frozenset(consumer.assignment())
+                # Taken by the loop once the worker has nothing left to run: rebinding one attribute is atomic.
+                self._worker_view = (frozenset(consumer.assignment()), frozenset(consumer.paused()))
 
+        self._jobs += 1
         with self._inline_lock:
             if self._inline is not None:
                 # A coroutine listener is running and the worker waits for it: it runs this call now.
-                future: Future = Future()
-                self._inline.put((job, future))
-                return asyncio.wrap_future(future, loop=self._loop)
-        return self._loop.run_in_executor(self._worker, job)
+                inline: Future = Future()
+                self._inline.put((job, inline))
+                future = asyncio.wrap_future(inline, loop=self._loop)
+            else:
+                future = self._loop.run_in_executor(self._worker, job)
+        future.add_done_callback(self._job_done)
+        return future
+
+    def _job_done(self, _future: asyncio.Future) -> None:
+        """On the loop: a call finished. With none left, the worker's view is the truth."""
+        self._jobs -= 1
+        if not self._jobs:
+            self._assignment, self._paused = self._worker_view
 
     async def _run(self, fn: Callable[[sync_consumer.Consumer], Any]) -> Any:
         """Run ``fn`` on the worker and wait for it; a caller that stops waiting does not stop it."""
@@ -621,6 +723,25 @@ class Consumer:
     async def _call(self, fn: Callable[[sync_consumer.Consumer], Any]) -> Any:
         self._check_started()
         return await self._run(fn)
+
+    def _queue(self, fn: Callable[[sync_consumer.Consumer], Any]) -> Queued:
+        """Queue a plain method's call (see :class:`Queued`); before start(), it runs when start() does."""
+        if self._state == "new":
+            waiter = asyncio.get_running_loop().create_future()
+            self._before_start.append((fn, waiter))
+            return Queued(self, waiter)
+        self._check_started()
+        return Queued(self, self._submit(fn))
+
+    def _unawaited_failed(self, queued: Queued, error: BaseException) -> None:
+        """A plain call failed and nobody awaits it (yet): the consumer's next call raises its error."""
+        if self._unawaited is None:
+            self._unawaited = (queued, error)
+
+    def _claimed(self, queued: Queued) -> None:
+        """``queued`` is awaited after all: its error goes to the one awaiting it, not to the next call."""
+        if self._unawaited is not None and self._unawaited[0] is queued:
+            self._unawaited = None
 
     def _await_from_worker(self, awaitable) -> None:
         """On the worker: run ``awaitable`` on the loop and wait, running the consumer calls it makes."""
@@ -661,221 +782,134 @@ class Consumer:
             for records in (await self._fetch(False, GETONE_WAIT_MS, 1, GETONE_POLL_MAX)).values():
                 return records[0]
 
-    async def _fetch(self, arrow: bool, timeout_ms: float, take: int | None, poll_max: int | None):
-        """Hand out up to ``take`` kept records, else poll once (up to ``poll_max``) and hand out from that."""
-        if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, int | float) or not timeout_ms >= 0:
-            raise InvalidConfigError(f"timeout_ms must be a non-negative number, not {timeout_ms!r}")
-        for name, value in (("max_records", take), ("max_records", poll_max)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise InvalidConfigError(f"{name} must be a positive int or None, not {value!r}")
-        own = None
-        while True:
+    async def _fetch(self, arrow: bool, timeout_ms: float, take: int | None, convert_max: int | None):
+        """Hand out up to ``take`` records: on the loop from those the sync consumer converted before,
+        if any and the worker is idle; else by a poll on the worker (converting up to ``convert_max``)."""
+        check_ms("timeout_ms", timeout_ms, maximum=sync_consumer.POLL_TIMEOUT_MS_MAX)
+        check_int("max_records", take, 1, INT64_MAX, none_ok=True)
+        self._check_started()
+        if self._poll_error is not None:
+            error, self._poll_error = self._poll_error, None
+            raise error
+        if not arrow and not self._jobs and self._consumer._pending:
+            handed = self._consumer._take_pending(take)  # the worker is idle: nothing else touches the consumer
+            if handed:
+                return handed
+        fetch = _Fetch(arrow, timeout_ms, take, convert_max)
+        future = self._submit(fetch.run)
+        try:
+            got = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            fetch.abandoned = True
+            future.add_done_callback(functools.partial(self._abandoned, fetch))
+            raise
+        if self._unawaited is not None and fetch.handed is not None:
+            # A plain call queued before this poll failed on the worker and nobody awaits it (its error
+            # reached the loop before this poll's records did: the worker runs calls in order). Its error
+            # is this call's, and the records go back, to be handed out after the caller dealt with it.
+            handed, resets = fetch.handed
+            self._submit(lambda consumer: _give_back(consumer, handed, resets))
             self._check_started()
-            if self._poll_error is not None:
-                error, self._poll_error = self._poll_error, None
-                raise error
-            if arrow and self._kept_table is not None:
-                return self._take_table(take)
-            if not arrow and self._kept:
-                return self._take_records(take)
-            if self._kept_table is not None or self._kept:
-                # Kept in the other form: put them back and fetch them again in this one.
-                await self._run(functools.partial(_seek_back, offsets=self._take_kept_offsets(None)))
-                continue
-            if own is not None:
-                return _empty_table() if arrow else {}  # our own poll found nothing
-            poll = self._poll
-            if poll is None:
-                poll = own = self._poll = self._submit(
-                    lambda consumer: (consumer.poll_arrow if arrow else consumer.poll)(timeout_ms=timeout_ms, max_records=poll_max)
-                )
-                self._poll_arrow = arrow
-                poll.add_done_callback(self._polled)
-            try:
-                await asyncio.shield(poll)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 (kept by _polled and raised at the top of the loop)
-                pass
-            # Awaiting a poll that is already done does not yield to the loop, so its done-callback
-            # may not have run yet: collect it here (else this loop would spin on it).
-            self._polled(poll)
+        return got
 
-    def _polled(self, poll: asyncio.Future) -> None:
-        """On the loop, whether or not anyone still waits: keep the poll's records (or its error). Once per poll."""
-        if poll is not self._poll:
-            return  # collected already
-        self._poll = None
-        arrow = self._poll_arrow
-        if poll.cancelled():
+    def _abandoned(self, fetch: _Fetch, future: asyncio.Future) -> None:
+        """On the loop: the poll of a caller that stopped waiting ended. Its error goes to the next
+        fetch; its records, if the worker handed them out before it saw the caller leave, go back."""
+        if future.cancelled():
             return
-        error = poll.exception()
+        error = future.exception()
         if error is not None:
-            self._poll_error = error
+            if self._poll_error is None:
+                self._poll_error = error
             return
-        result = poll.result()
-        if arrow:
-            if result.num_rows:
-                self._kept_table = result if self._kept_table is None else pa.concat_tables([self._kept_table, result])
-        else:
-            for tp, records in result.items():
-                if records:
-                    self._kept.setdefault(tp, []).extend(records)
-
-    def _take_records(self, count: int | None) -> dict[TopicPartition, list[ConsumerRecord]]:
-        out: dict[TopicPartition, list[ConsumerRecord]] = {}
-        budget = count if count is not None else float("inf")
-        for tp in list(self._kept):
-            if budget <= 0:
-                break
-            records = self._kept[tp]
-            if len(records) <= budget:
-                out[tp] = records
-                del self._kept[tp]
-            else:
-                out[tp], self._kept[tp] = records[: int(budget)], records[int(budget) :]
-            budget -= len(out[tp])
-        return out
-
-    def _take_table(self, count: int | None) -> pa.Table:
-        table = self._kept_table
-        if count is None or table.num_rows <= count:
-            self._kept_table = None
-            return table
-        self._kept_table = table.slice(count)
-        return table.slice(0, count)
-
-    def _kept_offsets(self) -> dict[TopicPartition, int]:
-        """The first offset kept (not yet delivered) of each partition that has some."""
-        if self._kept_table is not None:
-            firsts = self._kept_table.group_by(["topic", "partition"]).aggregate([("offset", "min")])
-            return {
-                TopicPartition(topic, partition): offset
-                for topic, partition, offset in zip(*(firsts.column(n).to_pylist() for n in ("topic", "partition", "offset_min")))
-            }
-        return {tp: records[0].offset for tp, records in self._kept.items()}
-
-    def _take_kept_offsets(self, partitions: Iterable[TopicPartition] | None) -> dict[TopicPartition, int]:
-        """Forget the kept records of ``partitions`` (None: all); returns where each of them starts."""
-        offsets = self._kept_offsets()
-        if partitions is None:
-            self._kept, self._kept_table = {}, None
-            return offsets
-        wanted = {TopicPartition(*tp) for tp in partitions}
-        offsets = {tp: offset for tp, offset in offsets.items() if tp in wanted}
-        if not offsets:
-            return {}
-        table = self._kept_table
-        if table is not None:
-            topics, numbers = table.column("topic"), table.column("partition")
-            dropped = None
-            for tp in offsets:
-                rows = pc.and_(pc.equal(topics, tp.topic), pc.equal(numbers, tp.partition))
-                dropped = rows if dropped is None else pc.or_(dropped, rows)
-            rest = table.filter(pc.invert(dropped))
-            self._kept_table = rest if rest.num_rows else None
-            return offsets
-        for tp in offsets:
-            del self._kept[tp]
-        return offsets
+        if fetch.handed is not None and self._state == "started":
+            got, resets = fetch.handed
+            self._submit(lambda consumer: _give_back(consumer, got, resets))
 
     # --- assignment, positions, commits ---------------------------------------------------------
 
-    async def subscribe(self, topics: Iterable[str] = (), pattern: str | None = None, listener=None) -> None:
-        """Join the consumer group for these topics and/or the ``pattern`` (as :meth:`logbus.Consumer.subscribe`)."""
-        topics = list(topics) if topics is not None else []
+    def subscribe(self, topics: Iterable[str] = (), pattern: str | None = None, listener=None) -> Queued:
+        """Join the consumer group for these topics and/or the ``pattern`` (as :meth:`logbus.Consumer.subscribe`;
+        without a group_id, read every partition of them). A plain method (see :class:`Queued`)."""
+        if topics is not None and not isinstance(topics, str | bytes) and isinstance(topics, Iterable):
+            topics = list(topics)
+        names, pattern = sync_consumer.check_subscription(topics or None, pattern)
         wrapped = None if listener is None else _Listener(listener, self)
-        await self._call(lambda consumer: consumer.subscribe(topics or None, pattern=pattern, listener=wrapped))
+        return self._queue(lambda consumer: consumer.subscribe(names, pattern=pattern, listener=wrapped))
 
-    async def unsubscribe(self) -> None:
-        """Give up every partition and leave the group."""
-        self._check_started()
-        undelivered = self._take_kept_offsets(None)
+    def unsubscribe(self) -> Queued:
+        """Give up every partition and leave the group. A plain method (see :class:`Queued`)."""
+        queued = self._queue(lambda consumer: consumer.unsubscribe())
+        self._assignment = self._paused = frozenset()
+        return queued
 
-        def unsubscribe(consumer: sync_consumer.Consumer) -> None:
-            _seek_back(consumer, undelivered)  # so the commit on revoke does not pass them
-            consumer.unsubscribe()
-
-        await self._run(unsubscribe)
-
-    async def assign(self, partitions: Iterable[TopicPartition]) -> None:
-        """Read exactly these partitions (replacing any previous assignment)."""
-        partitions = list(partitions)
-        wanted = {TopicPartition(*tp) for tp in partitions if isinstance(tp, tuple) and len(tp) == 2}
-        # Records kept for partitions that stay assigned stay kept: their positions carry on.
-        await self._run_superseding(lambda consumer: consumer.assign(partitions), lambda: set(self._kept_offsets()) - wanted)
+    def assign(self, partitions: Iterable[TopicPartition]) -> Queued:
+        """Read exactly these partitions (replacing any previous assignment). A plain method (see :class:`Queued`)."""
+        tps = sync_consumer._check_tps(partitions, "assign()")
+        queued = self._queue(lambda consumer: consumer.assign(tps))
+        self._assignment = frozenset(tps)
+        self._paused = self._paused & self._assignment
+        return queued
 
     def assignment(self) -> set[TopicPartition]:
-        """The assigned partitions, as of the last call the worker ran."""
+        """The assigned partitions: as the last plain call set them, or as the worker last saw them."""
         return set(self._assignment)
 
-    async def seek(self, tp: TopicPartition, offset: int) -> None:
-        """Make ``offset`` the next offset returned for ``tp``."""
-        await self._run_superseding(lambda consumer: consumer.seek(tp, offset), lambda: [tp])
+    def seek(self, tp: TopicPartition, offset: int) -> Queued:
+        """Make ``offset`` the next offset returned for ``tp``. A plain method (see :class:`Queued`)."""
+        tp = sync_consumer._check_tp(tp)
+        sync_consumer.check_seek_offset(offset)
+        return self._queue(lambda consumer: consumer.seek(tp, offset))
+
+    def pause(self, *partitions: TopicPartition) -> Queued:
+        """Stop fetching from these partitions (as arguments or one list) until resume(). A plain method."""
+        tps = sync_consumer._partitions_arg(partitions, "pause()") or []
+        queued = self._queue(lambda consumer: consumer.pause(tps))
+        self._paused = self._paused | (frozenset(tps) & self._assignment)
+        return queued
+
+    def resume(self, *partitions: TopicPartition) -> Queued:
+        """Fetch again from these paused partitions (as arguments or one list). A plain method."""
+        tps = sync_consumer._partitions_arg(partitions, "resume()") or []
+        queued = self._queue(lambda consumer: consumer.resume(tps))
+        self._paused = self._paused - frozenset(tps)
+        return queued
+
+    def paused(self) -> set[TopicPartition]:
+        """The paused partitions: as the last plain call set them, or as the worker last saw them."""
+        return set(self._paused)
 
     async def seek_to_beginning(self, *partitions: TopicPartition) -> None:
         """Seek these partitions (as arguments or one list; none: every assigned one) to their log start."""
-        tps = _partitions(partitions)
-        await self._run_superseding(lambda consumer: consumer.seek_to_beginning(*tps), lambda: tps or None)
+        tps = sync_consumer._partitions_arg(partitions, "seek_to_beginning()") or []
+        await self._call(lambda consumer: consumer.seek_to_beginning(*tps))
 
     async def seek_to_end(self, *partitions: TopicPartition) -> None:
         """Seek these partitions (as arguments or one list; none: every assigned one) to their high watermark."""
-        tps = _partitions(partitions)
-        await self._run_superseding(lambda consumer: consumer.seek_to_end(*tps), lambda: tps or None)
-
-    async def _run_superseding(self, fn: Callable[[sync_consumer.Consumer], Any], superseded: Callable[[], Any]) -> None:
-        """Run ``fn``; once it succeeded, forget the kept records of the ``superseded()`` partitions (None: all).
-
-        Only on success: a seek that fails leaves the position where it was,
-        past the kept records, which must then still be delivered.
-        """
-        self._check_started()
-        future = self._submit(fn)
-
-        def forget(done: asyncio.Future) -> None:
-            if not done.cancelled() and done.exception() is None:
-                self._take_kept_offsets(superseded())
-
-        future.add_done_callback(forget)
-        await asyncio.shield(future)
+        tps = sync_consumer._partitions_arg(partitions, "seek_to_end()") or []
+        await self._call(lambda consumer: consumer.seek_to_end(*tps))
 
     async def position(self, tp: TopicPartition) -> int:
         """The offset of the next record getmany()/getone() returns for ``tp``."""
-        self._check_started()
-        kept = self._kept_offsets().get(TopicPartition(*tp) if isinstance(tp, tuple) and len(tp) == 2 else tp)
-        if kept is not None:
-            return kept
-        return await self._run(lambda consumer: consumer.position(tp))
+        return await self._call(lambda consumer: consumer.position(tp))
 
-    async def commit(self, offsets: dict[TopicPartition, int] | None = None) -> None:
+    async def commit(self, offsets: dict[TopicPartition, Any] | None = None) -> None:
         """Commit ``offsets`` (default: the position of every assigned partition) and wait.
 
-        Errors as :meth:`logbus.Consumer.commit` (CommitFailedError after the group went on without
-        this member, ...).
+        Offsets are ints, OffsetAndMetadata, or aiokafka's ``(offset, metadata)``
+        pairs. Errors as :meth:`logbus.Consumer.commit` (CommitFailedError after
+        the group went on without this member; IllegalStateError without a
+        group_id, ...).
         """
-        self._check_started()
-        if offsets is not None:
-            offsets = dict(offsets)
-            await self._run(lambda consumer: consumer.commit(offsets))
-            return
-        undelivered = self._kept_offsets()
+        if isinstance(offsets, dict):
+            offsets = {tp: _offset_and_metadata(value) for tp, value in offsets.items()}
+        await self._call(lambda consumer: consumer.commit(offsets))
 
-        def commit(consumer: sync_consumer.Consumer) -> None:
-            if not undelivered:
-                consumer.commit()
-                return
-            # Partitions with records kept here are committed where those start; the others at their
-            # positions, as the sync commit() does (a partition with no position yet, its leader away
-            # say, is not waited for).
-            positions = consumer._positions()
-            positions.update((tp, offset) for tp, offset in undelivered.items() if tp in positions)
-            consumer.commit(positions)
-
-        await self._run(commit)
-
-    async def committed(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int | None]:
-        """The group's committed offset of each partition (None where nothing was committed)."""
-        partitions = list(partitions)
+    async def committed(self, partitions) -> Any:
+        """The group's committed offset: of one TopicPartition (aiokafka's form), its offset or None; of a
+        list of them, a dict of TopicPartition -> offset or None."""
+        if not sync_consumer._is_one_partition(partitions) and isinstance(partitions, Iterable):
+            partitions = list(partitions)
         return await self._call(lambda consumer: consumer.committed(partitions))
 
     async def beginning_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
@@ -886,29 +920,38 @@ class Consumer:
         partitions = list(partitions)
         return await self._call(lambda consumer: consumer.end_offsets(partitions))
 
+    async def group_metadata(self) -> ConsumerGroupMetadata:
+        """As :meth:`logbus.Consumer.group_metadata` (for a transactional producer's
+        ``send_offsets_to_transaction``)."""
+        return await self._call(lambda consumer: consumer.group_metadata())
+
+    async def offsets_for_times(self, timestamps: dict[TopicPartition, int]) -> dict[TopicPartition, Any]:
+        """For each partition, the earliest record at or after the given ms: OffsetAndTimestamp, or None."""
+        timestamps = dict(timestamps)
+        return await self._call(lambda consumer: consumer.offsets_for_times(timestamps))
+
+
+def _settle_from(waiter: asyncio.Future, future: asyncio.Future) -> None:
+    """Give ``waiter`` the outcome of ``future`` (a call made before start(), now run)."""
+    if waiter.done():
+        return
+    if future.cancelled():
+        waiter.cancel()
+    elif future.exception() is not None:
+        waiter.set_exception(future.exception())
+    else:
+        waiter.set_result(future.result())
+
+
+def _offset_and_metadata(value):
+    """aiokafka's ``(offset, metadata)`` pair as an OffsetAndMetadata; anything else as it is."""
+    if isinstance(value, tuple) and not isinstance(value, OffsetAndMetadata) and len(value) == 2:
+        return OffsetAndMetadata(*value)
+    return value
+
 
 def _run_inline(job: Callable[[], Any], future: Future) -> None:
     try:
         future.set_result(job())
     except BaseException as error:  # noqa: BLE001 (handed to the awaiting coroutine)
         future.set_exception(error)
-
-
-def _seek_back(consumer: sync_consumer.Consumer, offsets: dict[TopicPartition, int]) -> None:
-    """On the worker: move partitions back to records fetched but not delivered, so they are fetched again."""
-    for tp, offset in offsets.items():
-        try:
-            consumer.seek(tp, offset)
-        except IllegalStateError:
-            pass  # no longer assigned: its next owner starts from the group's commit
-
-
-def _empty_table() -> pa.Table:
-    return sync_consumer.ARROW_SCHEMA.empty_table()
-
-
-def _partitions(partitions: tuple) -> list:
-    """Partitions given as arguments or as one iterable (the sync consumer's forms), as a list."""
-    if len(partitions) == 1 and not (isinstance(partitions[0], tuple) and len(partitions[0]) == 2 and isinstance(partitions[0][0], str)):
-        return list(partitions[0]) if partitions[0] is not None else []
-    return list(partitions)

@@ -16,6 +16,8 @@ from logbus.actors import ray_auth
 from logbus.actors.placement import REPLICA_NODE_RESOURCE, embedded_slots
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get
 from logbus.api.admin import Admin
+from logbus.bounded_dict import BoundedDict
+from logbus.options import MS_MAX, check_int
 from logbus.errors import DataDirectoryInUseError, IllegalStateError, InvalidConfigError, LeaderNotAvailableError
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.log_config import LogConfig
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 DEFAULT_DATA_DIR = "logbus-data"
 DEFAULT_NAMESPACE = "logbus"
 START_LOCK_FILE = "start.lock"  # in the data directory: processes starting over it take turns
+# Topics whose metadata one Bus keeps; one used again past that is asked for again (one actor call).
+METADATA_CACHE_TOPICS_MAX = 4096
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class TopicMetadata:
 class Bus:
     """A connection to a logbus cluster: the controller handle plus a topic metadata cache.
 
+    The cache holds the METADATA_CACHE_TOPICS_MAX topics stored last.
     Thread-safe. Picklable: a Bus passed into a Ray task or actor reconnects
     by name there.
     """
@@ -55,7 +60,7 @@ class Bus:
         self._controller = controller
         self.namespace = namespace
         self.data_dir = data_dir
-        self._metadata: dict[str, TopicMetadata] = {}
+        self._metadata: BoundedDict = BoundedDict(METADATA_CACHE_TOPICS_MAX)  # topic -> TopicMetadata
         self._lock = threading.Lock()
         self.admin = Admin(self)
 
@@ -113,6 +118,12 @@ class Bus:
         advertised_host: str | None = None,
         max_request_bytes: int | None = None,
         max_connections: int | None = None,
+        ssl_certfile: str | None = None,
+        ssl_keyfile: str | None = None,
+        ssl_cafile: str | None = None,
+        sasl_mechanisms: tuple[str, ...] = (),
+        allow_plaintext: bool = False,
+        allow_plain_without_tls: bool = False,
     ) -> KafkaGateway:
         """Serve Kafka's wire protocol, so unmodified Kafka clients produce and consume (see README, "Kafka clients").
 
@@ -135,14 +146,27 @@ class Bus:
         first). The gateways run until
         ``stop()`` on the returned :class:`~logbus.actors.gateway.KafkaGateway`
         (or the Ray cluster ends), whose ``bootstrap_servers`` clients take.
+
+        Security (README, "The gateway off loopback"): ``ssl_certfile`` and
+        ``ssl_keyfile`` (PEM) put TLS on the listener; ``ssl_cafile`` also
+        requires client certificates signed by that CA. ``sasl_mechanisms``
+        (of ``"SCRAM-SHA-512"``, ``"SCRAM-SHA-256"``, ``"PLAIN"``) makes
+        clients authenticate with SASL as users made with
+        ``admin.create_scram_user``; PLAIN only over TLS unless
+        ``allow_plain_without_tls``. A ``host`` other than loopback without
+        TLS and authentication raises InvalidConfigError unless
+        ``allow_plaintext`` (then a warning is logged).
         """
         # Imported here: the gateway's dependencies (kio, cramjam) are for those who start one.
         from logbus.actors.gateway import start_gateways
+        from logbus.protocol.listener_security import ListenerSecurity
 
+        security = ListenerSecurity(ssl_certfile, ssl_keyfile, ssl_cafile, tuple(sasl_mechanisms) if isinstance(sasl_mechanisms, list) else sasl_mechanisms,
+                                    allow_plaintext, allow_plain_without_tls)
         return start_gateways(
             self.namespace, self._controller, host, port,
             all_nodes=all_nodes, advertised_host=advertised_host, max_request_bytes=max_request_bytes,
-            max_connections=max_connections,
+            max_connections=max_connections, security=security,
         )
 
 
@@ -198,14 +222,8 @@ def connect(
         raise InvalidConfigError(f"data_dir must be a path (str), not {data_dir!r}")
     if address is not None and (not isinstance(address, str) or not address):
         raise InvalidConfigError(f"address must be a Ray address (str) or None, not {address!r}")
-    if replica_replacement_ms is not None and (
-        isinstance(replica_replacement_ms, bool) or not isinstance(replica_replacement_ms, int) or replica_replacement_ms <= 0
-    ):
-        raise InvalidConfigError(f"replica_replacement_ms must be a positive int (ms), not {replica_replacement_ms!r}")
-    if max_replicas_per_node is not None and (
-        isinstance(max_replicas_per_node, bool) or not isinstance(max_replicas_per_node, int) or max_replicas_per_node <= 0
-    ):
-        raise InvalidConfigError(f"max_replicas_per_node must be a positive int, not {max_replicas_per_node!r}")
+    check_int("replica_replacement_ms", replica_replacement_ms, 1, MS_MAX, none_ok=True, unit="ms")
+    check_int("max_replicas_per_node", max_replicas_per_node, none_ok=True)
     if ray_init_options is not None and not isinstance(ray_init_options, dict):
         raise InvalidConfigError(f"ray_init_options must be a dict of ray.init arguments, not {ray_init_options!r}")
     requested_dir = os.path.abspath(os.fspath(data_dir) if data_dir is not None else DEFAULT_DATA_DIR)

@@ -28,6 +28,15 @@ iterating over the consumer (kafka-python's ``for record in consumer``) hands
 them out one at a time. ``poll_arrow()`` returns one pyarrow Table and does
 no per-row Python work.
 
+Transactions (KIP-98). Transaction markers (control batches) are never handed
+out, and positions move past them. With ``isolation_level="read_committed"``
+the consumer fetches up to the last stable offset (records of a transaction
+still open wait there) and drops the batches of aborted transactions; the
+fetch reply names those, so the decision is made per batch header
+(``logbus/storage/isolation.py``), never per record. The default,
+"read_uncommitted", hands out every record below the high watermark, as
+Kafka's consumer does.
+
 Partitions are read independently, as Kafka's consumer reads them: each
 partition's position lookup and fetches go on by themselves, so one whose
 leader is away (an election, a dead or stopped replica, a call that is not
@@ -55,7 +64,13 @@ caller's thread. A member the group went on without (its session expired,
 or the coordinator removed it) rejoins by itself in ``poll()``, as Kafka's
 consumer does: its partitions are reported lost (``on_partitions_lost``) and
 a new assignment follows; a commit it made meanwhile raises
-CommitFailedError (see ``logbus/api/group_membership.py``).
+CommitFailedError (see ``logbus/api/group_membership.py``). Without a
+``group_id``, ``subscribe()`` (or topics given to the constructor) assigns
+every partition of the topics, with no coordinator and no commits, as
+kafka-python's consumer without a group does.
+
+Records converted but not handed out wait in one buffer (see "handing
+records out" below), which iteration, ``poll()`` and ``logbus.aio`` share.
 
 Not thread-safe (like Kafka's consumer): use one consumer per thread.
 """
@@ -65,7 +80,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
-import numbers
 import random
 import re
 import time
@@ -83,13 +97,9 @@ from logbus.actors.channel_client import channels as local_channels
 from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus
-from logbus.api.group_membership import (
-    RETRY_BACKOFF_MAX_S,
-    RETRY_BACKOFF_MIN_S,
-    GroupMembership,
-    checked_offsets,
-    retry_until,
-)
+from logbus.api.group_membership import GroupMembership, checked_offsets, retriable_in_group
+from logbus.options import INT32_MAX, INT64_MAX, MS_MAX, check_callable, check_choice, check_flag, check_int, check_ms
+from logbus.retry import RETRY_BACKOFF_MAX_S, Backoff, retry_until
 from logbus.errors import (
     ChannelReplyTooLargeError,
     IllegalStateError,
@@ -100,11 +110,22 @@ from logbus.errors import (
     LogbusError,
     OffsetOutOfRangeError,
     RecordDeserializationError,
+    UnknownTopicError,
 )
 from logbus.protocol.assignors import get_assignor
 from logbus.protocol.group_coordinator import OffsetAndMetadata
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, ConsumerRecord, FetchRequest, OffsetAndTimestamp, TopicPartition
+from logbus.protocol.messages import (
+    FETCH_INLINE_MAX_BYTES,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
+    ConsumerGroupMetadata,
+    ConsumerRecord,
+    FetchRequest,
+    OffsetAndTimestamp,
+    TopicPartition,
+)
 from logbus.storage import record_batch as rb
+from logbus.storage.isolation import isolation_level_code
 from logbus.storage.names import validate_partition, validate_topic_name
 
 logger = logging.getLogger(__name__)
@@ -122,8 +143,10 @@ DEFAULT_API_TIMEOUT_MS = 60_000  # Kafka's default.api.timeout.ms: how long comm
 CALL_TIMEOUT_MIN_S = 5.0
 ITERATOR_MAX_RECORDS = 500  # iterating over the consumer converts this many records at a time
 ITERATOR_POLL_S = 1.0  # and polls in slices this long, so the group sees it polling
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
+# poll() and iteration wait in slices of at most a second, so any finite timeout works there; calls
+# that wait on one Ray call (commit(), the lookups) take at most MS_MAX, as Kafka's int timeouts.
+POLL_TIMEOUT_MS_MAX = INT64_MAX
+METADATA_MAX_AGE_MS = 300_000  # kafka-python's metadata_max_age_ms: a consumer without a group looks for new partitions this often
 ARROW_SCHEMA = pa.schema(
     [
         pa.field("topic", pa.string()),
@@ -138,6 +161,9 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 CREATE_TIME = -1  # a buffered batch's append time when it has none (a CreateTime batch)
+# A buffered entry of no records: its offset is where the position moves once it is taken (past
+# markers and aborted batches that ended a fetch reply).
+NO_RECORDS = pa.RecordBatch.from_pylist([], schema=rb.SCHEMA)
 
 
 class _Partition:
@@ -145,7 +171,7 @@ class _Partition:
 
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
-        "arrow_scalars", "actor_fetch_until", "needs_committed", "resets", "lookup", "retry_at_s", "backoff_s",
+        "arrow_scalars", "actor_fetch_until", "needs_committed", "resets", "lookup", "retry_at_s", "backoff",
         "stale_since_s",
     )
 
@@ -175,7 +201,7 @@ class _Partition:
         # RETRY_BACKOFF_MAX_S and starts again after a success), and the next one goes where
         # metadata asked for after stale_since_s says (None: the cached metadata will do).
         self.retry_at_s = 0.0
-        self.backoff_s = RETRY_BACKOFF_MIN_S
+        self.backoff = Backoff()  # no deadline: poll() reads the other partitions meanwhile
         self.stale_since_s: float | None = None
 
     def reset_to(self, offset: int | None) -> None:
@@ -191,13 +217,12 @@ class _Partition:
 
     def retry_later(self, now: float, refresh_metadata: bool = True) -> None:
         """A retriable error: the next request waits out the backoff and goes by fresh metadata."""
-        self.retry_at_s = now + self.backoff_s
-        self.backoff_s = min(self.backoff_s * 2, RETRY_BACKOFF_MAX_S)
+        self.retry_at_s = now + self.backoff.delay_s(now)
         if refresh_metadata and self.stale_since_s is None:
             self.stale_since_s = now
 
     def succeeded(self) -> None:
-        self.backoff_s = RETRY_BACKOFF_MIN_S
+        self.backoff.succeeded()
 
     def drop_fetches(self) -> None:
         """Forget the outstanding fetches and start a new fetch session (the next fetch reads from fetch_offset)."""
@@ -266,35 +291,13 @@ def _partitions_arg(partitions: tuple, what: str) -> list[TopicPartition] | None
     return [_check_tp(tp) for tp in partitions]
 
 
-def _int_setting(name: str, value, minimum: int, maximum: int) -> int:
-    """``value`` if it is an int (not a bool) within [minimum, maximum]; else InvalidConfigError."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise InvalidConfigError(f"{name} must be an int from {minimum} to {maximum}, not {value!r}")
-    return value
-
-
-def _bool_setting(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
-    return value
-
-
-def _ms_to_s(name: str, value, *, forever: bool = False) -> float | None:
-    """A duration in ms, as seconds: a finite number >= 0 (not a bool). With ``forever``, None and
-    infinity mean no limit (returned as None)."""
-    if forever and value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value) or value < 0:
-        raise InvalidConfigError(f"{name} must be a number of ms >= 0, not {value!r}")
-    if math.isinf(value):
-        if forever:
-            return None
-        raise InvalidConfigError(f"{name} must be a finite number of ms, not {value!r}")
-    return float(value) / 1000
-
-
 def _max_records(value) -> int | None:
-    return None if value is None else _int_setting("max_records", value, 1, INT64_MAX)
+    return check_int("max_records", value, 1, INT64_MAX, none_ok=True)
+
+
+def _poll_timeout_s(value) -> float:
+    """poll()'s and iteration's ``timeout_ms``, as seconds (any finite number of ms >= 0)."""
+    return check_ms("timeout_ms", value, maximum=POLL_TIMEOUT_MS_MAX)
 
 
 def _strategies(value) -> tuple[str, ...]:
@@ -307,12 +310,6 @@ def _strategies(value) -> tuple[str, ...]:
     for name in names:
         get_assignor(name)  # unknown names are InvalidConfigError
     return tuple(names)
-
-
-def _deserializer(name: str, value) -> Callable | None:
-    if value is not None and not callable(value):
-        raise InvalidConfigError(f"{name} must be a callable taking bytes (or None), not {value!r}")
-    return value
 
 
 def _deserialized(function: Callable, items: list, what: str, tp: TopicPartition, first: int):
@@ -336,19 +333,51 @@ def _deserialized(function: Callable, items: list, what: str, tp: TopicPartition
     return out, None
 
 
+def check_seek_offset(offset) -> int:
+    """A ``seek()`` offset: an int (InvalidConfigError otherwise) >= 0 (OffsetOutOfRangeError otherwise)."""
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise InvalidConfigError(f"offset must be an int, not {offset!r}")
+    if offset < 0:
+        raise OffsetOutOfRangeError(f"offset must be a non-negative int, not {offset!r}")
+    return offset
+
+
+def check_subscription(topics, pattern) -> tuple[tuple[str, ...], str | None]:
+    """``subscribe()``'s topics (an iterable of names, not a str) and pattern (a regular expression), checked."""
+    if topics is None and pattern is None:
+        raise InvalidConfigError("subscribe() needs topics or a pattern")
+    if isinstance(topics, str | bytes):
+        # A str is an iterable of one-letter "topics": never what was meant.
+        raise InvalidConfigError(f"subscribe() takes a list of topic names, not a str: subscribe([{topics!r}])")
+    if topics is not None and not isinstance(topics, Iterable):
+        raise InvalidConfigError(f"subscribe() takes a list of topic names, not {topics!r}")
+    names = tuple(validate_topic_name(t) for t in (topics or ()))
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as error:
+            raise InvalidConfigError(f"invalid topic pattern {pattern!r}: {error}") from None
+    return names, pattern
+
+
 class Consumer:
     """Reads records from assigned partitions.
 
     kafka-python's habits work: ``Consumer(bus, "events", group_id="g")``
     subscribes to the topics given after the bus, ``for record in consumer:``
     hands out records one at a time, and the methods taking partitions accept
-    them as arguments or as one list. The README's "Coming from kafka-python"
-    section lists where logbus's defaults differ.
+    them as arguments or as one list. Without a ``group_id``,
+    ``Consumer(bus, "events")`` reads every partition of its topics (and
+    those added to them later) with no coordinator and no commits, as
+    kafka-python's ``KafkaConsumer("events")`` does. ``docs/clients.md``
+    lists every remaining difference from kafka-python.
 
     Args:
         bus: from :func:`logbus.connect`.
-        *topics: topic names to subscribe to (as ``subscribe(topics)``; needs a ``group_id``).
-        group_id: the consumer group (used for committed offsets by group consumers).
+        *topics: topic names to subscribe to (as ``subscribe(topics)``).
+        group_id: the consumer group: its coordinator assigns partitions and keeps committed
+            offsets. None: the consumer reads what it subscribes to or is assigned on its own,
+            and ``commit()``/``committed()`` raise IllegalStateError.
         auto_offset_reset: where to start without a valid position: "earliest" (logbus's default;
             Kafka's is "latest"), "latest", or "none" (raise OffsetOutOfRangeError).
         fetch_max_bytes: bytes one fetch may return per partition (whole batches; at least one).
@@ -376,6 +405,12 @@ class Consumer:
             (None, the default, or infinity: iterate forever, as kafka-python).
         default_api_timeout_ms: how long commit(), committed() and the offset lookups retry
             retriable errors when no timeout is given (Kafka's default.api.timeout.ms).
+        isolation_level: "read_uncommitted" (the default: every record below the high watermark)
+            or "read_committed" (only records of committed transactions, and of no transaction, up
+            to the last stable offset; end_offsets() and seek_to_end() then mean that offset).
+            Transaction markers are never returned, whichever level.
+        metadata_max_age_ms: without a group, how often a subscription looks for new partitions
+            of its topics (and new topics matching its pattern), as kafka-python's option.
     """
 
     def __init__(
@@ -401,9 +436,10 @@ class Consumer:
         value_deserializer: Callable | None = None,
         consumer_timeout_ms: float | None = None,
         default_api_timeout_ms: int = DEFAULT_API_TIMEOUT_MS,
+        isolation_level: str = "read_uncommitted",
+        metadata_max_age_ms: int = METADATA_MAX_AGE_MS,
     ) -> None:
-        if auto_offset_reset not in OFFSET_RESETS:
-            raise InvalidConfigError(f"auto_offset_reset must be one of {OFFSET_RESETS}, not {auto_offset_reset!r}")
+        check_choice("auto_offset_reset", auto_offset_reset, OFFSET_RESETS)
         if group_id is not None and (not isinstance(group_id, str) or not group_id):
             raise InvalidGroupIdError(f"group_id must be a non-empty str or None, not {group_id!r}")
         for topic in topics:
@@ -411,33 +447,35 @@ class Consumer:
                 raise InvalidConfigError(
                     f"topics go after the bus one by one (Consumer(bus, 'a', 'b', group_id=...)), not {topic!r}"
                 )
-        if topics and group_id is None:
-            raise InvalidGroupIdError("Consumer(bus, *topics) subscribes to the topics, which needs a group_id")
+        self._isolation = isolation_level_code(isolation_level)
+        self.isolation_level = isolation_level
         self._bus = bus
         self.group_id = group_id
         self.auto_offset_reset = auto_offset_reset
-        self.fetch_max_bytes = _int_setting("fetch_max_bytes", fetch_max_bytes, 1, INT32_MAX)
-        self.fetch_max_wait_ms = _int_setting("fetch_max_wait_ms", fetch_max_wait_ms, 0, INT32_MAX)
-        self.max_buffered_bytes = _int_setting("max_buffered_bytes", max_buffered_bytes, 1, INT64_MAX)
-        self.check_crcs = _bool_setting("check_crcs", check_crcs)
-        enable_auto_commit = _bool_setting("enable_auto_commit", enable_auto_commit)
-        local_channel = _bool_setting("local_channel", local_channel)
+        self.fetch_max_bytes = check_int("fetch_max_bytes", fetch_max_bytes, 1, INT32_MAX, unit="bytes")
+        self.fetch_max_wait_ms = check_int("fetch_max_wait_ms", fetch_max_wait_ms, 0, MS_MAX, unit="ms")
+        self.max_buffered_bytes = check_int("max_buffered_bytes", max_buffered_bytes, 1, INT64_MAX, unit="bytes")
+        self.check_crcs = check_flag("check_crcs", check_crcs)
+        enable_auto_commit = check_flag("enable_auto_commit", enable_auto_commit)
+        local_channel = check_flag("local_channel", local_channel)
         strategies = _strategies(partition_assignment_strategy)
         for name, value in (
             ("session_timeout_ms", session_timeout_ms), ("heartbeat_interval_ms", heartbeat_interval_ms),
             ("max_poll_interval_ms", max_poll_interval_ms), ("auto_commit_interval_ms", auto_commit_interval_ms),
-            ("default_api_timeout_ms", default_api_timeout_ms),
+            ("default_api_timeout_ms", default_api_timeout_ms), ("metadata_max_age_ms", metadata_max_age_ms),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+            check_int(name, value, 1, MS_MAX, unit="ms")
         if heartbeat_interval_ms >= session_timeout_ms:
-            raise InvalidConfigError("heartbeat_interval_ms must be lower than session_timeout_ms")
+            raise InvalidConfigError(
+                f"heartbeat_interval_ms must be lower than session_timeout_ms ({session_timeout_ms}), not {heartbeat_interval_ms!r}"
+            )
         if group_instance_id is not None and group_id is None:
             raise InvalidConfigError("group_instance_id needs a group_id")
-        self._key_deserializer = _deserializer("key_deserializer", key_deserializer)
-        self._value_deserializer = _deserializer("value_deserializer", value_deserializer)
-        self._consumer_timeout_s = _ms_to_s("consumer_timeout_ms", consumer_timeout_ms, forever=True)
+        self._key_deserializer = check_callable("key_deserializer", key_deserializer, "bytes")
+        self._value_deserializer = check_callable("value_deserializer", value_deserializer, "bytes")
+        self._consumer_timeout_s = check_ms("consumer_timeout_ms", consumer_timeout_ms, maximum=POLL_TIMEOUT_MS_MAX, forever=True)
         self._api_timeout_s = default_api_timeout_ms / 1000
+        self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._channels = local_channels() if local_channel else None
         self._closed = False
@@ -466,6 +504,16 @@ class Consumer:
         self._metadata_retry_at_s: dict[str, float] = {}
         # The group's committed offsets for partitions it just assigned: (ObjectRef, sent at, [(state, resets)]).
         self._committed_call: tuple | None = None
+        # Subscribed without a group: (topic names, compiled pattern or None); every partition of them is
+        # assigned here (see _assign_subscribed). A pattern is matched against the cluster's topic list:
+        # (names, when they were asked for), and the call asking for it, (ObjectRef, sent at).
+        self._own_subscription: tuple[tuple[str, ...], re.Pattern | None] | None = None
+        self._topic_list: tuple[frozenset[str], float] = (frozenset(), -math.inf)
+        self._topic_list_call: tuple | None = None
+        # The partition count of each topic of that subscription, as its last metadata said (0: no such
+        # topic); and whether they changed since the assignment last followed them.
+        self._own_counts: dict[str, int] = {}
+        self._own_changed = False
         if topics:
             self.subscribe(list(topics))
 
@@ -477,7 +525,7 @@ class Consumer:
 
     def _deadline(self, timeout_ms) -> float:
         """The ``time.monotonic()`` deadline of a call given ``timeout_ms`` (None: default_api_timeout_ms)."""
-        timeout_s = self._api_timeout_s if timeout_ms is None else _ms_to_s("timeout_ms", timeout_ms)
+        timeout_s = self._api_timeout_s if timeout_ms is None else check_ms("timeout_ms", timeout_ms)
         return time.monotonic() + timeout_s
 
     def _forget_topics_of(self, partitions) -> Callable[[LogbusError], None]:
@@ -539,14 +587,88 @@ class Consumer:
 
     def _take_metadata(self, topic: str, ref) -> None:
         """Metadata arrived (cached by the bus), or the controller's error: asked again after a backoff."""
-        _, sent_s = self._metadata_calls.pop(topic)
+        call = self._metadata_calls.get(topic)
+        if call is None or call[0] != ref:
+            return  # given up meanwhile (late, or the topic is no longer read)
+        del self._metadata_calls[topic]
+        sent_s = call[1]
         try:
-            self._bus.metadata_arrived(ref, timeout_s=CALL_PATIENCE_S)
+            metadata = self._bus.metadata_arrived(ref, timeout_s=CALL_PATIENCE_S)
         except LogbusError as error:
             logger.debug("metadata of %r: %s; asking again later", topic, error)
             self._metadata_retry_at_s[topic] = time.monotonic() + RETRY_BACKOFF_MAX_S
+            if isinstance(error, UnknownTopicError) and self._own_subscription is not None:
+                self._own_counts[topic] = 0  # deleted (or not created yet): none of its partitions to read
+                self._own_changed = True
             return
         self._metadata_fresh_s[topic] = max(self._metadata_fresh_s.get(topic, -math.inf), sent_s)
+        if self._own_subscription is not None and self._own_counts.get(topic) != metadata.partition_count:
+            self._own_counts[topic] = metadata.partition_count
+            self._own_changed = True
+
+    def _forget_unused_topics(self) -> None:
+        """Drop the per-topic bookkeeping (metadata calls, freshness, backoffs) of topics this consumer no
+        longer reads or subscribes to: these tables hold no more topics than the consumer uses."""
+        used = {tp.topic for tp in self._partitions}
+        if self._own_subscription is not None:
+            used.update(self._own_subscription[0])
+            used.update(self._own_counts)
+        for table in (self._metadata_calls, self._metadata_fresh_s, self._metadata_retry_at_s):
+            for topic in [t for t in table if t not in used]:
+                del table[topic]
+
+    def _assign_subscribed(self, now: float) -> None:
+        """Without a group: read every partition of the subscribed topics (and of the topics matching the
+        pattern). Their metadata (and the cluster's topic list, for a pattern) is asked for without
+        waiting once it is older than metadata_max_age_ms; partitions of topics that left the
+        subscription (deleted, or no longer matched) are dropped. Listeners hear of both."""
+        names, pattern = self._own_subscription
+        topics = set(names)
+        if pattern is not None:
+            listed, listed_s = self._topic_list
+            if now - listed_s > self._metadata_max_age_s and self._topic_list_call is None:
+                self._topic_list_call = (self._bus.controller.list_topics.remote(), now)
+            topics.update(t for t in listed if pattern.fullmatch(t))
+        for topic in topics:
+            if now - self._metadata_fresh_s.get(topic, -math.inf) > self._metadata_max_age_s:
+                self._refresh_metadata(topic, now)
+        if not self._own_changed:
+            return
+        self._own_changed = False
+        left = [t for t in self._own_counts if t not in topics]
+        for topic in left:
+            del self._own_counts[topic]
+        gone = [tp for tp in self._partitions if tp.partition >= self._own_counts.get(tp.topic, math.inf) or tp.topic not in topics]
+        for tp in gone:
+            del self._partitions[tp]
+        added = []
+        for topic, count in self._own_counts.items():
+            for partition in range(count):
+                tp = TopicPartition(topic, partition)
+                if tp not in self._partitions:
+                    self._partitions[tp] = _Partition(tp)
+                    added.append(tp)
+        if gone or left:
+            self._forget_unused_topics()
+        if gone:
+            self._call_listener("on_partitions_revoked", gone)
+        self._call_listener("on_partitions_assigned", added)
+
+    def _take_topic_list(self, ref) -> None:
+        """The cluster's topic names arrived (a pattern subscription without a group); or asked again later."""
+        if self._topic_list_call is None or self._topic_list_call[0] != ref:
+            return
+        _, sent_s = self._topic_list_call
+        self._topic_list_call = None
+        try:
+            names = get(ref, timeout_s=CALL_PATIENCE_S)
+        except LogbusError as error:
+            logger.debug("listing topics: %s; asking again later", error)
+            # Asked again once the backoff is over (as if the last list were that old).
+            self._topic_list = (self._topic_list[0], time.monotonic() + RETRY_BACKOFF_MAX_S - self._metadata_max_age_s)
+            return
+        self._topic_list = (frozenset(names), sent_s)
+        self._own_changed = True
 
     def _failed(self, state: _Partition, error: LogbusError, now: float) -> None:
         """One of the partition's requests failed: retried alone later if retrying may help, else
@@ -558,7 +680,11 @@ class Consumer:
             state.error = error
 
     def assign(self, partitions: Iterable[TopicPartition]) -> None:
-        """Read exactly these partitions (replacing any previous assignment)."""
+        """Read exactly these partitions (replacing any previous assignment).
+
+        With a ``group_id``, a newly assigned partition starts at the group's committed offset
+        (``auto_offset_reset`` where none is committed), as Kafka's consumer does; ``seek()``
+        before the first ``poll()`` overrides it. Without one, ``auto_offset_reset`` decides."""
         self._check_open()
         if self._subscribed:
             raise IllegalStateError("assign() cannot be mixed with subscribe(); call unsubscribe() first")
@@ -568,7 +694,9 @@ class Consumer:
                 self._leader(tp)  # unknown topics and partitions fail here, before anything changes
             except LeaderNotAvailableError:
                 pass  # it exists; its leader is being elected
-        self._partitions = {tp: self._partitions.get(tp) or _Partition(tp) for tp in wanted}
+        from_group = self.group_id is not None
+        self._partitions = {tp: self._partitions.get(tp) or _Partition(tp, needs_committed=from_group) for tp in wanted}
+        self._forget_unused_topics()
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._partitions)
@@ -583,7 +711,7 @@ class Consumer:
     def _offsets(self, tps: list[TopicPartition], timeout_s: float) -> dict[TopicPartition, tuple[int, int, int]]:
         """(log start offset, high watermark, log end offset) of each partition, from its leader (one try)."""
         deadline = time.monotonic() + timeout_s
-        refs = {tp: self._leader(tp).offsets.remote() for tp in tps}
+        refs = {tp: self._leader(tp).offsets.remote(*self._offsets_args) for tp in tps}
         return {tp: get(ref, timeout_s=max(0.0, deadline - time.monotonic())) for tp, ref in refs.items()}
 
     def _lookup_offsets(self, tps: list[TopicPartition], timeout_ms) -> dict[TopicPartition, tuple[int, int, int]]:
@@ -602,7 +730,8 @@ class Consumer:
         return {tp: offsets[0] for tp, offsets in found.items()}
 
     def end_offsets(self, partitions: Iterable[TopicPartition], timeout_ms: float | None = None) -> dict[TopicPartition, int]:
-        """The high watermark (the offset after the last committed record) of each partition."""
+        """The high watermark (the offset after the last committed record) of each partition; with
+        isolation_level="read_committed", the last stable offset."""
         self._check_open()
         found = self._lookup_offsets(_check_tps(partitions, "end_offsets()"), timeout_ms)
         return {tp: offsets[1] for tp, offsets in found.items()}
@@ -664,10 +793,7 @@ class Consumer:
     def seek(self, tp: TopicPartition, offset: int) -> None:
         """Make ``offset`` the next offset poll() returns for ``tp``."""
         self._check_open()
-        if isinstance(offset, bool) or not isinstance(offset, int):
-            raise InvalidConfigError(f"offset must be an int, not {offset!r}")
-        if offset < 0:
-            raise OffsetOutOfRangeError(f"offset must be a non-negative int, not {offset!r}")
+        check_seek_offset(offset)
         self._state(tp).reset_to(offset)
 
     def seek_to_beginning(self, *partitions: TopicPartition) -> None:
@@ -696,6 +822,7 @@ class Consumer:
             retry_until(
                 self._deadline(timeout_ms), f"finding the position of {state.tp}",
                 lambda left_s: self._init_positions([state], left_s), self._forget_topics_of([state.tp]),
+                retriable=retriable_in_group,  # it may read the group's committed offsets
             )
         return state.position
 
@@ -768,7 +895,7 @@ class Consumer:
                 self._failed(state, error, now)
                 continue
             if leader is not None:
-                state.lookup = (leader.offsets.remote(), now, state.resets, leader._actor_id)
+                state.lookup = (leader.offsets.remote(*self._offsets_args), now, state.resets, leader._actor_id)
 
     def _take_lookup(self, state: _Partition, ref) -> None:
         """A position lookup's reply: the position by auto_offset_reset, or a retry later."""
@@ -843,7 +970,7 @@ class Consumer:
             # small results inside its reply (one round trip instead of two).
             request = FetchRequest(
                 state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
-                FETCH_INLINE_MAX_BYTES, state.session,
+                FETCH_INLINE_MAX_BYTES, state.session, self._isolation,
             )
             channels = self._channels if state.fetch_offset >= state.actor_fetch_until else None
             ref = send_fetch(leader, request, channels)
@@ -873,6 +1000,8 @@ class Consumer:
         for topic, (_, sent_s) in list(self._metadata_calls.items()):
             if now - sent_s > CALL_PATIENCE_S:
                 del self._metadata_calls[topic]  # asked again when needed
+        if self._topic_list_call is not None and now - self._topic_list_call[1] > CALL_PATIENCE_S:
+            self._topic_list_call = None  # asked again by the next round
         if self._committed_call is not None and now - self._committed_call[1] > CALL_PATIENCE_S:
             for state, resets in self._committed_call[2]:
                 state.retry_later(now, refresh_metadata=False)
@@ -935,10 +1064,16 @@ class Consumer:
             # that is still on its way): start a new session, which reads from fetch_offset again.
             state.drop_fetches()
             return
-        for header, first, records in rb.slice_batches(data, state.fetch_offset, verify_crc=self.check_crcs):
+        kept, skipped_to = rb.slice_visible_batches(
+            data, state.fetch_offset, read_committed=self._isolation == READ_COMMITTED,
+            aborted=meta.aborted_transactions, verify_crc=self.check_crcs,
+        )
+        for header, first, records in kept:
             append_time = header.max_timestamp_ms if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else CREATE_TIME
             state.buffer.append((first, records, append_time))
             state.buffered_rows += records.num_rows
+        if skipped_to is not None:  # markers or aborted batches last: the position moves past them
+            state.buffer.append((skipped_to, NO_RECORDS, CREATE_TIME))
         state.fetch_offset = meta.next_offset
 
     def _pump(self, timeout_s: float) -> None:
@@ -962,6 +1097,8 @@ class Consumer:
         self._maybe_auto_commit()
         while True:
             now = time.monotonic()
+            if self._own_subscription is not None:
+                self._assign_subscribed(now)
             self._find_positions(now)
             self._send_fetches(now)
             self._raise_errors()
@@ -1011,6 +1148,8 @@ class Consumer:
                 calls[state.lookup[0]] = (self._take_lookup, (state, state.lookup[0]))
         if self._committed_call is not None:
             calls[self._committed_call[0]] = (self._take_committed, (self._committed_call[0],))
+        if self._topic_list_call is not None:
+            calls[self._topic_list_call[0]] = (self._take_topic_list, (self._topic_list_call[0],))
         for topic, (ref, _) in self._metadata_calls.items():
             calls[ref] = (self._take_metadata, (topic, ref))
         return calls
@@ -1020,6 +1159,11 @@ class Consumer:
             if state.error is not None:
                 error, state.error = state.error, None
                 raise error
+
+    @property
+    def _offsets_args(self) -> tuple:
+        """The arguments of a replica's offsets() for this consumer's isolation level."""
+        return () if self._isolation == READ_UNCOMMITTED else (self._isolation,)
 
     def _take(self, max_records: int | None) -> list[tuple[_Partition, int, pa.RecordBatch, int]]:
         """Pop up to ``max_records`` buffered records across partitions, advancing positions.
@@ -1108,14 +1252,12 @@ class Consumer:
         """Records from assigned partitions, waiting up to ``timeout_ms`` for some to arrive.
 
         Retriable errors do not reach the caller: poll() retries them until
-        ``timeout_ms`` and returns what it has (maybe nothing).
+        ``timeout_ms`` and returns what it has (maybe nothing). Records
+        converted earlier and not handed out yet (by iteration, or given back
+        by logbus.aio) come first.
         """
         self._check_open()
-        timeout_s = _ms_to_s("timeout_ms", timeout_ms)
-        max_records = _max_records(max_records)
-        self._drop_pending()
-        self._pump(timeout_s)
-        return self._records(self._take(max_records))
+        return self._hand_out(max_records, _poll_timeout_s(timeout_ms))
 
     def poll_arrow(self, timeout_ms: float = 0, max_records: int | None = None) -> pa.Table:
         """Buffered records as one pyarrow Table (topic, partition, offset, timestamp, key, value, headers,
@@ -1126,7 +1268,7 @@ class Consumer:
         batch are its append time).
         """
         self._check_open()
-        timeout_s = _ms_to_s("timeout_ms", timeout_ms)
+        timeout_s = _poll_timeout_s(timeout_ms)
         max_records = _max_records(max_records)
         self._drop_pending()
         self._pump(timeout_s)
@@ -1164,39 +1306,95 @@ class Consumer:
             column = self._timestamp_type_columns[code] = pa.array(np.full(max(count, 1 << 16), code, np.int32))
         return column.slice(0, count)
 
-    # --- iteration (kafka-python's `for record in consumer`) -------------------------------------------
+    # --- handing records out: poll(), iteration, logbus.aio ---------------------------------------------
+    #
+    # Records are converted (ConsumerRecords, through the deserializers) from the fetched batches when
+    # they are handed out. Those converted but not handed out yet wait in ``_pending``, the one buffer of
+    # converted records: iteration converts a few hundred at a time and hands them out one by one, and
+    # logbus.aio does the same for getone() and gives back what a cancelled caller never read. A
+    # partition's position counts only the records handed out; a pending record whose partition was
+    # sought, reset or revoked since it was converted is dropped, and one whose partition is paused is
+    # fetched again after resume(). The underscored methods below are that buffer's interface for
+    # logbus.aio (logbus/api/aio.py), which keeps no records of its own.
 
-    def __iter__(self) -> "Consumer":
-        return self
+    def _hand_out(
+        self, max_records: int | None, timeout_s: float, convert_max: int | None = None
+    ) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """Up to ``max_records`` records (None: no limit), moving positions past them.
 
-    def __next__(self) -> ConsumerRecord:
-        """The next record; StopIteration after ``consumer_timeout_ms`` without one (never, by default).
-
-        Records are converted a few hundred at a time, but handed out one at a
-        time: a partition's position (what commit() stores) counts only the
-        records handed out. A record whose partition was sought, reset or
-        revoked since it was converted is dropped; one whose partition is
-        paused is fetched again after resume().
+        Records converted before and not handed out come first, without
+        waiting. Else this waits up to ``timeout_s`` for records (as poll()
+        does) and converts up to ``convert_max`` of them (default:
+        ``max_records``); those past ``max_records`` stay for the next call.
         """
-        self._check_open()
-        deadline = None if self._consumer_timeout_s is None else time.monotonic() + self._consumer_timeout_s
-        polled = False
-        while True:
-            record = self._next_pending()
-            if record is not None:
-                return record
-            wait_s = ITERATOR_POLL_S
-            if deadline is not None:
-                wait_s = min(deadline - time.monotonic(), ITERATOR_POLL_S)
-                if wait_s <= 0 and polled:
-                    raise StopIteration
-            self._fill(max(0.0, wait_s))
-            polled = True
-
-    def _fill(self, timeout_s: float) -> None:
-        """Poll for records to hand out one at a time; positions go back to the first of them."""
+        max_records = _max_records(max_records)
+        convert_max = max_records if convert_max is None else _max_records(convert_max)
+        if self._pending:
+            if self._membership is not None:
+                self._membership.polled()
+            handed = self._take_pending(max_records)
+            if handed:
+                return handed
         self._pump(timeout_s)
-        for tp, records in self._records(self._take(ITERATOR_MAX_RECORDS)).items():
+        if convert_max == max_records:
+            return self._records(self._take(max_records))  # all of them go out: no need to keep them
+        self._convert_pending(convert_max)
+        return self._take_pending(max_records)
+
+    def _take_pending(self, max_records: int | None) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """Up to ``max_records`` of the records converted before and not handed out (None: all), moving
+        positions past them; no fetching, no waiting, no call to anyone."""
+        out: dict[TopicPartition, list[ConsumerRecord]] = {}
+        budget = math.inf if max_records is None else max_records
+        while budget > 0:
+            record = self._next_pending()
+            if record is None:
+                break
+            out.setdefault(TopicPartition(record.topic, record.partition), []).append(record)
+            budget -= 1
+        return out
+
+    def _resets_of(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """How many times each assigned partition of ``partitions`` was sought or reset (for give_back)."""
+        return {tp: self._partitions[tp].resets for tp in partitions if tp in self._partitions}
+
+    def _give_back(self, records: dict[TopicPartition, list[ConsumerRecord]], resets: dict[TopicPartition, int]) -> None:
+        """Take back records handed out that their reader never read (logbus.aio: a caller that stopped
+        waiting); ``resets`` is :meth:`_resets_of` their partitions when they were handed out.
+
+        Each partition's position goes back to its first record given back.
+        If nothing of the partition was handed out since, they are handed out
+        again next, as they are; if later records were, the partition fetches
+        again from there (those are handed out twice: never a record lost).
+        Records of a partition sought, reset or revoked since are dropped:
+        what happened since wins.
+        """
+        entries = []
+        for tp, given in records.items():
+            state = self._partitions.get(tp)
+            if not given or state is None or state.resets != resets.get(tp):
+                continue
+            if state.position == given[-1].offset + 1:
+                state.position = given[0].offset
+                entries.extend((state, state.resets, record) for record in given)
+            elif state.position is not None and state.position > given[-1].offset:
+                state.reset_to(given[0].offset)
+        self._pending.extendleft(reversed(entries))
+
+    def _give_back_table(self, table: pa.Table, resets: dict[TopicPartition, int]) -> None:
+        """:meth:`_give_back` for a poll_arrow() Table: its partitions fetch again from its first record of each."""
+        if not table.num_rows:
+            return
+        firsts = table.group_by(["topic", "partition"]).aggregate([("offset", "min")])
+        for topic, partition, first in zip(*(firsts.column(name).to_pylist() for name in ("topic", "partition", "offset_min"))):
+            tp = TopicPartition(topic, partition)
+            state = self._partitions.get(tp)
+            if state is not None and state.resets == resets.get(tp) and state.position is not None and state.position > first:
+                state.reset_to(first)
+
+    def _convert_pending(self, max_records: int | None) -> None:
+        """Convert up to ``max_records`` buffered records into ``_pending``; positions go back to the first of them."""
+        for tp, records in self._records(self._take(max_records)).items():
             state = self._partitions[tp]
             state.position = records[0].offset
             self._pending.extend((state, state.resets, record) for record in records)
@@ -1214,8 +1412,8 @@ class Consumer:
         return None
 
     def _drop_pending(self) -> None:
-        """Forget the records converted for iteration but not handed out (poll() was called instead):
-        their partitions fetch again from their positions."""
+        """Forget the records converted but not handed out (poll_arrow() was called, which hands out
+        Arrow): their partitions fetch again from their positions."""
         if not self._pending:
             return
         valid = {state.tp: state for state, resets, _ in self._pending if self._partitions.get(state.tp) is state and state.resets == resets}
@@ -1223,39 +1421,78 @@ class Consumer:
         for state in valid.values():
             state.reset_to(state.position)
 
+    # --- iteration (kafka-python's `for record in consumer`) -------------------------------------------
+
+    def __iter__(self) -> "Consumer":
+        return self
+
+    def __next__(self) -> ConsumerRecord:
+        """The next record; StopIteration after ``consumer_timeout_ms`` without one (never, by default).
+
+        Records are converted a few hundred at a time, but handed out one at a
+        time: a partition's position (what commit() stores) counts only the
+        records handed out.
+        """
+        self._check_open()
+        deadline = None if self._consumer_timeout_s is None else time.monotonic() + self._consumer_timeout_s
+        polled = False
+        while True:
+            record = self._next_pending()
+            if record is not None:
+                return record
+            wait_s = ITERATOR_POLL_S
+            if deadline is not None:
+                wait_s = min(deadline - time.monotonic(), ITERATOR_POLL_S)
+                if wait_s <= 0 and polled:
+                    raise StopIteration
+            self._pump(max(0.0, wait_s))
+            self._convert_pending(ITERATOR_MAX_RECORDS)
+            polled = True
+
     # --- consumer groups -----------------------------------------------------------------------------
 
+    def group_metadata(self) -> ConsumerGroupMetadata:
+        """This member's identity in its group (KIP-447), for a transactional producer's
+        ``send_offsets_to_transaction``: the group refuses offsets sent with a generation it has
+        moved past. Generation -1 and member "" before the consumer joined (or without group
+        management). InvalidGroupIdError without a ``group_id``."""
+        self._check_open()
+        if self.group_id is None:
+            raise InvalidGroupIdError("group_metadata() needs a consumer with a group_id")
+        membership = self._membership
+        generation, member_id = (-1, "") if membership is None else (membership.generation, membership.member_id)
+        return ConsumerGroupMetadata(self.group_id, generation, member_id, self._group_options["group_instance_id"])
+
     def subscribe(self, topics: Iterable[str] | None = None, pattern: str | None = None, listener=None) -> None:
-        """Join the consumer group and let its coordinator assign partitions of these topics.
+        """Read the partitions of these topics: assigned by the group's coordinator, or without a
+        group, every one of them.
 
         ``topics`` (names) and/or ``pattern`` (a regular expression topic names
         must match in full; new matching topics join the subscription).
         ``listener`` may define ``on_partitions_revoked(partitions)``,
         ``on_partitions_assigned(partitions)`` and ``on_partitions_lost(partitions)``;
         they are called from poll().
+
+        With a ``group_id``, the consumer joins the group. Without one (as
+        kafka-python's consumer without a group), it assigns itself every
+        partition of the topics, with no coordinator and no commits; partitions
+        and matching topics created later are found within
+        ``metadata_max_age_ms``, and the listener hears of them too.
         """
         self._check_open()
-        if self.group_id is None:
-            raise InvalidGroupIdError("subscribe() needs a group_id")
-        if topics is None and pattern is None:
-            raise InvalidConfigError("subscribe() needs topics or a pattern")
-        if isinstance(topics, str | bytes):
-            # A str is an iterable of one-letter "topics": never what was meant.
-            raise InvalidConfigError(f"subscribe() takes a list of topic names, not a str: subscribe([{topics!r}])")
-        if topics is not None and not isinstance(topics, Iterable):
-            raise InvalidConfigError(f"subscribe() takes a list of topic names, not {topics!r}")
-        names = tuple(validate_topic_name(t) for t in (topics or ()))
-        if pattern is not None:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as error:
-                raise InvalidConfigError(f"invalid topic pattern {pattern!r}: {error}") from None
+        names, pattern = check_subscription(topics, pattern)
         if not self._subscribed and self._partitions:
             raise IllegalStateError("subscribe() cannot be mixed with assign(); call unsubscribe() first")
-        if self._membership is None:
-            self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
         self._listener = listener
         self._subscribed = True
+        if self.group_id is None:
+            self._own_subscription = (names, None if pattern is None else re.compile(pattern))
+            self._topic_list = (frozenset(), -math.inf)  # a new pattern: ask for the topic list now
+            self._own_counts = {}
+            self._own_changed = True
+            return
+        if self._membership is None:
+            self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
         self._membership.subscribe(names, pattern)
 
     def unsubscribe(self) -> None:
@@ -1267,7 +1504,11 @@ class Consumer:
             self._membership.leave()
             self._membership = None
         self._subscribed = False
+        self._own_subscription = None
+        self._own_counts = {}
+        self._topic_list_call = None
         self._partitions = {}
+        self._forget_unused_topics()
 
     def _call_listener(self, name: str, partitions) -> None:
         callback = getattr(self._listener, name, None)
@@ -1289,6 +1530,7 @@ class Consumer:
         self._call_listener("on_partitions_revoked", partitions)
         for tp in partitions:
             self._partitions.pop(tp, None)
+        self._forget_unused_topics()
 
     def _drop_lost(self) -> None:
         """If the member's generation ended without it (see GroupMembership.take_lost), give up every
@@ -1296,6 +1538,7 @@ class Consumer:
         if self._membership.take_lost():
             lost = list(self._partitions)
             self._partitions = {}
+            self._forget_unused_topics()
             self._call_listener("on_partitions_lost", lost)
 
     def _maintain_group(self, deadline: float) -> bool:
@@ -1342,9 +1585,16 @@ class Consumer:
         tps = self._partitions if partitions is None else partitions
         return {tp: self._partitions[tp].position for tp in tps if tp in self._partitions and self._partitions[tp].position is not None}
 
-    def _committer(self):
+    def _check_group(self, what: str) -> None:
+        """IllegalStateError for ``what`` (a call that needs the group) on a consumer without a group_id,
+        as kafka-python's (its IllegalStateError('Requires group_id')): nothing is committed or read back."""
         if self.group_id is None:
-            raise InvalidGroupIdError("committing offsets needs a group_id")
+            raise IllegalStateError(
+                f"{what} requires a group_id: this consumer has none, so it reads without a coordinator and commits nothing"
+            )
+
+    def _committer(self):
+        self._check_group("committing offsets")
         if self._membership is None:
             # A consumer with manual assignment commits as a non-member (generation -1).
             self._membership = GroupMembership(self._bus, self.group_id, **self._group_options)
@@ -1381,6 +1631,7 @@ class Consumer:
         rebalances (poll() to take part, then commit again).
         """
         self._check_open()
+        self._check_group("commit()")
         deadline = self._deadline(timeout_ms)
         offsets = self._positions() if offsets is None else checked_offsets(offsets)
         if offsets:
@@ -1389,6 +1640,7 @@ class Consumer:
     def commit_async(self, offsets: dict[TopicPartition, int | OffsetAndMetadata] | None = None, callback=None) -> None:
         """Commit without waiting; ``callback(offsets, error_or_None)`` runs when it is done."""
         self._check_open()
+        self._check_group("commit_async()")
         offsets = self._positions() if offsets is None else checked_offsets(offsets)
         if offsets:
             self._committer().commit_async(offsets, callback)
@@ -1403,13 +1655,14 @@ class Consumer:
         ``default_api_timeout_ms``), then RequestTimedOutError.
         """
         self._check_open()
+        self._check_group("committed()")
         one = _is_one_partition(partitions)
         tps = [_check_tp(partitions)] if one else _check_tps(partitions, "committed()")
         deadline = self._deadline(timeout_ms)
         committer = self._committer()
         found = retry_until(
             deadline, f"reading the committed offsets of group {self.group_id!r}",
-            lambda left_s: committer.committed(tps, timeout_s=left_s),
+            lambda left_s: committer.committed(tps, timeout_s=left_s), retriable=retriable_in_group,
         )
         result = {tp: (om if metadata or om is None else om.offset) for tp, om in found.items()}
         return result.get(tps[0]) if one else result

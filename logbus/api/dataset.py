@@ -43,6 +43,13 @@ below the log start offset (records already deleted by retention) is raised to
 it with a warning. A start past the high watermark, a start after the end,
 and negative offsets raise :class:`~logbus.errors.OffsetOutOfRangeError`.
 
+Transactions: ``isolation_level="read_committed"`` resolves ``"latest"`` (and
+cuts every end) to the last stable offset instead of the high watermark, and
+the read tasks fetch with that isolation level and drop the batches of
+aborted transactions; transaction markers are never rows, at either level.
+So a range's rows may be fewer than its offsets (markers, aborted records and
+compaction's gaps take offsets), and read tasks declare no row count.
+
 ``timestamp_type`` uses ``ray.data.read_kafka``'s codes (confluent-kafka's):
 1 for CreateTime, 2 for LogAppendTime (0, not available, never occurs).
 Records of a LogAppendTime batch (a topic with ``message.timestamp.type`` =
@@ -55,7 +62,6 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import math
 import time
 from datetime import datetime, timezone
 from typing import Iterator
@@ -71,7 +77,9 @@ from ray.data.datasource import Datasink, Datasource, ReadTask
 from logbus.actors.fetcher import send_fetch, wait_reply
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
-from logbus.api.producer import Producer
+from logbus.options import INT32_MAX, INT64_MAX, check_flag, check_int, check_number
+from logbus.api.producer import Producer, end_transaction
+from logbus.retry import Backoff
 from logbus.errors import (
     InvalidConfigError,
     InvalidPartitionError,
@@ -79,9 +87,12 @@ from logbus.errors import (
     LeaderNotAvailableError,
     LogbusError,
     OffsetOutOfRangeError,
+    TransactionAbortedError,
 )
-from logbus.protocol.messages import FetchRequest
+from logbus.protocol.messages import READ_COMMITTED, READ_UNCOMMITTED, FetchRequest
+from logbus.protocol.transaction_coordinator import validate_transactional_id
 from logbus.storage import record_batch as rb
+from logbus.storage.isolation import isolation_level_code
 from logbus.storage.names import validate_topic_name
 
 logger = logging.getLogger(__name__)
@@ -109,7 +120,6 @@ BLOCK_SIZE_BYTES = 16 << 20
 # How long a read task keeps retrying a partition whose leader is unavailable
 # (restarting, or moving after a failover) before it gives up.
 RETRY_TIMEOUT_S = 60.0
-RETRY_BACKOFF_S = 0.2
 # A fetch below ``end`` that returns nothing means the high watermark went
 # back (a leader change truncated the log): wait this long for it to return.
 MISSING_RECORDS_WAIT_MS = 2_000
@@ -162,10 +172,7 @@ def check_task_options(num_cpus=None, ray_remote_args=None) -> None:
     Checked on the driver: Ray would otherwise refuse them only when the
     Dataset executes, with a bare ValueError or TypeError.
     """
-    if num_cpus is not None and (
-        isinstance(num_cpus, bool) or not isinstance(num_cpus, int | float) or not math.isfinite(num_cpus) or num_cpus < 0
-    ):
-        raise InvalidConfigError(f"num_cpus must be a number >= 0 or None, not {num_cpus!r}")
+    check_number("num_cpus", num_cpus, none_ok=True)
     if ray_remote_args is None:
         options = {}
     elif isinstance(ray_remote_args, dict) and all(isinstance(name, str) for name in ray_remote_args):
@@ -233,10 +240,13 @@ def _per_partition(spec, what: str, default: str, forbidden: str, partition_coun
     return [spec] * partition_count
 
 
-def resolve_offsets(bus: Bus, topic: str, start="earliest", end="latest") -> list[tuple[int, int]]:
+def resolve_offsets(
+    bus: Bus, topic: str, start="earliest", end="latest", isolation_level: int = READ_UNCOMMITTED
+) -> list[tuple[int, int]]:
     """Resolve ``start`` and ``end`` to ``[(start, end)]`` per partition, with one round of concurrent calls.
 
-    See the module docstring for the accepted specifications and the errors.
+    See the module docstring for the accepted specifications and the errors. With
+    ``isolation_level`` READ_COMMITTED, the bound is each partition's last stable offset.
     """
     check_bus(bus, optional=False)
     validate_topic_name(topic)
@@ -249,7 +259,8 @@ def resolve_offsets(bus: Bus, topic: str, start="earliest", end="latest") -> lis
         if leader is None:
             raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
     # Every call goes out before any answer is awaited: one cut across the partitions.
-    offset_refs = [leader.offsets.remote() for leader in leaders]
+    args = () if isolation_level == READ_UNCOMMITTED else (isolation_level,)
+    offset_refs = [leader.offsets.remote(*args) for leader in leaders]
     time_refs = {}
     for partition, specs in enumerate(zip(starts, ends)):
         for spec in specs:
@@ -318,16 +329,20 @@ def _records_to_rows(topic: str, partition: int, header: rb.BatchHeader, records
 class _PartitionReader:
     """Reads ``[start, end)`` of one partition with one fetch kept in flight; retries while the leader is away."""
 
-    def __init__(self, topic: str, partition: int, leader, namespace: str, data_dir: str, fetch_max_bytes: int) -> None:
+    def __init__(
+        self, topic: str, partition: int, leader, namespace: str, data_dir: str, fetch_max_bytes: int,
+        isolation_level: int = READ_UNCOMMITTED,
+    ) -> None:
         self.topic = topic
         self.partition = partition
         self.leader = leader
         self.namespace = namespace
         self.data_dir = data_dir
         self.fetch_max_bytes = fetch_max_bytes
+        self.isolation_level = isolation_level
 
     def _fetch(self, offset: int, max_wait_ms: int = 0):
-        return send_fetch(self.leader, FetchRequest(offset, self.fetch_max_bytes, max_wait_ms))
+        return send_fetch(self.leader, FetchRequest(offset, self.fetch_max_bytes, max_wait_ms, isolation_level=self.isolation_level))
 
     def _refresh_leader(self) -> None:
         metadata = connect(namespace=self.namespace, data_dir=self.data_dir).topic_metadata(self.topic, refresh=True)
@@ -337,7 +352,7 @@ class _PartitionReader:
     def batches(self, start: int, end: int, verify_crc: bool) -> Iterator[pa.RecordBatch]:
         offset = start
         pending = self._fetch(offset) if offset < end else None
-        deadline = None  # of the retries after a retriable error
+        retries: Backoff | None = None  # after a retriable error, until RETRY_TIMEOUT_S after the first
         waited = False  # for records that should be there
         while pending is not None:
             try:
@@ -345,17 +360,20 @@ class _PartitionReader:
             except LogbusError as error:
                 if not error.retriable:
                     raise
-                deadline = deadline or time.monotonic() + RETRY_TIMEOUT_S
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if retries is None:
+                    retries = Backoff(deadline_s=now + RETRY_TIMEOUT_S)
+                delay_s = retries.delay_s(now)
+                if delay_s is None:
                     raise
-                time.sleep(RETRY_BACKOFF_S)
+                time.sleep(delay_s)
                 try:
                     self._refresh_leader()
                 except LogbusError:
                     pass  # the controller may be restarting too; keep the old handle and retry
                 pending = self._fetch(offset)
                 continue
-            deadline = None
+            retries = None
             if data is None:
                 # Records below ``end`` were committed when the range was resolved; if the
                 # high watermark went back since (a new leader truncated), wait for it once.
@@ -371,7 +389,11 @@ class _PartitionReader:
             next_offset = min(meta.next_offset, end)
             # Ask for the next range before decoding this one, so the fetch overlaps the decode.
             pending = self._fetch(next_offset) if next_offset < end else None
-            for header, first, records in rb.slice_batches(data, offset, end, verify_crc=verify_crc):
+            kept, _ = rb.slice_visible_batches(
+                data, offset, end, read_committed=self.isolation_level == READ_COMMITTED,
+                aborted=meta.aborted_transactions, verify_crc=verify_crc,
+            )
+            for header, first, records in kept:
                 yield _records_to_rows(self.topic, self.partition, header, records, first)
             offset = next_offset
 
@@ -387,9 +409,10 @@ def _read_partition(
     fetch_max_bytes: int,
     block_size_bytes: int,
     verify_crc: bool,
+    isolation_level: int = READ_UNCOMMITTED,
 ) -> Iterator[pa.Table]:
     """The body of one read task: blocks of about ``block_size_bytes`` covering ``[start, end)``."""
-    reader = _PartitionReader(topic, partition, leader, namespace, data_dir, fetch_max_bytes)
+    reader = _PartitionReader(topic, partition, leader, namespace, data_dir, fetch_max_bytes, isolation_level)
     pending: list[pa.RecordBatch] = []
     pending_bytes = 0
     for batch in reader.batches(start, end, verify_crc):
@@ -418,15 +441,17 @@ class TopicDatasource(Datasource):
         fetch_max_bytes: int = FETCH_MAX_BYTES,
         block_size_bytes: int = BLOCK_SIZE_BYTES,
         verify_crc: bool = True,
+        isolation_level: str = "read_uncommitted",
     ) -> None:
         super().__init__()
-        for name, value in (("fetch_max_bytes", fetch_max_bytes), ("block_size_bytes", block_size_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
+        self._isolation = isolation_level_code(isolation_level)
+        check_int("fetch_max_bytes", fetch_max_bytes, 1, INT32_MAX, unit="bytes")
+        check_int("block_size_bytes", block_size_bytes, 1, INT64_MAX, unit="bytes")
+        check_flag("verify_crc", verify_crc)
         check_bus(bus)
         bus = connect() if bus is None else bus
         self.topic = validate_topic_name(topic)
-        self.ranges = resolve_offsets(bus, topic, start, end)
+        self.ranges = resolve_offsets(bus, topic, start, end, self._isolation)
         self._leaders = bus.topic_metadata(topic).leaders
         self._namespace = bus.namespace
         self._data_dir = bus.data_dir
@@ -436,6 +461,8 @@ class TopicDatasource(Datasource):
 
     @property
     def num_rows(self) -> int:
+        """The offsets in the range: at least its rows (markers, aborted records and compacted gaps take
+        offsets too)."""
         return sum(end - start for start, end in self.ranges)
 
     def get_name(self) -> str:
@@ -454,8 +481,7 @@ class TopicDatasource(Datasource):
         the CPUs allow, or :func:`task_slots` for zero-CPU tasks).
         """
         check_task_options(num_cpus, ray_remote_args)
-        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1):
-            raise InvalidConfigError(f"concurrency must be a positive int or None, not {concurrency!r}")
+        check_int("concurrency", concurrency, none_ok=True)
         tasks = max(1, sum(1 for start, end in self.ranges if start < end))  # an empty range: one empty task
         if concurrency is None and (num_cpus == 0 or (ray_remote_args or {}).get("num_cpus") == 0):
             concurrency = task_slots()
@@ -479,14 +505,17 @@ class TopicDatasource(Datasource):
             def read_fn(
                 partition=partition, start=start, end=end, topic=self.topic, leader=self._leaders[partition],
                 namespace=self._namespace, data_dir=self._data_dir, fetch_max_bytes=self._fetch_max_bytes,
-                block_size_bytes=self._block_size_bytes, verify_crc=self._verify_crc,
+                block_size_bytes=self._block_size_bytes, verify_crc=self._verify_crc, isolation_level=self._isolation,
             ):
                 return _read_partition(
-                    topic, partition, leader, namespace, data_dir, start, end, fetch_max_bytes, block_size_bytes, verify_crc
+                    topic, partition, leader, namespace, data_dir, start, end, fetch_max_bytes, block_size_bytes, verify_crc,
+                    isolation_level,
                 )
 
             metadata = BlockMetadata(
-                num_rows=end - start,  # offsets are dense: record i of a batch is base_offset + i
+                # Unknown: transaction markers, aborted records (read_committed) and compacted gaps
+                # take offsets of the range but are no rows (Dataset.count() reads instead).
+                num_rows=None,
                 size_bytes=None,
                 input_files=[f"logbus://{self.topic}/{partition}"],
                 exec_stats=None,
@@ -511,6 +540,7 @@ def read_dataset(
     verify_crc: bool = True,
     num_cpus: float | None = None,
     ray_remote_args: dict | None = None,
+    isolation_level: str = "read_uncommitted",
 ) -> Dataset:
     """Read ``[start, end)`` of every partition of ``topic`` as a Ray Dataset.
 
@@ -527,10 +557,15 @@ def read_dataset(
     Read tasks mostly wait on the replicas' fetches: ``num_cpus=0`` lets them
     run while other work (Spark's executors, say) holds every CPU of the
     cluster, where one-CPU tasks would wait for a CPU that never frees up.
+
+    ``isolation_level``: "read_uncommitted" (the default) or "read_committed"
+    (only committed transactions' records, up to each partition's last stable
+    offset; see the module docstring).
     """
     check_task_options(num_cpus, ray_remote_args)
     datasource = TopicDatasource(
-        topic, start, end, bus, fetch_max_bytes=fetch_max_bytes, block_size_bytes=block_size_bytes, verify_crc=verify_crc
+        topic, start, end, bus, fetch_max_bytes=fetch_max_bytes, block_size_bytes=block_size_bytes, verify_crc=verify_crc,
+        isolation_level=isolation_level,
     )
     return datasource.to_dataset(num_cpus=num_cpus, ray_remote_args=ray_remote_args)
 
@@ -615,6 +650,20 @@ class TopicSink(Datasink):
     failed, so a successful write means every record was acknowledged. A
     retried task sends its block again (at-least-once, as Kafka without
     idempotence). After the write, ``records_written`` holds the total.
+
+    Transactional (``transactional_id``): each write task writes its blocks in
+    a transaction of its own (transactional id ``{transactional_id}-{task
+    index}``), flushes it, and leaves it open; once every task succeeded, the
+    driver commits them all (``on_write_complete``). read_committed readers
+    see nothing of the write until then, and nothing of a failed attempt: a
+    retried task fences its earlier attempt (same transactional id), which
+    aborts that attempt's transaction; a write that fails leaves its tasks'
+    transactions to the coordinator, which aborts them after
+    ``transaction_timeout_ms`` (default 60 s; it must exceed the write's
+    duration) or when the next write with the same transactional id starts.
+    The commits are one per task: if the coordinator aborted one before the
+    driver commits it (its timeout passed), that one fails and the error
+    names it, while the others commit.
     """
 
     def __init__(
@@ -628,6 +677,7 @@ class TopicSink(Datasink):
         timestamp_column: str | None = "timestamp",
         partition_column: str | None = "partition",
         producer_options: dict | None = None,
+        transactional_id: str | None = None,
     ) -> None:
         if not isinstance(value_column, str) or not value_column:
             raise InvalidConfigError(f"value_column must be a column name, not {value_column!r}")
@@ -645,7 +695,15 @@ class TopicSink(Datasink):
         self.headers_column = headers_column
         self.timestamp_column = timestamp_column
         self.partition_column = partition_column
-        Producer(self.bus, **self.producer_options).close()  # bad producer option values fail now
+        if transactional_id is not None:
+            validate_transactional_id(transactional_id)
+            if "transactional_id" in self.producer_options:
+                raise InvalidConfigError("give the sink's transactional_id as its own argument, not in producer_options")
+        self.transactional_id = transactional_id
+        options = dict(self.producer_options)
+        if transactional_id is not None:
+            options["transactional_id"] = transactional_id
+        Producer(self.bus, **options).close()  # bad producer option values fail now
         self.records_written = 0
 
     def get_name(self) -> str:
@@ -682,7 +740,7 @@ class TopicSink(Datasink):
         if self.partition_column in names and not pa.types.is_integer(schema.field(self.partition_column).type):
             raise InvalidRecordError(f"partition column {self.partition_column!r} must hold ints, not {schema.field(self.partition_column).type}")
 
-    def _table(self, block) -> pa.Table:
+    def table_of(self, block) -> pa.Table:
         """The columns send_table takes, from one block."""
         table = BlockAccessor.for_block(block).to_arrow()
         names = table.schema.names
@@ -702,12 +760,14 @@ class TopicSink(Datasink):
             columns["partition"] = column
         return pa.table(columns)
 
-    def write(self, blocks, ctx) -> int:
+    def write(self, blocks, ctx):
+        if self.transactional_id is not None:
+            return self._write_transaction(blocks, ctx)
         producer = Producer(self.bus, **self.producer_options)
         futures, count = [], 0
         try:
             for block in blocks:
-                table = self._table(block)
+                table = self.table_of(block)
                 if table.num_rows:
                     futures.append(producer.send_table(self.topic, table))
                     count += table.num_rows
@@ -718,8 +778,41 @@ class TopicSink(Datasink):
             future.result()  # raises the first failed batch's error
         return count
 
+    def _write_transaction(self, blocks, ctx) -> tuple[int, tuple | None]:
+        """One task's blocks in a transaction left open for the driver to commit: (records, handle)."""
+        transactional_id = f"{self.transactional_id}-{ctx.task_idx}"
+        producer = Producer(self.bus, transactional_id=transactional_id, **self.producer_options)
+        futures, count = [], 0
+        try:
+            producer.init_transactions()  # fences (and aborts) an earlier attempt of this task
+            producer.begin_transaction()
+            for block in blocks:
+                table = self.table_of(block)
+                if table.num_rows:
+                    futures.append(producer.send_table(self.topic, table))
+                    count += table.num_rows
+            handle = producer.hand_over_transaction()
+        finally:
+            producer.close()  # aborts the transaction unless it was handed over
+        for future in futures:
+            future.result()
+        return count, handle
+
     def on_write_complete(self, write_result) -> None:
-        self.records_written = sum(write_result.write_returns)
+        if self.transactional_id is None:
+            self.records_written = sum(write_result.write_returns)
+            return
+        failures = []
+        for _, handle in write_result.write_returns:
+            if handle is None:
+                continue
+            try:
+                end_transaction(self.bus, handle, commit=True)
+            except LogbusError as error:
+                failures.append(f"{handle[0]}: {error!r}")
+        if failures:
+            raise TransactionAbortedError(f"write tasks' transactions not committed: {failures}")
+        self.records_written = sum(count for count, _ in write_result.write_returns)
 
 
 def write_dataset(dataset: Dataset, topic: str, bus: Bus | None = None, *, key_column: str | None = None, value_column: str = "value", **sink_options) -> int:

@@ -38,12 +38,14 @@ import collections
 import logging
 import threading
 import time
-from typing import Callable, TypeVar
+from typing import Callable
 
 import ray
 from ray.exceptions import RayError
 
 from logbus.actors.remote import CONTROL_TIMEOUT_S, get, unwrap
+from logbus.options import MS_MAX, check_int
+from logbus.retry import retry_until
 from logbus.errors import (
     CommitFailedError,
     IllegalGenerationError,
@@ -52,7 +54,6 @@ from logbus.errors import (
     InvalidRecordError,
     LogbusError,
     RebalanceInProgressError,
-    RequestTimedOutError,
     UnknownMemberIdError,
 )
 from logbus.protocol.assignors import get_assignor
@@ -65,8 +66,6 @@ JOIN_WAIT_MAX_S = 1.0  # one join call waits at most this long for the generatio
 MIN_HEARTBEAT_SPACING_S = 0.01
 NOT_MEMBER_RECHECK_S = 0.05
 ERROR_RETRY_S = 0.5  # after a failed heartbeat or join, the next one is this long (at most an interval) later
-RETRY_BACKOFF_MIN_S = 0.05  # a call retried after a retriable error waits this long first, doubling
-RETRY_BACKOFF_MAX_S = 1.0  # up to this
 PARTITION_COUNT_TIMEOUT_S = 5.0  # an asynchronous commit waits this long at most for a topic's partition count
 # A commit refused with these needs the member to rejoin (in poll()) first: retrying it with the same
 # generation cannot succeed, so it goes to the caller, as Kafka's commitSync raises CommitFailedException
@@ -76,35 +75,10 @@ REJOIN_ERRORS = (UnknownMemberIdError, IllegalGenerationError, RebalanceInProgre
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-
-def retry_until(deadline_s: float, what: str, attempt: Callable[[float], T], on_retry: Callable[[LogbusError], None] | None = None) -> T:
-    """``attempt(seconds left)`` until it returns, retrying retriable logbus errors until ``deadline_s``.
-
-    Retriable errors (a leader election, a restarting controller, a timed-out
-    call) stay here, as in Kafka's clients: ``on_retry(error)`` runs before the
-    next try (a metadata refresh, say) and the tries back off from
-    RETRY_BACKOFF_MIN_S to RETRY_BACKOFF_MAX_S. Non-retriable errors, and
-    REJOIN_ERRORS, go to the caller at once; when ``deadline_s``
-    (``time.monotonic()``) passes, RequestTimedOutError says what was being
-    done and what the last error was. One try is always made.
-    """
-    backoff_s = RETRY_BACKOFF_MIN_S
-    while True:
-        try:
-            return attempt(max(0.0, deadline_s - time.monotonic()))
-        except LogbusError as error:
-            if not error.retriable or isinstance(error, REJOIN_ERRORS):
-                raise
-            remaining = deadline_s - time.monotonic()
-            if remaining <= 0:
-                raise RequestTimedOutError(f"{what} did not complete within its timeout; last error: {error}") from error
-            logger.debug("%s: retrying after %s: %s", what, type(error).__name__, error)
-            if on_retry is not None:
-                on_retry(error)
-            time.sleep(min(backoff_s, remaining))
-            backoff_s = min(backoff_s * 2, RETRY_BACKOFF_MAX_S)
+def retriable_in_group(error: LogbusError) -> bool:
+    """Whether a group call (a commit, a read of committed offsets) is retried after ``error``: retriable
+    errors are, except REJOIN_ERRORS, which need the member to rejoin first."""
+    return error.retriable and not isinstance(error, REJOIN_ERRORS)
 
 
 def _checked_partition(tp) -> TopicPartition:
@@ -166,8 +140,7 @@ class GroupMembership:
             ("session_timeout_ms", session_timeout_ms), ("heartbeat_interval_ms", heartbeat_interval_ms),
             ("max_poll_interval_ms", max_poll_interval_ms),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise InvalidConfigError(f"{what} must be a positive int, not {value!r}")
+            check_int(what, value, 1, MS_MAX, unit="ms")
         self._bus = bus
         self.group_id = group_id
         self.group_instance_id = group_instance_id
@@ -372,7 +345,10 @@ class GroupMembership:
             if deadline_s is None:
                 attempt(CONTROL_TIMEOUT_S)
             else:
-                retry_until(deadline_s, f"committing offsets of group {self.group_id!r}", attempt, self._forget_topics(offsets))
+                retry_until(
+                    deadline_s, f"committing offsets of group {self.group_id!r}", attempt, self._forget_topics(offsets),
+                    retriable=retriable_in_group,
+                )
         except REJOIN_ERRORS as error:
             refused = self._commit_refused(error, member, generation)
             if refused is error:

@@ -18,8 +18,10 @@ records (same key, same partition); keyless records stick to one partition
 per batch, chosen anew each time a batch closes.
 
 Retries: retriable errors (a leader that died or moved, a timeout) are
-retried after a metadata refresh until ``delivery_timeout_ms``. Without
-idempotence a retry can write a batch twice, as in Kafka.
+retried after a metadata refresh until ``delivery_timeout_ms``, each batch
+backing off from RETRY_BACKOFF_S doubling up to a second (``logbus/retry.py``,
+as Kafka's retry.backoff.ms and retry.backoff.max.ms). Without idempotence a
+retry can write a batch twice, as in Kafka.
 
 Futures: ``send()`` returns a :class:`RecordFuture`, a full
 ``concurrent.futures.Future`` (``wait``, ``as_completed``,
@@ -28,6 +30,19 @@ Futures: ``send()`` returns a :class:`RecordFuture`, a full
 a record costs one small object, and the Future's own state (a Condition and
 its lists: about 0.65 µs to make, where all of ``send()`` takes 0.9 µs) is
 created only for the records that ``wait``/``as_completed`` are asked about.
+
+Transactions (KIP-98): a producer made with ``transactional_id`` writes
+records to several partitions, and consumer offsets, atomically:
+``init_transactions()`` once, then ``begin_transaction()``, sends,
+``send_offsets_to_transaction()``, and ``commit_transaction()`` or
+``abort_transaction()``. Its state machine is
+:class:`~logbus.protocol.transaction_manager.TransactionManager`; the
+coordinator is the controller's (``logbus/actors/transaction_service.py``).
+Before the first batch of a partition goes, the sender adds the partition
+to the transaction (partitions met together go in one call), holding that
+partition's batches meanwhile. The batches carry the transactional
+attribute; ``read_committed`` consumers see them once the COMMIT marker is
+written, and never if the transaction aborts.
 
 Idempotence after a failure (KIP-360): once a batch of an idempotent
 producer fails for good, its sequence numbers are a hole the leader will
@@ -41,7 +56,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import pickle
 import random
@@ -59,10 +73,14 @@ from confluent_kafka import murmur2
 
 from logbus.actors.remote import get, unwrap
 from logbus.api.client import Bus, TopicMetadata
+from logbus.bounded_dict import BoundedDict
+from logbus.retry import RETRY_BACKOFF_MAX_S, Backoff
+from logbus.options import INT32_MAX, INT64_MAX, check_callable, check_choice, check_flag, check_int, check_ms, check_seconds
 from logbus.errors import (
     BufferExhaustedError,
     ChannelClosedError,
     IllegalStateError,
+    InvalidTxnStateError,
     InvalidConfigError,
     InvalidPartitionError,
     InvalidRecordError,
@@ -72,11 +90,14 @@ from logbus.errors import (
     RecordTooLargeError,
     RequestTimedOutError,
     SerializationError,
+    TransactionAbortedError,
 )
 from logbus.actors import metrics
 from logbus.actors.channel_client import channels as local_channels
 from logbus.protocol.local_channel import CHANNEL_PRODUCE_MAX_BYTES, PRODUCE
-from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata
+from logbus.protocol.messages import PRODUCE_INLINE_MAX_BYTES, PRODUCE_TIMEOUT_MS_DEFAULT, RecordMetadata, TopicPartition
+from logbus.protocol.transaction_coordinator import TRANSACTION_TIMEOUT_MS_DEFAULT, validate_transactional_id
+from logbus.protocol.transaction_manager import TransactionManager, TxnClientState
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_topic_name
 
@@ -84,19 +105,22 @@ logger = logging.getLogger(__name__)
 
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
-RETRY_BACKOFF_S = 0.1
+HEADER_OVERHEAD_BYTES = 12  # per header: its map entry's offsets and validity
+RETRY_BACKOFF_S = 0.1  # a batch's first retry waits this long (Kafka's retry.backoff.ms), doubling up to RETRY_BACKOFF_MAX_S
 STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check whether its leader moved
 STALE_CHECK_INTERVAL_S = 0.1
 ACKS = (0, 1, "all", -1)
 IDEMPOTENT_IN_FLIGHT_MAX = 5  # the leader remembers this many batches per producer for de-duplication
 PRODUCER_EPOCH_MAX = 2**15 - 1  # the epoch is an int16 in the batch header; past it, a new producer id
 TIMESTAMP_MS_MAX = 2**63 - 1  # timestamps are int64 in the batch
-# Bounds of the settings: sizes and counts are positive ints; the others are times in ms, at most
-# about 24.8 days (Kafka's int timeouts), which keeps every wait within what threading's waits and
-# the replica's timers take.
-SIZE_SETTINGS = ("batch_size_bytes", "buffer_memory_bytes", "max_in_flight")
-MS_SETTING_MAX = 2**31 - 1
-ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0
+ZERO_ALLOWED = ("linger_ms", "max_block_ms")  # the times that may be 0 (the others must be above it)
+# Topics whose metadata, limits and sticky partition one producer keeps (a topic sent to again past
+# that asks for its metadata again), and partitions whose idempotent sequence numbers it keeps: past
+# that, partitions with nothing buffered or in flight forget theirs, and start again at sequence 0 in a
+# newer producer epoch (see _forget_idle_sequences).
+TOPICS_MAX = 4096
+SEQUENCE_PARTITIONS_MAX = 65_536
+TRANSACTION_CALL_TIMEOUT_S = 60.0  # default bound of init/commit/abort/send_offsets (Kafka's max.block.ms)
 
 
 _PRODUCER_IDS = itertools.count(1)  # names the producers of a process in their buffer metric
@@ -116,7 +140,7 @@ class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
         "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
-        "sent_s", "leader_id", "outcome", "waiting", "sequenced",
+        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries",
     )
 
     def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
@@ -143,6 +167,7 @@ class _Batch:
         self.outcome: tuple[int, int, BaseException | None] | None = None
         self.waiting: list[RecordFuture] | None = None  # record futures with state of their own
         self.sequenced: tuple[int, int] | None = None  # (producer id, epoch) its sequence numbers belong to
+        self.retries: Backoff | None = None  # from its first retriable failure: backoff until its delivery deadline
 
 
 @dataclass(slots=True)
@@ -334,20 +359,58 @@ def _serialize(serializer, data, what: str, topic) -> bytes | None:
     )
 
 
-def _check_setting(name: str, value) -> None:
-    """Raise InvalidConfigError unless ``value`` is legal for the numeric producer setting ``name``."""
-    if name in SIZE_SETTINGS:
-        legal = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if not legal:
-            raise InvalidConfigError(f"{name} must be a positive int, not {value!r}")
-        return
-    legal = (
-        isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
-        and 0 <= value <= MS_SETTING_MAX and (value > 0 or name in ZERO_ALLOWED)
-    )
-    if not legal:
-        low = "a non-negative" if name in ZERO_ALLOWED else "a positive"
-        raise InvalidConfigError(f"{name} must be {low} number of ms, at most {MS_SETTING_MAX}, not {value!r}")
+def _data_bytes(data) -> int | None:
+    """The bytes ``data`` (a key, value or header value) is sent as, as the producer converts it; None for a
+    type it refuses (or that a serializer turns into bytes of its own)."""
+    kind = data.__class__
+    if kind is bytes or kind is bytearray:
+        return len(data)
+    if data is None:
+        return 0
+    if kind is str:
+        return len(data) if data.isascii() else len(data.encode("utf-8", "surrogatepass"))
+    if kind is memoryview:
+        return data.nbytes
+    return None
+
+
+def record_charge_bytes(value, key, headers) -> int | None:
+    """What one record counts for in the producer's buffer (``buffer_memory_bytes``), and against a batch.
+
+    Its value, key and headers as the bytes sent (str as UTF-8), plus
+    RECORD_OVERHEAD_BYTES, plus HEADER_OVERHEAD_BYTES and the name's UTF-8
+    bytes per header. ``send()`` charges this for the record it converted;
+    ``logbus.aio``'s producer computes it before sending, from what the
+    caller passed, to know on its event loop whether ``send()`` may block
+    (the two agree: conversion does not change the count). None when it
+    cannot be known before the record is converted: a type ``send()``
+    refuses, or malformed headers (``send()`` names the mistake).
+    """
+    size = RECORD_OVERHEAD_BYTES
+    if value.__class__ is bytes:
+        size += len(value)
+    elif value is not None:
+        count = _data_bytes(value)
+        if count is None:
+            return None
+        size += count
+    if key.__class__ is bytes:
+        size += len(key)
+    elif key is not None:
+        count = _data_bytes(key)
+        if count is None:
+            return None
+        size += count
+    if headers is not None:
+        try:
+            for name, header in headers.items() if isinstance(headers, dict) else headers:
+                count = _data_bytes(header)
+                if count is None or name.__class__ is not str:
+                    return None
+                size += HEADER_OVERHEAD_BYTES + count + (len(name) if name.isascii() else len(name.encode("utf-8", "surrogatepass")))
+        except (TypeError, ValueError):
+            return None
+    return size
 
 
 def _as_bytes(value, what: str):
@@ -389,12 +452,18 @@ class Producer:
             serializer that raises or returns anything else fails the send() with
             SerializationError, and nothing is queued. None is not passed to them (kafka-python
             passes it): a None value stays a tombstone. send_table() does not use them.
+        transactional_id: makes the producer transactional (Kafka's transactional.id): one id per
+            logical producer, the same across its restarts, so that a new instance fences the
+            old one. Implies idempotence and acks="all" (the default then; other acks are
+            refused). See :meth:`init_transactions`.
+        transaction_timeout_ms: the coordinator aborts a transaction open longer than this
+            (at most 900000, Kafka's transaction.max.timeout.ms), and fences this producer.
     """
 
     def __init__(
         self,
         bus: Bus,
-        acks: int | str = 1,
+        acks: int | str | None = None,
         linger_ms: float = 5,
         batch_size_bytes: int = 1 << 20,
         buffer_memory_bytes: int = 64 << 20,
@@ -407,26 +476,40 @@ class Producer:
         local_channel: bool = True,
         key_serializer=None,
         value_serializer=None,
+        transactional_id: str | None = None,
+        transaction_timeout_ms: int = TRANSACTION_TIMEOUT_MS_DEFAULT,
     ) -> None:
         if not isinstance(bus, Bus):
             raise InvalidConfigError(f"bus must be a Bus from logbus.connect(), not {type(bus).__name__}")
-        if acks.__class__ not in (int, str) or acks not in ACKS:  # not True or 1.0, which equal 1
-            raise InvalidConfigError(f"acks must be 0, 1, 'all' or -1, not {acks!r}")
-        if not (compression is None or isinstance(compression, str)) or compression not in rb.COMPRESSION_CODES:
-            raise InvalidConfigError(f"compression must be None, 'lz4' or 'zstd', not {compression!r}")
-        settings = {
-            "linger_ms": linger_ms, "batch_size_bytes": batch_size_bytes, "buffer_memory_bytes": buffer_memory_bytes,
-            "max_in_flight": max_in_flight, "max_block_ms": max_block_ms, "delivery_timeout_ms": delivery_timeout_ms,
-            "request_timeout_ms": request_timeout_ms,
-        }
-        for name, value in settings.items():
-            _check_setting(name, value)
-        for name, value in (("enable_idempotence", enable_idempotence), ("local_channel", local_channel)):
-            if not (isinstance(value, bool) or (value is None and name == "enable_idempotence")):
-                raise InvalidConfigError(f"{name} must be True or False, not {value!r}")
-        for name, value in (("key_serializer", key_serializer), ("value_serializer", value_serializer)):
-            if value is not None and not callable(value):
-                raise InvalidConfigError(f"{name} must be None or a callable, not {value!r}")
+        txn = None
+        if transactional_id is not None:
+            validate_transactional_id(transactional_id)
+            if isinstance(transaction_timeout_ms, bool) or not isinstance(transaction_timeout_ms, int) or transaction_timeout_ms <= 0:
+                raise InvalidConfigError(f"transaction_timeout_ms must be a positive int, not {transaction_timeout_ms!r}")
+            if acks is None:
+                acks = "all"
+            if acks not in ("all", -1) or acks.__class__ not in (int, str):
+                raise InvalidConfigError(f"a transactional producer needs acks='all', not {acks!r}")
+            if enable_idempotence is False:
+                raise InvalidConfigError("a transactional producer is idempotent: enable_idempotence cannot be False")
+            enable_idempotence = True
+            txn = TransactionManager(transactional_id, transaction_timeout_ms)
+        elif acks is None:
+            acks = 1
+        check_choice("acks", acks, ACKS)  # not True or 1.0, which equal 1
+        check_choice("compression", compression, tuple(rb.COMPRESSION_CODES))
+        for name, value in (("batch_size_bytes", batch_size_bytes), ("buffer_memory_bytes", buffer_memory_bytes)):
+            check_int(name, value, 1, INT64_MAX, unit="bytes")
+        check_int("max_in_flight", max_in_flight, 1, INT32_MAX)
+        for name, value in (
+            ("linger_ms", linger_ms), ("max_block_ms", max_block_ms), ("delivery_timeout_ms", delivery_timeout_ms),
+            ("request_timeout_ms", request_timeout_ms),
+        ):
+            check_ms(name, value, positive=name not in ZERO_ALLOWED)
+        check_flag("enable_idempotence", enable_idempotence, none_ok=True)
+        check_flag("local_channel", local_channel)
+        check_callable("key_serializer", key_serializer, "a key")
+        check_callable("value_serializer", value_serializer, "a value")
         if enable_idempotence and acks == 0:
             raise InvalidConfigError("enable_idempotence needs acks=1 or 'all': acks=0 gets no replies to retry on")
         if enable_idempotence is None:
@@ -454,8 +537,11 @@ class Producer:
         self.max_block_s = max_block_ms / 1000
         self.delivery_timeout_s = delivery_timeout_ms / 1000
         self.request_timeout_s = request_timeout_ms / 1000
-        self._topics: dict[str, TopicMetadata] = {}
-        self._sticky: dict[str, int] = {}
+        # Per topic (each at most TOPICS_MAX, written under the lock): metadata, and the sticky partition
+        # of keyless records.
+        self._topics: BoundedDict = BoundedDict(TOPICS_MAX)
+        self._sticky: BoundedDict = BoundedDict(TOPICS_MAX)
+        self.sequence_partitions_max = SEQUENCE_PARTITIONS_MAX
         self._open: dict[tuple[str, int], _Batch] = {}
         self._ready: deque[_Batch] = deque()
         self._in_flight: dict[tuple[str, int], int] = {}
@@ -469,7 +555,7 @@ class Producer:
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
         # topic -> (partitions, record limit, max.message.bytes, batch limit for send())
-        self._limits: dict[str, tuple[int, int, int, int]] = {}
+        self._limits: BoundedDict = BoundedDict(TOPICS_MAX)
         self._channels = local_channels() if local_channel else None
         self._lock = threading.Lock()
         # send() takes self._lock directly: the same lock, without Condition.__enter__'s Python frame.
@@ -480,17 +566,33 @@ class Producer:
             # Serializing goes in front of send() for this producer alone, so that a producer
             # without serializers runs send() exactly as before, without even a test for them.
             self.send = self._send_serialized
+        self._txn = txn
+        self._txn_add_not_before_s = 0.0  # retry backoff of AddPartitionsToTxn
+        self._txn_add_failing_since_s: float | None = None
+        if txn is not None:
+            # Sends are checked against the transaction's state in front of send() and send_table(),
+            # for this producer alone (as serializers are): other producers run them as before.
+            self._send_untransacted = self.send
+            self.send = self._send_transactional
         self._sender = threading.Thread(target=self._run_sender, name="logbus-producer-sender", daemon=True)
         self._sender.start()
 
     # --- metadata -------------------------------------------------------------------------------
 
-    def _topic(self, topic: str) -> TopicMetadata:
-        metadata = self._topics.get(topic)
+    def _topic(self, topic: str, refresh: bool = False) -> TopicMetadata:
+        """The topic's metadata: cached (at most TOPICS_MAX topics), else (or with ``refresh``) asked for."""
+        metadata = None if refresh else self._topics.get(topic)
         if metadata is None:
-            metadata = self._bus.topic_metadata(topic)
-            self._topics[topic] = metadata
+            metadata = self._bus.topic_metadata(topic, refresh=refresh)
+            with self._lock:
+                self._topics[topic] = metadata
+                if refresh:
+                    self._limits.pop(topic, None)  # from the new metadata, at the next send()
         return metadata
+
+    def _holds_metadata(self, topic) -> bool:
+        """Whether send() to ``topic`` needs no metadata from the controller (never waits for it)."""
+        return topic in self._limits and topic in self._topics
 
     def partitions_for(self, topic: str) -> list[int]:
         """The partition numbers of ``topic``."""
@@ -499,7 +601,7 @@ class Producer:
     # --- sending ----------------------------------------------------------------------------------
 
     def send(
-        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+        self, topic: str, value=None, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
     ) -> RecordFuture:
         """Queue one record; returns a :class:`RecordFuture` of its RecordMetadata.
 
@@ -521,23 +623,15 @@ class Producer:
             validate_topic_name(topic)
             raise
         if limits is None:
-            metadata = self._topic(topic)
-            record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
-            limits = self._limits[topic] = (
-                metadata.partition_count,
-                record_limit,
-                metadata.config.max_message_bytes,
-                min(self.batch_size_bytes, record_limit),
-            )
+            limits = self._topic_limits(topic)
         count, limit, max_message_bytes, batch_limit = limits
         if value.__class__ is not bytes and value is not None:
             value = _as_bytes(value, "value")
         if key.__class__ is not bytes and key is not None:
             key = _as_bytes(key, "key")
-        size = RECORD_OVERHEAD_BYTES + (len(value) if value is not None else 0) + (len(key) if key is not None else 0)
         if headers is not None:
             headers = _normalize_headers(headers)
-            size += sum(len(k) + (len(v) if v is not None else 0) + 12 for k, v in headers)
+        size = record_charge_bytes(value, key, headers)
         if size > limit:
             raise RecordTooLargeError(
                 f"record of about {size} bytes exceeds what a batch of topic {topic!r} can hold "
@@ -586,8 +680,17 @@ class Producer:
                 self._condition.notify_all()  # the sender times the new batch's linger
         return RecordFuture(batch, index, timestamp_ms)
 
+    def _topic_limits(self, topic: str) -> tuple[int, int, int, int]:
+        """(partitions, record limit, max.message.bytes, batch limit for send()) of ``topic``, kept for send()."""
+        metadata = self._topic(topic)
+        record_limit = metadata.config.max_message_bytes - BATCH_OVERHEAD_BYTES
+        limits = (metadata.partition_count, record_limit, metadata.config.max_message_bytes, min(self.batch_size_bytes, record_limit))
+        with self._lock:
+            self._limits[topic] = limits
+        return limits
+
     def _send_serialized(
-        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+        self, topic: str, value=None, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
     ) -> RecordFuture:
         """send() for a producer with serializers: serialize the key and value, then send them."""
         if self._closed:
@@ -612,6 +715,9 @@ class Producer:
         """
         if self._closed:
             raise IllegalStateError("send_table() after close()")
+        if self._txn is not None:
+            with self._lock:
+                self._txn.check_send()
         if not isinstance(table, pa.Table | pa.RecordBatch):
             raise InvalidRecordError(f"send_table takes a pyarrow Table, not {type(table).__name__}")
         metadata = self._topic(topic)
@@ -682,7 +788,9 @@ class Producer:
     def _sticky_partition(self, topic: str, count: int) -> int:
         partition = self._sticky.get(topic)
         if partition is None or partition >= count:
-            partition = self._sticky[topic] = random.randrange(count)
+            partition = random.randrange(count)
+            with self._lock:
+                self._sticky[topic] = partition
         return partition
 
     def _reserve(self, size: int) -> None:
@@ -725,11 +833,14 @@ class Producer:
             self._buffer_gauge.update(self._buffered_bytes)
             with self._condition:
                 batches, wait_s = self._collect()
-                if not batches:
+                to_add = self._partitions_to_add()
+                if not batches and not to_add:
                     if self._stopping and not self._open and not self._ready and not self._in_flight_total:
                         return
                     self._condition.wait(min(wait_s, STALE_CHECK_INTERVAL_S) if self._in_flight_total else wait_s)
                     continue
+            if to_add:
+                self._add_partitions(to_add)
             for batch in batches:
                 self._dispatch(batch)
 
@@ -754,8 +865,7 @@ class Producer:
         leaders = {}
         for topic in {b.topic for b in old}:
             try:
-                self._topics[topic] = metadata = self._bus.topic_metadata(topic, refresh=True)
-                leaders[topic] = metadata.leaders
+                leaders[topic] = self._topic(topic, refresh=True).leaders
             except LogbusError:
                 leaders[topic] = None
         with self._condition:
@@ -800,9 +910,16 @@ class Producer:
         taken = []
         kept: deque[_Batch] = deque()
         held: set[tuple[str, int]] = set()  # partitions with an earlier batch still waiting
+        txn = self._txn
         while self._ready:
             batch = self._ready.popleft()
             slot = (batch.topic, batch.partition)
+            if txn is not None and (not txn.sending_allowed or txn.needs_partition(TopicPartition(*slot))):
+                # A transaction's batch goes once its partition is in the transaction, and not
+                # at all once the transaction failed (abort_transaction() fails it).
+                held.add(slot)
+                kept.append(batch)
+                continue
             if slot in held or self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
                 # A partition's batches leave in order: one held back (retry backoff, or no
                 # slot free) holds back the later ones, so they cannot overtake it at the leader.
@@ -832,7 +949,7 @@ class Producer:
         self._ready = kept
         return taken, max(wait_s, 0.001)
 
-    def _restart_sequences(self, slot: tuple[str, int]) -> None:
+    def _restart_sequences(self, slot: tuple[str, int], why: str = "after a batch failed") -> None:
         """Under the lock, with nothing of ``slot`` in flight: start its sequence numbers afresh (KIP-360).
 
         A batch that failed for good leaves a hole in its partition's sequence
@@ -860,25 +977,43 @@ class Producer:
         old = self._sequences.pop(slot, None)
         if old is None or (old.producer_id, old.epoch) != (self._producer_id, self._producer_epoch):
             return
+        if self._txn is not None:
+            return  # the coordinator owns a transactional producer's epoch: bumped after the abort
         if self._producer_epoch >= PRODUCER_EPOCH_MAX:
             self._producer_id = rb.NO_PRODUCER_ID
             self._producer_epoch = rb.NO_PRODUCER_EPOCH
         else:
             self._producer_epoch += 1
-        logger.info(
-            "producer %s: %s-%d restarts its sequence in epoch %s after a batch failed",
-            old.producer_id, slot[0], slot[1], self._producer_epoch,
+        logger.log(
+            logging.INFO if why == "after a batch failed" else logging.DEBUG,
+            "producer %s: %s-%d restarts its sequence in epoch %s %s",
+            old.producer_id, slot[0], slot[1], self._producer_epoch, why,
         )
+
+    def _forget_idle_sequences(self) -> None:
+        """Under the lock, with ``sequence_partitions_max`` partitions holding sequence numbers: forget
+        those of the oldest quarter of the idle partitions (nothing buffered, waiting or in flight).
+
+        Each starts again at sequence 0 when next sent to, in a producer
+        epoch above the one its old sequence used, exactly as after a failed
+        batch (``_restart_sequences``, which the leader accepts from any
+        sequence state). Nothing of the partition is outstanding, so no record
+        can be written twice. Busy partitions keep theirs: the table then
+        holds at most the partitions with records on their way, beyond the bound.
+        """
+        busy = set(self._open) | set(self._in_flight) | {(b.topic, b.partition) for b in self._ready}
+        idle = [slot for slot in self._sequences if slot not in busy]
+        for slot in idle[: max(1, len(self._sequences) // 4)]:
+            self._restart_sequences(slot, "(idle, past sequence_partitions_max)")
 
     def _dispatch(self, batch: _Batch) -> None:
         try:
-            if batch.topic in self._refresh:
-                self._refresh.discard(batch.topic)
-                self._topics[batch.topic] = self._bus.topic_metadata(batch.topic, refresh=True)
-                self._limits.pop(batch.topic, None)
+            refresh = batch.topic in self._refresh
+            self._refresh.discard(batch.topic)
+            metadata = self._topic(batch.topic, refresh=refresh)
             if batch.encoded is None:
                 self._encode(batch)
-            leader = self._topics[batch.topic].leaders[batch.partition]
+            leader = metadata.leaders[batch.partition]
             if leader is None:
                 raise LeaderNotAvailableError(f"{batch.topic}-{batch.partition} has no leader right now")
             batch.leader_id = leader._actor_id
@@ -929,11 +1064,19 @@ class Producer:
             slot = (batch.topic, batch.partition)
             sequences = self._sequences.get(slot)
             if sequences is None:
+                if self._producer_id == rb.NO_PRODUCER_ID and self._txn is not None:
+                    raise IllegalStateError("a transactional producer has no producer id before init_transactions()")
+                if len(self._sequences) >= self.sequence_partitions_max and self._txn is None:
+                    # (a transactional producer keeps its sequences: its epoch is the coordinator's)
+                    with self._lock:
+                        self._forget_idle_sequences()
                 if self._producer_id == rb.NO_PRODUCER_ID:
                     self._producer_id = get(self._bus.controller.allocate_producer_id.remote())
                     self._producer_epoch = 0
                 sequences = self._sequences[slot] = _Sequences(self._producer_id, self._producer_epoch)
             frame.update(producer_id=sequences.producer_id, producer_epoch=sequences.epoch, base_sequence=sequences.next)
+            if self._txn is not None:
+                frame["transactional"] = True
         if batch.records is not None:
             encoded = rb.frame_record_batch(batch.records, **frame)
             batch.records = None
@@ -969,21 +1112,23 @@ class Producer:
             # Each attempt completes once: a late reply to an attempt that expired is dropped.
             if batch.attempts != attempt or self._in_flight_batches.pop(id(batch), None) is None:
                 return
-        retry = (
-            error is not None
-            and isinstance(error, LogbusError)
-            and error.retriable
-            and time.monotonic() + RETRY_BACKOFF_S < batch.deadline_s
-        )
+        delay_s = None  # before the retry; None: no retry
+        if error is not None and isinstance(error, LogbusError) and error.retriable:
+            if batch.retries is None:
+                batch.retries = Backoff(RETRY_BACKOFF_S, RETRY_BACKOFF_MAX_S, deadline_s=batch.deadline_s)
+            delay_s = batch.retries.delay_s(time.monotonic())
+        retry = delay_s is not None
         with self._condition:
             slot = (batch.topic, batch.partition)
             self._in_flight[slot] -= 1
+            if not self._in_flight[slot]:
+                del self._in_flight[slot]  # the table holds only partitions with requests in flight
             self._in_flight_total -= 1
             if retry and isinstance(error, OutOfOrderSequenceError) and self._behind_a_lost_batch(batch):
                 retry = False  # the hole before it will never be filled: fail it now, not at its deadline
             if retry:
                 if backoff:
-                    batch.not_before_s = time.monotonic() + RETRY_BACKOFF_S
+                    batch.not_before_s = time.monotonic() + delay_s
                     self._refresh.add(batch.topic)
                 # Retried batches go out again in their first order, ahead of newer ones, so a
                 # partition's sequence numbers reach the leader in order.
@@ -991,6 +1136,8 @@ class Producer:
                 self._ready = deque(retried + [b for b in self._ready if not b.order])
             else:
                 self._buffered_bytes -= batch.size_bytes
+                if error is not None and self._txn is not None:
+                    self._txn.batch_failed(error)
                 if error is not None and batch.sequenced is not None:
                     sequences = self._sequences.get(slot)
                     if sequences is not None and (sequences.producer_id, sequences.epoch) == batch.sequenced:
@@ -1034,6 +1181,266 @@ class Producer:
         for batch in batches:
             _finish(batch, -1, -1, error)
 
+    # --- transactions ----------------------------------------------------------------------------------
+
+    def _send_transactional(
+        self, topic: str, value, key=None, headers=None, partition: int | None = None, timestamp_ms: int | None = None
+    ) -> RecordFuture:
+        """send() for a transactional producer: only inside an open transaction."""
+        if self._txn.state is not TxnClientState.IN_TRANSACTION:
+            with self._lock:
+                self._txn.check_send()
+        return self._send_untransacted(topic, value, key, headers, partition, timestamp_ms)
+
+    def _require_txn(self) -> TransactionManager:
+        if self._txn is None:
+            raise IllegalStateError("this producer has no transactional_id: transactions need Producer(bus, transactional_id=...)")
+        if self._closed:
+            raise IllegalStateError("the producer is closed")
+        return self._txn
+
+    def _coordinator_call(self, method: str, *args, deadline_s: float):
+        """Call the transaction coordinator (the controller), retrying retriable errors until ``deadline_s``."""
+        while True:
+            remaining = deadline_s - time.monotonic()
+            try:
+                ref = getattr(self._bus.controller, method).remote(*args)
+                return get(ref, timeout_s=max(0.001, min(remaining, self.request_timeout_s)))
+            except LogbusError as error:
+                if not error.retriable:
+                    raise
+                if time.monotonic() + RETRY_BACKOFF_S >= deadline_s:
+                    raise RequestTimedOutError(
+                        f"transactional id {self._txn.transactional_id!r}: {method} did not succeed in time: {error}"
+                    ) from error
+                time.sleep(RETRY_BACKOFF_S)
+
+    def _deadline(self, timeout_s: float | None) -> float:
+        _check_timeout(timeout_s)
+        return time.monotonic() + (TRANSACTION_CALL_TIMEOUT_S if timeout_s is None else timeout_s)
+
+    def _fail_txn(self, error: BaseException) -> None:
+        with self._condition:
+            self._txn.fail(error)
+            self._condition.notify_all()
+
+    def init_transactions(self, timeout_s: float | None = None) -> None:
+        """Register the transactional id with the coordinator; call once, before the first transaction.
+
+        Gets this instance's producer id and epoch. A previous instance with the
+        same transactional id is fenced: its transaction, if one was open, is
+        aborted, and its later sends and commit fail with ProducerFencedError.
+        Raises RequestTimedOutError (retriable: call again) if the coordinator
+        does not answer within ``timeout_s`` (default 60).
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_init()
+        self._initialize(None, deadline)
+
+    def _initialize(self, expected: tuple[int, int] | None, deadline_s: float) -> None:
+        txn = self._txn
+        try:
+            producer_id, epoch = self._coordinator_call(
+                "txn_init_producer_id", txn.transactional_id, txn.timeout_ms, expected, deadline_s=deadline_s
+            )
+        except LogbusError as error:
+            if not error.retriable:
+                self._fail_txn(error)
+            raise
+        with self._condition:
+            # Every partition's sequence starts at 0 in the new epoch.
+            self._producer_id, self._producer_epoch = producer_id, epoch
+            self._sequences.clear()
+            self._unresolved.clear()
+            txn.initialized(producer_id, epoch)
+
+    def begin_transaction(self) -> None:
+        """Open a transaction: sends and offsets from now on commit or abort together. Local (no call)."""
+        txn = self._require_txn()
+        with self._condition:
+            txn.begin()
+
+    def send_offsets_to_transaction(self, offsets: dict, group_metadata, timeout_s: float | None = None) -> None:
+        """Commit a consumer group's offsets as part of the transaction (the consume-transform-produce loop).
+
+        ``offsets``: {TopicPartition: next offset to consume (int or
+        OffsetAndMetadata)}. ``group_metadata``: ``consumer.group_metadata()``
+        (the group's generation and member are checked, so a consumer that lost
+        its partitions in a rebalance cannot commit through a transaction), or
+        a group id for a consumer outside group management. The offsets become
+        the group's committed offsets when the transaction commits, and never if
+        it aborts. A failure other than a timeout leaves only abort_transaction().
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.check_send()
+        group = _group_metadata(group_metadata)
+        if not isinstance(offsets, dict):
+            raise InvalidConfigError(f"offsets must be a dict of {{TopicPartition: offset}}, not {type(offsets).__name__}")
+        if not offsets:
+            return
+        try:
+            self._coordinator_call(
+                "txn_add_offsets", txn.transactional_id, txn.producer_id, txn.epoch, group[0], deadline_s=deadline
+            )
+            with self._condition:
+                txn.offsets_added = True
+            self._coordinator_call(
+                "txn_offset_commit", txn.transactional_id, txn.producer_id, txn.epoch, group, dict(offsets), deadline_s=deadline
+            )
+        except LogbusError as error:
+            if not isinstance(error, RequestTimedOutError) and not isinstance(error, ValueError):
+                self._fail_txn(error)
+            raise
+
+    def commit_transaction(self, timeout_s: float | None = None) -> None:
+        """Flush the transaction's records, then commit it: every record and offset becomes visible to
+        read_committed readers together.
+
+        If a send of the transaction failed, raises InvalidTxnStateError (its
+        cause chained) and only abort_transaction() is allowed. A
+        RequestTimedOutError may be retried by calling commit_transaction()
+        again. ProducerFencedError: another instance took over (or the
+        transaction timed out); close this producer.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_commit()
+        self._drain_transaction(deadline)
+        with self._condition:
+            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
+                txn.begin_commit()  # raises the failure that ended the transaction
+            needs_end = txn.needs_end_txn
+        if needs_end:
+            self._end_txn(True, deadline)
+        with self._condition:
+            txn.completed()
+
+    def abort_transaction(self, timeout_s: float | None = None) -> None:
+        """Abort the transaction: its records are never visible to read_committed readers, its offsets
+        never committed. Records not yet sent fail with TransactionAbortedError.
+
+        Allowed after a failed send or commit (ABORTABLE_ERROR); not after a
+        fence (ProducerFencedError). A RequestTimedOutError may be retried.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_abort()
+        self._fail_unsent()
+        self._drain_transaction(deadline)
+        self._fail_unsent()  # batches that a failed attempt put back meanwhile
+        with self._condition:
+            needs_end = txn.needs_end_txn
+        if needs_end:
+            self._end_txn(False, deadline)
+        with self._condition:
+            txn.completed()
+            bump = txn.state is TxnClientState.INITIALIZING
+        if bump:
+            self._initialize((txn.producer_id, txn.epoch), deadline)
+
+    def hand_over_transaction(self, timeout_s: float | None = None) -> tuple[str, int, int] | None:
+        """Flush the open transaction and leave it open, for another process to end with
+        :func:`end_transaction` (a two-phase write across processes: Ray Data's transactional
+        TopicSink). Returns its handle (transactional id, producer id, epoch), or None if it holds
+        nothing. The producer is then READY, and its close() does not abort the handed-over
+        transaction; a later begin_transaction() would end it (use a new producer instead).
+
+        Raises as commit_transaction() does when a send of the transaction failed.
+        """
+        txn = self._require_txn()
+        deadline = self._deadline(timeout_s)
+        with self._condition:
+            txn.begin_commit()
+        self._drain_transaction(deadline)
+        with self._condition:
+            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
+                txn.begin_commit()  # raises the failure that ended the transaction
+            handle = (txn.transactional_id, txn.producer_id, txn.epoch) if txn.needs_end_txn else None
+            txn.completed()
+        return handle
+
+    def _fail_unsent(self) -> None:
+        """Fail every batch buffered and not in flight with TransactionAbortedError (the transaction aborts)."""
+        txn = self._txn
+        with self._condition:
+            unsent = list(self._open.values()) + list(self._ready)
+            self._open.clear()
+            self._ready.clear()
+            for batch in unsent:
+                self._buffered_bytes -= batch.size_bytes
+                if batch.sequenced is not None:
+                    txn.epoch_bump_needed = True  # it may have been written: its sequence has a hole
+            self._condition.notify_all()
+        aborted = TransactionAbortedError(f"transactional id {txn.transactional_id!r}: the transaction was aborted before this record was sent")
+        for batch in unsent:
+            _finish(batch, -1, -1, aborted)
+
+    def _drain_transaction(self, deadline_s: float) -> None:
+        """Send everything buffered and wait for every reply; stop early (nothing in flight) once the
+        transaction failed (its held batches never go)."""
+        txn = self._txn
+        with self._condition:
+            self._flushing += 1
+            self._condition.notify_all()
+            try:
+                while self._open or self._ready or self._in_flight_total:
+                    if not txn.sending_allowed and not self._in_flight_total:
+                        return  # what is left is held for good (failed or aborting transaction)
+                    remaining = deadline_s - time.monotonic()
+                    if remaining <= 0:
+                        raise RequestTimedOutError(f"transactional id {txn.transactional_id!r}: records not acknowledged in time")
+                    self._condition.wait(min(remaining, 0.05))
+            finally:
+                self._flushing -= 1
+
+    def _end_txn(self, commit: bool, deadline_s: float) -> None:
+        txn = self._txn
+        try:
+            self._coordinator_call("txn_end", txn.transactional_id, txn.producer_id, txn.epoch, commit, deadline_s=deadline_s)
+        except LogbusError as error:
+            if not error.retriable:
+                self._fail_txn(error)
+            raise
+
+    def _partitions_to_add(self) -> list | None:
+        """Under the lock: the partitions the sender should add to the transaction now, if any."""
+        txn = self._txn
+        if txn is None or not txn.pending or not txn.sending_allowed or time.monotonic() < self._txn_add_not_before_s:
+            return None
+        return txn.take_pending()
+
+    def _add_partitions(self, partitions: list) -> None:
+        """AddPartitionsToTxn from the sender thread; their held batches go once it succeeds."""
+        txn = self._txn
+        try:
+            get(
+                self._bus.controller.txn_add_partitions.remote(txn.transactional_id, txn.producer_id, txn.epoch, partitions),
+                timeout_s=self.request_timeout_s,
+            )
+        except Exception as error:  # noqa: BLE001 (routed to the transaction's state)
+            error = unwrap(error)
+            now = time.monotonic()
+            with self._condition:
+                txn.partitions_not_added(partitions)
+                retriable = isinstance(error, LogbusError) and error.retriable
+                if self._txn_add_failing_since_s is None:
+                    self._txn_add_failing_since_s = now
+                if not retriable or now - self._txn_add_failing_since_s > self.delivery_timeout_s:
+                    txn.fail(error)
+                self._txn_add_not_before_s = now + RETRY_BACKOFF_S
+                self._condition.notify_all()
+            return
+        with self._condition:
+            self._txn_add_failing_since_s = None
+            txn.partitions_added(partitions)
+            self._condition.notify_all()
+
     # --- flushing and closing ------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None, *, timeout: float | None = None) -> None:
@@ -1070,6 +1477,16 @@ class Producer:
         _check_timeout(timeout_s)
         if self._closed:
             return
+        if self._txn is not None and self._txn.state in (
+            TxnClientState.IN_TRANSACTION, TxnClientState.ABORTABLE_ERROR, TxnClientState.ABORTING_TRANSACTION,
+            TxnClientState.COMMITTING_TRANSACTION,
+        ):
+            try:  # as Kafka's: an open transaction is aborted (else the coordinator aborts it at its timeout)
+                self.abort_transaction(timeout_s)
+            except LogbusError as error:
+                logger.warning("producer %s: its open transaction was not aborted on close: %r", self._txn.transactional_id, error)
+        if self._txn is not None and self._txn.state is TxnClientState.FATAL_ERROR:
+            self._abandon(self._txn.error or IllegalStateError("the producer was fenced"))
         try:
             self.flush(timeout_s)
         except RequestTimedOutError as error:
@@ -1087,11 +1504,42 @@ class Producer:
         self.close()
 
 
+def end_transaction(bus: Bus, handle: tuple[str, int, int], commit: bool, timeout_s: float = TRANSACTION_CALL_TIMEOUT_S) -> None:
+    """Commit (or abort) a transaction another process handed over (:meth:`Producer.hand_over_transaction`).
+
+    Retries retriable errors until ``timeout_s``. ProducerFencedError: a newer
+    instance of the transactional id took over, or the transaction timed out
+    (the coordinator aborted it).
+    """
+    transactional_id, producer_id, epoch = handle
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            get(bus.controller.txn_end.remote(transactional_id, producer_id, epoch, bool(commit)), timeout_s=max(0.001, deadline - time.monotonic()))
+            return
+        except LogbusError as error:
+            if not error.retriable or time.monotonic() + RETRY_BACKOFF_S >= deadline:
+                raise
+            time.sleep(RETRY_BACKOFF_S)
+
+
+def _group_metadata(group_metadata) -> tuple[str, int, str, str | None]:
+    """(group id, generation, member id, group instance id) from ``consumer.group_metadata()`` or a group id."""
+    if isinstance(group_metadata, str):
+        return group_metadata, -1, "", None
+    try:
+        return (
+            group_metadata.group_id, int(group_metadata.generation_id), group_metadata.member_id or "",
+            getattr(group_metadata, "group_instance_id", None),
+        )
+    except (AttributeError, TypeError, ValueError):
+        raise InvalidConfigError(
+            f"group_metadata must be consumer.group_metadata() or a group id, not {group_metadata!r}"
+        ) from None
+
+
 def _check_timeout(timeout_s) -> None:
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not 0 <= timeout_s <= threading.TIMEOUT_MAX
-    ):
-        raise InvalidConfigError(f"timeout_s must be None or a non-negative number of seconds, not {timeout_s!r}")
+    check_seconds("timeout_s", timeout_s, none_ok=True)
 
 
 def _normalize_headers(headers) -> list[tuple[str, bytes | None]]:

@@ -27,6 +27,19 @@ Committed offsets never pass a record that was not processed.
 
 The stream commits as a group without members (generation -1): a group used
 by a stream must not also have subscribed consumers.
+
+Exactly once into a topic (``transactional_id``). The stream then owns a
+transactional :class:`~logbus.api.producer.Producer`, and each batch is one
+transaction: ``run_batch`` gets the producer as a fourth argument and writes
+its output with it; the stream adds the batch's end offsets (with the batch
+id in their metadata) to the same transaction and commits it. The output
+records and the input offsets become visible together (to read_committed
+readers), or not at all. A stream that died mid-batch is restarted with the
+same transactional id: ``init_transactions()`` fences the dead instance and
+aborts its open transaction (or waits for one it was committing to
+complete), and only then is the checkpoint read, so the batch runs again
+(over its planned offsets, with its id) only if its transaction did not
+commit. Each input record's output is visible once, whatever the restarts.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from typing import Callable, Mapping
 
 from logbus.actors.remote import get
 from logbus.api.client import Bus, connect
+from logbus.options import check_callable, check_choice, check_flag, check_int, check_seconds
 from logbus.errors import IllegalStateError, InvalidConfigError, LogbusError
 from logbus.protocol.group_coordinator import OffsetAndMetadata, validate_group_id
 from logbus.protocol.messages import TopicPartition
@@ -146,21 +160,9 @@ class _Plan:
     recorded: bool  # the plan is already in the group's commits (a batch that failed runs again)
 
 
-def _check_count(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise InvalidConfigError(f"{name} must be a positive int or None, not {value!r}")
-
-
-def _check_seconds(name: str, value) -> None:
-    # Finite and within what threading's waits take (an infinite wait raises OverflowError there).
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= threading.TIMEOUT_MAX:
-        raise InvalidConfigError(f"{name} must be a non-negative number of seconds, not {value!r}")
-
-
 def _check_run_options(max_batches: int | None = None, until_caught_up: bool = False) -> None:
-    _check_count("max_batches", max_batches)
-    if not isinstance(until_caught_up, bool):
-        raise InvalidConfigError(f"until_caught_up must be True or False, not {until_caught_up!r}")
+    check_int("max_batches", max_batches, none_ok=True)
+    check_flag("until_caught_up", until_caught_up)
 
 
 def log_progress(progress: BatchProgress) -> None:
@@ -182,17 +184,16 @@ class MicroBatchStream:
         starting_offsets: str = "earliest",
         bus: Bus | None = None,
         progress: Callable[[BatchProgress], None] | None = log_progress,
+        transactional_id: str | None = None,
+        producer_options: dict | None = None,
     ) -> None:
         validate_topic_name(topic)
         validate_group_id(group_id)
-        _check_count("max_offsets_per_trigger", max_offsets_per_trigger)
-        _check_seconds("trigger_interval_s", trigger_interval_s)
-        if not isinstance(starting_offsets, str) or starting_offsets not in STARTS:
-            raise InvalidConfigError(f"starting_offsets must be one of {STARTS}, not {starting_offsets!r}")
-        if not callable(run_batch):
-            raise InvalidConfigError(f"run_batch must be a callable taking (start, end, batch_id), not {run_batch!r}")
-        if progress is not None and not callable(progress):
-            raise InvalidConfigError(f"progress must be a callable taking a BatchProgress, or None, not {progress!r}")
+        check_int("max_offsets_per_trigger", max_offsets_per_trigger, none_ok=True)
+        check_seconds("trigger_interval_s", trigger_interval_s)
+        check_choice("starting_offsets", starting_offsets, STARTS)
+        check_callable("run_batch", run_batch, "(start, end, batch_id)", none_ok=False)
+        check_callable("progress", progress, "a BatchProgress")
         if bus is not None and not isinstance(bus, Bus):
             raise InvalidConfigError(f"bus must be a Bus from logbus.connect() or None, not {type(bus).__name__}")
         self.bus = bus or connect()
@@ -206,6 +207,18 @@ class MicroBatchStream:
         self.recent_progress: list[BatchProgress] = []
         self.exception: BaseException | None = None
         self._partition_count = self.bus.topic_metadata(topic, refresh=True).partition_count  # unknown topics fail here
+        self.transactional_id = transactional_id
+        self.producer = None
+        if transactional_id is not None:
+            from logbus.api.producer import Producer  # noqa: PLC0415 (only a transactional stream needs one)
+
+            options = dict(producer_options or {})
+            if "transactional_id" in options:
+                raise InvalidConfigError("give the stream's transactional_id as its own argument, not in producer_options")
+            self.producer = Producer(self.bus, transactional_id=transactional_id, **options)
+            self._initialized = False
+        elif producer_options:
+            raise InvalidConfigError("producer_options need a transactional_id (the stream's producer is transactional)")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -277,8 +290,37 @@ class MicroBatchStream:
 
     # --- running -------------------------------------------------------------------------------------
 
+    def _init_transactions(self) -> None:
+        """Once, before the first checkpoint is read: fence an earlier instance of this stream and end
+        the transaction it left (abort, or the completion of a commit it had begun)."""
+        if self.producer is not None and not self._initialized:
+            self.producer.init_transactions()
+            self._initialized = True
+
+    def _run_transaction(self, start: dict, end: dict, batch_id: int) -> None:
+        """One batch as one transaction: its output and its input offsets commit together."""
+        producer = self.producer
+        producer.begin_transaction()
+        try:
+            self.run_batch(dict(start), dict(end), batch_id, producer)
+            offsets = {TopicPartition(self.topic, p): OffsetAndMetadata(o, str(batch_id)) for p, o in end.items()}
+            producer.send_offsets_to_transaction(offsets, self.group_id)
+            producer.commit_transaction()
+        except BaseException:
+            try:
+                producer.abort_transaction()
+            except LogbusError as error:  # (fenced, or the coordinator away: it aborts at the timeout)
+                logger.warning("stream %s/%s: batch %d's transaction was not aborted: %r", self.topic, self.group_id, batch_id, error)
+            raise
+
+    def close(self) -> None:
+        """Close the stream's transactional producer (if any); call after the stream ended."""
+        if self.producer is not None:
+            self.producer.close()
+
     def run_once(self) -> BatchProgress | None:
         """Run one micro-batch if records are waiting; return its progress (None if there was nothing)."""
+        self._init_transactions()
         plan = self._plan()
         if plan is None:
             return None
@@ -288,8 +330,11 @@ class MicroBatchStream:
             # The offset log: the plan is durable before the batch runs, so a restart after a
             # failure runs this batch id over these offsets again, not up to a later high watermark.
             self._commit(start, lambda p: planned_metadata(batch_id, end[p]))
-        self.run_batch(dict(start), dict(end), batch_id)  # an exception leaves the batch uncommitted
-        self._commit(end, lambda p: str(batch_id))
+        if self.producer is not None:
+            self._run_transaction(start, end, batch_id)
+        else:
+            self.run_batch(dict(start), dict(end), batch_id)  # an exception leaves the batch uncommitted
+            self._commit(end, lambda p: str(batch_id))
         duration = time.monotonic() - started
         records = sum(end[p] - start[p] for p in end)
         positions = self._partition_offsets()
@@ -329,6 +374,8 @@ class MicroBatchStream:
                 self.run(**run_options)
             except BaseException as error:  # noqa: BLE001 (kept for await_termination)
                 self.exception = error
+            finally:
+                self.close()
 
         self._thread = threading.Thread(target=target, name=f"logbus-stream-{self.topic}", daemon=True)
         self._thread.start()
@@ -342,8 +389,7 @@ class MicroBatchStream:
         """Wait for the stream to end; re-raise the error that ended it. False on timeout."""
         if self._thread is None:
             raise IllegalStateError("the stream was not started")
-        if timeout_s is not None:
-            _check_seconds("timeout_s", timeout_s)
+        check_seconds("timeout_s", timeout_s, none_ok=True)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return False

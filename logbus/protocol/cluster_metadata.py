@@ -8,8 +8,17 @@ Replica ids are per partition: a new partition's replicas have the ids
 0 .. replication_factor-1, and every replica added later (a replacement, or
 one a reassignment adds) takes the partition's ``next_replica_id``, so an id
 is never reused. Replica ``r``'s log lives in
-``{data_dir}/replica-{r}/{topic}-{partition}``; placement maps a replica id to
-the Ray node that runs it.
+``{data_dir}/replica-{r}/{topic}-{partition}`` on its node; placement maps a
+replica id to its node.
+
+A node is named by its logbus node id: a host's identity, kept in its data
+directory and advertised as the Ray node label ``logbus.node``
+(``storage/node_identity.py``), which outlives the host's Ray nodes; or, for
+a node without that label (one machine's Ray nodes, the embedded default),
+its Ray node id, which ends with that Ray node. The controller maps each id
+to the Ray node carrying it now. The cluster's own id (``cluster_id``) is
+made with the metadata and recorded in every host's data directory the
+cluster uses, so a directory of another cluster is refused.
 
 A reassignment moves a partition to an ordered list of target nodes (Kafka's
 KIP-455): replicas already on a target node stay, the other target nodes get
@@ -60,22 +69,27 @@ from logbus.errors import (
 )
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
+from logbus.storage.node_identity import is_node_id
 
 PARTITIONS_MAX = 10_000  # per topic: each partition replica is a Ray actor (a process)
-METADATA_VERSION = 2  # 2: partitions carry adding, removing and next_replica_id
-READABLE_VERSIONS = (1, 2)  # version 1 loads with no reassignment in progress and ids derived from the replicas
+METADATA_VERSION = 3  # 2: partitions carry adding, removing and next_replica_id; 3: the cluster id
+# Version 1 loads with no reassignment in progress and ids derived from the replicas; versions 1 and 2
+# get a new cluster id (the controller writes the file again at once: ``upgraded_from``). Their node ids
+# are Ray node ids, which stay the identity of nodes without a logbus label.
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(slots=True)
 class PartitionState:
     replicas: list[int]  # replica ids, the first is the preferred leader; during a reassignment the target's, then the removing
-    nodes: dict[str, str]  # replica id (as str, for JSON) -> Ray node id
+    nodes: dict[str, str]  # replica id (as str, for JSON) -> node id (a logbus node id, or a Ray node id: see above)
     leader: int | None
     leader_epoch: int
     isr: list[int]
     adding: list[int] = field(default_factory=list)  # replicas a reassignment adds (they copy the log, then join the ISR)
     removing: list[int] = field(default_factory=list)  # replicas a reassignment drops when it completes
     next_replica_id: int = -1  # the id the next new replica gets; -1: one past the largest replica id
+    throttle_bytes_per_s: int | None = None  # a reassignment's copy limit per new replica (None: unthrottled)
 
     def __post_init__(self) -> None:
         if self.next_replica_id < 0:
@@ -112,9 +126,14 @@ class TopicState:
 class ClusterMetadata:
     """Topics and their partitions' placement and leadership."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_id: str | None = None) -> None:
         self.topics: dict[str, TopicState] = {}
         self.next_producer_id = 0
+        self.cluster_id = cluster_id or uuid.uuid4().hex  # recorded in the data directory of every host the cluster uses
+        self.upgraded_from: int | None = None  # the version read, when older than METADATA_VERSION
+        # user -> SCRAM mechanism -> the stored credential's fields (salt, stored_key, server_key
+        # base64; iterations): what the Kafka gateway checks SASL logins against. Never a password.
+        self.scram_credentials: dict[str, dict[str, dict]] = {}
 
     # --- topics ------------------------------------------------------------------------------
 
@@ -155,7 +174,7 @@ class ClusterMetadata:
             return topic
         if replication_factor > len(live_nodes):
             raise InvalidReplicationFactorError(
-                f"replication factor {replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+                f"replication factor {replication_factor} exceeds the {len(live_nodes)} live node(s)"
             )
         overrides = {key: normalized[key] for key in (config or {})}
         topic = TopicState(name, uuid.uuid4().hex, [], overrides)
@@ -226,7 +245,7 @@ class ClusterMetadata:
             raise InvalidPartitionsError(f"topic {name!r} has {current} partitions; the new total must be larger, not {total}")
         if topic.replication_factor > len(live_nodes):
             raise InvalidReplicationFactorError(
-                f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live Ray node(s)"
+                f"replication factor {topic.replication_factor} exceeds the {len(live_nodes)} live node(s)"
             )
         added = list(range(current, total))
         placements = self._placer(live_nodes, node_limits, loads).place_all(len(added), topic.replication_factor)
@@ -249,13 +268,18 @@ class ClusterMetadata:
     def reassign_dead_nodes(self, live_nodes: list[str]) -> list[tuple[str, int, int]]:
         """Place partitions none of whose replicas is on a live node again; return the (topic, partition, replica) moved.
 
-        That happens when the whole Ray cluster was restarted over the same
-        data directory (every node id is new): on one machine every node sees
+        Only partitions whose every replica is on a node named by its Ray node
+        id (no logbus identity): such a node never comes back, and that
+        happens when the whole Ray cluster of one machine was restarted over
+        the same data directory (every node id is new), where every node sees
         that directory, so a moved replica finds its log where it left it. A
-        partition with a replica still on a live node is left alone: its lost
-        replicas go through election and replacement (a new replica id, which
-        copies the log from the leader), never by moving an identity onto a
-        node that may already hold another replica of the partition.
+        partition with a replica on a logbus node id waits for that node: the
+        host comes back with its data directory, whatever its Ray node is
+        then. A partition with a replica still on a live node is left alone:
+        its lost replicas go through election and replacement (a new replica
+        id, which copies the log from the leader), never by moving an
+        identity onto a node that may already hold another replica of the
+        partition.
         """
         moved = []
         if not live_nodes:
@@ -263,7 +287,7 @@ class ClusterMetadata:
         live = set(live_nodes)
         for topic in self.topics.values():
             for p, state in enumerate(topic.partitions):
-                if any(state.nodes[str(r)] in live for r in state.replicas):
+                if any(state.nodes[str(r)] in live or is_node_id(state.nodes[str(r)]) for r in state.replicas):
                     continue
                 for i, r in enumerate(state.replicas):
                     state.nodes[str(r)] = live_nodes[(p + i) % len(live_nodes)]
@@ -359,7 +383,9 @@ class ClusterMetadata:
             raise InvalidPartitionError(f"topic {name!r} has partitions 0..{len(topic.partitions) - 1}, not {partition!r}")
         return topic.partitions[partition]
 
-    def start_reassignment(self, name: str, partition: int, target_nodes: list[str], live_nodes: list[str]) -> list[int]:
+    def start_reassignment(
+        self, name: str, partition: int, target_nodes: list[str], live_nodes: list[str], throttle_bytes_per_s: int | None = None
+    ) -> list[int]:
         """Start moving a partition to ``target_nodes`` (ordered: the first hosts the preferred leader); return the new replica ids.
 
         Everything is validated first, and an error changes nothing:
@@ -412,6 +438,7 @@ class ClusterMetadata:
         state.replicas = target + unclaimed
         state.adding = added
         state.removing = unclaimed
+        state.throttle_bytes_per_s = throttle_bytes_per_s if added else None  # kept with the move: a restarted controller has it
         _check_partition(state, where)
         return list(added)
 
@@ -454,7 +481,7 @@ class ClusterMetadata:
         state.isr = [r for r in state.isr if r not in removed]
         for r in removed:
             del state.nodes[str(r)]
-        state.adding, state.removing = [], []
+        state.adding, state.removing, state.throttle_bytes_per_s = [], [], None
         changed = state.leader in removed
         if changed:
             state.leader = next(r for r in target if r in state.isr)
@@ -489,12 +516,13 @@ class ClusterMetadata:
         state.isr = [r for r in state.isr if r not in added]
         for r in added:
             del state.nodes[str(r)]
-        state.adding, state.removing = [], []
+        state.adding, state.removing, state.throttle_bytes_per_s = [], [], None
         _check_partition(state, where)
         return added
 
     def reassignments(self) -> dict[tuple[str, int], dict[str, list]]:
-        """Every partition being reassigned: {"target": [node ids, in order], "adding": [ids], "removing": [ids]}."""
+        """Every partition being reassigned: {"target": [node ids, in order], "adding": [ids], "removing": [ids],
+        "throttle_bytes_per_s": the copy limit or None}."""
         moving = {}
         for topic in self.topics.values():
             for p, state in enumerate(topic.partitions):
@@ -503,6 +531,7 @@ class ClusterMetadata:
                         "target": [state.nodes[str(r)] for r in state.target()],
                         "adding": list(state.adding),
                         "removing": list(state.removing),
+                        "throttle_bytes_per_s": state.throttle_bytes_per_s,
                     }
         return moving
 
@@ -527,14 +556,41 @@ class ClusterMetadata:
         self.next_producer_id += 1
         return producer_id
 
+    # --- SCRAM credentials --------------------------------------------------------------------
+
+    def scram_credential(self, user: str, mechanism: str) -> dict | None:
+        return self.scram_credentials.get(user, {}).get(mechanism)
+
+    def set_scram_credential(self, user: str, mechanism: str, credential: dict) -> None:
+        self.scram_credentials.setdefault(user, {})[mechanism] = dict(credential)
+
+    def delete_scram_credential(self, user: str, mechanism: str | None = None) -> bool:
+        """Delete one mechanism's credential of ``user`` (every one if None); whether there was one."""
+        mechanisms = self.scram_credentials.get(user)
+        if not mechanisms or (mechanism is not None and mechanism not in mechanisms):
+            return False
+        if mechanism is None:
+            mechanisms.clear()
+        else:
+            del mechanisms[mechanism]
+        if not mechanisms:
+            del self.scram_credentials[user]
+        return True
+
+    def scram_users(self) -> dict[str, dict[str, int]]:
+        """user -> mechanism -> iterations: what may be shown of the credentials."""
+        return {user: {m: c["iterations"] for m, c in mechanisms.items()} for user, mechanisms in self.scram_credentials.items()}
+
     # --- persistence -------------------------------------------------------------------------
 
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": METADATA_VERSION,
+                "cluster_id": self.cluster_id,
                 "next_producer_id": self.next_producer_id,
                 "topics": {name: asdict(topic) for name, topic in self.topics.items()},
+                "scram_credentials": self.scram_credentials,
             },
             indent=1,
             sort_keys=True,
@@ -545,8 +601,11 @@ class ClusterMetadata:
         raw = json.loads(text)
         if raw.get("version") not in READABLE_VERSIONS:
             raise ValueError(f"unsupported metadata version {raw.get('version')!r}")
-        metadata = cls()
+        metadata = cls(raw.get("cluster_id"))
+        if raw["version"] < METADATA_VERSION:
+            metadata.upgraded_from = raw["version"]
         metadata.next_producer_id = raw["next_producer_id"]
+        metadata.scram_credentials = raw.get("scram_credentials", {})  # absent from files written before SASL
         for name, topic in raw["topics"].items():
             partitions = [PartitionState(**p) for p in topic["partitions"]]
             metadata.topics[name] = TopicState(topic["name"], topic["topic_id"], partitions, topic["config"])
@@ -565,6 +624,7 @@ def _check_partition(state: PartitionState, where: str = "new partition") -> Non
     adding, removing = set(state.adding), set(state.removing)
     _check(len(adding) == len(state.adding) and adding <= replicas, f"{where}: adding {state.adding} is not a subset of the replicas {state.replicas}")
     _check(len(removing) == len(state.removing) and removing <= replicas, f"{where}: removing {state.removing} is not a subset of the replicas {state.replicas}")
+    _check(state.throttle_bytes_per_s is None or bool(adding), f"{where}: a copy throttle with no replica being added")
     _check(not adding & removing, f"{where}: replicas {sorted(adding & removing)} are both being added and removed")
     _check(
         set(state.replicas[len(state.replicas) - len(removing):]) == removing,
@@ -584,7 +644,7 @@ def _validate_target(where: str, target_nodes: list[str], live_nodes: list[str])
         raise InvalidReassignmentError(f"{where}: the target names node(s) {repeated} more than once; a node holds one replica of a partition")
     if len(target_nodes) > len(set(live_nodes)):
         raise InvalidReplicationFactorError(
-            f"{where}: a target of {len(target_nodes)} replicas exceeds the {len(set(live_nodes))} live Ray node(s)"
+            f"{where}: a target of {len(target_nodes)} replicas exceeds the {len(set(live_nodes))} live node(s)"
         )
     dead = [n for n in target_nodes if n not in set(live_nodes)]
     if dead:

@@ -62,8 +62,8 @@ one, ...) and written all at once.
 Errors: a batch that fails a length, CRC or format check (among them: a
 record count larger than its bytes can hold, at ``MIN_RECORD_BYTES`` a record) raises
 :class:`~logbus.errors.CorruptRecordError` (Kafka's CORRUPT_MESSAGE); one that
-is well-formed but not acceptable (transactional or control batches, offset
-deltas out of order, a header key that is not UTF-8) raises
+is well-formed but not acceptable (control batches, a transactional batch
+with no producer id, offset deltas out of order, a header key that is not UTF-8) raises
 :class:`~logbus.errors.InvalidRecordError` (Kafka's INVALID_RECORD). Nothing
 is returned for a batch that failed.
 """
@@ -559,8 +559,8 @@ def _checked_records(view: memoryview, position: int, decompressed_max_bytes: in
         raise CorruptRecordError(f"Kafka batch at position {position} fails its CRC")
     if header.attributes & CONTROL_BIT:
         raise InvalidRecordError("control batches (transaction markers) cannot be produced")
-    if header.attributes & TRANSACTIONAL_BIT:
-        raise InvalidRecordError("transactional batches are not supported")
+    if header.attributes & TRANSACTIONAL_BIT and header.producer_id < 0:
+        raise InvalidRecordError("a transactional batch needs the producer id of its transactional producer")
     payload = view[position + HEADER_SIZE : end]
     codec = header.codec
     return header, bytes(payload) if codec == CODEC_NONE else _decompress(codec, payload, decompressed_max_bytes)
@@ -589,6 +589,7 @@ def to_logbus(data, *, decompressed_max_bytes: int = DECOMPRESSED_MAX_BYTES) -> 
         producer_epoch=header.producer_epoch,
         base_sequence=header.base_sequence,
         timestamp_range=timestamp_range,
+        transactional=bool(header.attributes & TRANSACTIONAL_BIT),  # visible to read_committed once its marker commits
     )
     return ProducedBatch(header, encoded, header.record_count, timestamp_range[1], 0 if header.codec == CODEC_NONE else len(raw))
 
@@ -826,8 +827,12 @@ def _kafka_batch_parts(header: rb.BatchHeader, records: pa.RecordBatch) -> tuple
     if len(records_bytes) + len(tail) != total:
         raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
 
-    attributes = TIMESTAMP_TYPE_BIT if header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME else 0
-    max_timestamp = header.max_timestamp_ms if attributes else int(timestamps.max())
+    log_append_time = header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME
+    # The transactional and control bits are Kafka's own, at Kafka's positions: a transaction marker
+    # (whose record already holds Kafka's ControlRecordKey and EndTransactionMarker) becomes Kafka's
+    # control batch, which Kafka clients never hand to users.
+    attributes = (TIMESTAMP_TYPE_BIT if log_append_time else 0) | (header.attributes & (TRANSACTIONAL_BIT | CONTROL_BIT))
+    max_timestamp = header.max_timestamp_ms if log_append_time else int(timestamps.max())
     out = bytearray(HEADER_SIZE)
     HEADER.pack_into(
         out, 0, header.base_offset, HEADER_SIZE - LOG_OVERHEAD + total, header.leader_epoch, KAFKA_MAGIC, 0, attributes,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from logbus.storage.batch_header import TIMESTAMP_TYPE_CREATE_TIME
+from logbus.storage.isolation import READ_COMMITTED, READ_UNCOMMITTED  # noqa: F401 (the codes FetchRequest carries)
 
 
 class TopicPartition(NamedTuple):
@@ -77,6 +78,17 @@ class ConsumerRecord(NamedTuple):
         return self.timestamp_ms
 
 
+class ConsumerGroupMetadata(NamedTuple):
+    """A group member's identity as ``Consumer.group_metadata()`` gives it (KIP-447): what a
+    transactional producer passes to ``send_offsets_to_transaction`` so that the group refuses
+    offsets from a member it no longer knows (a zombie of an earlier generation)."""
+
+    group_id: str
+    generation_id: int  # -1 outside a generation (a consumer without group management)
+    member_id: str  # "" likewise
+    group_instance_id: str | None = None
+
+
 class OffsetAndTimestamp(NamedTuple):
     """What Consumer.offsets_for_times() finds for a partition: the first offset at or after the
     time asked for, and that record's timestamp (ms), as in Kafka's clients."""
@@ -142,6 +154,9 @@ class FetchRequest:
     come back inside the reply (capped at FETCH_INLINE_MAX_BYTES); larger ones
     as an ObjectRef. ``session``: a consumer's fetch session (see the replica's
     read path): pipelined fetches of one session continue one another.
+    ``isolation_level``: READ_UNCOMMITTED (0) reads up to the high watermark;
+    READ_COMMITTED (1) up to the last stable offset, and the reply names the
+    aborted transactions it overlaps (see ``logbus/storage/isolation.py``).
     """
 
     offset: int
@@ -150,6 +165,7 @@ class FetchRequest:
     verify_crc: bool = True
     inline_max_bytes: int = 0
     session: int | None = None
+    isolation_level: int = READ_UNCOMMITTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +179,11 @@ class FetchResponse:
     is then that offset (the ones in between are gone); a reply with no batch
     but ``next_offset`` past that offset says they are all gone up to there.
     ``high_watermark`` and ``log_start_offset`` are the partition's at the
-    time of the fetch.
+    time of the fetch, and so is ``last_stable_offset`` (the smaller of the
+    high watermark and the first offset of the oldest ongoing transaction).
+    ``aborted_transactions``: in a READ_COMMITTED reply, (producer id, first
+    offset) of each aborted transaction overlapping the batches returned
+    (empty otherwise): a reader drops those transactions' batches.
     """
 
     first_offset: int
@@ -171,3 +191,5 @@ class FetchResponse:
     high_watermark: int
     log_start_offset: int
     leader_epoch: int
+    last_stable_offset: int = -1
+    aborted_transactions: tuple[tuple[int, int], ...] = ()

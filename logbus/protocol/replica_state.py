@@ -33,6 +33,11 @@ are found without Ray.
   fetch waits (parked) at the log end counts as caught up while it waits, as
   long as such a fetch can wait; ISR changes are proposed one at a time, and
   one timer is armed only while an in-sync follower is behind.
+- *Read limits.* A consumer reads below the high watermark, or, reading
+  committed records only (KIP-98), below the last stable offset: the
+  smaller of the high watermark and the first offset of the log's oldest
+  ongoing transaction. Transaction markers are appended as any batch is
+  (``before_append`` / ``after_append``); followers copy them unchanged.
 
 :class:`LeaderState`: leader-side replication state of one partition:
 follower progress, ISR decisions, high watermark.
@@ -87,9 +92,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
-from logbus.errors import FencedLeaderEpochError, NotLeaderError, OffsetOutOfRangeError
+from logbus.errors import FencedLeaderEpochError, InvalidRecordError, NotLeaderError, OffsetOutOfRangeError
 from logbus.invariant import check as _check
-from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, FetchRequest, FetchResponse
+from logbus.protocol.messages import FETCH_INLINE_MAX_BYTES, READ_COMMITTED, READ_UNCOMMITTED, FetchRequest, FetchResponse
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +335,9 @@ class LogView(Protocol):
     epochs: EpochsView
     config: LogConfigView
 
+    def first_unstable_offset(self) -> int | None:
+        """The first offset of the oldest ongoing transaction, or None (read only for the last stable offset)."""
+
 
 # Actions: what the owner carries out, in the order given. Log actions change the log
 # (``apply_to_log`` does them); the others are the owner's (timers, calls, tasks, waiters).
@@ -528,6 +536,29 @@ class ReplicaState:
         if self.role == LEADER and self.leader is not None:
             return self.leader.high_watermark
         return min(self._follower_high_watermark, log_end_offset)
+
+    def last_stable_offset(self, log: LogView) -> int:
+        """The smaller of the high watermark and the first offset of the oldest ongoing transaction in
+        ``log`` (KIP-98): read_committed readers read below it."""
+        high_watermark = self.high_watermark(log.log_end_offset)
+        unstable = log.first_unstable_offset()
+        return high_watermark if unstable is None else min(high_watermark, unstable)
+
+    def read_limit(self, isolation_level: int, log: LogView) -> int:
+        """Where a consumer's fetch (or an offsets query) ends for its isolation level: the high watermark
+        (READ_UNCOMMITTED) or the last stable offset (READ_COMMITTED). InvalidRecordError for another level."""
+        if isolation_level == READ_UNCOMMITTED:
+            return self.high_watermark(log.log_end_offset)
+        if isolation_level == READ_COMMITTED:
+            return self.last_stable_offset(log)
+        raise InvalidRecordError(f"isolation_level must be {READ_UNCOMMITTED} or {READ_COMMITTED}, not {isolation_level!r}")
+
+    def reply_stable_offset(self, log: LogView) -> int:
+        """The last stable offset a fetch reply carries: a leader's; a follower has none of its own (its
+        leader's transactions decide it), so its high watermark."""
+        if self.role == LEADER:
+            return self.last_stable_offset(log)
+        return self.high_watermark(log.log_end_offset)
 
     def _set_epoch(self, epoch: int) -> list:
         if epoch == self.leader_epoch:

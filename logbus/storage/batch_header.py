@@ -17,7 +17,8 @@ Frame header (all integers little-endian)::
     12        4     leader_epoch       int32   assigned by the leader
     16        1     magic              int8    format version, MAGIC_V1
     17        4     crc                uint32  CRC32C of bytes [21, 12 + batch_length)
-    21        2     attributes         int16   bits 0-2 compression, bit 3 timestamp type
+    21        2     attributes         int16   bits 0-2 compression, bit 3 timestamp type,
+                                               bit 4 transactional, bit 5 control (Kafka's)
     23        4     record_count       int32
     27        8     first_timestamp_ms int64   timestamp of the first record
     35        8     max_timestamp_ms   int64   largest timestamp in the batch
@@ -26,6 +27,14 @@ Frame header (all integers little-endian)::
     53        4     base_sequence      int32   sequence number of the first record
     57        7     reserved           zero
     64              payload: one Arrow IPC record batch message
+
+A transactional batch (bit 4) carries the producer id and epoch of its
+transactional producer; its records are visible to read_committed readers
+once the transaction's COMMIT marker is in the log, and never if it aborts. A
+control batch (bits 4 and 5) is a transaction marker: one record whose key
+and value are Kafka's ControlRecordKey and EndTransactionMarker (see
+``record_batch.encode_control_batch``), base_sequence -1; readers never hand
+it out.
 
 The base offset and the leader epoch lie before the CRC field and outside the
 CRC, as in Kafka, so the leader assigns them by rewriting 8 + 4 bytes of the
@@ -90,6 +99,8 @@ assert HEADER_SIZE % 8 == 0, "the payload must stay 8-byte aligned"
 # Attributes
 COMPRESSION_MASK = 0x07
 TIMESTAMP_TYPE_MASK = 0x08
+TRANSACTIONAL_MASK = 0x10  # Kafka's bit positions: a gateway writes Kafka's attributes from ours unchanged
+CONTROL_MASK = 0x20
 COMPRESSION_CODES = {None: 0, "lz4": 3, "zstd": 4}
 COMPRESSION_NAMES = {code: name for name, code in COMPRESSION_CODES.items()}
 # The timestamp type as the attribute bit stores it (Kafka's record batch bit 3).
@@ -157,6 +168,16 @@ class BatchHeader:
     def reader_timestamp_type(self) -> int:
         """The code readers see (confluent-kafka's): TIMESTAMP_TYPE_CREATE_TIME or TIMESTAMP_TYPE_LOG_APPEND_TIME."""
         return TIMESTAMP_TYPE_LOG_APPEND_TIME if self.attributes & TIMESTAMP_TYPE_MASK else TIMESTAMP_TYPE_CREATE_TIME
+
+    @property
+    def is_transactional(self) -> bool:
+        """Written by a transactional producer (data or marker)."""
+        return bool(self.attributes & TRANSACTIONAL_MASK)
+
+    @property
+    def is_control(self) -> bool:
+        """A transaction marker (see the module docstring)."""
+        return bool(self.attributes & CONTROL_MASK)
 
     @property
     def last_sequence(self) -> int:

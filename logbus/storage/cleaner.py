@@ -10,13 +10,28 @@ What it keeps, and what it never changes:
   compacted ones (gaps). Readers at an offset in a gap get the next batch;
   a fetch reply says which offsets it covers (see ``PartitionLog.read``).
 - It cleans the closed segments below the high watermark (the caller's
-  ``upper_bound``) and outside ``min.compaction.lag.ms``: never the active
-  segment, never records a follower may still have to truncate, so every
-  replica compacts the same committed prefix, each its own copy.
+  ``upper_bound``) and below the first unstable offset (the first offset of
+  the oldest ongoing transaction: nothing at or above the LSO is cleaned or
+  read for the offset map), outside ``min.compaction.lag.ms``: never the
+  active segment, never records a follower may still have to truncate, so
+  every replica compacts the same committed prefix, each its own copy.
 - A record survives when it is the latest record of its key among the
   offsets cleaned, or newer than them. Records without a key are dropped
   (Kafka's rule; a compacted topic refuses them on produce). A tombstone
   (value None) survives until ``delete.retention.ms`` after its timestamp.
+- Transactions. Below the LSO every transaction has ended, so each one is
+  committed or aborted. The batches of aborted transactions (the log's
+  aborted-transaction index names them: a producer's transactional batches
+  from the transaction's first offset to its ABORT marker) are removed
+  whole, and their keys never enter the offset map (an aborted record must
+  not make a committed one obsolete). A committed transaction's records are
+  compacted as any. A marker (control batch) is never compacted by key: it
+  stays while any record of its transaction is left, and from the first
+  cleaning that leaves none, for ``delete.retention.ms`` more (Kafka's
+  rule, which measures from the cleaning that found the data gone); the
+  cleaned segment's summary keeps that time per marker, and the marker goes
+  at the first cleaning after it (due as a kept tombstone is). A cleaned segment holds no aborted data, so its transaction
+  index is empty: its markers' entries would name nothing left to skip.
 - ``min.cleanable.dirty.ratio``: a cleaning rewrites every cleanable
   segment, so it runs only once the bytes written since the last one
   ("dirty", from the log's cleaner checkpoint on) are that share of the
@@ -38,17 +53,19 @@ and the idempotence table is rebuilt from batch headers on open
 (producer_state.py). Kafka keeps each producer's last batch as an empty
 batch; a logbus batch holds at least one record, so instead each cleaned
 segment keeps, in its ``.summary`` file, the producer table entries that its
-original segments' headers gave (at most 5 batches per producer,
-:meth:`ProducerStateTable.entries`); rebuilding reads those instead of the
-cleaned segment's headers. A surviving run of an idempotent batch keeps the
-batch's producer id and epoch, and the sequence number of its first record.
+original segments' headers gave (at most 5 batches per producer, with each
+producer's ongoing transaction, :meth:`ProducerStateTable.entries`);
+rebuilding reads those instead of the cleaned segment's headers. A surviving
+run of an idempotent batch keeps the batch's producer id and epoch, its
+transactional attribute, and the sequence number of its first record.
 
 Crash safety: a swap is atomic. A cleaned segment at base offset ``B``
 replaces the original segments with base offsets in ``[B, end)`` (``end``,
 the base offset of the segment after them, is in the summary):
 
 1. its files are written as ``B.log.cleaned``, ``B.index.cleaned``,
-   ``B.timeindex.cleaned`` and ``B.summary.cleaned``, and synced;
+   ``B.timeindex.cleaned``, ``B.txnindex.cleaned`` (empty) and
+   ``B.summary.cleaned``, and synced;
 2. each is renamed to ``*.swap``, ``B.log.swap`` last, and the directory is
    synced: the rename of ``B.log.cleaned`` commits the swap;
 3. the original segments other than ``B`` are deleted, the ``.swap`` files
@@ -67,6 +84,7 @@ with the log but the files they read.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
 import os
@@ -82,13 +100,14 @@ if TYPE_CHECKING:  # Arrow is imported where a cleaning decodes batches, in its 
 from logbus.errors import CorruptRecordError, InternalStateError, StorageError
 from logbus.storage import batch_header as bh
 from logbus.storage.files import write_atomically
-from logbus.storage.producer_state import BatchEntry, ProducerStateTable
+from logbus.storage.producer_state import NO_TRANSACTION, BatchEntry, ProducerStateTable
 from logbus.storage.segment import (
     INDEX_SUFFIX,
     LOG_SUFFIX,
     RELATIVE_OFFSET_MAX,
     SUMMARY_SUFFIX,
     TIME_INDEX_SUFFIX,
+    TXN_INDEX_SUFFIX,
     LogSegment,
     segment_file_name,
 )
@@ -97,10 +116,10 @@ logger = logging.getLogger(__name__)
 
 CLEANED_SUFFIX = ".cleaned"  # a cleaned segment's files while they are written
 SWAP_SUFFIX = ".swap"  # ... once the swap is committed, until they take their final names
-SUMMARY_VERSION = 1
+SUMMARY_VERSION = 2  # 2: producer entries with their ongoing transaction, and the markers' times
 # A swap renames these in this order; the log file last (its rename commits, or finishes, the swap).
-SWAP_ORDER = (SUMMARY_SUFFIX, INDEX_SUFFIX, TIME_INDEX_SUFFIX, LOG_SUFFIX)
-SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIME_INDEX_SUFFIX, SUMMARY_SUFFIX)
+SWAP_ORDER = (SUMMARY_SUFFIX, INDEX_SUFFIX, TIME_INDEX_SUFFIX, TXN_INDEX_SUFFIX, LOG_SUFFIX)
+SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIME_INDEX_SUFFIX, TXN_INDEX_SUFFIX, SUMMARY_SUFFIX)
 
 
 # --- the summary of a cleaned segment -----------------------------------------------------------
@@ -117,10 +136,16 @@ class SegmentSummary:
 
     end_offset: int  # the base offset of the segment after the ones it replaced
     producers: tuple[BatchEntry, ...]
+    # (offset, ms) of each marker kept whose transaction's batches were all gone at the cleaning that
+    # wrote this summary: the time of the first cleaning that found them gone.
+    markers: tuple[tuple[int, int], ...] = ()
 
 
 def _summary_text(summary: SegmentSummary) -> str:
-    return json.dumps({"version": SUMMARY_VERSION, "end_offset": summary.end_offset, "producers": [list(e) for e in summary.producers]})
+    return json.dumps({
+        "version": SUMMARY_VERSION, "end_offset": summary.end_offset, "producers": [list(e) for e in summary.producers],
+        "markers": [list(m) for m in summary.markers],
+    })
 
 
 def write_summary(path: str, summary: SegmentSummary) -> None:
@@ -153,12 +178,16 @@ def read_summary(path: str) -> SegmentSummary | None:
     except (OSError, ValueError) as error:
         raise CorruptRecordError(f"segment summary {path} is unreadable: {error}") from None
     try:
-        if raw["version"] != SUMMARY_VERSION:
-            raise ValueError(f"unknown version {raw['version']}")
+        version = raw["version"]
+        if version not in (1, SUMMARY_VERSION):
+            raise ValueError(f"unknown version {version}")
         producers = tuple(tuple(int(v) for v in entry) for entry in raw["producers"])
-        if any(len(entry) != 6 for entry in producers):
+        if version == 1:  # written before transactions: no producer had one ongoing
+            producers = tuple(entry + (NO_TRANSACTION,) for entry in producers)
+        if any(len(entry) != 7 for entry in producers):
             raise ValueError("a producer entry has the wrong length")
-        return SegmentSummary(int(raw["end_offset"]), producers)
+        markers = tuple((int(offset), int(ms)) for offset, ms in raw.get("markers", ()))
+        return SegmentSummary(int(raw["end_offset"]), producers, markers)
     except (KeyError, TypeError, ValueError) as error:
         raise CorruptRecordError(f"segment summary {path} is malformed: {error}") from None
 
@@ -193,9 +222,34 @@ class CleaningPlan:
     now_ms: int
     delete_retention_ms: int
     index_interval_bytes: int
+    # The aborted transactions overlapping the cleaned offsets: (producer id, first offset, offset of
+    # its ABORT marker), by first offset.
+    aborted: tuple[tuple[int, int, int], ...] = ()
     # Set by the log's owner to stop a cleaning under way (the log is going away): the thread
     # checks it between batches.
     stop: threading.Event = field(default_factory=threading.Event, compare=False)
+    # Producers with a transactional record kept since their last marker, as the groups are cleaned
+    # in order (one thread): a marker stays while its transaction has records.
+    txn_records_kept: set = field(default_factory=set, compare=False)
+    # ``aborted`` by producer: producer id -> ([first offsets], [marker offsets]) (a producer's
+    # transactions do not overlap), built on first use.
+    _aborted_ranges: dict = field(default_factory=dict, compare=False)
+
+    def is_aborted(self, header: bh.BatchHeader) -> bool:
+        """Whether a transactional data batch belongs to an aborted transaction."""
+        if not header.is_transactional or header.is_control or not self.aborted:
+            return False
+        ranges = self._aborted_ranges
+        if not ranges:
+            for producer_id, first, last in sorted(self.aborted, key=lambda entry: entry[1]):
+                firsts, lasts = ranges.setdefault(producer_id, ([], []))
+                firsts.append(first)
+                lasts.append(last)
+        found = ranges.get(header.producer_id)
+        if found is None:
+            return False
+        i = bisect.bisect_right(found[0], header.base_offset) - 1
+        return i >= 0 and header.base_offset <= found[1][i]
 
     @property
     def end_offset(self) -> int:
@@ -286,6 +340,8 @@ def build_offset_map(plan: CleaningPlan) -> dict[bytes, int]:
     offsets: dict[bytes, int] = {}
     for source in plan.dirty:
         for header, data in _batches(plan, source):
+            if header.is_control or plan.is_aborted(header):
+                continue  # markers are never compacted by key; aborted records make nothing obsolete
             _, records = decode_records(data)
             keys = records.column(0)
             base = header.base_offset
@@ -358,6 +414,7 @@ def _frame_run(header: bh.BatchHeader, records: pa.RecordBatch, first: int, coun
         base_sequence=bh.NO_SEQUENCE if header.base_sequence == bh.NO_SEQUENCE else header.base_sequence + first,
         timestamp_type=header.timestamp_type,
         timestamp_range=(header.max_timestamp_ms, header.max_timestamp_ms) if appended else None,
+        transactional=header.is_transactional,
     )
 
 
@@ -385,18 +442,31 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
         raise StorageError(f"removing the files of an earlier cleaning, {cleaned.path(LOG_SUFFIX)} and its indexes, failed: {error}") from error
     out = LogSegment(plan.directory, cleaned.base_offset, plan.index_interval_bytes, file_suffix=CLEANED_SUFFIX)
     producers = ProducerStateTable()
+    markers_before: dict[int, int] = {}  # the sources' markers found without their batches, and since when
+    markers: list[tuple[int, int]] = []  # the kept ones of those
     try:
         for source in group:
             summary = read_summary(source.summary_path) if source.summary_path else None
             if summary is not None:
                 for entry in summary.producers:
                     producers.apply(entry)
+                markers_before.update(summary.markers)
             for header, data in _batches(plan, source):
                 if summary is None or header.base_offset >= summary.end_offset:
                     producers.update(header)
                 _, records = decode_records(data)  # checks the CRC: a damaged batch stops the cleaning
                 cleaned.bytes_before += header.size_bytes
-                keep, tombstones = _keep(plan, offset_map, header, records)
+                if header.is_transactional:
+                    if header.is_control:
+                        keep, tombstones = _keep_marker(plan, header, markers_before, markers, cleaned)
+                    elif plan.is_aborted(header):
+                        keep = tombstones = np.zeros(header.record_count, dtype=bool)
+                    else:
+                        keep, tombstones = _keep(plan, offset_map, header, records)
+                        if keep.any():
+                            plan.txn_records_kept.add(header.producer_id)
+                else:
+                    keep, tombstones = _keep(plan, offset_map, header, records)
                 kept = int(keep.sum())
                 cleaned.records_kept += kept
                 cleaned.records_removed += header.record_count - kept
@@ -419,20 +489,43 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                         raise InternalStateError(f"cleaned segment {out.log_path} cannot hold the batch at offset {part_header.base_offset}")
                     out.append(part_header, [framed], allow_gap=True)
                     cleaned.bytes_after += part_header.size_bytes
-        for index in (out.offset_index, out.time_index):
+        for index in (out.offset_index, out.time_index, out.txn_index):
             try:
                 open(index.path, "ab").close()  # an emptied segment has no entries, but has its files
             except OSError as error:
                 raise StorageError(f"creating index {index.path} failed: {error}") from error
         out.flush()
         out.close()
-        write_summary(cleaned.path(SUMMARY_SUFFIX), SegmentSummary(cleaned.end_offset, tuple(producers.entries())))
+        write_summary(cleaned.path(SUMMARY_SUFFIX), SegmentSummary(cleaned.end_offset, tuple(producers.entries()), tuple(markers)))
     except BaseException:
         out.close()
         discard(cleaned)
         raise
-    cleaned.changed = cleaned.records_removed > 0 or len(group) > 1
+    # A marker's time must reach the summary even when nothing else changed.
+    cleaned.changed = cleaned.records_removed > 0 or len(group) > 1 or dict(markers) != markers_before
     return cleaned
+
+
+def _keep_marker(
+    plan: CleaningPlan, header: bh.BatchHeader, before: dict[int, int], markers: list, cleaned: CleanedSegment
+) -> tuple[np.ndarray, np.ndarray]:
+    """Whether a marker stays (see the module docstring): while records of its transaction are left,
+    and for delete.retention.ms after the first cleaning that left none."""
+    offset = header.base_offset
+    has_records = header.producer_id in plan.txn_records_kept
+    plan.txn_records_kept.discard(header.producer_id)
+    keep = np.ones(1, dtype=bool)
+    if offset < plan.log_start_offset:
+        keep[0] = False
+    elif not has_records:
+        since_ms = before.get(offset, plan.now_ms)
+        if plan.now_ms - since_ms > plan.delete_retention_ms:
+            keep[0] = False
+        else:
+            markers.append((offset, since_ms))
+            due = since_ms + plan.delete_retention_ms + 1
+            cleaned.tombstones_due_ms = due if cleaned.tombstones_due_ms is None else min(cleaned.tombstones_due_ms, due)
+    return keep, np.zeros(1, dtype=bool)
 
 
 def discard(cleaned: CleanedSegment) -> None:

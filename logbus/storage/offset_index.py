@@ -74,14 +74,28 @@ class IndexFile:
         keys = entries[self.KEY].astype(np.int64)
         if keys.size and np.any(np.diff(keys) < 0):
             return False
+        values = self._values_of(entries)
+        if values is None:
+            return False
         self._keys = keys.tolist()
-        self._values = entries[self.value_field].astype(np.int64).tolist()
+        self._values = values
         self._cut_pending = False
         return True
 
     @property
     def value_field(self) -> str:
         return [name for name in self.DTYPE.names if name != self.KEY][0]
+
+    def _values_of(self, entries: np.ndarray) -> list | None:
+        """The values of entries read from the file (None: they are inconsistent)."""
+        return entries[self.value_field].astype(np.int64).tolist()
+
+    def _pack(self, key: int, value) -> bytes:
+        """One entry as the file holds it."""
+        entry = np.zeros(1, self.DTYPE)
+        entry[self.KEY] = key
+        entry[self.value_field] = value
+        return entry.tobytes()
 
     def reset(self) -> None:
         """Drop every entry, in memory and on disk (before a rebuild); StorageError if the file cannot be cut."""
@@ -118,13 +132,10 @@ class IndexFile:
             raise StorageError(f"cutting index {self.path} back to {len(self._keys)} entries failed: {error}") from error
         self._cut_pending = False
 
-    def _append(self, key: int, value: int) -> None:
+    def _append(self, key: int, value) -> None:
         """Write one entry, then add it in memory; on failure the file is cut back (or the cut left
         pending) and StorageError is raised, with the entries in memory unchanged."""
-        entry = np.zeros(1, self.DTYPE)
-        entry[self.KEY] = key
-        entry[self.value_field] = value
-        data = entry.tobytes()
+        data = self._pack(key, value)
         self.repair()
         fd = self._open()
         position = self.size_bytes

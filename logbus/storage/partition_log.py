@@ -3,7 +3,7 @@
 Directory layout (one directory per partition replica, ``{topic}-{partition}``)::
 
     00000000000000000000.log / .index / .timeindex   segments, named by base offset
-    00000000000000052341.log / .index / .timeindex
+    00000000000000052341.log / .index / .timeindex   (.txnindex: aborted transactions, once there is one)
     recovery-point                                    offset below which every segment was synced
     log-start-offset                                  the log start offset, once delete_records moved it
     cleaner-offset-checkpoint                         compaction: first dirty offset, next tombstone due
@@ -30,6 +30,19 @@ remaining segment, or higher once :meth:`PartitionLog.delete_records` moved
 it (Kafka's DeleteRecords: it is kept in ``log-start-offset``, and reads
 below it raise OffsetOutOfRangeError).
 
+Transactions (KIP-98). A transactional producer's batches carry the
+TRANSACTIONAL attribute; the transaction ends with a marker, a control batch
+(COMMIT or ABORT) that the leader appends with :meth:`PartitionLog.append_marker`
+and followers copy like any batch. The producer table keeps each producer's
+ongoing transaction, so :meth:`PartitionLog.first_unstable_offset` is the
+first offset of the oldest one (the leader's last stable offset is the
+smaller of it and the high watermark). An ABORT marker adds an entry to its
+segment's transaction index (txn_index.py), which
+:meth:`PartitionLog.aborted_transactions` reads instead of scanning batches.
+A producer's ongoing transaction whose first batches retention or
+delete_records removed starts, from then on, at its first batch left (what
+an open finds).
+
 Compaction (``cleanup.policy`` "compact", see cleaner.py) removes records
 from closed segments but never changes an offset: the removed ones become
 gaps. A log may have gaps only once ``offset-gaps`` exists (written before
@@ -47,7 +60,8 @@ what the next open would recover from the files, after every call, whether
 it returned or raised; a step that fails raises StorageError naming its file.
 
 - An append is all or nothing: its steps are a roll if one is due (see
-  :meth:`_roll_to`), the log file, the index entries it is due, the epoch
+  :meth:`_roll_to`), the log file, the index entries it is due (and a
+  marker's transaction index entry), the epoch
   checkpoint if its leader epoch is new, and the sync its flush policy asks
   for. If one fails, the ones done are undone (the files cut back, the epoch
   entries put back) and the producer table, updated only after the last
@@ -106,7 +120,16 @@ from logbus.storage.cleaner import (
 from logbus.storage.leader_epoch_cache import LeaderEpochCache
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.producer_state import ProducerStateTable
-from logbus.storage.segment import INDEX_SUFFIX, LOG_SUFFIX, SUMMARY_SUFFIX, TIME_INDEX_SUFFIX, LogSegment, segment_file_name
+from logbus.storage.segment import (
+    INDEX_SUFFIX,
+    LOG_SUFFIX,
+    SUMMARY_SUFFIX,
+    TIME_INDEX_SUFFIX,
+    TXN_INDEX_SUFFIX,
+    LogSegment,
+    segment_file_name,
+)
+from logbus.storage.txn_index import AbortedTxn
 
 
 logger = logging.getLogger(__name__)
@@ -221,7 +244,9 @@ class PartitionLog:
 
     def _rebuild_producer_state(self, rebuild_epochs: bool = False) -> None:
         """The producer table from the batch headers (and the cleaner's summaries); with
-        ``rebuild_epochs``, the epoch cache (in memory) too."""
+        ``rebuild_epochs``, the epoch cache (in memory) too. The transaction index of a segment that
+        recovery scanned (or whose index did not load) is rebuilt on the way, from its markers and
+        the producer state before each."""
         self.producer_state.clear()
         end = self.log_end_offset
         for segment in self.segments:
@@ -229,18 +254,46 @@ class PartitionLog:
             # A cleaned segment: the producer state its original batches gave (cleaner.py), less
             # the batches a truncation removed since; batches appended after that count by header.
             pending = [] if summary is None else [entry for entry in summary.producers if entry[4] < end]
+            aborted: list[AbortedTxn] | None = [] if segment.txn_index_stale else None
             view = segment._view()
-            for _, header in bh.iter_headers(view, 0, segment.size_bytes):
+            for position, header in bh.iter_headers(view, 0, segment.size_bytes):
                 if summary is None or header.base_offset >= summary.end_offset:
                     for entry in pending:
                         self.producer_state.apply(entry)
                     pending = []
+                    if aborted is not None and header.is_control:
+                        # (A cleaned segment's markers below its summary's end name no batch left: no entry.)
+                        entry = self._aborted_entry(header, self._marker_commits(view, position))
+                        if entry is not None:
+                            aborted.append(entry)
                     self.producer_state.update(header)
                 if rebuild_epochs:
                     self.epochs.assign(header.leader_epoch, header.base_offset, persist=False)
             del view
             for entry in pending:
                 self.producer_state.apply(entry)
+            if aborted is not None:
+                segment.txn_index.rebuild(aborted)
+                segment.txn_index_stale = False
+
+    @staticmethod
+    def _marker_commits(buffer, position: int = 0) -> bool:
+        """Whether the control batch at ``position`` is a COMMIT marker (else ABORT): its record is read
+        with Arrow, imported only when a marker is met. CorruptRecordError if it is not a marker."""
+        from logbus.storage.record_batch import read_control_batch  # noqa: PLC0415
+
+        _, commit, _ = read_control_batch(buffer, position)
+        return commit
+
+    def _aborted_entry(self, marker: bh.BatchHeader, commit: bool) -> AbortedTxn | None:
+        """The transaction index entry of a marker about to be recorded in the producer table (None for
+        a COMMIT, or a marker of a producer with no ongoing transaction: nothing to abort)."""
+        ongoing = self.producer_state.ongoing
+        first = ongoing.get(marker.producer_id)
+        if commit or first is None:
+            return None
+        others = [offset for producer_id, offset in ongoing.items() if producer_id != marker.producer_id]
+        return AbortedTxn(marker.producer_id, first, marker.base_offset, min(others + [marker.base_offset + 1]))
 
     def _summary_of(self, segment: LogSegment):
         """The cleaner's summary of a cleaned segment, or None (also, with a warning, if it is unreadable:
@@ -302,7 +355,7 @@ class PartitionLog:
         failed after it): harmless, but they would sit there for good. Best effort."""
         for name in names:
             base, _, suffix = name.partition(".")
-            if base.isdigit() and "." + suffix in (INDEX_SUFFIX, TIME_INDEX_SUFFIX, SUMMARY_SUFFIX) and int(base) not in bases:
+            if base.isdigit() and "." + suffix in (INDEX_SUFFIX, TIME_INDEX_SUFFIX, TXN_INDEX_SUFFIX, SUMMARY_SUFFIX) and int(base) not in bases:
                 try:
                     os.unlink(self._path(name))
                 except OSError as error:
@@ -438,6 +491,10 @@ class PartitionLog:
         header = self._validate_incoming(view, keyed=self.config.compact)
         if header.size_bytes != len(view):
             raise InvalidRecordError(f"expected one batch of {header.size_bytes} bytes, got {len(view)} bytes")
+        if header.is_control:
+            raise InvalidRecordError("a control batch (a transaction marker) is written by the transaction coordinator only")
+        if header.is_transactional and header.producer_id == bh.NO_PRODUCER_ID:
+            raise InvalidRecordError("a transactional batch needs the producer id of its transactional producer")
         duplicate_of = self.producer_state.check(header)
         if duplicate_of is not None:
             # The timestamp as stored: on a LogAppendTime topic the append time of the original.
@@ -449,6 +506,41 @@ class PartitionLog:
         new_header_bytes, payload = bh.with_offset_and_epoch(view, base_offset, leader_epoch, append_time)
         stamped = header.stamped(base_offset, leader_epoch) if append_time is None else bh.unpack_header(new_header_bytes)
         self._write(stamped, [new_header_bytes, payload])
+        return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
+
+    def append_marker(
+        self,
+        producer_id: int,
+        producer_epoch: int,
+        commit: bool,
+        coordinator_epoch: int,
+        *,
+        leader_epoch: int = bh.NO_LEADER_EPOCH,
+        timestamp_ms: int | None = None,
+    ) -> AppendResult:
+        """Append a transaction marker as leader: the COMMIT (``commit``) or ABORT control batch of
+        ``producer_id``'s transaction, at the log end (see record_batch.encode_control_batch).
+
+        ProducerFencedError if ``producer_epoch`` is older than the producer's
+        epoch here. A producer with no ongoing transaction here gets its
+        marker all the same (as in Kafka: it moves the producer's epoch here);
+        an ABORT marker adds an entry to the transaction index only when it
+        ends a transaction. ``timestamp_ms``: the coordinator's time (default:
+        this log's clock; a LogAppendTime topic stamps the append time anyway).
+        """
+        from logbus.storage.record_batch import encode_control_batch  # noqa: PLC0415 (Arrow, only for markers)
+
+        self._check_open()
+        if isinstance(producer_id, bool) or not isinstance(producer_id, int) or producer_id < 0:
+            raise InvalidRecordError(f"a transaction marker needs a producer id, not {producer_id!r}")
+        self.producer_state.check_marker(producer_id, producer_epoch)
+        now_ms = self.clock_ms()
+        batch = encode_control_batch(producer_id, producer_epoch, bool(commit), coordinator_epoch, now_ms if timestamp_ms is None else timestamp_ms)
+        base_offset = self.log_end_offset
+        append_time = now_ms if self.config.message_timestamp_type == LOG_APPEND_TIME else None
+        new_header_bytes, payload = bh.with_offset_and_epoch(batch, base_offset, leader_epoch, append_time)
+        stamped = bh.unpack_header(new_header_bytes)
+        self._write(stamped, [new_header_bytes, payload], commit=bool(commit))
         return AppendResult(base_offset, stamped.last_offset, stamped.record_count, stamped.max_timestamp_ms, self.log_end_offset)
 
     def append_as_follower(self, batches, first_offset: int | None = None, next_offset: int | None = None) -> AppendResult | None:
@@ -517,13 +609,24 @@ class PartitionLog:
     def _is_empty(self) -> bool:
         return len(self.segments) == 1 and self.active_segment.is_empty
 
-    def _write(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False) -> None:
-        """Write one batch, all or nothing (see the write contract in the module docstring)."""
+    def _write(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False, commit: bool | None = None) -> None:
+        """Write one batch, all or nothing (see the write contract in the module docstring).
+
+        A control batch's marker type is ``commit`` (read from its record when None: a copied one).
+        """
+        aborted = None
+        if header.is_control:
+            if commit is None:
+                try:
+                    commit = self._marker_commits(parts[0] if len(parts) == 1 else b"".join(bytes(p) for p in parts))
+                except CorruptRecordError as error:
+                    raise InvalidRecordError(f"control batch at offset {header.base_offset} is not a marker: {error}") from None
+            aborted = self._aborted_entry(header, commit)
         self._maybe_roll(header)
         active = self.active_segment
         tail = active.tail()
         epochs = self.epochs.entries
-        active.append(header, parts, allow_gap)  # all or nothing
+        active.append(header, parts, allow_gap, aborted)  # all or nothing
         try:
             # A follower's first batch may start below its log start (append_as_follower): its epoch
             # starts, in this log, at the log start, as open would clamp it.
@@ -567,12 +670,15 @@ class PartitionLog:
         """An empty segment at ``base_offset``. Files a deleted segment left at that base offset go
         first (its index files are cut before their first write: offset_index.py). StorageError if
         that or the creation fails: then no segment was made."""
-        summary = self._path(segment_file_name(base_offset, SUMMARY_SUFFIX))
-        if os.path.exists(summary):  # would make the new segment look like a cleaned one
-            try:
-                os.unlink(summary)
-            except OSError as error:
-                raise StorageError(f"removing {summary}, left by a deleted segment, failed: {error}") from error
+        for suffix in (SUMMARY_SUFFIX, TXN_INDEX_SUFFIX):
+            # A summary would make the new segment look like a cleaned one; a transaction index (read on
+            # open when its entries look possible) would name another segment's markers.
+            leftover = self._path(segment_file_name(base_offset, suffix))
+            if os.path.exists(leftover):
+                try:
+                    os.unlink(leftover)
+                except OSError as error:
+                    raise StorageError(f"removing {leftover}, left by a deleted segment, failed: {error}") from error
         segment = LogSegment(self.directory, base_offset, self.config.index_interval_bytes)
         if not segment.is_empty:  # a leftover file at this base offset cannot be ours
             segment.delete()
@@ -692,6 +798,51 @@ class PartitionLog:
                 return ReadResult(_NO_BYTES, offset, gap_end) if gap_end > offset else None
         return ReadResult(_NO_BYTES, offset, end)  # only a gap from ``offset`` to the end
 
+    # --- transactions -----------------------------------------------------------------------------
+
+    def first_unstable_offset(self) -> int | None:
+        """The first offset of the oldest ongoing transaction, or None when none is ongoing. The
+        leader's last stable offset is the smaller of this and its high watermark."""
+        return self.producer_state.first_unstable_offset()
+
+    def aborted_transactions(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(producer id, first offset) of each aborted transaction overlapping ``[start, end)``: its
+        ABORT marker at or after ``start``, its first offset below ``end``; in marker order. From the
+        transaction indexes of the segments from the one holding ``start`` on, without reading
+        batches (see txn_index.py for where the search stops)."""
+        return [(entry.producer_id, entry.first_offset) for entry in self.aborted_txns(start, end)]
+
+    def aborted_txns(self, start: int, end: int) -> list[AbortedTxn]:
+        """The entries behind :meth:`aborted_transactions` (their markers' offsets too)."""
+        self._check_open()
+        found: list[AbortedTxn] = []
+        if end <= start:
+            return found
+        i = max(0, bisect.bisect_right(self._bases, start) - 1)
+        for segment in self.segments[i:]:
+            entries, complete = segment.txn_index.collect(start, end)
+            found += entries
+            if complete:
+                break
+        return found
+
+    def _forget_deleted_transactions(self) -> None:
+        """After the oldest segments went: an ongoing transaction that began in them now begins at its
+        first batch left, or, with none left, is no longer known here (what an open would find)."""
+        base = self.segments[0].base_offset
+        lost = {producer_id for producer_id, first in self.producer_state.ongoing.items() if first < base}
+        found: dict[int, int] = {}
+        for segment in self.segments:
+            if len(found) == len(lost):
+                break
+            view = segment._view()
+            for _, header in bh.iter_headers(view, 0, segment.size_bytes):
+                if header.producer_id in lost and header.producer_id not in found and header.is_transactional and not header.is_control:
+                    found[header.producer_id] = header.base_offset
+            del view
+        for producer_id in lost:
+            self.producer_state.move_transaction_start(producer_id, found.get(producer_id))
+
     def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """The earliest offset (from the log start) whose record timestamp is >= ``timestamp_ms``, or None."""
         self._check_open()
@@ -736,6 +887,7 @@ class PartitionLog:
                 self.segments[-1].delete()  # StorageError: the segment is intact
                 self.segments.pop()
                 self._bases.pop()
+                self.active_segment.reactivate()
             self.active_segment.truncate_to(offset)
         except StorageError as error:
             failure = error
@@ -765,7 +917,7 @@ class PartitionLog:
             return
         end = segment.next_offset
         kept = tuple(entry for entry in summary.producers if entry[4] < end)
-        replace_summary(segment.summary_path, SegmentSummary(end, kept))
+        replace_summary(segment.summary_path, SegmentSummary(end, kept, tuple(m for m in summary.markers if m[0] < end)))
 
     def truncate_fully_and_start_at(self, offset: int) -> None:
         """Delete every segment and start an empty log at ``offset`` (a follower far behind the leader's start).
@@ -779,7 +931,7 @@ class PartitionLog:
         failure = None
         try:
             while len(self.segments) > 1:
-                self._delete_oldest(persist_epochs=False)
+                self._delete_oldest(persist_epochs=False, follow_transactions=False)
             last = self.active_segment
             if last.base_offset == offset:
                 last.truncate_to(offset)
@@ -893,12 +1045,17 @@ class PartitionLog:
             return self.active_segment.max_timestamp_ms + self.config.retention_ms + 1
         return None
 
-    def _delete_oldest(self, persist_epochs: bool = True) -> None:
+    def _delete_oldest(self, persist_epochs: bool = True, follow_transactions: bool = True) -> None:
         """Delete the first segment (StorageError: it is intact); the epochs before the new log start go,
-        in memory whatever the checkpoint's write does (open drops them too)."""
+        in memory whatever the checkpoint's write does (open drops them too), and so do the starts of
+        the ongoing transactions it held (``_forget_deleted_transactions``)."""
         self.segments[0].delete()
         self.segments.pop(0)
         self._bases.pop(0)
+        if follow_transactions:
+            first = self.producer_state.first_unstable_offset()
+            if first is not None and first < self.segments[0].base_offset:
+                self._forget_deleted_transactions()
         self._clamp_epochs(persist_epochs)
 
     # --- compaction (see cleaner.py) --------------------------------------------------------------
@@ -931,6 +1088,9 @@ class PartitionLog:
         if self._closed or not self.config.compact:
             return None
         now = self.clock_ms()
+        unstable = self.first_unstable_offset()
+        if unstable is not None:  # nothing at or above the LSO: its transactions may still abort
+            upper_bound = unstable if upper_bound is None else min(upper_bound, unstable)
         sources, _ = self._cleanable(upper_bound, now)
         if not sources:
             return None
@@ -942,9 +1102,11 @@ class PartitionLog:
         tombstones_due = self._tombstones_due_ms is not None and self._tombstones_due_ms <= now
         if not (ratio_met or tombstones_due):
             return None
+        end = sources[-1].end_offset
+        aborted = tuple((t.producer_id, t.first_offset, t.last_offset) for t in self.aborted_txns(sources[0].base_offset, end))
         return CleaningPlan(
             self.directory, group_segments(sources, self.config.segment_bytes), tuple(dirty), self.log_start_offset,
-            now, self.config.delete_retention_ms, self.config.index_interval_bytes,
+            now, self.config.delete_retention_ms, self.config.index_interval_bytes, aborted,
         )
 
     def next_cleaning_ms(self) -> int | None:

@@ -16,10 +16,27 @@ The leader checks every batch that carries a producer id before writing it:
   or a new epoch; anything else is OutOfOrderSequenceError, retriable (a
   gap would mean lost records, and the batch that fills it may still be on
   its way);
-- a batch from an older producer epoch is ProducerFencedError.
+- a batch from an older producer epoch is ProducerFencedError, and so is a
+  transaction marker (:meth:`ProducerStateTable.check_marker`).
 
 A producer starts a new epoch, at sequence 0, after one of its batches to a
-partition failed for good (KIP-360; see logbus/api/producer.py).
+partition failed for good (KIP-360; see logbus/api/producer.py). A
+transaction marker may carry a newer epoch than the producer's batches here
+(the coordinator fenced the producer and ended its transaction): the epoch
+moves to it, the producer's batches are forgotten, and its next batch starts
+at sequence 0.
+
+A transactional batch without sequence numbers (base sequence -1: the group
+coordinator's offsets in a transaction, as Kafka's coordinator writes them)
+is checked for its epoch only: it is never a duplicate and continues no
+sequence.
+
+Transactions (KIP-98). Per producer, the table also keeps the first offset of
+its ongoing transaction: the first transactional data batch sets it, a
+control batch (the transaction's marker, COMMIT or ABORT) clears it; an epoch
+change does not (only a marker ends a transaction). The smallest of them is
+the log's first unstable offset (:meth:`ProducerStateTable.first_unstable_offset`):
+read_committed readers stop there.
 
 Every replica (leader or follower) updates the table from the batch headers
 it appends, so a new leader knows every producer's sequence. On open the
@@ -35,11 +52,15 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError
-from logbus.storage.batch_header import NO_PRODUCER_ID, BatchHeader
+from logbus.storage.batch_header import NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader
 
 BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition with idempotence on
-# (producer id, epoch, first sequence, last sequence, base offset, max timestamp ms) of one batch
-BatchEntry = tuple[int, int, int, int, int, int]
+# (producer id, epoch, first sequence, last sequence, base offset, max timestamp ms, first offset of
+# the producer's ongoing transaction or NO_TRANSACTION) of one batch; an entry with first sequence
+# NO_SEQUENCE stands for a producer whose table holds no batch (a marker moved its epoch), at the
+# offset of that marker.
+BatchEntry = tuple[int, int, int, int, int, int, int]
+NO_TRANSACTION = -1
 
 
 @dataclass(slots=True)
@@ -47,6 +68,11 @@ class _Producer:
     epoch: int
     # (first_seq, last_seq, base_offset, max_timestamp_ms) of the last batches, oldest first
     batches: deque = field(default_factory=lambda: deque(maxlen=BATCHES_KEPT))
+    txn_first_offset: int | None = None  # the first offset of its ongoing transaction
+    # Offset and timestamp of its last marker (or batch without sequence numbers): the entry of a
+    # producer whose table holds no batch.
+    marker_offset: int = -1
+    marker_timestamp_ms: int = -1
 
     @property
     def last_sequence(self) -> int:
@@ -58,6 +84,7 @@ class ProducerStateTable:
 
     def __init__(self) -> None:
         self.producers: dict[int, _Producer] = {}
+        self.ongoing: dict[int, int] = {}  # producer id -> first offset of its ongoing transaction
 
     def check(self, header: BatchHeader) -> tuple[int, int] | None:
         """Validate a batch about to be appended by the leader.
@@ -70,6 +97,10 @@ class ProducerStateTable:
         if header.producer_id == NO_PRODUCER_ID:
             return None
         state = self.producers.get(header.producer_id)
+        if header.base_sequence == NO_SEQUENCE and header.is_transactional:
+            if state is not None and header.producer_epoch < state.epoch:
+                raise ProducerFencedError(f"producer {header.producer_id} epoch {header.producer_epoch} is older than {state.epoch}")
+            return None
         if state is None:
             if header.base_sequence != 0:
                 raise OutOfOrderSequenceError(
@@ -78,7 +109,7 @@ class ProducerStateTable:
             return None
         if header.producer_epoch < state.epoch:
             raise ProducerFencedError(f"producer {header.producer_id} epoch {header.producer_epoch} is older than {state.epoch}")
-        if header.producer_epoch > state.epoch:
+        if header.producer_epoch > state.epoch or not state.batches:
             if header.base_sequence != 0:
                 raise OutOfOrderSequenceError(f"a new producer epoch must start at sequence 0, not {header.base_sequence}")
             return None
@@ -99,21 +130,83 @@ class ProducerStateTable:
             )
         return None
 
+    def check_marker(self, producer_id: int, producer_epoch: int) -> None:
+        """Validate a transaction marker about to be appended by the leader: ProducerFencedError if its
+        epoch is older than the producer's. A producer unknown here, or without an ongoing transaction,
+        is no error (Kafka writes such a marker too: it moves the producer's epoch here, which fences
+        a zombie that never wrote to this partition)."""
+        state = self.producers.get(producer_id)
+        if state is not None and producer_epoch < state.epoch:
+            raise ProducerFencedError(
+                f"transaction marker of producer {producer_id} with epoch {producer_epoch}, older than {state.epoch}"
+            )
+
     def update(self, header: BatchHeader) -> None:
         """Record a batch that was appended (as leader or follower)."""
-        if header.producer_id == NO_PRODUCER_ID:
+        producer_id = header.producer_id
+        if producer_id == NO_PRODUCER_ID:
             return
-        self.apply(
-            (header.producer_id, header.producer_epoch, header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms)
-        )
+        state = self.producers.get(producer_id)
+        if header.is_control:
+            if state is None or header.producer_epoch > state.epoch:
+                state = self._new_epoch(producer_id, header.producer_epoch, state)
+            state.txn_first_offset = None
+            self.ongoing.pop(producer_id, None)
+            state.marker_offset, state.marker_timestamp_ms = header.base_offset, header.max_timestamp_ms
+            return
+        if state is None or header.producer_epoch > state.epoch:
+            state = self._new_epoch(producer_id, header.producer_epoch, state)
+        if header.base_sequence == NO_SEQUENCE:  # continues no sequence: recorded as a marker's epoch is
+            state.marker_offset, state.marker_timestamp_ms = header.base_offset, header.max_timestamp_ms
+        else:
+            state.batches.append((header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms))
+        if header.is_transactional and state.txn_first_offset is None:
+            state.txn_first_offset = self.ongoing[producer_id] = header.base_offset
+
+    def _new_epoch(self, producer_id: int, epoch: int, previous: _Producer | None) -> _Producer:
+        """The producer in a new epoch: its batches forgotten, its ongoing transaction kept (only a
+        marker ends one)."""
+        state = self.producers[producer_id] = _Producer(epoch)
+        if previous is not None:
+            state.txn_first_offset = previous.txn_first_offset
+            state.marker_offset, state.marker_timestamp_ms = previous.marker_offset, previous.marker_timestamp_ms
+        return state
 
     def apply(self, entry: "BatchEntry") -> None:
         """Record a batch given as an entry of :meth:`entries` (what :meth:`update` does with a header)."""
-        producer_id, epoch, first_sequence, last_sequence, base_offset, max_timestamp_ms = entry
+        producer_id, epoch, first_sequence, last_sequence, base_offset, max_timestamp_ms, txn_first_offset = entry
         state = self.producers.get(producer_id)
         if state is None or epoch > state.epoch:
-            state = self.producers[producer_id] = _Producer(epoch)
-        state.batches.append((first_sequence, last_sequence, base_offset, max_timestamp_ms))
+            state = self._new_epoch(producer_id, epoch, state)
+        if first_sequence == NO_SEQUENCE:
+            state.marker_offset, state.marker_timestamp_ms = base_offset, max_timestamp_ms
+        else:
+            state.batches.append((first_sequence, last_sequence, base_offset, max_timestamp_ms))
+        if txn_first_offset == NO_TRANSACTION:
+            state.txn_first_offset = None
+            self.ongoing.pop(producer_id, None)
+        else:
+            state.txn_first_offset = self.ongoing[producer_id] = txn_first_offset
+
+    def first_unstable_offset(self) -> int | None:
+        """The first offset of the oldest ongoing transaction, or None when none is ongoing."""
+        return min(self.ongoing.values()) if self.ongoing else None
+
+    def ongoing_transactions(self) -> dict[int, int]:
+        """producer id -> first offset of its ongoing transaction (a copy)."""
+        return dict(self.ongoing)
+
+    def move_transaction_start(self, producer_id: int, first_offset: int | None) -> None:
+        """Where a producer's ongoing transaction now starts in the log (None: none of its batches is
+        left); for a log whose oldest segments went (see PartitionLog._forget_deleted_transactions)."""
+        state = self.producers.get(producer_id)
+        if state is None:
+            return
+        state.txn_first_offset = first_offset
+        if first_offset is None:
+            self.ongoing.pop(producer_id, None)
+        else:
+            self.ongoing[producer_id] = first_offset
 
     def entries(self) -> list["BatchEntry"]:
         """The table as batch entries, in offset order: applying them to an empty table rebuilds it,
@@ -123,13 +216,21 @@ class ProducerStateTable:
         The cleaner keeps these for the batches it rewrites (see cleaner.py): after compaction a
         producer's batches may be gone, but its sequence state must survive a restart.
         """
-        out = [
-            (producer_id, state.epoch, first, last, base_offset, max_timestamp_ms)
-            for producer_id, state in self.producers.items()
-            for first, last, base_offset, max_timestamp_ms in state.batches
-        ]
+        out = []
+        for producer_id, state in self.producers.items():
+            txn = NO_TRANSACTION if state.txn_first_offset is None else state.txn_first_offset
+            out += [
+                (producer_id, state.epoch, first, last, base_offset, max_timestamp_ms, txn)
+                for first, last, base_offset, max_timestamp_ms in state.batches
+            ]
+            if not state.batches or state.marker_offset > state.batches[-1][2]:
+                # Its last marker (or batch without sequence numbers) came after its last batch: an
+                # entry of its own, so that the state survives the batches going (retention,
+                # delete_records) as an open after that would find it.
+                out.append((producer_id, state.epoch, NO_SEQUENCE, NO_SEQUENCE, state.marker_offset, state.marker_timestamp_ms, txn))
         out.sort(key=lambda entry: entry[4])
         return out
 
     def clear(self) -> None:
         self.producers.clear()
+        self.ongoing.clear()

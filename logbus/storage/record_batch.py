@@ -33,6 +33,7 @@ This module holds no state and imports no Ray; every function is thread-safe.
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Iterator, Sequence
 
 import crc32c
@@ -76,6 +77,8 @@ from logbus.storage.batch_header import (  # noqa: F401  (re-exported: the forma
     CRC_STRUCT,
     COMPRESSION_MASK,
     TIMESTAMP_TYPE_MASK,
+    TRANSACTIONAL_MASK,
+    CONTROL_MASK,
     COMPRESSION_CODES,
     COMPRESSION_NAMES,
     TIMESTAMP_CREATE_TIME,
@@ -291,11 +294,16 @@ def frame_record_batch(
     base_sequence: int = NO_SEQUENCE,
     timestamp_type: int = TIMESTAMP_CREATE_TIME,
     timestamp_range: tuple[int, int] | None = None,
+    transactional: bool = False,
+    control: bool = False,
 ) -> bytes:
     """Serialize an Arrow record batch of SCHEMA into one framed batch (bytes).
 
     ``timestamp_range`` (first, max) may be passed by a caller that knows the
     timestamp column's first and largest values; otherwise they are computed.
+    ``transactional`` sets the attribute of a transactional producer's batch
+    (it needs a producer id); ``control`` that of a transaction marker (built
+    by :func:`encode_control_batch`).
     """
     if compression not in _WRITE_OPTIONS:
         raise InvalidRecordError(f"compression must be one of {sorted(map(str, COMPRESSION_CODES))}, not {compression!r}")
@@ -318,7 +326,13 @@ def frame_record_batch(
     if timestamp_range is None:
         timestamps = records.column(2).to_numpy()
         timestamp_range = (int(timestamps[0]), int(timestamps.max()))
+    if (transactional or control) and producer_id == NO_PRODUCER_ID:
+        raise InvalidRecordError("a transactional batch needs the producer id of its transactional producer")
     attributes = COMPRESSION_CODES[compression] | (timestamp_type << 3)
+    if transactional or control:
+        attributes |= TRANSACTIONAL_MASK
+    if control:
+        attributes |= CONTROL_MASK
     batch_length = HEADER_SIZE - LOG_OVERHEAD + message.size
     header = bytearray(HEADER_SIZE)
     HEADER_STRUCT.pack_into(
@@ -350,6 +364,60 @@ def encode_table(table: pa.Table | pa.RecordBatch, **frame_options) -> bytes:
     """Encode a pyarrow Table/RecordBatch (value, optional key/timestamp/headers) into one framed batch."""
     default_ms = frame_options.pop("default_timestamp_ms", None)
     return frame_record_batch(conform_table(table, default_timestamp_ms=default_ms), **frame_options)
+
+
+# --- transaction markers ---------------------------------------------------------------
+
+# A control batch's one record, as Kafka writes it (big-endian, as every Kafka field):
+# key ControlRecordKey (int16 version 0, int16 type), value EndTransactionMarker (int16 version 0,
+# int32 coordinator epoch). The same bytes let the Kafka gateway write Kafka's control batch.
+CONTROL_KEY = struct.Struct(">hh")
+END_TXN_MARKER = struct.Struct(">hi")
+CONTROL_VERSION = 0
+CONTROL_TYPE_ABORT = 0
+CONTROL_TYPE_COMMIT = 1
+
+
+def encode_control_batch(
+    producer_id: int, producer_epoch: int, commit: bool, coordinator_epoch: int, timestamp_ms: int
+) -> bytes:
+    """The transaction marker of ``producer_id``'s transaction: one framed control batch.
+
+    The CONTROL and TRANSACTIONAL attributes, the producer's id and epoch, base
+    sequence -1, and one record (see CONTROL_KEY, END_TXN_MARKER) stamped
+    ``timestamp_ms`` (the coordinator's wall time).
+    """
+    if producer_id < 0:
+        raise InvalidRecordError(f"a transaction marker needs a producer id, not {producer_id}")
+    key = CONTROL_KEY.pack(CONTROL_VERSION, CONTROL_TYPE_COMMIT if commit else CONTROL_TYPE_ABORT)
+    value = END_TXN_MARKER.pack(CONTROL_VERSION, coordinator_epoch)
+    records = build_record_batch([value], [key], [timestamp_ms])
+    return frame_record_batch(
+        records, producer_id=producer_id, producer_epoch=producer_epoch, base_sequence=NO_SEQUENCE,
+        timestamp_range=(timestamp_ms, timestamp_ms), control=True,
+    )
+
+
+def control_record(records: pa.RecordBatch) -> tuple[bool, int]:
+    """(commit, coordinator epoch) of a control batch's records; CorruptRecordError if they are not a marker."""
+    key = records.column(0)[0].as_py() if records.num_rows == 1 else None
+    value = records.column(1)[0].as_py() if records.num_rows == 1 else None
+    if key is None or len(key) < CONTROL_KEY.size or value is None or len(value) < END_TXN_MARKER.size:
+        raise CorruptRecordError(f"a control batch holds {records.num_rows} records, not one transaction marker")
+    version, kind = CONTROL_KEY.unpack_from(key)
+    if version != CONTROL_VERSION or kind not in (CONTROL_TYPE_ABORT, CONTROL_TYPE_COMMIT):
+        raise CorruptRecordError(f"unknown control record (version {version}, type {kind})")
+    _, coordinator_epoch = END_TXN_MARKER.unpack_from(value)
+    return kind == CONTROL_TYPE_COMMIT, coordinator_epoch
+
+
+def read_control_batch(buffer, position: int = 0) -> tuple[BatchHeader, bool, int]:
+    """(header, commit, coordinator epoch) of the control batch at ``position``, its CRC checked."""
+    header, records = decode_records(buffer, position)
+    if not header.is_control:
+        raise CorruptRecordError(f"the batch at offset {header.base_offset} is not a control batch")
+    commit, coordinator_epoch = control_record(records)
+    return header, commit, coordinator_epoch
 
 
 # --- reading --------------------------------------------------------------------------
@@ -407,3 +475,49 @@ def slice_batches(buffer, start: int, end: int | None = None, *, verify_crc: boo
         if first != header.base_offset or stop != header.next_offset:
             records = records.slice(first - header.base_offset, stop - first)
         yield header, first, records
+
+
+def slice_visible_batches(
+    buffer,
+    start: int,
+    end: int | None = None,
+    *,
+    read_committed: bool = False,
+    aborted=(),
+    verify_crc: bool = True,
+) -> tuple[list[tuple[BatchHeader, int, pa.RecordBatch]], int | None]:
+    """:func:`slice_batches` without what readers never see: control batches (transaction markers)
+    always, and with ``read_committed`` the batches of the reply's ``aborted`` transactions
+    ((producer id, first offset) pairs, as a read_committed fetch reply carries them); decided per
+    batch header (:func:`logbus.storage.isolation.visible`), never per record.
+
+    Returns the kept ``(header, first offset, records)`` and, when batches were dropped after the
+    last one kept, the offset just past them (a reader's position moves there), else None.
+    """
+    from logbus.storage.isolation import visible_headers  # noqa: PLC0415
+
+    decoded = decode_batches(buffer, verify_crc=verify_crc)
+    if not any(header.attributes & (TRANSACTIONAL_MASK | CONTROL_MASK) for header, _ in decoded):
+        keep = None  # the usual case: nothing to drop
+    else:
+        headers = [header for header, _ in decoded]
+        if read_committed and len(aborted):
+            markers = [header.is_control and not control_record(records)[0] for header, records in decoded]
+        else:
+            markers = [False] * len(decoded)
+        keep = visible_headers(headers, markers, aborted, read_committed)
+    out = []
+    skipped_to = None
+    for i, (header, records) in enumerate(decoded):
+        first = max(start, header.base_offset)
+        stop = header.next_offset if end is None else min(end, header.next_offset)
+        if stop <= first:
+            continue
+        if keep is not None and not keep[i]:
+            skipped_to = stop
+            continue
+        skipped_to = None
+        if first != header.base_offset or stop != header.next_offset:
+            records = records.slice(first - header.base_offset, stop - first)
+        out.append((header, first, records))
+    return out, skipped_to

@@ -5,6 +5,8 @@ Files, in the partition's directory, named by the segment's base offset::
     {base_offset:020d}.log        the batches, back to back
     {base_offset:020d}.index      sparse offset index (see offset_index.py)
     {base_offset:020d}.timeindex  sparse time index (see time_index.py)
+    {base_offset:020d}.txnindex   aborted transactions whose ABORT marker is here (txn_index.py;
+                                  only once there is one)
     {base_offset:020d}.summary    only for a segment the cleaner wrote (see cleaner.py)
 
 Writes append to the log file with ``pwritev`` at the logical end (header and payload as two
@@ -23,12 +25,15 @@ those.
 Crash contract: the log file is the truth; indexes are derived and rebuilt by
 :meth:`recover`, which checks each batch's lengths, CRC and offsets (contiguous,
 or only increasing where gaps are allowed), cuts the file at the first bad
-batch, and returns the number of bytes cut.
+batch, and returns the number of bytes cut. The transaction index needs the
+log's producer state to be rebuilt: :meth:`recover` empties it and sets
+``txn_index_stale``, and the partition log rebuilds it (so it does for a
+segment whose transaction index does not load).
 
 Write contract: what is in memory (size, next offset, timestamps, index
 entries) is what :meth:`recover` would find in the files. An append writes
-the log file, then the index entries it is due (each file written before
-memory changes); if any write fails (a full disk, an I/O error: whatever
+the log file, then the index entries it is due, then its transaction index
+entry if it is an ABORT marker (each file written before memory changes); if any write fails (a full disk, an I/O error: whatever
 OSError), every file is cut back to where the append found it and
 StorageError, naming the file, is raised: the batch is not in the segment.
 The owner undoes an append whose later steps failed with :meth:`restore`. A
@@ -61,12 +66,14 @@ from logbus.errors import CorruptRecordError, InternalStateError, StorageError
 from logbus.storage import batch_header as bh
 from logbus.storage.offset_index import OffsetIndex
 from logbus.storage.time_index import TimeIndex
+from logbus.storage.txn_index import AbortedTxn, TxnIndex
 
 logger = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
 TIME_INDEX_SUFFIX = ".timeindex"
+TXN_INDEX_SUFFIX = ".txnindex"
 SUMMARY_SUFFIX = ".summary"
 RELATIVE_OFFSET_MAX = 2**32 - 1  # index entries store offsets relative to the base as uint32
 POSITION_MAX = 2**32 - 1
@@ -100,6 +107,7 @@ class SegmentTail:
     bytes_since_index_entry: int
     offset_entries: int
     time_entries: int
+    txn_entries: int
 
 
 class LogSegment:
@@ -114,6 +122,8 @@ class LogSegment:
         self.log_path = os.path.join(directory, segment_file_name(base_offset, LOG_SUFFIX) + file_suffix)
         self.offset_index = OffsetIndex(os.path.join(directory, segment_file_name(base_offset, INDEX_SUFFIX) + file_suffix))
         self.time_index = TimeIndex(os.path.join(directory, segment_file_name(base_offset, TIME_INDEX_SUFFIX) + file_suffix))
+        self.txn_index = TxnIndex(os.path.join(directory, segment_file_name(base_offset, TXN_INDEX_SUFFIX) + file_suffix))
+        self.txn_index_stale = False  # emptied by recovery, or did not load: the partition log rebuilds it
         self.summary_path = os.path.join(directory, segment_file_name(base_offset, SUMMARY_SUFFIX) + file_suffix)
         try:
             self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -140,6 +150,9 @@ class LogSegment:
         segment = cls(directory, base_offset, index_interval_bytes)
         if not segment._load_indexes():
             segment.recover(allow_gaps=allow_gaps)
+        elif not (segment.txn_index.load() and segment.txn_index.consistent_with(base_offset, segment.next_offset)):
+            segment.txn_index.truncate_entries(0)
+            segment.txn_index_stale = True
         return segment
 
     def _load_indexes(self) -> bool:
@@ -183,6 +196,8 @@ class LogSegment:
         """
         self.offset_index.reset()
         self.time_index.reset()
+        self.txn_index.reset()
+        self.txn_index_stale = True
         self.next_offset = self.base_offset
         self.max_timestamp_ms = -1
         self.first_timestamp_ms = None
@@ -238,8 +253,10 @@ class LogSegment:
             and self.size_bytes + header.size_bytes <= POSITION_MAX
         )
 
-    def append(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False) -> int:
+    def append(self, header: bh.BatchHeader, parts: list, allow_gap: bool = False, aborted: AbortedTxn | None = None) -> int:
         """Append one batch given as buffers (e.g. rewritten header and payload); return its position.
+
+        ``aborted``: the batch is an ABORT marker, and this is its transaction index entry.
 
         The batch must continue the segment: its base offset is the segment's
         next offset, or with ``allow_gap`` (a compacted log) any offset past it
@@ -269,6 +286,8 @@ class LogSegment:
                 raise StorageError(f"append to {self.log_path} failed: {error}") from error
             self.size_bytes = position + size
             self._index_batch(header, position)  # StorageError naming the index that failed
+            if aborted is not None:
+                self.txn_index.append(aborted)
         except StorageError:
             self.restore(tail)
             raise
@@ -278,7 +297,7 @@ class LogSegment:
         """Where the segment ends now, for :meth:`restore`."""
         return SegmentTail(
             self.size_bytes, self.next_offset, self.max_timestamp_ms, self.first_timestamp_ms,
-            self._bytes_since_index_entry, len(self.offset_index), len(self.time_index),
+            self._bytes_since_index_entry, len(self.offset_index), len(self.time_index), len(self.txn_index),
         )
 
     def restore(self, tail: SegmentTail) -> None:
@@ -292,6 +311,7 @@ class LogSegment:
         self._read_end = None
         self.offset_index.truncate_entries(tail.offset_entries)
         self.time_index.truncate_entries(tail.time_entries)
+        self.txn_index.truncate_entries(tail.txn_entries)
         self._cut_pending = True
         try:
             self.repair()
@@ -308,6 +328,7 @@ class LogSegment:
             self._cut_pending = False
         self.offset_index.repair()
         self.time_index.repair()
+        self.txn_index.repair()
 
     def release_page_cache(self, keep_bytes: int) -> None:
         """Advise the kernel to drop the log file's cached pages more than ``keep_bytes`` before its end.
@@ -344,6 +365,7 @@ class LogSegment:
         if indexes:
             self.offset_index.flush()
             self.time_index.flush()
+            self.txn_index.flush()
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -444,8 +466,17 @@ class LogSegment:
         self._cut_pending = False
         self.offset_index.truncate_from_position(position)  # memory now; a file that cannot be cut, before the next write
         self.time_index.truncate_from_offset(header.base_offset - self.base_offset)
+        self.txn_index.truncate_from_offset(header.base_offset)
         self._reload_tail_state()
         return removed
+
+    def reactivate(self) -> None:
+        """Make a closed segment the active one again (a truncation deleted the segments after it).
+
+        A closed segment is opened without counting the bytes written since its last offset-index
+        entry; appends to it need that count to place the next entry where recovery would.
+        """
+        self._reload_tail_state()
 
     def _reload_tail_state(self) -> None:
         """Recompute next offset and timestamps after a truncation, scanning from the last index entry."""
@@ -501,6 +532,7 @@ class LogSegment:
                 pass  # every write was made (or undone) before
         self.offset_index.close()
         self.time_index.close()
+        self.txn_index.close()
 
     def delete(self) -> None:
         """Remove the segment's files; the log file first, as its removal is what removes the segment
@@ -514,7 +546,7 @@ class LogSegment:
         except OSError as error:
             raise StorageError(f"deleting {self.log_path} failed: {error}") from error
         self._close_files()
-        for remove in (lambda: os.unlink(self.summary_path), self.offset_index.delete, self.time_index.delete):
+        for remove in (lambda: os.unlink(self.summary_path), self.offset_index.delete, self.time_index.delete, self.txn_index.delete):
             try:
                 remove()
             except FileNotFoundError:

@@ -854,11 +854,15 @@ def test_generations_are_checked_as_kafka_does(bus, gateway, topic_name):
     joined = raw.call(kg.JOIN_GROUP, 7, {"group_id": "g", "session_timeout": 10_000, "rebalance_timeout": 10_000, "member_id": "",
                                          "group_instance_id": None, "protocol_type": "consumer",
                                          "protocols": [{"name": "range", "metadata": subscription}]})
-    assert joined.error_code == kg.ErrorCode.none and joined.leader != joined.member_id and joined.protocol_name == "range"
+    # Kafka's classic protocol: the one member leads, and its SyncGroup brings the assignment it made.
+    assert joined.error_code == kg.ErrorCode.none and joined.leader == joined.member_id and joined.protocol_name == "range"
+    assert [(m.member_id, m.metadata) for m in joined.members] == [(joined.member_id, subscription)]
+    mine = kg.encode_assignment([TopicPartition(topic_name, 0), TopicPartition(topic_name, 1)])
     synced = raw.call(kg.SYNC_GROUP, 5, {"group_id": "g", "generation_id": joined.generation_id, "member_id": joined.member_id,
-                                         "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range", "assignments": []})
+                                         "group_instance_id": None, "protocol_type": "consumer", "protocol_name": "range",
+                                         "assignments": [{"member_id": joined.member_id, "assignment": mine}]})
     assert synced.error_code == kg.ErrorCode.none
-    assert kg.parse_assignment(synced.assignment) == (TopicPartition(topic_name, 0), TopicPartition(topic_name, 1))
+    assert synced.assignment == mine
     stale = raw.call(kg.HEARTBEAT, 4, {"group_id": "g", "generation_id": joined.generation_id + 5, "member_id": joined.member_id,
                                        "group_instance_id": None})
     assert stale.error_code == kg.ErrorCode.illegal_generation

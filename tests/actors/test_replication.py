@@ -477,6 +477,7 @@ def test_a_lost_follower_shows_in_the_metrics_and_in_status(cluster, rbus):
     finally:
         workload.stop()
     assert len(acknowledged) > 300
+    cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE)  # room for the lost replica's replacement
     assert_healed(rbus, topic)
 
 

@@ -27,6 +27,7 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from tests.api.murmur2_reference import kafka_partition
+from tests.healing import assert_healed
 from tests.conftest import close_bus, start_ray, wait_for
 
 
@@ -370,6 +371,7 @@ def test_kill_replica_process_while_producing(bus, topic_name):
     by_offset = dict(zip(stored["offset"].to_pylist(), stored["value"].to_pylist()))
     for offset, value in acknowledged.items():
         assert by_offset[offset] == value  # every acknowledged record survived, at its offset
+    assert assert_healed(bus, topic_name) == {0: end}
 
 
 @pytest.mark.parametrize("idempotent", [True, False])

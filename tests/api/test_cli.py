@@ -111,6 +111,8 @@ def test_join_runs_ray_start_with_the_slots_and_the_rack():
     assert logbus.cli.ray_start_argv(args, "ray") == [
         "ray", "start", "--address", "10.0.0.1:6379", "--resources", '{"logbus_replica": 16}', "--disable-usage-stats",
         "--labels", "logbus.rack=r1", "--node-ip-address", "10.0.0.2", "--num-cpus", "0"]
+    assert logbus.cli.ray_start_argv(args, "ray", "node-0123456789abcdef")[7:9] == [
+        "--labels", "logbus.node=node-0123456789abcdef,logbus.rack=r1"]
     args = logbus.cli.build_parser().parse_args(["join", "--address", "h:1", "--replica-slots", "0", "--block"])
     assert logbus.cli.ray_start_argv(args, "ray") == ["ray", "start", "--address", "h:1", "--resources", "{}",
                                                       "--disable-usage-stats", "--block"]

@@ -31,6 +31,7 @@ from logbus.storage.log_config import LogConfig
 from logbus.storage.partition_log import CLEANER_CHECKPOINT_FILE
 from tests.actors.replica_files import committed_records
 from tests.actors.test_metrics import scrape, total
+from tests.healing import assert_healed
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
@@ -252,6 +253,7 @@ def test_a_cleaning_blocks_no_produce_or_fetch_and_a_replica_killed_mid_cleaning
     # The restarted replica cleans again: the log is compacted, as if nothing had happened.
     expected = [(offset, *written[offset]) for offset in sorted(kept)]
     wait_for(lambda: consume(bus, topic_name) == expected, timeout_s=120, message="the cleaning to finish")
+    assert assert_healed(bus, topic_name) == {0: len(expected)}
 
 
 def test_a_leaders_log_gauges_follow_delete_records_without_another_append(bus, topic_name):

@@ -36,6 +36,7 @@ from logbus.errors import (
     SerializationError,
 )
 from logbus.storage import record_batch as rb
+from tests.healing import assert_healed
 from tests.conftest import wait_for
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
@@ -78,22 +79,22 @@ def test_partition_arguments_that_are_not_partitions_are_refused(bad):
 
 
 @given(st.one_of(st.integers(0, 10**12), st.floats(0, 1e12)))
-def test_durations_accept_finite_non_negative_numbers(ms):
-    assert consumer_module._ms_to_s("timeout_ms", ms) == pytest.approx(ms / 1000)
+def test_poll_timeouts_accept_finite_non_negative_numbers(ms):
+    assert consumer_module._poll_timeout_s(ms) == pytest.approx(ms / 1000)
 
 
 @given(st.one_of(st.integers(max_value=-1), st.floats(max_value=-1e-9), st.just(math.nan), st.just(math.inf),
                  st.booleans(), st.text(max_size=3), st.none(), st.lists(st.integers(), max_size=1)))
-def test_durations_refuse_everything_else(bad):
-    with pytest.raises(InvalidConfigError):
-        consumer_module._ms_to_s("timeout_ms", bad)
+def test_poll_timeouts_refuse_everything_else(bad):
+    with pytest.raises(InvalidConfigError, match=f"timeout_ms must be a number of ms from 0 to {2**63 - 1}, not "):
+        consumer_module._poll_timeout_s(bad)
 
 
 def test_consumer_timeout_may_be_forever():
-    assert consumer_module._ms_to_s("consumer_timeout_ms", None, forever=True) is None
-    assert consumer_module._ms_to_s("consumer_timeout_ms", math.inf, forever=True) is None
-    with pytest.raises(InvalidConfigError):
-        consumer_module._ms_to_s("consumer_timeout_ms", -1, forever=True)
+    assert logbus.Consumer(None, consumer_timeout_ms=None)._consumer_timeout_s is None
+    assert logbus.Consumer(None, consumer_timeout_ms=math.inf)._consumer_timeout_s is None
+    with pytest.raises(InvalidConfigError, match="consumer_timeout_ms .* or None for no limit, not -1"):
+        logbus.Consumer(None, consumer_timeout_ms=-1)
 
 
 @given(st.dictionaries(st.builds(TopicPartition, st.just("t"), st.integers(0, 50)),
@@ -144,6 +145,8 @@ def test_commits_that_are_not_dicts_are_refused(offsets):
         (dict(default_api_timeout_ms=0), InvalidConfigError, "default_api_timeout_ms"),
         (dict(auto_offset_reset="smallest"), InvalidConfigError, "auto_offset_reset"),
         (dict(group_id=""), InvalidGroupIdError, "group_id"),
+        (dict(isolation_level="READ_COMMITTED"), InvalidConfigError, "isolation_level"),
+        (dict(isolation_level=1), InvalidConfigError, "isolation_level"),
     ],
 )
 def test_consumer_settings_are_checked_before_anything_happens(options, error, message):
@@ -152,9 +155,7 @@ def test_consumer_settings_are_checked_before_anything_happens(options, error, m
     assert not caught.value.retriable
 
 
-def test_topics_given_to_the_constructor_need_a_group_and_must_be_names():
-    with pytest.raises(InvalidGroupIdError, match="group_id"):
-        logbus.Consumer(None, "events")  # kafka-python's KafkaConsumer("events") subscribes: a group is needed
+def test_topics_given_to_the_constructor_must_be_names():
     with pytest.raises(InvalidConfigError, match="one by one"):
         logbus.Consumer(None, ["events", "clicks"], group_id="g")
 
@@ -481,6 +482,7 @@ def test_poll_and_commit_keep_leader_and_controller_kills_inside(bus, topic_name
     wait_for(lambda: step() and consumer.assignment() and not _commit_refused(consumer),
              timeout_s=60, interval_s=0, message="a clean commit")
     consumer.close()
+    assert assert_healed(bus, topic_name) == {p: per_partition for p in range(partitions)}
 
 
 def _commit_refused(consumer) -> bool:
@@ -510,3 +512,4 @@ def test_a_new_consumer_polls_through_a_leader_restart(bus, topic_name):
     assert consumer.end_offsets([tp]) == {tp: 500}  # retried inside until the replica is back
     assert consumer.beginning_offsets([tp]) == {tp: 0}
     consumer.close()
+    assert assert_healed(bus, topic_name) == {0: 500}

@@ -22,6 +22,7 @@ from logbus.errors import (
     InvalidPartitionError,
     RebalanceInProgressError,
 )
+from tests.healing import assert_healed
 from tests.conftest import wait_for
 
 FAST_GROUP = dict(session_timeout_ms=3000, heartbeat_interval_ms=300, enable_auto_commit=False)
@@ -321,6 +322,7 @@ def test_controller_kill_pauses_consumers_and_keeps_committed_offsets(bus, topic
     wait_for(lambda: consume(2) or len(seen) >= 6000, timeout_s=240, interval_s=0, message="consumption resumes")
     assert seen == {(p, o) for p in range(2) for o in range(3000)}
     consumer.close()
+    assert assert_healed(bus, topic_name) == {0: 3000, 1: 3000}
 
 
 def test_group_errors_are_clear(bus, topic_name):
@@ -344,8 +346,6 @@ def test_group_errors_are_clear(bus, topic_name):
             bus.admin.describe_group(bad)
     with pytest.raises(InvalidGroupIdError):
         logbus.Consumer(bus, group_id="")
-    with pytest.raises(InvalidGroupIdError):
-        logbus.Consumer(bus).subscribe([topic_name])
     first.close()
     second.close()
 
@@ -432,3 +432,29 @@ def test_manual_assignment_with_a_group_keeps_its_partitions_after_commits(bus, 
     assert consumer.poll_arrow(timeout_ms=300).num_rows == 0  # no group join happens for an assigned consumer
     assert consumer.assignment() == {tp} and consumer.committed([tp]) == {tp: 10}
     consumer.close()
+
+
+def test_manual_assignment_with_a_group_starts_at_the_committed_offset(bus, topic_name):
+    # Kafka's consumer: an assigned partition with no position starts at the group's committed
+    # offset, by auto_offset_reset only where nothing is committed; seek() overrides both.
+    bus.admin.create_topic(topic_name, partitions=2)
+    tps = [TopicPartition(topic_name, p) for p in range(2)]
+    with logbus.Producer(bus) as producer:
+        for i in range(20):
+            producer.send(topic_name, b"%d" % i, partition=i % 2)
+    first = logbus.Consumer(bus, group_id=f"{topic_name}-g", enable_auto_commit=False)
+    first.commit({tps[0]: 7})
+    first.close()
+    resumed = logbus.Consumer(bus, group_id=f"{topic_name}-g", enable_auto_commit=False, auto_offset_reset="earliest")
+    resumed.assign(tps)
+    assert resumed.position(tps[0]) == 7 and resumed.position(tps[1]) == 0  # committed; nothing committed: earliest
+    got = []
+    wait_for(lambda: got.extend((r.partition, r.offset) for rs in resumed.poll(timeout_ms=200).values() for r in rs) or len(got) >= 13,
+             timeout_s=60, message="records")
+    assert sorted(got) == [(0, o) for o in range(7, 10)] + [(1, o) for o in range(10)]
+    resumed.close()
+    sought = logbus.Consumer(bus, group_id=f"{topic_name}-g", enable_auto_commit=False)
+    sought.assign(tps[:1])
+    sought.seek(tps[0], 2)
+    assert sought.position(tps[0]) == 2
+    sought.close()

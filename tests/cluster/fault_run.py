@@ -178,18 +178,18 @@ class FaultRun:
             workload.close()
         events = load(history_path)
         replicas, offline = {}, []
-        for partition in described.get("partitions", []):
+        for index, partition in enumerate(described.get("partitions", [])):
             # Up to the high watermark; a partition with no leader has none: each replica's whole log, compared
             # over their common prefix.
             high_watermark = partition["high_watermark"] if partition["leader"] is not None else None
             if high_watermark is None:
                 offline.append(partition["partition"])
             logs = {}
+            statuses = {s.get("replica_id"): s for s in described.get("statuses", [[]] * (index + 1))[index]}
             for replica in partition["replicas"]:
-                from logbus.actors.placement import replica_directory  # noqa: PLC0415 (imports Ray)
-
                 try:
-                    logs[replica] = replica_records(replica_directory(data_dir, TOPIC, partition["partition"], replica), high_watermark)
+                    directory = self._replica_directory(data_dir, partition["partition"], replica, statuses.get(replica, {}))
+                    logs[replica] = replica_records(directory, high_watermark)
                 except Exception as error:  # noqa: BLE001 (reported: a replica whose files cannot be read)
                     self.errors.append(f"replica {replica} of partition {partition['partition']}: {error!r}")
                     continue
@@ -200,6 +200,16 @@ class FaultRun:
             partition["disagree"] = {o: {_text(v): r for v, r in values.items()} for o, values in partition["disagree"].items()}
         return FaultRunResult(self.seed, self.duration_s, self.applied, counts, report.as_dict(), replicas, full_isr,
                               full_isr_after_s, described, offline, final is not None, self.errors + counts.get("errors", []))
+
+    def _replica_directory(self, data_dir: str, partition: int, replica: int, status: dict) -> str:
+        """Where a replica keeps its log: as the controller says, else in the data directory of its node's host
+        (a host's node id), else in the cluster's data directory (a node named by its Ray node id)."""
+        from logbus.actors.placement import replica_directory  # noqa: PLC0415 (imports Ray)
+
+        if status.get("directory"):
+            return status["directory"]
+        host_dir = self.cluster.data_dir_of(status["node"]) if status.get("node") else None
+        return replica_directory(str(host_dir or data_dir), TOPIC, partition, replica)
 
     def _step(self, workload: Workload, op: str, otherwise, **arguments):
         try:

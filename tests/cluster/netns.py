@@ -20,7 +20,10 @@ a Ray node that offers no replica slots (logbus places no replica there).
 Ray runs with token authentication on: the head is started with
 ``RAY_AUTH_MODE=token`` and a token file of the cluster's own, and every
 other host joins with ``logbus join --token-file``, under a HOME of its own
-(so no token is found in ``~/.ray`` by accident). Every Ray process gets an
+(so no token is found in ``~/.ray`` by accident). A replica host joins with
+a data directory of its own (``--data-dir``: its "disk", where its logbus
+identity and its replicas' logs live); every host joining again uses the
+same one, so it is the same logbus node on a new Ray node. Every Ray process gets an
 environment without the caller's ``RAY_*`` variables. Each host has its own
 Ray ``--temp-dir`` (Ray's Unix sockets and session files live there) and
 CPUs 0 (logbus's actors take none, and no idle workers are pre-started).
@@ -43,6 +46,9 @@ Faults, each undone by its pair or by :meth:`NetnsCluster.heal_all`:
 - :meth:`kill` SIGKILLs every process of a host (Ray's and logbus's);
   :meth:`restart` joins it again as a new Ray node. :meth:`pause` and
   :meth:`resume` SIGSTOP / SIGCONT every process of a host.
+  :meth:`restart_all` is a whole-cluster restart: every host killed, the
+  head started again and every other host joined again (new Ray node ids
+  everywhere, the same data directories).
 
 A host's processes are found by their network namespace (``/proc/PID/ns/net``
 against the namespace's inode): everything in one of these namespaces was
@@ -246,6 +252,11 @@ class Host:
     def temp_dir(self) -> Path:
         return self.directory / "ray"
 
+    @property
+    def data_dir(self) -> Path:
+        """The host's logbus data directory (``logbus join --data-dir``): its identity and its replicas' logs."""
+        return self.directory / "data"
+
 
 _cluster_numbers = itertools.count()
 
@@ -388,7 +399,7 @@ class NetnsCluster:
     def ray_environment(self, host: Host, token: bool = False) -> dict[str, str]:
         """An environment for a process on ``host``: the caller's without any RAY_* variable, HOME the
         host's own directory; with ``token`` also Ray's token mode and the cluster's token file."""
-        env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+        env = {key: value for key, value in os.environ.items() if not key.startswith(("RAY_", "LOGBUS_"))}
         env.update(HOME=str(host.directory), PYTHONPATH=str(REPO_ROOT), RAY_USAGE_STATS_ENABLED="0")
         if token:
             env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_file))
@@ -407,7 +418,20 @@ class NetnsCluster:
         argv = [os.path.join(os.path.dirname(sys.executable), "logbus"), "join", "--address", self.address,
                 "--token-file", str(self.token_file), "--replica-slots", str(host.replica_slots),
                 "--node-ip-address", host.ip, "--temp-dir", str(host.temp_dir), "--num-cpus", "0"]
+        if host.replica_slots:
+            argv += ["--data-dir", str(host.data_dir)]
         return argv + (["--rack", host.rack] if host.rack else [])
+
+    def node_id(self, role: str) -> str | None:
+        """The logbus node id ``role`` joined as (from its data directory), None before its first join."""
+        from logbus.storage import node_identity  # noqa: PLC0415 (logbus only where asked)
+
+        meta = node_identity.read(str(self.hosts[role].data_dir))
+        return None if meta is None else meta.node_id
+
+    def data_dir_of(self, node_id: str) -> Path | None:
+        """The data directory of the host that is logbus node ``node_id`` (None: no host of this cluster is)."""
+        return next((host.data_dir for role, host in self.hosts.items() if self.node_id(role) == node_id), None)
 
     def join(self, role: str) -> None:
         """Start ``role``'s Ray node with ``logbus join`` (not waiting for it to register)."""
@@ -550,6 +574,17 @@ class NetnsCluster:
         kill_netns_processes(self.hosts[role].netns)  # a node Ray declared dead may have left processes
         self.paused.discard(role)
         self.join(role)
+
+    def restart_all(self) -> None:
+        """A whole-cluster restart: SIGKILL every process of every host, start the head again and join every
+        other host again (each with its data directory); returns once every host has a live Ray node."""
+        for host in self.hosts.values():
+            kill_netns_processes(host.netns)
+        self.paused.clear()
+        self._start_head()
+        for role in [*self.nodes, CLIENT]:
+            self.join(role)
+        self.wait_for_nodes(len(self.hosts))
 
     def pause(self, role: str) -> None:
         """SIGSTOP every process of ``role``; returns once each one is stopped (a signal takes effect when its

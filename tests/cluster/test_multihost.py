@@ -83,11 +83,16 @@ def test_a_topic_replicated_over_three_hosts_is_produced_and_consumed_from_a_fou
     assert report.ok, report.as_dict()
     assert report.acked == 300
 
-    # Every replica holds the same records up to the high watermark.
+    # Every replica holds the same records up to the high watermark, in its host's data directory.
     described = workload.call("describe", topic=TOPIC)
-    for partition in described["partitions"]:
-        logs = {r: replica_records(replica_directory(workload.data_dir, TOPIC, partition["partition"], r), partition["high_watermark"])
-                for r in partition["replicas"]}
+    host_dirs = {str(cluster.hosts[role].data_dir) for role in cluster.nodes}
+    for partition, statuses in zip(described["partitions"], described["statuses"]):
+        directories = {s["replica_id"]: s["directory"] for s in statuses}
+        assert {str(cluster.data_dir_of(s["node"])) for s in statuses} == host_dirs
+        for s in statuses:
+            assert directories[s["replica_id"]] == replica_directory(str(cluster.data_dir_of(s["node"])), TOPIC, partition["partition"],
+                                                                      s["replica_id"])
+        logs = {r: replica_records(directories[r], partition["high_watermark"]) for r in partition["replicas"]}
         compared = compare_replicas(logs, bound=partition["high_watermark"])
         assert not compared["disagree"] and not compared["missing"], compared
         assert sum(len(records) for records in logs.values()) == 3 * partition["high_watermark"]

@@ -12,8 +12,10 @@ Every send, acknowledgement, failure and poll goes into a history file
 
 - ``create_topic``: ``topic``, ``partitions``, ``replication_factor``, ``config``.
 - ``describe``: ``topic``: each partition's leader, replicas, ISR, epoch,
-  and every replica's own status (role, offsets, node).
-- ``produce``: ``topic``, ``count``: send and wait for every outcome.
+  and every replica's own status (role, offsets, size, bytes fetched as a
+  follower, its logbus node, its Ray node, its directory).
+- ``nodes``: the controller's nodes (``Admin.nodes()``), refused hosts too.
+- ``produce``: ``topic``, ``count``, ``prefix``: send and wait for every outcome.
 - ``read_all``: ``topic``, ``consumer``: a fresh consumer reads every
   partition from its start to the high watermark as of now.
 - ``start``: ``topic``, ``rate`` (records/s): a producer thread (idempotent,
@@ -77,13 +79,18 @@ class Driver:
                  "leader_epoch": p.leader_epoch, "high_watermark": p.high_watermark, "log_end_offset": p.log_end_offset}
                 for p in described.partitions
             ],
-            "statuses": [[{k: s.get(k) for k in ("replica_id", "role", "leader_epoch", "log_end_offset", "high_watermark",
-                                                  "isr", "node_id", "error")} for s in partition] for partition in statuses],
+            "statuses": [[{k: s.get(k) for k in ("replica_id", "role", "leader_epoch", "log_start_offset", "log_end_offset",
+                                                  "high_watermark", "isr", "size_bytes", "fetched_bytes", "node", "node_id",
+                                                  "directory", "error")} for s in partition] for partition in statuses],
         }
 
-    def produce(self, topic: str, count: int) -> dict:
+    def nodes(self) -> dict:
+        return {"nodes": self.bus.admin.nodes()}
+
+    def produce(self, topic: str, count: int, prefix: str = "sync") -> dict:
+        """Send ``count`` records (values ``{prefix}-{i}``: unique per call, as the history checker needs)."""
         with self.logbus.Producer(self.bus, acks="all", linger_ms=1, delivery_timeout_ms=DELIVERY_TIMEOUT_MS) as producer:
-            futures = [self._send(producer, topic, f"sync-{i}") for i in range(count)]
+            futures = [self._send(producer, topic, f"{prefix}-{i}") for i in range(count)]
             for future in futures:
                 if future is not None:
                     try:

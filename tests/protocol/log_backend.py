@@ -61,7 +61,8 @@ class LogBackend:
             self._appended.set()
             self._appended = None
 
-    async def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int):
+    async def fetch(self, topic: str, partition: int, offset: int, max_bytes: int, max_wait_ms: int, isolation_level: int = 0):
+        assert isolation_level == 0, "these logs serve read_uncommitted fetches only"
         log = self.logs[(topic, partition)]
         deadline = asyncio.get_running_loop().time() + max_wait_ms / 1000
         while True:

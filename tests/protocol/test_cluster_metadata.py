@@ -21,6 +21,7 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.protocol.cluster_metadata import ClusterMetadata
+from logbus.storage.node_identity import new_node_id
 
 NODES = ["n0", "n1", "n2", "n3"]
 
@@ -100,6 +101,18 @@ def test_whole_cluster_restart_places_every_replica_on_a_live_node(partitions, r
         # Distinct nodes whenever there are enough of them.
         assert len(set(state.nodes.values())) == min(replication_factor, new_nodes)
         assert state.leader == 0 and state.leader_epoch == 0  # the log and leadership carry over
+
+
+def test_a_whole_cluster_restart_of_hosts_keeps_every_replica_on_its_node():
+    """Hosts keep their node ids over a restart (their data directories): nothing moves, whatever is live yet;
+    a partition with a replica on a host waits for it, even next to nodes named by Ray node ids."""
+    hosts = [new_node_id() for _ in range(3)]
+    metadata = metadata_with(partitions=4, replication_factor=2, nodes=hosts)
+    mixed = metadata.create_topic("mixed", 2, 2, None, [hosts[0], "ray-node-a"])
+    before = json.loads(metadata.to_json())
+    assert metadata.reassign_dead_nodes(["ray-node-b", "ray-node-c"]) == []
+    assert json.loads(metadata.to_json()) == before
+    assert all(hosts[0] in state.nodes.values() for state in mixed.partitions)
 
 
 def test_json_round_trip_keeps_everything():
@@ -272,7 +285,7 @@ def test_a_reassignment_keeps_replicas_on_target_nodes_and_adds_fresh_ones_elsew
     # The target's replicas in target order, then the one being removed; the ISR waits for the new one.
     assert (state.replicas, state.adding, state.removing, state.isr) == ([3, 1, 0, 2], [3], [2], [0, 1, 2])
     assert (state.nodes["3"], state.next_replica_id, state.leader, state.leader_epoch) == ("n3", 4, 0, 0)
-    assert metadata.reassignments() == {("t", 0): {"target": ["n3", b, a], "adding": [3], "removing": [2]}}
+    assert metadata.reassignments() == {("t", 0): {"target": ["n3", b, a], "adding": [3], "removing": [2], "throttle_bytes_per_s": None}}
     assert metadata.topics["t"].replication_factor == 3
     assert not metadata.reassignment_ready("t", 0)
     with pytest.raises(InternalStateError, match="not ready"):
@@ -287,6 +300,24 @@ def test_a_reassignment_keeps_replicas_on_target_nodes_and_adds_fresh_ones_elsew
     assert metadata.elect_preferred_leader("t", 0, alive={0, 1, 3})
     assert (state.leader, state.leader_epoch, state.isr) == (3, 1, [0, 1, 3])
     assert not metadata.elect_preferred_leader("t", 0, alive={0, 1, 3})
+
+
+def test_a_reassignments_throttle_is_saved_with_it_and_goes_when_it_ends():
+    metadata = metadata_with(partitions=2)
+    a, b, c = placement(metadata)
+    assert metadata.start_reassignment("t", 0, ["n3", b, a], NODES, throttle_bytes_per_s=4_000_000) == [3]
+    assert metadata.start_reassignment("t", 1, [b, a, "n3"], NODES, throttle_bytes_per_s=1_000) == [3]
+    # A restarted controller reads it back with the move.
+    restored = ClusterMetadata.from_json(metadata.to_json())
+    assert {k: v["throttle_bytes_per_s"] for k, v in restored.reassignments().items()} == {("t", 0): 4_000_000, ("t", 1): 1_000}
+    restored.alter_isr("t", 0, leader=0, leader_epoch=0, isr=[0, 1, 2, 3])
+    restored.complete_reassignment("t", 0)
+    assert restored.topics["t"].partitions[0].throttle_bytes_per_s is None
+    restored.cancel_reassignment("t", 1)
+    assert restored.topics["t"].partitions[1].throttle_bytes_per_s is None and restored.reassignments() == {}
+    # A move that adds no replica copies nothing: no throttle is kept for it.
+    assert restored.start_reassignment("t", 0, [b], NODES, throttle_bytes_per_s=5) == []
+    assert restored.reassignments()[("t", 0)]["throttle_bytes_per_s"] is None
 
 
 def test_completing_without_the_leader_hands_leadership_to_the_first_target_replica_in_sync():
@@ -440,9 +471,32 @@ def test_json_keeps_a_reassignment_in_progress_and_reads_version_1():
     state = old.topics["t"].partitions[0]
     assert (state.adding, state.removing, state.next_replica_id) == ([], [], 3) and old.reassignments() == {}
     assert old.replace_replica("t", 0, dead=1, node="n3") == 3
+    assert old.upgraded_from == 1
     raw["version"] = 99
     with pytest.raises(ValueError, match="unsupported metadata version"):
         ClusterMetadata.from_json(json.dumps(raw))
+
+
+def test_version_2_metadata_naming_ray_node_ids_loads_and_is_upgraded_in_place():
+    """A file written before node identity: its node ids are Ray node ids, which stay the ids of nodes
+    without a logbus label; it gets a cluster id, and is written again in the current version."""
+    ray_nodes = ["77b5e1b62b6ed7717948bf9c25f32ba2f482a779d59755323a823833", "1f" * 28]
+    raw = json.loads(metadata_with(partitions=2, replication_factor=2, nodes=ray_nodes).to_json())
+    raw["version"] = 2
+    del raw["cluster_id"]
+    old = ClusterMetadata.from_json(json.dumps(raw))
+    assert old.upgraded_from == 2 and old.cluster_id
+    assert {n for state in old.topics["t"].partitions for n in state.nodes.values()} == set(ray_nodes)
+    written = json.loads(old.to_json())
+    assert written["version"] == 3 and written["cluster_id"] == old.cluster_id
+    again = ClusterMetadata.from_json(old.to_json())
+    assert again.upgraded_from is None and again.cluster_id == old.cluster_id and again.to_json() == old.to_json()
+    # Those Ray node ids end with their Ray nodes: a whole-cluster restart places the partitions again.
+    assert len(again.reassign_dead_nodes(["m0", "m1"])) == 4
+
+
+def test_a_new_cluster_has_an_id_of_its_own():
+    assert ClusterMetadata().cluster_id != ClusterMetadata().cluster_id
 
 
 class ReassignmentMachine(RuleBasedStateMachine):
@@ -509,7 +563,7 @@ class ReassignmentMachine(RuleBasedStateMachine):
             assert not s.adding and not s.removing and self.nodes_of(s.replicas) == target  # only a new order
         else:
             self.target = list(target)
-            assert self.metadata.reassignments() == {("t", 0): {"target": target, "adding": s.adding, "removing": s.removing}}
+            assert self.metadata.reassignments() == {("t", 0): {"target": target, "adding": s.adding, "removing": s.removing, "throttle_bytes_per_s": None}}
 
     @rule(data=st.data())
     def leader_changes_the_isr(self, data):

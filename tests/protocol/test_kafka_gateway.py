@@ -275,7 +275,8 @@ def test_a_newer_subscription_version_is_read_for_its_topics_and_owned_partition
 UNMAPPED = {
     "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
     "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "DataDirectoryInUseError", "KafkaProtocolError",
-    "HeartbeatLinkClosedError", "HeartbeatRefusedError",
+    "HeartbeatLinkClosedError", "HeartbeatRefusedError", "TransactionAbortedError",
+    "NodeIdentityError",  # a host's identity files: the host's operator meets it, never a client
 }
 
 
@@ -321,3 +322,14 @@ def test_broker_ids_are_stable_int32s():
     ids = {kg.broker_id_for(f"{n:056x}") for n in range(1000)}
     assert len(ids) == 1000 and all(0 <= i < 2**31 for i in ids)
     assert kg.broker_id_for("abc") == kg.broker_id_for("abc")
+
+
+def test_a_fenced_transactional_producer_is_told_producer_fenced_only_by_the_versions_that_know_it():
+    fenced = errors.ProducerFencedError("x")
+    assert kg.txn_error_code(fenced, kg.END_TXN, 1) == kg.ErrorCode.invalid_producer_epoch
+    assert kg.txn_error_code(fenced, kg.END_TXN, 2) == kg.ErrorCode.producer_fenced
+    assert kg.txn_error_code(fenced, kg.INIT_PRODUCER_ID, 3) == kg.ErrorCode.invalid_producer_epoch
+    assert kg.txn_error_code(fenced, kg.INIT_PRODUCER_ID, 4) == kg.ErrorCode.producer_fenced
+    assert kg.txn_error_code(fenced, kg.TXN_OFFSET_COMMIT, 3) == kg.ErrorCode.invalid_producer_epoch
+    assert kg.txn_error_code(errors.ConcurrentTransactionsError("x"), kg.END_TXN, 3) == kg.ErrorCode.concurrent_transactions
+    assert kg.txn_error_code(errors.InvalidTxnStateError("x"), kg.ADD_PARTITIONS_TO_TXN, 3) == kg.ErrorCode.invalid_txn_state

@@ -218,9 +218,14 @@ def test_batches_with_a_valid_crc_and_any_record_count_decode_or_raise_record_er
     assert produced.record_count == record_count <= len(payload) // kr.MIN_RECORD_BYTES
 
 
-def test_transactional_batches_and_extra_batches_are_refused():
-    with pytest.raises(InvalidRecordError, match="transactional"):
-        kr.to_logbus(kafka_batch(RECORDS, producer_id=1, producer_epoch=0, base_sequence=0, transactional=True))
+def test_a_transactional_batch_stays_transactional_and_extra_batches_are_refused():
+    produced = kr.to_logbus(kafka_batch(RECORDS, producer_id=7, producer_epoch=3, base_sequence=5, transactional=True))
+    [(header, _)] = list(rb.decode_batches(produced.encoded))
+    assert header.is_transactional and not header.is_control
+    assert (header.producer_id, header.producer_epoch, header.base_sequence) == (7, 3, 5)
+    assert not rb.decode_batches(kr.to_logbus(kafka_batch(RECORDS)).encoded)[0][0].is_transactional
+    with pytest.raises(InvalidRecordError, match="producer id"):
+        kr.to_logbus(kafka_batch(RECORDS, transactional=True))
     with pytest.raises(InvalidRecordError, match="exactly one"):
         kr.to_logbus(kafka_batch(RECORDS) * 2)
 
@@ -473,3 +478,15 @@ def test_a_keyed_and_a_keyless_batch_of_ten_thousand_records_read_back_through_k
         assert [r.key for r in read] == keys
         assert [r.value for r in read] == values
         assert [r.offset for r in read] == list(range(10_000))
+
+
+def test_markers_and_transactional_batches_reach_kafka_clients_with_kafkas_bits():
+    data = kr.to_logbus(kafka_batch(RECORDS, producer_id=7, producer_epoch=3, base_sequence=0, transactional=True)).encoded
+    marker = rb.encode_control_batch(7, 3, True, 5, BASE_MS)
+    out = kr.to_kafka(data + marker)
+    first = DefaultRecordBatch(out[: kr.read_header(out, 0).size_bytes])
+    assert first.is_transactional and not first.is_control_batch and first.producer_id == 7
+    second = DefaultRecordBatch(out[kr.read_header(out, 0).size_bytes :])
+    assert second.is_transactional and second.is_control_batch and (second.producer_id, second.producer_epoch) == (7, 3)
+    [record] = list(second)
+    assert (record.key, record.value) == (struct.pack(">hh", 0, 1), struct.pack(">hi", 0, 5))  # COMMIT, coordinator epoch 5

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from logbus.errors import FencedLeaderEpochError, NotLeaderError, OffsetOutOfRangeError
-from logbus.protocol.messages import FetchRequest, FetchResponse
+from logbus.errors import FencedLeaderEpochError, InvalidRecordError, NotLeaderError, OffsetOutOfRangeError
+from logbus.protocol.messages import READ_COMMITTED, READ_UNCOMMITTED, FetchRequest, FetchResponse
 from logbus.protocol.replica_state import (
     FENCE_ASK_DELAY_MS,
     FOLLOWER,
@@ -330,6 +330,45 @@ def test_a_standalone_replica_proposes_nothing(open_log):
     accepted, actions = state.become_leader(1, [0, 1], [0, 1], log, 0)
     assert accepted and not any(isinstance(a, (ProposeIsr, ArmTimer)) for a in actions)
     assert state.check_isr(log, now_ms=10 * LAG_MS) == []
+
+
+# --- read limits: the high watermark, and the last stable offset for read_committed ----------------------
+
+
+def test_read_committed_stops_at_the_oldest_ongoing_transaction_below_the_high_watermark(open_log):
+    log = open_log()
+    state = ReplicaState(0, -1, partition_name="t-0")
+    run(log, state.become_leader(1, [0, 1], [0, 1], log, 0)[1])
+    append(log, 1, 2)  # offsets 0-1, not yet on the follower
+    # Nothing is committed yet: both levels stop at the high watermark.
+    assert state.read_limit(READ_UNCOMMITTED, log) == state.read_limit(READ_COMMITTED, log) == 0
+    transaction = encode_batch([b"t", b"t"], producer_id=7, producer_epoch=0, base_sequence=0, transactional=True)
+    log.append(transaction, leader_epoch=1)  # offsets 2-3: a transaction starts at 2
+    append(log, 1)  # offset 4
+    run(log, state.on_replica_fetch(1, 1, 5, log, now_ms=10))  # the follower holds everything: HW 5
+    assert state.read_limit(READ_UNCOMMITTED, log) == 5
+    assert state.read_limit(READ_COMMITTED, log) == state.last_stable_offset(log) == 2
+    assert state.reply_stable_offset(log) == 2
+    log.append_marker(7, 0, True, 0, leader_epoch=1)  # offset 5 commits it; the marker is not committed yet
+    assert state.last_stable_offset(log) == 5  # no transaction is ongoing: the high watermark
+    run(log, state.on_replica_fetch(1, 1, 6, log, now_ms=20))
+    assert state.read_limit(READ_COMMITTED, log) == state.read_limit(READ_UNCOMMITTED, log) == 6
+    with pytest.raises(InvalidRecordError):
+        state.read_limit(2, log)
+
+
+def test_a_follower_replies_with_its_high_watermark_as_the_stable_offset(open_log):
+    leader_log, log = open_log("leader"), open_log("follower")
+    leader_log.append(encode_batch([b"t"], producer_id=7, producer_epoch=0, base_sequence=0, transactional=True), leader_epoch=1)
+    append(leader_log, 1)
+    state = ReplicaState(1, -1, partition_name="t-0")
+    run(log, state.become_follower(1, 0, "leader", log)[1])
+    copy = leader_log.read(0, 1 << 20, verify_crc=False)
+    log.append_as_follower(bytes(copy.data), copy.first_offset, copy.next_offset)  # offset 0 opens a transaction
+    state.fetch_reply_applied(1, FetchResponse(2, 2, 2, 0, 1), log)
+    assert state.high_watermark(log.log_end_offset) == 2
+    assert state.last_stable_offset(log) == 0  # its own log's open transaction
+    assert state.reply_stable_offset(log) == 2  # a follower has no last stable offset of its own
 
 
 # --- the high watermark never goes back ------------------------------------------------------------------

@@ -2,13 +2,15 @@
 a failing one (EIO) would fail it, once or from then on.
 
 For every write call N of an operation (an append, with and without a roll, a new epoch and each
-flush policy; a follower's first batch; truncate_to; truncate_fully_and_start_at; delete_records;
-a cleaning; close): the operation raises StorageError naming a file, or succeeds; what the log
+flush policy; a transaction marker, which also writes the aborted-transaction index; a follower's
+first batch; truncate_to; truncate_fully_and_start_at; delete_records; a cleaning; close): the operation raises StorageError naming a file, or succeeds; what the log
 holds in memory is what an open of its files would find if the process died right then; once the
 fault clears, a retry and further appends work; and after a close and an open every acknowledged
 record is there with its value at its offset, no offset has two values, the log end is the one
-before the close, and idempotent retries are still recognised. A Hypothesis property interleaves
-appends, faults, retries, rolls, truncations, delete_records and reopens against a model.
+before the close, and idempotent retries are still recognised; the first unstable offset and the
+aborted transactions are those of the markers acknowledged. A Hypothesis property interleaves
+appends, transactional appends and markers, faults, retries, rolls, truncations, delete_records
+and reopens against a model.
 
 The faults are real failed calls at the boundary with the kernel: the storage modules' ``os`` and
 ``open`` are replaced by ones that count each call that writes (to a file or a directory) and fail
@@ -22,22 +24,23 @@ import os
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from logbus.errors import OffsetOutOfRangeError, StorageError
 from logbus.storage import LogConfig, PartitionLog, encode_batch
-from logbus.storage import cleaner, files, leader_epoch_cache, offset_index, partition_log, segment
+from logbus.storage import cleaner, files, leader_epoch_cache, offset_index, partition_log, segment, txn_index
 from logbus.storage import record_batch as rb
 from tests.storage.conftest import FakeClock
 
-STORAGE_MODULES = (segment, offset_index, partition_log, files, cleaner, leader_epoch_cache)
+STORAGE_MODULES = (segment, offset_index, partition_log, files, cleaner, leader_epoch_cache, txn_index)
 # The os calls that write to a file or a directory; os.open and open count when they create or
 # truncate a file (opening one that exists writes nothing).
 WRITE_CALLS = frozenset({"pwritev", "pwrite", "write", "ftruncate", "truncate", "fsync", "fdatasync", "rename", "replace", "unlink", "remove"})
 DATA_WRITES = frozenset({"pwritev", "pwrite", "write"})
 CALLS_MAX = 200  # no operation here makes more write calls: a bound on each loop over N
 PRODUCER_ID = 7
+TXN_PRODUCER_ID = 8
 
 
 # --- the disk ------------------------------------------------------------------------------------------
@@ -162,8 +165,10 @@ def disk(monkeypatch):
 class Producer:
     """An idempotent producer that retries a failed batch as it was, and remembers what was acknowledged."""
 
-    def __init__(self, keys=None):
+    def __init__(self, keys=None, producer_id=PRODUCER_ID, transactional=False):
         self.keys = keys
+        self.producer_id = producer_id
+        self.transactional = transactional
         self.sequence = 0
         self.written = 0
         self.acked = {}  # offset -> value
@@ -176,7 +181,10 @@ class Producer:
             keys = None if self.keys is None else [self.keys[(self.written + i) % len(self.keys)] for i in range(size)]
             stamps = [log.clock_ms() + self.written + i for i in range(size)]
             self.written += size
-            batch = encode_batch(values, keys, stamps, producer_id=PRODUCER_ID, producer_epoch=0, base_sequence=self.sequence)
+            batch = encode_batch(
+                values, keys, stamps, producer_id=self.producer_id, producer_epoch=0, base_sequence=self.sequence,
+                transactional=self.transactional,
+            )
             self.pending = (values, batch)
         values, batch = self.pending
         result = log.append(batch, leader_epoch=leader_epoch)  # StorageError: the batch stays pending
@@ -196,17 +204,18 @@ class Producer:
             assert self.send(log, leader_epoch=leader_epoch).base_offset == end
 
     def forget_from(self, end_offset):
-        """The log was cut at ``end_offset``: what it dropped, and the sequence it now expects."""
+        """The log was cut at ``end_offset``: what it dropped, and the sequence it now expects. (A
+        truncation emptying the log at a start inside a batch removed that batch whole.)"""
         self.acked = {o: v for o, v in self.acked.items() if o < end_offset}
-        self.batches = [b for b in self.batches if b[0] < end_offset]
+        self.batches = [b for b in self.batches if b[0] + len(b[2]) <= end_offset]
         self.sequence = self.batches[-1][1] + len(self.batches[-1][2]) if self.batches else 0
 
     def follow_sequence(self, log):
         """After a truncation or an open: the log may have forgotten the producer, when none of its
         batches is left (delete_records took them, or a truncation emptied the log at its start);
         then the producer starts its sequence again, as a real one would after its error."""
-        known = log.producer_state.producers.get(PRODUCER_ID)
-        if known is None:
+        known = log.producer_state.producers.get(self.producer_id)
+        if known is None or not known.batches:
             self.sequence = 0
         else:
             assert known.last_sequence + 1 == self.sequence
@@ -220,15 +229,42 @@ class Producer:
             return
         keys = None if self.keys is None else [b"any"] * len(values)
         end = log.log_end_offset
-        again = log.append(encode_batch(values, keys, producer_id=PRODUCER_ID, producer_epoch=0, base_sequence=sequence), leader_epoch=99)
+        again = log.append(
+            encode_batch(values, keys, producer_id=self.producer_id, producer_epoch=0, base_sequence=sequence, transactional=self.transactional),
+            leader_epoch=99,
+        )
         assert again.duplicate and again.base_offset == base and log.log_end_offset == end
 
 
-def read_all(log):
-    """{offset: value} of every record from the log start, following each read's next offset."""
+class Markers:
+    """The transaction markers of the transactional producer that were acknowledged: offset -> commit."""
+
+    def __init__(self):
+        self.acked = {}
+        self.base_at = {}  # offset -> the base offset of the log's first segment when it was written
+
+    def write(self, log, commit, leader_epoch=1):
+        base = log.segments[0].base_offset
+        result = log.append_marker(TXN_PRODUCER_ID, 0, commit, 0, leader_epoch=leader_epoch)  # StorageError: not written
+        assert result.base_offset not in self.acked
+        self.acked[result.base_offset] = commit
+        self.base_at[result.base_offset] = base
+        return result
+
+    def forget_from(self, end_offset):
+        self.acked = {o: c for o, c in self.acked.items() if o < end_offset}
+
+
+def read_all(log, markers=None):
+    """{offset: value} of every data record from the log start, following each read's next offset
+    (with ``markers``, {offset: commit} of each marker goes there)."""
     offset, out = log.log_start_offset, {}
     while (result := log.read(offset, 1 << 20)) is not None:
-        for _, first, records in rb.slice_batches(result.data, offset):
+        for header, first, records in rb.slice_batches(result.data, offset):
+            if header.is_control:
+                assert markers is not None, "a marker no one wrote"
+                markers[first] = rb.control_record(records)[0]
+                continue
             for i, value in enumerate(records.column("value").to_pylist()):
                 assert first + i not in out
                 out[first + i] = value
@@ -236,12 +272,42 @@ def read_all(log):
     return out
 
 
-def check_content(log, producer):
-    """Every acknowledged record from the log start on, with its value at its offset, and nothing else."""
+def check_content(log, producer, txn=None, markers=None):
+    """Every acknowledged record from the log start on, with its value at its offset, and nothing else
+    (the transactional producer's records and markers too, when given; then the first unstable offset
+    and the aborted transactions are those the acknowledged ones make)."""
     start = log.log_start_offset
-    assert read_all(log) == {o: v for o, v in producer.acked.items() if o >= start}
-    if producer.acked:
-        assert log.log_end_offset == max(producer.acked) + 1
+    acked = dict(producer.acked)
+    if txn is not None:
+        acked.update(txn.acked)
+    found_markers = {}
+    assert read_all(log, found_markers) == {o: v for o, v in acked.items() if o >= start}
+    expected_markers = {} if markers is None else markers.acked
+    assert found_markers == {o: c for o, c in expected_markers.items() if o >= start}
+    if acked or expected_markers:
+        assert log.log_end_offset == max(list(acked) + list(expected_markers)) + 1
+    if txn is not None:
+        check_transactions(log, txn, markers)
+
+
+def check_transactions(log, txn, markers):
+    """The log's first unstable offset and aborted transactions, from what was acknowledged: a
+    transaction starts with the first transactional batch after a marker and ends with the next marker.
+    Segments deleted (retention, delete_records) take the start of a transaction with them: from
+    then on it starts at its first batch left, and a transaction with none left is not known (its
+    marker ends nothing)."""
+    segment_base = log.segments[0].base_offset
+    bases = sorted(base for base, _, _ in txn.batches)
+    previous, aborted = -1, []
+    for offset in sorted(markers.acked):
+        floor = markers.base_at[offset]  # the segments deleted before the marker
+        first = min((b for b in bases if previous < b < offset and b >= floor), default=None)
+        if first is not None and not markers.acked[offset] and offset >= segment_base:  # (an entry goes with its marker's segment)
+            aborted.append((TXN_PRODUCER_ID, first))
+        previous = offset
+    ongoing = min((b for b in bases if b > previous and b >= segment_base), default=None)
+    assert log.first_unstable_offset() == ongoing
+    assert log.aborted_transactions(0, log.log_end_offset + 1) == aborted
 
 
 def state(log):
@@ -251,6 +317,7 @@ def state(log):
             s.base_offset, s.size_bytes, s.next_offset, s.max_timestamp_ms, s.first_timestamp_ms,
             [s.offset_index.entry(i) for i in range(len(s.offset_index))],
             [s.time_index.entry(i) for i in range(len(s.time_index))],
+            s.txn_index.entries(),
         )
         for s in log.segments
     ]
@@ -264,13 +331,16 @@ def state(log):
         "next index entry": log.active_segment._bytes_since_index_entry,
         "epochs": list(log.epochs.entries),
         "producers": producers,
+        "ongoing transactions": sorted(log.producer_state.ongoing.items()),
         "cleaner": (log._cleaner_checkpoint, log._tombstones_due_ms),
     }
 
 
 def cut_pending(log):
     """A failed write's bytes still wait to be cut (the disk refused the cut too)."""
-    return any(s._cut_pending or s.offset_index._cut_pending or s.time_index._cut_pending for s in log.segments)
+    return any(
+        s._cut_pending or s.offset_index._cut_pending or s.time_index._cut_pending or s.txn_index._cut_pending for s in log.segments
+    )
 
 
 def check_recovers_to_memory(log, disk, directory):
@@ -404,6 +474,66 @@ def test_an_append_fails_whole_at_every_write_call_and_the_log_heals(disk, tmp_p
         if failure is None:
             assert len(log.segments) == 1 + roll  # the append that met no fault rolled as asked
         heal_and_check(log, producer, disk, tmp_path, n, persistent and failure is not None, epoch=2 if new_epoch else 1)
+
+
+MARKERS = {
+    # the marker commits, a roll before it (segment.ms passed), flush policy, a new leader epoch
+    "abort-roll-new-epoch": (False, True, "os", True),
+    "abort-plain": (False, False, "os", False),
+    "abort-batch": (False, False, "batch", False),
+    "commit-roll": (True, True, "os", False),
+}
+
+
+@pytest.mark.parametrize("error,persistent", MODES, ids=MODE_IDS)
+@pytest.mark.parametrize("kind", list(MARKERS))
+def test_a_marker_append_fails_whole_at_every_write_call_and_the_log_heals(disk, tmp_path, kind, error, persistent):
+    """A marker's append (log file, indexes, the aborted-transaction index, epoch, sync): all or
+    nothing. Failed, the transaction is still open and nothing names it aborted; retried, it lands
+    once, at the offset the failed attempt had."""
+    commit, roll, policy, new_epoch = MARKERS[kind]
+    epoch = 2 if new_epoch else 1
+    clock = FakeClock()
+
+    def build(directory):
+        log = log_of(directory, clock, **{"flush.policy": policy, "segment.ms": 60_000})
+        producer, txn = Producer(), Producer(producer_id=TXN_PRODUCER_ID, transactional=True)
+        producer.send(log)
+        txn.send(log)
+        producer.send(log)
+        txn.send(log)
+        if roll:
+            clock.now_ms += 60_000
+        return log, producer, txn, Markers()
+
+    def marker(context):
+        log, _, _, markers = context
+        markers.write(log, commit, leader_epoch=epoch)
+
+    for n, (log, producer, txn, markers), failure in each_write_call(disk, tmp_path, build, marker, error, persistent):
+        assert log.log_end_offset == (9 if failure is None else 8)  # 4 batches of 2, then the marker
+        check_content(log, producer, txn, markers)
+        if failure is not None:
+            assert log.first_unstable_offset() == 2 and log.aborted_transactions(0, 9) == []
+            if persistent:
+                with pytest.raises(StorageError):
+                    markers.write(log, commit, leader_epoch=epoch)
+                disk.clear()
+            if not cut_pending(log):
+                check_recovers_to_memory(log, disk, tmp_path / f"crash-{n}")
+            assert markers.write(log, commit, leader_epoch=epoch).base_offset == 8  # the retry
+        assert log.first_unstable_offset() is None
+        assert log.aborted_transactions(0, 9) == ([] if commit else [(TXN_PRODUCER_ID, 2)])
+        check_content(log, producer, txn, markers)
+        check_recovers_to_memory(log, disk, tmp_path / f"crash-after-{n}")
+        txn.send(log, leader_epoch=epoch)  # the next transaction
+        log = reopen(log)
+        try:
+            check_content(log, producer, txn, markers)
+            assert log.first_unstable_offset() == 9
+            txn.check_duplicate_detection(log)
+        finally:
+            log.close()
 
 
 @pytest.mark.parametrize("error,persistent", MODES[:2], ids=MODE_IDS[:2])
@@ -608,6 +738,8 @@ def test_a_close_that_fails_still_closes_and_loses_nothing(disk, tmp_path, error
 operation = st.one_of(
     st.tuples(st.just("append"), st.integers(1, 4), st.booleans()),  # records, a new leader epoch
     st.tuples(st.just("append"), st.integers(1, 4), st.just(False)),
+    st.tuples(st.just("txn"), st.integers(1, 4), st.none()),  # a transactional batch
+    st.tuples(st.just("marker"), st.booleans(), st.none()),  # commit or abort
     st.tuples(st.just("fault"), st.integers(1, 12), st.sampled_from(MODES)),  # the k-th write call from now fails
     st.tuples(st.just("heal"), st.none(), st.none()),
     st.tuples(st.just("roll"), st.none(), st.none()),
@@ -619,6 +751,10 @@ operation = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(operation, min_size=8, max_size=30), st.sampled_from(["os", "batch"]))
+# A truncation that deletes the active segment makes the one before it active again: its appends
+# must place offset-index entries where recovery does.
+@example(operations=[("append", 1, False)] * 4 + [("roll", None, None), ("append", 1, False), ("reopen", None, None), ("truncate", 0.875, None)],
+         policy="os")
 def test_property_no_acknowledged_record_is_lost_whatever_write_fails(disk, tmp_path_factory, operations, policy):
     directory = tmp_path_factory.mktemp("faults")
     disk.clear()
@@ -626,6 +762,7 @@ def test_property_no_acknowledged_record_is_lost_whatever_write_fails(disk, tmp_
     clock = FakeClock()
     log = log_of(directory, clock, **{"flush.policy": policy, "segment.bytes": 4096, "index.interval.bytes": 700})
     producer = Producer()
+    txn, markers = Producer(producer_id=TXN_PRODUCER_ID, transactional=True), Markers()
     epoch = 1
     crashes = 0
     try:
@@ -635,6 +772,10 @@ def test_property_no_acknowledged_record_is_lost_whatever_write_fails(disk, tmp_
                 if kind == "append":
                     epoch += option
                     producer.send(log, size=argument, leader_epoch=epoch)
+                elif kind == "txn":
+                    txn.send(log, size=argument, leader_epoch=epoch)
+                elif kind == "marker":
+                    markers.write(log, argument, leader_epoch=epoch)
                 elif kind == "fault":
                     disk.arm(argument, *option)
                 elif kind == "heal":
@@ -644,19 +785,22 @@ def test_property_no_acknowledged_record_is_lost_whatever_write_fails(disk, tmp_
                 elif kind == "truncate":
                     target = log.log_start_offset + int(argument * (log.log_end_offset - log.log_start_offset))
                     before = log.log_end_offset
-                    producer.pending = None  # the producer gives a batch that failed up
+                    producer.pending = txn.pending = None  # the producers give a batch that failed up
                     try:
                         log.truncate_to(target)
                     finally:
                         assert log.log_end_offset <= before
-                        producer.forget_from(log.log_end_offset)
+                        for each in (producer, txn, markers):
+                            each.forget_from(log.log_end_offset)
                         producer.follow_sequence(log)
+                        txn.follow_sequence(log)
                 elif kind == "delete_records":
                     log.delete_records(log.log_start_offset + int(argument * (log.log_end_offset - log.log_start_offset)))
                 else:
                     disk.clear()
                     log = reopen(log)
                     producer.follow_sequence(log)
+                    txn.follow_sequence(log)
             except StorageError:
                 assert disk.fired
                 failed = True
@@ -664,18 +808,20 @@ def test_property_no_acknowledged_record_is_lost_whatever_write_fails(disk, tmp_
             if log._closed:  # closed itself, or a close failed: its owner opens it again
                 disk.clear()
                 log = reopened_if_closed(log)
-            check_content(log, producer)
+            check_content(log, producer, txn, markers)
             if failed and not cut_pending(log):  # a crash right after a failed write
                 crashes += 1
                 check_recovers_to_memory(log, disk, directory / f"crash-{crashes}")
         disk.clear()
         producer.retry_until_sent(log, leader_epoch=epoch)
+        txn.retry_until_sent(log, leader_epoch=epoch)
         producer.send(log, leader_epoch=epoch)  # healed: appends go on (and make the cuts left pending)
+        markers.write(log, False, leader_epoch=epoch)
         check_recovers_to_memory(log, disk, directory / "crash-at-the-end")
         end = log.log_end_offset
         log = reopen(log)
         assert log.log_end_offset == end
-        check_content(log, producer)
+        check_content(log, producer, txn, markers)
         producer.check_duplicate_detection(log)
     finally:
         disk.clear()
