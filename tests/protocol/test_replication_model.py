@@ -30,11 +30,25 @@ and at the end, with the faults over (every node back, nothing lost): the
 ISR is full again and every replica holds the same log. With unclean
 elections allowed (a second machine), only the end is checked: such an
 election may lose committed records, but never leaves the logs apart.
+
+The checks are incremental: each replica's records are read as they change
+(appends from where the last read ended; a truncation, which the model
+carries out itself, drops what it cut), and each check goes on from where
+the last one ended unless a cut lowered it; the end compares the records
+read step by step with each whole log.
+
+Cost: in the suite, LOGBUS_MODEL_EXAMPLES examples (default 40; half as
+many for the unclean machine) of LOGBUS_MODEL_STEPS steps (default 40). A
+long run, for a change to replication::
+
+    LOGBUS_MODEL_EXAMPLES=1000 LOGBUS_MODEL_STEPS=100 \
+        .venv/bin/python -m pytest -p no:cacheprovider tests/protocol/test_replication_model.py
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -61,7 +75,9 @@ from logbus.protocol.replica_state import (
     ReplicaState,
     SaveEpoch,
     StartFollowing,
+    StartLogAt,
     StopFollowing,
+    Truncate,
     apply_to_log,
 )
 from logbus.storage import batch_header as bh
@@ -75,6 +91,9 @@ FETCH_SLACK_MS = 1_000  # the actor's FOLLOWER_FETCH_SLACK_MS
 CALL_TIMEOUT_MS = 5_000  # the actor's ALTER_ISR_TIMEOUT_S and FOLLOWER_CALL_TIMEOUT_S
 CONFIG = LogConfig.from_dict({"replica.lag.time.max.ms": LAG_MS, "segment.bytes": 4096})
 CONTROLLER = "controller"
+# Once the faults end, the cluster heals within this many rounds of 100 ms (30 s of the model's time:
+# every call's deadline and every timer, 5 s at most, passes several times over).
+HEAL_ROUNDS = 300
 
 
 @dataclass
@@ -129,6 +148,15 @@ class Replica:
     isr_calls: list[Call] = field(default_factory=list)
     role_call: Call | None = None  # the role question in flight (asked again if it is not answered)
     hw_seen: int = 0
+    # The log's records as last read (offset -> record), kept up to date incrementally: appends are read
+    # from ``held_end`` on, and every truncation is noted in ``cut_at`` (the model makes them all).
+    held: dict[int, tuple[int, int]] = field(default_factory=dict)
+    held_start: int = 0
+    held_end: int = 0
+    cut_at: int | None = None  # the lowest offset cut since the records were last read
+    # The checks' progress: offsets below these were found right, and stay so unless a cut lowers them.
+    checked_below: int = 0  # one value per offset: below this, the log holds the committed records
+    survived_below: int = 0  # committed records survive: below this, every committed record is held
 
     def start(self) -> None:
         self.log = PartitionLog(self.directory, CONFIG, clock_ms=self.clock)
@@ -137,6 +165,31 @@ class Replica:
         self.timers, self.fetching, self.loop, self.parked, self.isr_calls = {}, None, None, [], []
         self.role_call = None
         self.hw_seen = 0
+        self.held, self.held_start, self.held_end, self.cut_at = {}, 0, 0, None  # the log was reopened: read it all again
+        self.checked_below = self.survived_below = 0
+
+    def cut(self, offset: int) -> None:
+        """The log loses everything at and after ``offset`` (a truncation; 0: the whole log)."""
+        self.cut_at = offset if self.cut_at is None else min(self.cut_at, offset)
+
+    def records(self) -> dict[int, tuple[int, int]]:
+        """offset -> (leader epoch, CRC) for every offset the log holds, reading only what changed."""
+        log = self.log
+        if self.cut_at is not None:
+            for offset in [o for o in self.held if o >= self.cut_at]:
+                del self.held[offset]
+            self.held_end = min(self.held_end, self.cut_at)
+            self.checked_below = min(self.checked_below, self.cut_at)
+            self.survived_below = min(self.survived_below, self.cut_at)
+            self.cut_at = None
+        start = log.log_start_offset
+        if start > self.held_start:  # delete_records: what is below the log start is gone
+            for offset in range(self.held_start, min(start, self.held_end)):
+                self.held.pop(offset, None)
+        self.held_start = start
+        self.held.update(records_of(log, max(self.held_end, start)))
+        self.held_end = log.log_end_offset
+        return self.held
 
     def crash(self) -> None:
         self.log.close()
@@ -155,10 +208,10 @@ class Clock:
         return self.now_ms
 
 
-def records_of(log: PartitionLog) -> dict[int, tuple[int, int]]:
-    """offset -> (leader epoch, CRC) of the batch that holds it, for every offset the log holds."""
+def records_of(log: PartitionLog, start: int | None = None) -> dict[int, tuple[int, int]]:
+    """offset -> (leader epoch, CRC) of the batch that holds it, for every offset the log holds (from ``start`` on)."""
     held = {}
-    offset, end = log.log_start_offset, log.log_end_offset
+    offset, end = log.log_start_offset if start is None else max(start, log.log_start_offset), log.log_end_offset
     while offset < end:
         result = log.read(offset, 1 << 30)
         if result is None:
@@ -191,6 +244,7 @@ class ReplicationModel(RuleBasedStateMachine):
         self.fence = {r: 0 for r in range(self.replicas)}  # each replica's fence file
         self.roles_due: dict[int, int] = {}  # replica -> epoch it must acknowledge (the controller's RoleDeliveries)
         self.committed: dict[int, tuple[int, int]] = {}  # offset -> record, for offsets a leader exposed
+        self.committed_end = 0  # past the last offset in committed
         self.deleted_below = 0  # DeleteRecords went this far: records below need not survive anywhere
         for node in self.nodes:
             node.start()
@@ -304,6 +358,12 @@ class ReplicationModel(RuleBasedStateMachine):
                     node.timers.pop(name, None)
                 case AskRole():
                     self.ask_role(node)
+                case Truncate(offset):
+                    node.cut(offset)
+                    apply_to_log(node.log, action)
+                case StartLogAt():
+                    node.cut(0)  # everything goes, wherever the log starts again
+                    apply_to_log(node.log, action)
                 case _:
                     apply_to_log(node.log, action)
 
@@ -629,13 +689,23 @@ class ReplicationModel(RuleBasedStateMachine):
         its value, and every other replica's there must equal it."""
         if self.unclean:
             return  # an unclean election may replace committed records
-        held = records_of(node.log)
-        for offset in range(node.log.log_start_offset, node.high_watermark):
-            record = self.committed.setdefault(offset, held[offset])
+        held = node.records()
+        high_watermark = node.high_watermark
+        # Offsets below checked_below were checked before and have not changed since (a cut lowers it).
+        for offset in range(max(node.log.log_start_offset, node.checked_below), high_watermark):
+            assert offset in held, f"replica {node.replica_id} holds nothing at {offset}, below its high watermark {high_watermark}"
+            record = self.committed.get(offset)
+            if record is None:
+                record = self.committed[offset] = held[offset]
+                if offset < self.committed_end:  # a committed offset new below others: every replica is checked for it
+                    for other in self.nodes:
+                        other.survived_below = min(other.survived_below, offset)
+                self.committed_end = max(self.committed_end, offset + 1)
             assert record == held[offset], (
                 f"offset {offset}: replica {node.replica_id} ({node.state.role}, epoch {node.state.leader_epoch}) holds "
-                f"{held[offset]} below its high watermark {node.high_watermark}; committed: {record}"
+                f"{held[offset]} below its high watermark {high_watermark}; committed: {record}"
             )
+        node.checked_below = max(node.checked_below, high_watermark)
 
     @invariant()
     def one_value_per_offset_below_the_high_watermark(self):
@@ -652,12 +722,15 @@ class ReplicationModel(RuleBasedStateMachine):
             node = self.nodes[r]
             if not node.up:
                 continue
-            held = records_of(node.log)
-            for offset, record in self.committed.items():
-                if offset >= max(node.log.log_start_offset, self.deleted_below):
+            held = node.records()
+            # Committed records below survived_below were found here before and have not changed since.
+            for offset in range(max(node.log.log_start_offset, self.deleted_below, node.survived_below), self.committed_end):
+                record = self.committed.get(offset)
+                if record is not None:
                     assert held.get(offset) == record, (
                         f"replica {r} (ISR {p.isr}, leader {p.leader}) holds {held.get(offset)} at committed offset {offset}, not {record}"
                     )
+            node.survived_below = max(node.survived_below, self.committed_end)
 
     # --- the end: faults over, the cluster heals ------------------------------------------------------
 
@@ -674,7 +747,7 @@ class ReplicationModel(RuleBasedStateMachine):
         for r in range(self.replicas):
             self.fence[r] = self.partition().leader_epoch
             self.run(self.nodes[r], self.nodes[r].state.on_fence(self.fence[r]))
-        for _ in range(300):
+        for _ in range(HEAL_ROUNDS):
             while self.network:
                 self.deliver_message(0)
                 self.check_all()
@@ -687,13 +760,15 @@ class ReplicationModel(RuleBasedStateMachine):
             if self.healed():
                 break
         p = self.partition()
-        assert p.leader is not None, f"no leader after healing (ISR {p.isr})"
+        assert p.leader is not None, f"no leader after healing (ISR {p.isr}); {self.describe()}"
         leader = self.nodes[p.leader]
-        assert sorted(p.isr) == sorted(p.replicas), f"the controller's ISR {p.isr} is not every replica {p.replicas}"
+        assert sorted(p.isr) == sorted(p.replicas), f"the controller's ISR {p.isr} is not every replica {p.replicas}; {self.describe()}"
         assert leader.state.role == LEADER and sorted(leader.state.leader.isr) == sorted(p.replicas), (
-            f"leader {p.leader} ({leader.state.role}) has ISR {leader.state.leader and sorted(leader.state.leader.isr)}"
+            f"leader {p.leader} ({leader.state.role}) has ISR {leader.state.leader and sorted(leader.state.leader.isr)}; {self.describe()}"
         )
         logs = {node.replica_id: records_of(node.log) for node in self.nodes}
+        for node in self.nodes:  # the model's own bookkeeping: what it read step by step is what the log holds
+            assert node.records() == logs[node.replica_id], f"replica {node.replica_id}: the records read step by step are not the log's"
         start = max(node.log.log_start_offset for node in self.nodes)
         ends = {node.replica_id: node.log.log_end_offset for node in self.nodes}
         assert len(set(ends.values())) == 1, f"log ends differ: {ends}"
@@ -701,6 +776,20 @@ class ReplicationModel(RuleBasedStateMachine):
             mine = {o: v for o, v in held.items() if o >= start}
             theirs = {o: v for o, v in logs[p.leader].items() if o >= start}
             assert mine == theirs, f"replica {r}'s log differs from the leader's ({p.leader})"
+
+    def describe(self) -> str:
+        """The controller's and each replica's view, for a failure's message."""
+        p = self.partition()
+        lines = [f"controller: leader {p.leader}, epoch {p.leader_epoch}, ISR {p.isr}, roles due {self.roles_due}"]
+        for node in self.nodes:
+            state = node.state
+            lines.append(
+                f"replica {node.replica_id}: {state.role} at epoch {state.leader_epoch} (leader {state.leader_id}), "
+                f"log [{node.log.log_start_offset}, {node.log.log_end_offset}), HW {node.high_watermark}, "
+                f"ISR {state.leader and sorted(state.leader.isr)} (pending {state.leader and state.leader.pending_isr}), "
+                f"loop {node.loop}, fetching {node.fetching}, timers {node.timers}, fence {self.fence[node.replica_id]}"
+            )
+        return "\n".join(lines)
 
     def healed(self) -> bool:
         p = self.partition()
@@ -729,7 +818,12 @@ class UncleanReplicationModel(ReplicationModel):
 
 # No explain phase: it replays a failing run under a tracer, which here takes many minutes.
 PHASES = [phase for phase in Phase if phase != Phase.explain]
-ReplicationModel.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None, phases=PHASES)
+# In the suite, a short run (well under a minute for both machines); a long one through the environment.
+EXAMPLES = int(os.environ.get("LOGBUS_MODEL_EXAMPLES", "40"))
+STEPS = int(os.environ.get("LOGBUS_MODEL_STEPS", "40"))
+ReplicationModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, phases=PHASES)
 test_replication_model = ReplicationModel.TestCase
-UncleanReplicationModel.TestCase.settings = settings(max_examples=100, stateful_step_count=60, deadline=None, phases=PHASES)
+UncleanReplicationModel.TestCase.settings = settings(
+    max_examples=max(1, EXAMPLES // 2), stateful_step_count=STEPS, deadline=None, phases=PHASES
+)
 test_unclean_replication_model = UncleanReplicationModel.TestCase
