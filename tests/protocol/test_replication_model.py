@@ -37,8 +37,8 @@ carries out itself, drops what it cut), and each check goes on from where
 the last one ended unless a cut lowered it; the end compares the records
 read step by step with each whole log.
 
-Cost: in the suite, LOGBUS_MODEL_EXAMPLES examples (default 40; half as
-many for the unclean machine) of LOGBUS_MODEL_STEPS steps (default 40). A
+Cost: in the suite, LOGBUS_MODEL_EXAMPLES examples (default 100; half as
+many for the unclean machine) of LOGBUS_MODEL_STEPS steps (default 60). A
 long run, for a change to replication::
 
     LOGBUS_MODEL_EXAMPLES=1000 LOGBUS_MODEL_STEPS=100 \
@@ -819,8 +819,8 @@ class UncleanReplicationModel(ReplicationModel):
 # No explain phase: it replays a failing run under a tracer, which here takes many minutes.
 PHASES = [phase for phase in Phase if phase != Phase.explain]
 # In the suite, a short run (well under a minute for both machines); a long one through the environment.
-EXAMPLES = int(os.environ.get("LOGBUS_MODEL_EXAMPLES", "40"))
-STEPS = int(os.environ.get("LOGBUS_MODEL_STEPS", "40"))
+EXAMPLES = int(os.environ.get("LOGBUS_MODEL_EXAMPLES", "100"))
+STEPS = int(os.environ.get("LOGBUS_MODEL_STEPS", "60"))
 ReplicationModel.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None, phases=PHASES)
 test_replication_model = ReplicationModel.TestCase
 UncleanReplicationModel.TestCase.settings = settings(
