@@ -1,15 +1,27 @@
 """PartitionReplica: the actor that owns one partition replica's log on its node.
 
-A thin shell around :class:`~logbus.storage.PartitionLog` and, while it
-leads, a :class:`~logbus.protocol.replica_state.LeaderState`. It receives
-encoded batches (bytes or uint8 arrays, never Arrow objects), appends them,
-and serves fetches as a copy of whole batches: inside the reply when small,
-else as an ObjectRef (one copy, mmap -> object store). A consumer's fetch
-session lets its pipelined fetches continue one another (see ``_read``).
-Clients on the same node may send small produce requests and fetches at the
-log end over the replica's local channel, a Unix socket served on the same
-event loop (``channel_server.py``): the same methods, without Ray's per-call
-cost.
+The actor is the transport, the timers and the lease files over parts that
+each have one job (Kafka's Partition, fetcher and purgatory):
+
+- ``protocol/replica_state.py`` (no Ray, no I/O): the role and epoch, a
+  leader's ISR and high watermark, a follower's decisions (truncation by
+  leader epoch, a fetch out of range, the leader's log start and high
+  watermark), the fence rule. It returns actions (truncate, propose an ISR,
+  arm a timer, ask for the role, ...) that ``_run`` carries out;
+- ``replica_fetcher.py``: a follower's fetch loop, the calls to its leader;
+- ``fetch_parking.py``: fetches parked at the log end (long polls) and
+  acks=all produces waiting for their commit;
+- ``protocol/fetch_sessions.py``: consumers' fetch sessions;
+- ``fetch_packaging.py``: a read packaged for its transport, an actor call
+  (bytes, or one copy into the object store) or the local channel (a view);
+- ``cleaning_schedule.py``: when the log is compacted, and the cleaning;
+- ``timers.py``: the named one-shot timers the replica arms.
+
+It receives encoded batches (bytes or uint8 arrays, never Arrow objects),
+appends them, and serves fetches as a copy of whole batches. Clients on the
+same node may send small produce requests and fetches at the log end over
+the replica's local channel, a Unix socket served on the same event loop
+(``channel_server.py``): the same methods, without Ray's per-call cost.
 
 Roles. The controller decides who leads: ``become_leader`` /
 ``become_follower`` carry the new leader epoch. A follower pulls from the
@@ -34,25 +46,16 @@ that Ray restarted) tells its node agent its pid and asks the controller for
 its role (``replica_started``, through the agent, so that the replica's
 process need not load the controller's class); role changes come as calls,
 which the controller sends again until they are acknowledged, and a replica
-whose fence epoch stays past its own for ``FENCE_ASK_DELAY_S`` (the agent
-says when it moves the fence; requests and a follower's fetches look too)
-asks again, once per fence epoch. A follower's fetch has a deadline
-of its own (its wait plus ``FOLLOWER_FETCH_SLACK_MS``). The leader
-checks its ISR when something happens (a follower's fetch, a produce) and
-arms one timer only while an in-sync follower is behind; retention arms one
-timer for when its oldest data expires, and interval flushes one after an
-append. A follower long-polls its leader with a long wait (half the lag
-time), so an idle follower costs one call per few seconds, and a follower
-whose fetch waits at the leader's end counts as in sync for that long.
-
-Compaction (``cleanup.policy`` with "compact", ``storage/cleaner.py``): one
-timer for when the log may next need cleaning (a segment rolled, a segment
-left min.compaction.lag.ms, a tombstone is due to go); a cleaning due but not
-yet below the high watermark starts when the watermark moves. The cleaning
-reads and writes files in a thread, below the high watermark, while the
-replica goes on serving; each cleaned segment is swapped in on the event loop. Leader and
-followers compact their own copies (their bytes then differ; their records
-at each offset do not).
+whose fence epoch stays past its own for a second (the agent says when it
+moves the fence; requests and a follower's fetches look too) asks again,
+once per fence epoch. The leader checks its ISR when something happens (a
+follower's fetch, a produce) and arms one timer only while an in-sync
+follower is behind; retention arms one timer for when its oldest data
+expires, interval flushes one after an append, and compaction one for when
+the log may next need cleaning. A follower long-polls its leader with a long
+wait (half the lag time), so an idle follower costs one call per few
+seconds, and a follower whose fetch waits at the leader's end counts as in
+sync for that long.
 
 It is an async actor: every method runs on one event loop, so calls are
 serialised between awaits and the log (not thread-safe) is only touched from
@@ -88,9 +91,7 @@ import functools
 import json
 import logging
 import os
-import pickle
 import shutil
-from collections import OrderedDict
 
 import numpy as np
 import ray
@@ -98,13 +99,16 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors import metrics
 from logbus.actors.channel_server import ChannelServer
+from logbus.actors.cleaning_schedule import CleaningSchedule
+from logbus.actors.fetch_packaging import FetchPackaging
+from logbus.actors.fetch_parking import FetchParking
 from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write, node_directory, replica_file_name
 from logbus.actors.node_agent import agent_actor_name
+from logbus.actors.replica_fetcher import ReplicaFetcher
+from logbus.actors.timers import Timers
 from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
-    ChannelReplyTooLargeError,
     DataDirectoryInUseError,
-    FencedLeaderEpochError,
     InvalidRecordError,
     LogbusError,
     NotEnoughReplicasError,
@@ -114,8 +118,9 @@ from logbus.errors import (
     RequestTimedOutError,
 )
 from logbus.protocol import local_channel as wire
+from logbus.protocol.fetch_sessions import FetchSessions
+from logbus.protocol.liveness import LEASE_MS
 from logbus.protocol.messages import (
-    FETCH_INLINE_MAX_BYTES,
     FETCH_MAX_BYTES_MAX,
     FETCH_WAIT_MS_MAX,
     PRODUCE_TIMEOUT_MS_DEFAULT,
@@ -125,13 +130,26 @@ from logbus.protocol.messages import (
     FetchResponse,
     ProduceResponse,
 )
-from logbus.protocol.liveness import LEASE_MS
-from logbus.protocol.replica_state import LeaderState
+from logbus.protocol.replica_state import (
+    ISR_TIMER,
+    LEADER,
+    ROLE_TIMER,
+    ArmTimer,
+    AskRole,
+    DisarmTimer,
+    HighWatermarkMoved,
+    LeaderState,
+    LeadershipChanged,
+    ProposeIsr,
+    ReplicaState,
+    SaveEpoch,
+    StartFollowing,
+    StopFollowing,
+    apply_to_log,
+)
 from logbus.storage import batch_header as bh
-from logbus.storage.cleaner import build_offset_map, clean_group, discard
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
-from logbus.storage.leader_epoch_cache import UNDEFINED_EPOCH
 from logbus.storage.log_config import LOG_APPEND_TIME, LogConfig
 from logbus.storage.partition_log import PartitionLog, ReadResult
 
@@ -140,85 +158,19 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "replica.json"
 OWNER_LOCK_FILE = "owner.lock"  # held for the process's lifetime: one process per replica directory
 OWNER_LOCK_WAIT_S = 30.0  # a restarted replica waits this long for a predecessor still exiting
-REPLICA_FETCH_WAIT_MS = 10_000  # at most (and at most half the lag time): an append answers a waiting fetch at once
 ALTER_ISR_TIMEOUT_S = 5.0
 LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this long for a renewal
 LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
-# A follower's fetch ends by its own deadline: its wait plus this slack. One sent into a cut network
-# (or on a connection that died) would otherwise wait until the transport gives up, many seconds.
-FOLLOWER_FETCH_SLACK_MS = 1_000
-# After a fetch that failed or timed out, the follower asks with this short wait (deadline: this plus
-# the slack) until one succeeds: once the leader can be reached again, a fetch ends and is sent again
-# within 2 s, and the follower is back in the ISR at its next fetch.
-FOLLOWER_RETRY_WAIT_MS = 500
-FOLLOWER_CALL_TIMEOUT_S = 5.0  # a follower's other calls to its leader (epoch ends, offsets)
-FENCE_ASK_DELAY_S = 1.0  # a fence epoch past ours this long (the controller's call did not come): ask for our role
-MAX_TIMER_S = 24 * 3600.0  # a far-away retention deadline is re-checked daily (clock changes, config changes)
-CLEAN_FAILED_RETRY_S = 60.0  # a cleaning that failed is tried again this soon, then twice as late each time
-CLEAN_FAILED_RETRY_MAX_S = 3600.0
-REPLICA_FETCH_MAX_BYTES = 16 << 20
-THROTTLE_SLICE_S = 0.2  # a throttled follower fetches about this many seconds' worth of bytes at a time
-THROTTLED_FETCH_MIN_BYTES = 64 << 10
+RETENTION_FAILED_RETRY_S = 60.0  # retention that failed is tried again this soon
 PRODUCE_TIMEOUT_MS_MAX = 120_000
-FETCH_SESSIONS_MAX = 1024  # consumers' fetch sessions remembered (least recently used ones are forgotten)
 REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
 # failover the missing batch may sit behind the waiting ones in the producer)
 
-LEADER = "leader"
-FOLLOWER = "follower"
-UNKNOWN = "unknown"
 
-
-class Wakeup:
-    """Coroutines waiting, with a timeout, for the next ``wake_all()``.
-
-    What ``asyncio.wait_for(event.wait(), t)`` on a fresh Event per signal did,
-    without a task per wait: a woken waiter resumes in the loop's next turn
-    instead of three turns later, which is on the path of every fetch waiting
-    at the log end.
-    """
-
-    __slots__ = ("_waiters",)
-
-    def __init__(self) -> None:
-        self._waiters: list[asyncio.Future] = []
-
-    async def wait(self, timeout_s: float) -> bool:
-        """True if woken, False if ``timeout_s`` passed first."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._waiters.append(waiter)
-        timer = loop.call_later(max(0.0, timeout_s), _expire, waiter)
-        try:
-            return await waiter
-        finally:
-            timer.cancel()
-            if not (waiter.done() and not waiter.cancelled() and waiter.result()):
-                try:
-                    self._waiters.remove(waiter)  # timed out or cancelled: not waiting any more
-                except ValueError:
-                    pass
-
-    def __len__(self) -> int:
-        """How many coroutines wait now."""
-        return len(self._waiters)
-
-    def wake_all(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(True)
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(False)
-
-
-def _same_actor(a, b) -> bool:
-    """Whether two handles name the same actor (a replica re-created under its old id is another actor)."""
-    return a is not None and b is not None and a._actor_id == b._actor_id
+def _actor_ref(handle):
+    """Which actor a handle names (a replica re-created under its old id is another actor), or None."""
+    return None if handle is None else handle._actor_id
 
 
 class PartitionReplica:
@@ -255,43 +207,39 @@ class PartitionReplica:
         state = self._load_state() or {"config": dict(config), "leader_epoch": -1}
         self.config_overrides = state["config"]
         self.log = PartitionLog(directory, LogConfig.from_dict(self.config_overrides))
-        self.leader_epoch = int(state["leader_epoch"])  # the epoch of the role held, -1 before any
-        self.role = UNKNOWN
-        self.leader_state: LeaderState | None = None
-        self.leader_handle = None
-        self.leader_id: int | None = None
-        self.follower_high_watermark = 0
+        self._label = f"{topic}-{partition}/{replica_id}"
+        # Role, epoch (of the role held, -1 before any) and the replication decisions: sans-IO.
+        self.state = ReplicaState(
+            replica_id, int(state["leader_epoch"]), partition_name=f"{topic}-{partition}", controlled=controller_name is not None
+        )
+        self._deleted = False  # no more background work (being deleted, or the controller no longer has us)
+        self._removing = False  # delete() began: every call from here on gets NotLeaderError
+        self._timers = Timers(lambda: not self._deleted)  # "isr", "role", "retention", "flush", "clean"
+        self._timer_callbacks = {ISR_TIMER: self._check_isr, ROLE_TIMER: self._role_timer_fired}
+        self._parking = FetchParking()
+        self._sessions = FetchSessions()  # consumers' fetch sessions while leading
+        self._packaging = FetchPackaging(f"{topic}-{partition}")
+        self._cleaning = CleaningSchedule(
+            self.log, self._timers, lambda: self.high_watermark, self._packaging.forget, self._log_shrank, self._label,
+            active=lambda: not self._deleted,
+        )
+        self._fetcher = ReplicaFetcher(
+            self.state, self.log, self._label, self._run, self._check_fence, self._after_follower_append,
+            active=lambda: not self._deleted,
+        )
+        self.leader_handle = None  # the leader followed
+        self._offered_leader = None  # the leader handle of the role change being applied
         self._lease: NodeLease | None = None  # the node's lease (None standalone: no controller)
         self._fence: ReplicaFence | None = None  # this replica's pid and its partition's current epoch
         self._controller_handle = None
         self._agent_handle = None  # this node's agent (asked for our role on our behalf)
-        self._role_asked_epoch = -1  # the fence epoch we last asked our role for
         self._role_question: asyncio.Task | None = None
-        self._timers: dict[str, asyncio.TimerHandle] = {}  # one-shot: "isr", "retention", "flush", "clean", "role"
-        self._cleaning: asyncio.Task | None = None  # the log cleaning under way
-        self._cleaning_stop = None  # set to stop it (the stop event of its plan)
-        # A cleaning due but held back by the high watermark: it starts once the watermark reaches this.
-        self._clean_after_hw: int | None = None
-        self._clean_failures = 0  # in a row: the retry backs off
-        self._parked: dict[int, tuple[int, int]] = {}  # followers whose fetch waits here at the end: id -> (offset, since ms)
-        self._isr_proposal: asyncio.Task | None = None
-        self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit, as follower
-        self.fetched_bytes = 0  # bytes this process appended from its leaders' fetch replies, as follower
-        self._throttle_until = 0.0
-        self._throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
-        self._fetch_waits_expired = 0  # long polls that ended with no data when their wait ran out
+        self._isr_proposal: asyncio.Task | None = None  # the ISR change asked of the controller
+        self._fetch_waits_expired = 0  # consumers' long polls that ended with no data when their wait ran out
         self._segments_seen = 0
         self._log_gauges = metrics.LogGauges(topic, partition)
-        self._shared_read = None  # ((first offset, next offset, bytes, CRC checked), ObjectRef) of the last large read
-        # Consumers' fetch sessions while leading: session id -> where the last fetch answered in it ended.
-        self._fetch_sessions: OrderedDict[int, int] = OrderedDict()
-        self._appended: Wakeup | None = None  # woken by every append (long-polling fetches wait on it)
-        self._hw_moved: Wakeup | None = None  # woken when the high watermark moves or leadership changes
+        self._loop_ready = False
         self._tasks: list[asyncio.Task] = []
-        self._follow_task: asyncio.Task | None = None
-        self._deleted = False
-        self._removing = False  # delete() began: every call from here on gets NotLeaderError
-        self._label = f"{topic}-{partition}/{replica_id}"
         self._channel = ChannelServer(self._channel_request, f"replica {self._label}")
         self._channel_started: asyncio.Task | None = None
         self._save_state()
@@ -318,10 +266,80 @@ class PartitionReplica:
     def _save_state(self) -> None:
         write_atomically(self._state_path(), json.dumps({"config": self.config_overrides, "leader_epoch": self.leader_epoch}))
 
-    # --- loop-bound set-up and background work -------------------------------------------------
+    @property
+    def leader_epoch(self) -> int:
+        """The epoch of the role held (-1 before any)."""
+        return self.state.leader_epoch
+
+    @property
+    def role(self) -> str:
+        return self.state.role
+
+    @property
+    def leader_state(self) -> LeaderState | None:
+        """The ISR and high watermark bookkeeping, while leading."""
+        return self.state.leader
+
+    @property
+    def high_watermark(self) -> int:
+        return self.state.high_watermark(self.log.log_end_offset)
+
+    @property
+    def last_stable_offset(self) -> int:
+        """The smaller of the high watermark and the first offset of the oldest ongoing transaction:
+        read_committed readers read below it."""
+        return self.state.last_stable_offset(self.log)
+
+    def _read_limit(self, isolation_level: int) -> int:
+        """Where a consumer's fetch (or an offsets query) ends for its isolation level."""
+        return self.state.read_limit(isolation_level, self.log)
+
+    # --- carrying out the replication state's actions ---------------------------------------------------
+
+    def _run(self, actions: list) -> None:
+        """Carry out what the replication state decided, in order."""
+        for action in actions:
+            match action:
+                case SaveEpoch():
+                    self._save_state()
+                case LeadershipChanged():
+                    self._packaging.forget()  # a read shared under another leadership may predate a truncation
+                    self._sessions.clear()  # so may a session's position
+                    self._parking.leadership_changed()  # acks=all waiters on a deposed leader give up
+                case HighWatermarkMoved():
+                    if self.role == LEADER:
+                        self._parking.high_watermark_moved()  # and consumers long-polling at the old one proceed
+                    self._cleaning.high_watermark_moved()
+                case StopFollowing():
+                    self._fetcher.stop()
+                case StartFollowing(epoch=epoch):
+                    self.leader_handle = self._offered_leader
+                    self._fetcher.start(epoch, self.leader_handle)
+                case ProposeIsr():
+                    self._isr_proposal = asyncio.get_running_loop().create_task(self._propose_isr(action))
+                case ArmTimer(name=name, delay_ms=delay_ms):
+                    self._timers.arm(name, delay_ms / 1000, self._timer_callbacks[name])
+                case DisarmTimer(name=name):
+                    self._timers.disarm(name)
+                case AskRole():
+                    if not self._deleted and (self._role_question is None or self._role_question.done()):
+                        logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role",
+                                    self._label, action.fence_epoch, self.leader_epoch)
+                        self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+                case _:
+                    apply_to_log(self.log, action)
+
+    def _check_isr(self) -> None:
+        self._run(self.state.check_isr(self.log, monotonic_ms()))
+
+    def _role_timer_fired(self) -> None:
+        if self._fence is not None:
+            self._run(self.state.role_timer_fired(self._fence.current_epoch))
+
+    # --- loop-bound set-up, the controller and the node agent ------------------------------------------
 
     def _started(self) -> None:
-        """Create loop-bound objects on first use (the constructor runs outside the event loop).
+        """Start loop-bound work on first use (the constructor may run outside the event loop).
 
         Every request starts here: one that reaches a replica being removed
         gets NotLeaderError (retriable: the client asks where the partition's
@@ -329,10 +347,9 @@ class PartitionReplica:
         """
         if self._removing:
             raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} has been removed")
-        if self._appended is not None:
+        if self._loop_ready:
             return
-        self._appended = Wakeup()
-        self._hw_moved = Wakeup()
+        self._loop_ready = True
         loop = asyncio.get_running_loop()
         if self.controller_name is not None:
             directory = node_directory(self.namespace, ray.get_runtime_context().get_node_id())
@@ -342,7 +359,7 @@ class PartitionReplica:
             self._tasks.append(loop.create_task(self._say_started()))
         self._channel_started = loop.create_task(self._channel.start())
         self._arm_retention()
-        self._arm_cleaning()
+        self._cleaning.arm()
 
     async def _controller(self):
         """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
@@ -369,16 +386,8 @@ class PartitionReplica:
                 await asyncio.sleep(START_RETRY_S)
         await self._ask_role()
 
-    def _fence_ahead(self) -> int | None:
-        """Our fence's epoch if it is past ours and not yet asked about (one 8-byte read), else None."""
-        fence = self._fence
-        if fence is None or self._deleted:
-            return None
-        current = fence.current_epoch
-        return current if current > self.leader_epoch and current > self._role_asked_epoch else None
-
     def _check_fence(self) -> None:
-        """Ask the controller for our role if our fence stays past our epoch for FENCE_ASK_DELAY_S.
+        """Look at the fence file (one 8-byte read): the state asks for our role if it stays past our epoch.
 
         The agent writes a partition's new epoch into the fence before the
         controller tells anyone their role, and tells us (``fence_moved``);
@@ -387,17 +396,8 @@ class PartitionReplica:
         call lost in a cut network, say) asks once per fence epoch, after a
         one-shot timer, so that an election costs no second call per replica.
         """
-        if self._fence_ahead() is not None and "role" not in self._timers:
-            self._arm("role", FENCE_ASK_DELAY_S, self._ask_if_behind)
-
-    def _ask_if_behind(self) -> None:
-        current = self._fence_ahead()
-        if current is None:
-            return  # the role change arrived meanwhile
-        self._role_asked_epoch = current
-        if self._role_question is None or self._role_question.done():
-            logger.info("replica %s: fence epoch %d is past ours (%d): asking for our role", self._label, current, self.leader_epoch)
-            self._role_question = asyncio.get_running_loop().create_task(self._ask_role())
+        if self._fence is not None and not self._deleted:
+            self._run(self.state.on_fence(self._fence.current_epoch))
 
     async def fence_moved(self) -> None:
         """The node agent wrote a newer epoch into our fence: ask for our role if it is past ours."""
@@ -421,6 +421,32 @@ class PartitionReplica:
                 return
             await self._reconcile(reply)
             return
+
+    async def _reconcile(self, reply: dict) -> None:
+        """Adopt the controller's view of the partition if ours is stale."""
+        handle = reply["leader_handle"]
+        self._offered_leader = handle
+        self._run(self.state.reconcile(
+            reply["leader"], reply["leader_epoch"], reply["replicas"], reply["isr"], _actor_ref(handle), self.log, monotonic_ms()
+        ))
+
+    async def _propose_isr(self, proposal: ProposeIsr) -> None:
+        """Ask the controller for the ISR the state proposes; the state takes its answer."""
+        try:
+            accepted = await asyncio.wait_for(
+                (await self._controller()).alter_isr.remote(
+                    self.topic, self.partition, self.replica_id, proposal.leader_epoch, list(proposal.isr)
+                ),
+                timeout=ALTER_ISR_TIMEOUT_S,
+            )
+        except Exception as error:  # noqa: BLE001 (not answered: it may have been taken; the same is asked again)
+            logger.info("replica %s: ISR change %s not answered (%r); asking again", self._label, list(proposal.isr), error)
+            self._controller_handle = None
+            self._run(self.state.isr_unanswered(proposal.leadership))
+            return
+        self._run(self.state.isr_answered(proposal.leadership, accepted, self.log, monotonic_ms()))
+
+    # --- leases -------------------------------------------------------------------------------------------
 
     def _may_write(self) -> bool:
         """The node's lease holds and this leader's epoch is the partition's current one (no call)."""
@@ -451,32 +477,15 @@ class PartitionReplica:
                 return False
         return False
 
-    # --- one-shot timers instead of periodic work ----------------------------------------------
-
-    def _arm(self, name: str, delay_s: float, callback) -> None:
-        old = self._timers.pop(name, None)
-        if old is not None:
-            old.cancel()
-        delay_s = min(max(0.0, delay_s), MAX_TIMER_S)
-        self._timers[name] = asyncio.get_running_loop().call_later(delay_s, self._fire, name, callback)
-
-    def _fire(self, name: str, callback) -> None:
-        self._timers.pop(name, None)
-        if not self._deleted:
-            callback()
-
-    def _disarm(self, name: str) -> None:
-        timer = self._timers.pop(name, None)
-        if timer is not None:
-            timer.cancel()
+    # --- retention, flushes, gauges: one-shot timers instead of periodic work -----------------------------
 
     def _arm_retention(self) -> None:
         """One timer for the moment the oldest data expires (nothing in between)."""
         due_ms = self.log.next_retention_ms()
         if due_ms is None:
-            self._disarm("retention")
+            self._timers.disarm("retention")
         else:
-            self._arm("retention", (due_ms - wall_ms()) / 1000, self._retention_due)
+            self._timers.arm("retention", (due_ms - wall_ms()) / 1000, self._retention_due)
 
     def _retention_due(self) -> None:
         try:
@@ -484,7 +493,7 @@ class PartitionReplica:
                 self._log_shrank()
         except LogbusError as error:  # keep serving; try again in a while
             logger.warning("replica %s: retention failed: %s", self._label, error)
-            self._arm("retention", 60.0, self._retention_due)
+            self._timers.arm("retention", RETENTION_FAILED_RETRY_S, self._retention_due)
             return
         self._arm_retention()
 
@@ -504,9 +513,21 @@ class PartitionReplica:
             if config.retention_bytes >= 0:
                 self._retention_due()  # size-bounded topics: check when a segment rolls
             if config.compact:
-                self._arm_cleaning()  # a closed segment more: dirty bytes
+                self._cleaning.arm()  # a closed segment more: dirty bytes
         if config.flush_policy == "interval" and "flush" not in self._timers:
-            self._arm("flush", config.flush_ms / 1000, self._flush_due)
+            self._timers.arm("flush", config.flush_ms / 1000, self._flush_due)
+
+    def _after_follower_append(self, unstable_before: int | None) -> None:
+        """A follower compacts its own copy: a rolled segment may make a cleaning due, and so may a
+        marker that ended the transaction holding cleanings back (``unstable_before``: the log's first
+        unstable offset before the append)."""
+        if not self.log.config.compact:
+            return
+        if unstable_before is not None and self.log.first_unstable_offset() != unstable_before:
+            self._cleaning.arm()
+        if len(self.log.segments) != self._segments_seen:
+            self._segments_seen = len(self.log.segments)
+            self._cleaning.arm()
 
     def _flush_due(self) -> None:
         try:
@@ -514,366 +535,32 @@ class PartitionReplica:
         except LogbusError as error:
             logger.warning("replica %s: interval flush failed: %s", self._label, error)
 
-    # --- compaction: a one-shot timer, the work in a thread -----------------------------------------
-
-    def _arm_cleaning(self) -> None:
-        """One timer for the moment the log may next need cleaning (none for other topics)."""
-        if self._cleaning is not None and not self._cleaning.done():
-            return  # the cleaning under way arms the next one when it ends
-        due_ms = self.log.next_cleaning_ms()
-        if due_ms is None:
-            self._disarm("clean")
-        else:
-            self._arm("clean", (due_ms - wall_ms()) / 1000, self._cleaning_due)
-
-    def _high_watermark_moved(self) -> None:
-        """A cleaning that waited for the high watermark may start now (no timer while it waits)."""
-        if self._clean_after_hw is not None and self.high_watermark >= self._clean_after_hw:
-            self._clean_after_hw = None
-            self._arm_cleaning()
-
-    def _cleaning_due(self) -> None:
-        if self._deleted or (self._cleaning is not None and not self._cleaning.done()):
-            return
-        self._cleaning = asyncio.get_running_loop().create_task(self._clean())
-
-    async def _clean(self) -> None:
-        """One cleaning below the high watermark: offset map and cleaned segments in a thread, each
-        swap on the event loop (the log is only touched here). Then the timer for the next one."""
-        retry_s = None
-        rearm = True
-        try:
-            plan = self.log.cleaning_plan(upper_bound=self.high_watermark)
-            if plan is None:
-                due_ms = self.log.next_cleaning_ms()
-                if due_ms is not None and due_ms <= wall_ms():
-                    # Due, but not below the high watermark yet: the watermark's next move starts it.
-                    self._clean_after_hw = self.log.active_segment.base_offset
-                    rearm = False
-                return
-            self._cleaning_stop = plan.stop
-            offset_map = await asyncio.to_thread(build_offset_map, plan)
-            done = []
-            for group in plan.groups:
-                cleaned = await asyncio.to_thread(clean_group, plan, group, offset_map)
-                if self._deleted or not self.log.replace_segments(cleaned):
-                    discard(cleaned)
-                    return  # the log changed meanwhile (truncated, retention): the next cleaning plans again
-                self._shared_read = None  # a read shared before the swap may hold the old bytes
-                done.append(cleaned)
-            self.log.finish_cleaning(plan, done)
-            self._clean_failures = 0
-            self._log_shrank()
-            removed = sum(c.records_removed for c in done)
-            logger.info(
-                "replica %s: cleaned offsets up to %d: %d records removed, %d -> %d bytes",
-                self._label, plan.end_offset, removed, sum(c.bytes_before for c in done), sum(c.bytes_after for c in done),
-            )
-        except Exception as error:  # noqa: BLE001 (keep serving; try again in a while, whatever failed)
-            retry_s = min(CLEAN_FAILED_RETRY_S * 2**self._clean_failures, CLEAN_FAILED_RETRY_MAX_S)
-            self._clean_failures += 1
-            if not self._deleted:
-                expected = isinstance(error, LogbusError | OSError)  # a damaged or changed file; else a bug, with its traceback
-                logger.warning("replica %s: log cleaning failed (trying again in %.0f s): %s", self._label, retry_s, error,
-                               exc_info=not expected)
-        finally:
-            self._cleaning_stop = None
-            if not self._deleted:
-                if retry_s is not None:
-                    self._arm("clean", retry_s, self._cleaning_due)
-                elif rearm:
-                    asyncio.get_running_loop().call_soon(self._arm_cleaning)  # once this task is done
-
-    # --- the ISR, checked when something happens ---------------------------------------------------
-
-    def _check_isr(self) -> None:
-        """As leader: propose an ISR change if one is due now; arm one timer for the next one that may be."""
-        state = self.leader_state
-        if self.role != LEADER or state is None or self.controller_name is None:
-            return
-        now = monotonic_ms()
-        end = self.log.log_end_offset
-        lag_ms = self.log.config.replica_lag_time_max_ms
-        # A follower whose fetch waits here at the end is in sync, for as long as such a fetch can
-        # wait (a live follower sends the next one at half the lag time; a paused one does not).
-        waiting, expiry = set(), None
-        for follower, (offset, since) in self._parked.items():
-            if offset >= end and now - since <= lag_ms:
-                state.on_follower_fetch(follower, offset, end, now)
-                waiting.add(follower)
-                expiry = since + lag_ms + 1 if expiry is None else min(expiry, since + lag_ms + 1)
-        if self._isr_proposal is None or self._isr_proposal.done():
-            proposal = state.proposed_isr(end, now, lag_ms)
-            if proposal is not None:
-                self._isr_proposal = asyncio.get_running_loop().create_task(self._propose_isr(state, proposal))
-        due = state.next_isr_check_ms(end, lag_ms, waiting)
-        if expiry is not None:
-            due = expiry if due is None else min(due, expiry)
-        if due is None:
-            self._disarm("isr")
-        else:
-            self._arm("isr", (due - now) / 1000, self._check_isr)
-
-    async def _propose_isr(self, state: LeaderState, proposal: list[int]) -> None:
-        try:
-            accepted = await asyncio.wait_for(
-                (await self._controller()).alter_isr.remote(self.topic, self.partition, self.replica_id, state.leader_epoch, proposal),
-                timeout=ALTER_ISR_TIMEOUT_S,
-            )
-        except Exception:  # noqa: BLE001 (not answered: asked again below)
-            self._controller_handle = None
-            accepted = None
-        if self.leader_state is not state:
-            return
-        state.isr_change_done(accepted)
-        self._advance_high_watermark()
-        if accepted is None:
-            self._arm("isr", 0.5, self._check_isr)  # refused or unanswered: look again shortly
-        else:
-            self._check_isr()
-
-    async def _reconcile(self, reply: dict) -> None:
-        """Adopt the controller's view of the partition if ours is stale."""
-        epoch, leader = reply["leader_epoch"], reply["leader"]
-        if leader == self.replica_id:
-            if self.role != LEADER or epoch != self.leader_epoch:
-                await self.become_leader(epoch, reply["replicas"], reply["isr"])
-            elif self.leader_state is not None:
-                self.leader_state.replicas = list(reply["replicas"])
-        elif leader is not None:
-            if (
-                self.role != FOLLOWER
-                or epoch != self.leader_epoch
-                or self.leader_id != leader
-                or not _same_actor(self.leader_handle, reply["leader_handle"])
-            ):
-                await self.become_follower(epoch, leader, reply["leader_handle"])
-        elif self.role == LEADER and epoch > self.leader_epoch:
-            self._step_down(epoch)
-
     # --- roles --------------------------------------------------------------------------------------------
-
-    @property
-    def high_watermark(self) -> int:
-        if self.role == LEADER and self.leader_state is not None:
-            return self.leader_state.high_watermark
-        return min(self.follower_high_watermark, self.log.log_end_offset)
-
-    @property
-    def last_stable_offset(self) -> int:
-        """The smaller of the high watermark and the first offset of the oldest ongoing transaction:
-        read_committed readers read below it."""
-        high_watermark = self.high_watermark
-        unstable = self.log.first_unstable_offset()
-        return high_watermark if unstable is None else min(high_watermark, unstable)
-
-    def _read_limit(self, isolation_level: int) -> int:
-        """Where a consumer's fetch (or an offsets query) ends for its isolation level."""
-        if isolation_level == READ_UNCOMMITTED:
-            return self.high_watermark
-        if isolation_level == READ_COMMITTED:
-            return self.last_stable_offset
-        raise InvalidRecordError(f"isolation_level must be {READ_UNCOMMITTED} or {READ_COMMITTED}, not {isolation_level!r}")
-
-    def _signal(self, attribute: str) -> None:
-        getattr(self, attribute).wake_all()
-
-    def _advance_high_watermark(self) -> None:
-        if self.leader_state is not None and self.leader_state.update_high_watermark(self.log.log_end_offset):
-            self._signal("_hw_moved")
-            self._signal("_appended")  # consumers long-polling at the old watermark can proceed
-            self._high_watermark_moved()
-
-    def _set_epoch(self, epoch: int) -> None:
-        if epoch != self.leader_epoch:
-            self.leader_epoch = epoch
-            self._save_state()
 
     async def become_leader(self, epoch: int, replicas: list[int], isr: list[int]) -> bool:
         """Lead the partition from ``epoch`` on (called by the controller; idempotent)."""
         self._started()
-        if epoch == self.leader_epoch and self.role == LEADER and self.leader_state is not None:
-            if list(replicas) != self.leader_state.replicas:
-                self.leader_state.replicas = list(replicas)  # a replaced follower: the same leadership
-                self._advance_high_watermark()
-                self._check_isr()
-            return True
-        if epoch < self.leader_epoch:
-            return False
-        self._stop_following()
-        self._set_epoch(epoch)
-        self._shared_read = None  # a read cached under an earlier leadership may predate a truncation
-        self._fetch_sessions.clear()  # so may a session's position
-        self.log.epochs.assign(epoch, self.log.log_end_offset)
-        previous_hw = self.high_watermark
-        self.leader_state = LeaderState(
-            self.replica_id, replicas, isr, epoch, self.log.log_end_offset, previous_hw, monotonic_ms()
-        )
-        self.role = LEADER
-        self.leader_id = self.replica_id
-        self.leader_handle = None
-        self._parked.clear()
-        self._advance_high_watermark()
-        self._signal("_hw_moved")
-        self._check_isr()
-        return True
-
-    def _step_down(self, epoch: int) -> None:
-        self.leader_state = None
-        self.role = UNKNOWN
-        self._set_epoch(epoch)
-        self._signal("_hw_moved")
+        accepted, actions = self.state.become_leader(epoch, replicas, isr, self.log, monotonic_ms())
+        self._run(actions)
+        return accepted
 
     async def become_follower(self, epoch: int, leader_id: int, leader_handle) -> bool:
         """Follow ``leader_id`` from ``epoch`` on (called by the controller; idempotent)."""
         self._started()
-        if epoch < self.leader_epoch:
-            return False
-        if (
-            self.role == FOLLOWER
-            and epoch == self.leader_epoch
-            and self.leader_id == leader_id
-            and _same_actor(self.leader_handle, leader_handle)
-        ):
-            return True
-        if self.role == LEADER:
-            self.follower_high_watermark = self.high_watermark
-        self.leader_state = None
-        self._shared_read = None
-        self._set_epoch(epoch)
-        self.role = FOLLOWER
-        self.leader_id = leader_id
-        self.leader_handle = leader_handle
-        self._signal("_hw_moved")  # acks=all waiters on a deposed leader must give up
-        self._stop_following()
-        self._follow_task = asyncio.get_running_loop().create_task(self._follow(epoch, leader_handle))
-        return True
-
-    def _stop_following(self) -> None:
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            self._follow_task = None
-
-    async def _truncate_by_epoch(self, leader) -> None:
-        """KIP-101/279: cut our log where our latest epoch diverges from the leader's log."""
-        latest = self.log.epochs.latest_epoch
-        if latest == UNDEFINED_EPOCH:
-            return
-        leader_epoch, end_offset = await asyncio.wait_for(leader.end_offset_for_epoch.remote(latest), FOLLOWER_CALL_TIMEOUT_S)
-        if leader_epoch == UNDEFINED_EPOCH:
-            target = self.log.log_start_offset
-        else:
-            _, our_end = self.log.epochs.end_offset_for(leader_epoch, self.log.log_end_offset)
-            target = min(end_offset, our_end)
-        if target < self.log.log_end_offset:
-            self.log.truncate_to(target)
-
-    async def _follow(self, epoch: int, leader) -> None:
-        truncated = False
-        last_error = None
-        failing = False  # the last call to the leader failed or timed out: fetch with a short wait
-        while not self._deleted and self.role == FOLLOWER and self.leader_epoch == epoch:
-            self._check_fence()  # a newer epoch in our fence: a role change we may have missed
-            try:
-                if not truncated:
-                    await self._truncate_by_epoch(leader)
-                    truncated = True
-                # Wait at most half the lag time: a fetch waiting at the leader counts as in sync only
-                # that long, so an idle follower renews it before it stops counting.
-                wait_ms = min(REPLICA_FETCH_WAIT_MS, self.log.config.replica_lag_time_max_ms // 2)
-                if failing:
-                    wait_ms = min(wait_ms, FOLLOWER_RETRY_WAIT_MS)
-                max_bytes = REPLICA_FETCH_MAX_BYTES
-                if self.throttle_bytes_per_s:
-                    # A throttled copy (a reassignment) asks for small slices, so its pace stays smooth.
-                    max_bytes = max(THROTTLED_FETCH_MIN_BYTES, min(max_bytes, int(self.throttle_bytes_per_s * THROTTLE_SLICE_S)))
-                request = FetchRequest(self.log.log_end_offset, max_bytes, wait_ms, False, FETCH_INLINE_MAX_BYTES)
-                try:
-                    meta, data = await asyncio.wait_for(
-                        leader.replica_fetch.remote(self.replica_id, epoch, request), (wait_ms + FOLLOWER_FETCH_SLACK_MS) / 1000
-                    )
-                except asyncio.TimeoutError:
-                    raise RequestTimedOutError(
-                        f"fetch from the leader not answered within its wait ({wait_ms} ms) and {FOLLOWER_FETCH_SLACK_MS} ms"
-                    ) from None
-                if failing:
-                    logger.info("replica %s: fetching from leader %s again", self._label, self.leader_id)
-                failing = False
-                last_error = None
-                if self.role != FOLLOWER or self.leader_epoch != epoch:
-                    return
-                if data is not None:
-                    if isinstance(data, ray.ObjectRef):
-                        data = await data
-                    # The reply's offsets say which gaps (offsets the leader compacted) it covers.
-                    unstable = self.log.first_unstable_offset()
-                    self.log.append_as_follower(data, meta.first_offset, meta.next_offset)
-                    copied = len(data)
-                    self.fetched_bytes += copied
-                    del data
-                    self._after_follower_append(unstable)
-                    await self._pace(copied)
-                if meta.log_start_offset > self.log.log_start_offset:  # the leader's delete_records
-                    self.log.delete_records(min(meta.log_start_offset, self.log.log_end_offset))
-                if meta.high_watermark != self.follower_high_watermark:
-                    self.follower_high_watermark = meta.high_watermark
-                    self._high_watermark_moved()
-            except asyncio.CancelledError:
-                raise
-            except OffsetOutOfRangeError:
-                try:
-                    start, _, end = await asyncio.wait_for(leader.offsets.remote(), FOLLOWER_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (the next fetch tries again)
-                    failing = True
-                    await asyncio.sleep(0.1)
-                    continue
-                if self.log.log_end_offset < start:
-                    self.log.truncate_fully_and_start_at(start)
-                else:
-                    truncated = False  # our log runs past the leader's: cut it by epoch again
-            except Exception as error:  # noqa: BLE001 (leader gone, fenced or restarting: wait for a role change)
-                failing = True
-                if repr(error) != last_error:  # say so once per kind of error, not every 100 ms
-                    last_error = repr(error)
-                    logger.warning("replica %s: fetch from leader failed: %r", self._label, error)
-                await asyncio.sleep(0.1)
-
-    def _after_follower_append(self, unstable_before: int | None = None) -> None:
-        """A follower compacts its own copy: a rolled segment may make a cleaning due, and so may a
-        marker that ended the transaction holding cleanings back."""
-        if self.log.config.compact and unstable_before is not None and self.log.first_unstable_offset() != unstable_before:
-            self._arm_cleaning()
-        if self.log.config.compact and len(self.log.segments) != self._segments_seen:
-            self._segments_seen = len(self.log.segments)
-            self._arm_cleaning()
-
-    async def _pace(self, copied: int) -> None:
-        """With a throttle (bytes/s), wait until the bytes copied so far are within the rate."""
-        rate = self.throttle_bytes_per_s
-        if not rate:
-            self._throttle_until = 0.0
-            return
-        self._throttled_copy_bytes += copied
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        self._throttle_until = max(self._throttle_until, now) + copied / rate
-        if self._throttle_until > now:
-            await asyncio.sleep(self._throttle_until - now)
+        self._offered_leader = leader_handle
+        accepted, actions = self.state.become_follower(epoch, leader_id, _actor_ref(leader_handle), self.log)
+        self._run(actions)
+        return accepted
 
     async def set_throttle(self, bytes_per_s: int | None) -> None:
         """Limit how fast this replica copies from its leader (a reassignment's new replica); None: no limit."""
-        self.throttle_bytes_per_s = int(bytes_per_s) if bytes_per_s else None
+        self._fetcher.throttle_bytes_per_s = int(bytes_per_s) if bytes_per_s else None
 
     # --- data plane --------------------------------------------------------------------------------------
 
     def _check_leader(self, epoch: int | None = None) -> LeaderState:
         self._check_fence()
-        if self.role != LEADER or self.leader_state is None:
-            raise NotLeaderError(f"replica {self.replica_id} of {self.topic}-{self.partition} is not the leader")
-        if epoch is not None and epoch != self.leader_epoch:
-            error = FencedLeaderEpochError if epoch < self.leader_epoch else NotLeaderError
-            raise error(f"{self.topic}-{self.partition}: request epoch {epoch}, leader epoch {self.leader_epoch}")
-        return self.leader_state
+        return self.state.check_leader(epoch)
 
     async def produce(
         self, batch, acks: int | str = 1, leader_epoch: int | None = None, timeout_ms: int = PRODUCE_TIMEOUT_MS_DEFAULT
@@ -897,16 +584,14 @@ class PartitionReplica:
         await self._wait_for_earlier_batches(batch)
         if self.leader_state is not state or not self._may_write():
             raise NotLeaderError(f"{self.topic}-{self.partition}: leadership moved while the batch waited")
-        if self._parked:
-            self._check_isr()  # followers waiting at the end were in sync up to now
+        self._run(self.state.before_append(self.log, monotonic_ms()))  # followers parked at the end were in sync up to now
         result = self.log.append(batch, leader_epoch=self.leader_epoch)
         if not result.duplicate:
-            self._signal("_appended")
+            self._parking.appended_now()
             self._after_append()
             metrics.appended(self.topic, result.record_count, len(batch))
             self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
-        self._advance_high_watermark()
-        self._check_isr()
+        self._run(self.state.after_append(self.log, monotonic_ms()))
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         metrics.latency("produce_acks_all" if acks == "all" else "produce", monotonic_ms() - started_ms)
@@ -938,22 +623,22 @@ class PartitionReplica:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return  # the append reports the gap
-            if not await self._appended.wait(remaining):
+            if not await self._parking.appended.wait(remaining):
                 return
 
     async def _wait_committed(self, state: LeaderState, end_offset: int, timeout_ms: int) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_ms / 1000
-        while state.high_watermark < end_offset:
+        """acks=all: wait until the high watermark passes ``end_offset`` while ``state``'s leadership lasts."""
+
+        def check() -> None:
             if self.leader_state is not state:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership moved before the batch was committed")
             if state.in_sync_count() < self.log.config.min_insync_replicas:
                 raise NotEnoughReplicasError(
                     f"{self.topic}-{self.partition}: the ISR shrank below min.insync.replicas after the append"
                 )
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
-            await self._hw_moved.wait(min(remaining, 0.1))
+
+        if not await self._parking.wait_until(lambda: state.high_watermark >= end_offset, check, timeout_ms):
+            raise RequestTimedOutError(f"{self.topic}-{self.partition}: not replicated to the ISR within {timeout_ms} ms")
 
     async def write_txn_markers(self, markers: list, leader_epoch: int | None = None, timeout_ms: int = PRODUCE_TIMEOUT_MS_DEFAULT) -> list:
         """As leader, for the transaction coordinator: end transactions on this partition (KIP-98's
@@ -969,7 +654,8 @@ class PartitionReplica:
         it ends nothing, and it moves the producer's epoch here). Raises, for
         the whole call, NotLeaderError, FencedLeaderEpochError,
         NotEnoughReplicasError, RequestTimedOutError (all retriable: a marker
-        written twice ends nothing the second time) or StorageError.
+        written twice ends nothing the second time), InvalidRecordError (a
+        malformed marker; nothing is written) or StorageError.
         """
         self._started()
         state = self._check_leader(leader_epoch)
@@ -979,23 +665,13 @@ class PartitionReplica:
                 f"epoch {self.leader_epoch} is no longer the partition's current one)"
             )
         state = self._check_leader(leader_epoch)  # again: the role may have changed while the lease was awaited
-        parsed = []
-        for marker in markers:
-            try:
-                producer_id, producer_epoch, coordinator_epoch, commit = marker
-            except (TypeError, ValueError):
-                raise InvalidRecordError(f"a transaction marker is (producer id, producer epoch, coordinator epoch, commit), not {marker!r}") from None
-            for name, value in (("producer id", producer_id), ("producer epoch", producer_epoch), ("coordinator epoch", coordinator_epoch)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise InvalidRecordError(f"a transaction marker's {name} must be an int >= 0, not {value!r}")
-            parsed.append((producer_id, producer_epoch, coordinator_epoch, bool(commit)))
+        parsed = [_txn_marker(marker) for marker in markers]
         min_isr = self.log.config.min_insync_replicas
         if state.in_sync_count() < min_isr:
             raise NotEnoughReplicasError(
                 f"{self.topic}-{self.partition} has {state.in_sync_count()} in-sync replicas, min.insync.replicas={min_isr}"
             )
-        if self._parked:
-            self._check_isr()  # followers waiting at the end were in sync up to now
+        self._run(self.state.before_append(self.log, monotonic_ms()))  # followers parked at the end were in sync up to now
         results: list = []
         end_offset = None
         for producer_id, producer_epoch, coordinator_epoch, commit in parsed:
@@ -1009,79 +685,37 @@ class PartitionReplica:
             results.append(None)
             end_offset = result.last_offset + 1
         if end_offset is not None:
-            self._signal("_appended")
+            self._parking.appended_now()
             self._after_append()
             self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
-            self._advance_high_watermark()
-            self._check_isr()
+            self._run(self.state.after_append(self.log, monotonic_ms()))
             if self.log.config.compact:
-                self._arm_cleaning()  # a cleaning the transaction held back (nothing at or above the LSO is cleaned)
+                self._cleaning.arm()  # a cleaning the transaction held back (nothing at or above the LSO is cleaned)
             await self._wait_committed(state, end_offset, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         return results
-
-    def _remember_session(self, session: int, next_offset: int) -> None:
-        sessions = self._fetch_sessions
-        sessions[session] = max(next_offset, sessions.get(session, 0))
-        sessions.move_to_end(session)
-        if len(sessions) > FETCH_SESSIONS_MAX:
-            sessions.popitem(last=False)
 
     async def _read(self, request: FetchRequest, limit, max_bytes_cap: int) -> ReadResult | None:
         """Whole batches from ``request.offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
         None if nothing arrived in time. In a fetch ``session``, the read starts
         where the session's last answered fetch ended, if that is past the
-        offset: a consumer's pipelined fetches (sent before the earlier one's
-        reply arrived) then continue one another. At most ``max_bytes_cap``
+        offset (``protocol/fetch_sessions.py``). At most ``max_bytes_cap``
         bytes are read, whatever the request asks (at least one batch).
         """
         max_wait_ms = min(max(0, int(request.max_wait_ms)), FETCH_WAIT_MS_MAX)
         max_bytes = min(max(1, int(request.max_bytes)), max_bytes_cap)
         offset, session = int(request.offset), request.session
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + max_wait_ms / 1000
         epoch = self.leader_epoch
-        while True:
+
+        def check() -> None:
             if self.leader_epoch != epoch or self.role != LEADER:
                 raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
-            start = offset if session is None else max(offset, self._fetch_sessions.get(session, 0))
-            result = self.log.read(start, max_bytes, max_offset=limit(), verify_crc=bool(request.verify_crc))
-            if result is not None:
-                return result
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return None
-            await self._appended.wait(remaining)
 
-    def _for_actor_call(self, result: ReadResult, request: FetchRequest):
-        """A read's batches as an actor call's reply carries them: bytes when small, else an ObjectRef."""
-        size = len(result.data)
-        if size <= min(max(0, int(request.inline_max_bytes)), FETCH_INLINE_MAX_BYTES):
-            # Small: a copy travels inside the reply, as bytes (no object-store round trip for the
-            # reader, and bytes serialize faster than an array).
-            return bytes(result.data)
-        # One copy, from the mapped segment into the object store; readers asking for the same
-        # batches at the same time (the followers, mostly) share it.
-        key = (result.first_offset, result.next_offset, size, bool(request.verify_crc))  # checked or not
-        if self._shared_read is not None and self._shared_read[0] == key:
-            return self._shared_read[1]
-        ref = ray.put(np.frombuffer(result.data, dtype=np.uint8))
-        self._shared_read = (key, ref)
-        return ref
+        def read() -> ReadResult | None:
+            start = self._sessions.start_offset(session, offset)
+            return self.log.read(start, max_bytes, max_offset=limit(), verify_crc=bool(request.verify_crc))
 
-    def _for_channel(self, result: ReadResult):
-        """A read's batches for the local channel: a view of the mapped segment (no copy), however small.
-
-        The view is written to the socket before the reply's task yields (see
-        channel_server). A first batch larger than a channel reply carries
-        raises ChannelReplyTooLargeError (the reader fetches it with an actor call).
-        """
-        if len(result.data) > wire.CHANNEL_FETCH_MAX_BYTES:
-            raise ChannelReplyTooLargeError(
-                f"{self.topic}-{self.partition}: the batch at offset {result.first_offset} is too large "
-                f"for the local channel", result.next_offset,
-            )
-        return pickle.PickleBuffer(result.data)
+        return await self._parking.read(read, max_wait_ms, check)
 
     async def _serve_fetch(
         self, request: FetchRequest, limit, channel: bool = False, consumer: bool = True
@@ -1095,24 +729,22 @@ class PartitionReplica:
             if consumer and request.max_wait_ms > 0:
                 self._fetch_waits_expired += 1
             offset = int(request.offset)
-            return FetchResponse(offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self._lso_or_hw()), None
+            return FetchResponse(
+                offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self.state.reply_stable_offset(self.log)
+            ), None
         if consumer:
             metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
-        data = self._for_channel(result) if channel else self._for_actor_call(result, request)
+        data = self._packaging.for_channel(result) if channel else self._packaging.for_actor_call(result, request)
         if request.session is not None:  # only once packaged: a refused reply leaves the session where it was
-            self._remember_session(request.session, result.next_offset)
+            self._sessions.answered(request.session, result.next_offset)
         aborted = ()
         if consumer and request.isolation_level == READ_COMMITTED:
             aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset))
         meta = FetchResponse(
             result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch,
-            self._lso_or_hw(), aborted,
+            self.state.reply_stable_offset(self.log), aborted,
         )
         return meta, data
-
-    def _lso_or_hw(self) -> int:
-        """A fetch reply's last stable offset (a follower answering has none of its own: its high watermark)."""
-        return self.last_stable_offset if self.role == LEADER else self.high_watermark
 
     async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:
         """For consumers: whole batches from ``request.offset`` below the high watermark (the last stable
@@ -1162,22 +794,16 @@ class PartitionReplica:
         No CRC check here: the follower's append checks every batch it receives.
         """
         self._started()
-        state = self._check_leader(epoch)
-        if request.offset > self.log.log_end_offset:
-            raise OffsetOutOfRangeError(f"follower offset {request.offset} is past the leader's log end {self.log.log_end_offset}")
-        state.on_follower_fetch(follower_id, request.offset, self.log.log_end_offset, monotonic_ms())
-        self._advance_high_watermark()
-        self._check_isr()
+        self._check_fence()
+        self._run(self.state.on_replica_fetch(follower_id, epoch, request.offset, self.log, monotonic_ms()))
         if request.offset < self.log.log_end_offset:
             return await self._serve_fetch(request, lambda: None, consumer=False)
         # At the end: the fetch waits here for the next append; while it waits, this follower is in sync.
-        parked = (request.offset, monotonic_ms())
-        self._parked[follower_id] = parked
+        token = self.state.park(follower_id, request.offset, monotonic_ms())
         try:
             return await self._serve_fetch(request, lambda: None, consumer=False)
         finally:
-            if self._parked.get(follower_id) is parked:
-                del self._parked[follower_id]
+            self.state.unpark(follower_id, token)
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""
@@ -1206,7 +832,7 @@ class PartitionReplica:
                 f"{self.topic}-{self.partition}: cannot delete records up to {offset}, past the high watermark {high_watermark}"
             )
         start = self.log.delete_records(offset)
-        self._shared_read = None
+        self._packaging.forget()
         self._log_shrank()
         self._arm_retention()
         return start
@@ -1234,7 +860,7 @@ class PartitionReplica:
         self._save_state()
         self._started()
         self._arm_retention()
-        self._arm_cleaning()
+        self._cleaning.arm()
 
     async def delete(self) -> None:
         """Close and remove this replica's files; the actor is killed by the controller afterwards.
@@ -1248,19 +874,10 @@ class PartitionReplica:
             return  # asked again: the first call did the work
         self._deleted = True
         self._removing = True
-        self.leader_state = None
-        self.role = UNKNOWN
-        if self._appended is not None:
-            self._signal("_appended")
-            self._signal("_hw_moved")
-        self._stop_following()
-        for timer in self._timers.values():
-            timer.cancel()
-        self._timers.clear()
-        if self._cleaning is not None and not self._cleaning.done():
-            if self._cleaning_stop is not None:
-                self._cleaning_stop.set()  # its thread stops at the next batch
-            await asyncio.wait({self._cleaning})  # before the files go
+        self._run(self.state.remove())
+        self._parking.high_watermark_moved()  # every parked fetch and commit wait looks again, and ends
+        self._timers.cancel_all()
+        await self._cleaning.stop()  # before the files go
         if self._fence is not None:
             self._fence.remove()
         await self._channel.close()
@@ -1287,15 +904,15 @@ class PartitionReplica:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "size_bytes": self.log.size_bytes,
-            "fetched_bytes": self.fetched_bytes,  # copied from leaders since this process started
+            "fetched_bytes": self._fetcher.fetched_bytes,  # copied from leaders since this process started
             "segments": len(self.log.segments),
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
-            "fetches_waiting": len(self._appended),
+            "fetches_waiting": len(self._parking),
             # Consumers' long polls that waited here until their max_wait_ms ran out, with no data.
             "fetch_waits_expired": self._fetch_waits_expired,
             # As a reassignment's new replica: the copy's rate limit (None: none), and the bytes copied under one.
-            "throttle_bytes_per_s": self.throttle_bytes_per_s,
-            "throttled_copy_bytes": self._throttled_copy_bytes,
+            "throttle_bytes_per_s": self._fetcher.throttle_bytes_per_s,
+            "throttled_copy_bytes": self._fetcher.throttled_copy_bytes,
             # What recovery did when this process opened the log (a restart after a crash cuts a torn tail).
             "recovery": {
                 "segments_scanned": self.log.recovery.segments_scanned,
@@ -1304,6 +921,19 @@ class PartitionReplica:
                 "swaps": list(self.log.recovery.swaps),  # cleanings a crash interrupted, completed or discarded
             },
         }
+
+
+def _txn_marker(marker) -> tuple[int, int, int, bool]:
+    """A transaction marker as write_txn_markers takes it: (producer id, producer epoch, coordinator epoch,
+    commit); InvalidRecordError for anything else."""
+    try:
+        producer_id, producer_epoch, coordinator_epoch, commit = marker
+    except (TypeError, ValueError):
+        raise InvalidRecordError(f"a transaction marker is (producer id, producer epoch, coordinator epoch, commit), not {marker!r}") from None
+    for name, value in (("producer id", producer_id), ("producer epoch", producer_epoch), ("coordinator epoch", coordinator_epoch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidRecordError(f"a transaction marker's {name} must be an int >= 0, not {value!r}")
+    return producer_id, producer_epoch, coordinator_epoch, bool(commit)
 
 
 def replica_actor_name(topic: str, topic_id: str, partition: int, replica_id: int, node_id: str) -> str:

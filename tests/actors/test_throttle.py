@@ -1,4 +1,4 @@
-"""A reassignment's throttled copy: the pace of the new replica's fetches (plain asyncio, no Ray).
+"""A reassignment's throttled copy: the pace of the new replica's fetch loop (replica_fetcher.py; plain asyncio, no Ray).
 
 The replica's clock is its event loop's; here the loop's clock is the test's, and moves only when
 the replica sleeps, so the waits are checked exactly whatever the machine's load.
@@ -7,7 +7,7 @@ the replica sleeps, so the waits are checked exactly whatever the machine's load
 import asyncio
 import types
 
-from logbus.actors.partition_replica import PartitionReplica
+from logbus.actors.replica_fetcher import ReplicaFetcher
 
 
 class ClockLoop(asyncio.SelectorEventLoop):
@@ -21,9 +21,9 @@ class ClockLoop(asyncio.SelectorEventLoop):
 
 def paced(slices: list[int], rate: int | None, work_s: float = 0.0, monkeypatch=None) -> tuple[list[float], float, object]:
     """Copy ``slices`` (bytes each) through ``_pace``, ``work_s`` of fetching after each; returns the
-    waits it asked for, the time the copy took on the loop's clock, and the replica's state."""
+    waits it asked for, the time the copy took on the loop's clock, and the fetch loop's state."""
     loop = ClockLoop()
-    replica = types.SimpleNamespace(throttle_bytes_per_s=rate, _throttle_until=0.0, _throttled_copy_bytes=0)
+    fetcher = types.SimpleNamespace(throttle_bytes_per_s=rate, _throttle_until=0.0, throttled_copy_bytes=0)
     waits = []
 
     async def sleep(seconds):
@@ -34,7 +34,7 @@ def paced(slices: list[int], rate: int | None, work_s: float = 0.0, monkeypatch=
 
     async def copy():
         for size in slices:
-            await PartitionReplica._pace(replica, size)
+            await ReplicaFetcher._pace(fetcher, size)
             loop.now += work_s
 
     started = loop.now
@@ -42,16 +42,16 @@ def paced(slices: list[int], rate: int | None, work_s: float = 0.0, monkeypatch=
         loop.run_until_complete(copy())
     finally:
         loop.close()
-    return waits, loop.now - started, replica
+    return waits, loop.now - started, fetcher
 
 
 def test_a_throttled_copy_takes_at_least_its_bytes_over_the_rate(monkeypatch):
     rate = 1_000_000
     slices = [200_000] * 10 + [64_000, 5_000]
-    waits, took_s, replica = paced(slices, rate, monkeypatch=monkeypatch)
+    waits, took_s, fetcher = paced(slices, rate, monkeypatch=monkeypatch)
     assert took_s >= sum(slices) / rate * (1 - 1e-9)
     assert all(w > 0 for w in waits) and len(waits) == len(slices)
-    assert replica._throttled_copy_bytes == sum(slices)
+    assert fetcher.throttled_copy_bytes == sum(slices)
 
 
 def test_fetch_time_does_not_let_the_copy_exceed_the_rate(monkeypatch):
@@ -64,5 +64,5 @@ def test_fetch_time_does_not_let_the_copy_exceed_the_rate(monkeypatch):
 
 
 def test_no_throttle_no_wait(monkeypatch):
-    waits, took_s, replica = paced([16 << 20] * 3, None, monkeypatch=monkeypatch)
-    assert waits == [] and took_s == 0 and replica._throttled_copy_bytes == 0
+    waits, took_s, fetcher = paced([16 << 20] * 3, None, monkeypatch=monkeypatch)
+    assert waits == [] and took_s == 0 and fetcher.throttled_copy_bytes == 0

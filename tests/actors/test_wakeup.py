@@ -1,10 +1,10 @@
-"""The replica's Wakeup: waiters with timeouts, woken together (plain asyncio, no Ray)."""
+"""The replica's Wakeup (fetch_parking.py): waiters with timeouts, woken together (plain asyncio, no Ray)."""
 
 import asyncio
 
 import pytest
 
-from logbus.actors.partition_replica import Wakeup
+from logbus.actors.fetch_parking import Wakeup
 
 
 def run(coroutine):
