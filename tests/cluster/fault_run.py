@@ -105,6 +105,7 @@ class FaultRunResult:
     offline_partitions: list[int]  # with no leader at the end
     final_read: bool  # whether the final read from every partition's start succeeded
     errors: list[str]
+    stalls: dict = dataclasses.field(default_factory=dict)  # see ack_stalls()
 
     def violations(self) -> dict[str, int]:
         found = dict(self.report["violations"])
@@ -196,10 +197,11 @@ class FaultRun:
                 events += replica_events(TOPIC, partition["partition"], replica, logs[replica])
             replicas[str(partition["partition"])] = compare_replicas(logs, bound=high_watermark)
         report = check(events, complete_consumers=["live", "final"] if final is not None else ["live"])
+        stalls = ack_stalls(events, self.applied)
         for partition in replicas.values():  # byte values are not JSON: show them as text
             partition["disagree"] = {o: {_text(v): r for v, r in values.items()} for o, values in partition["disagree"].items()}
         return FaultRunResult(self.seed, self.duration_s, self.applied, counts, report.as_dict(), replicas, full_isr,
-                              full_isr_after_s, described, offline, final is not None, self.errors + counts.get("errors", []))
+                              full_isr_after_s, described, offline, final is not None, self.errors + counts.get("errors", []), stalls)
 
     def _replica_directory(self, data_dir: str, partition: int, replica: int, status: dict) -> str:
         """Where a replica keeps its log: as the controller says, else in the data directory of its node's host
@@ -234,7 +236,8 @@ class FaultRun:
             except Exception as error:  # noqa: BLE001 (a fault that could not be applied or undone is reported)
                 self.errors.append(f"{fault.kind} {fault.targets}: {error!r}")
                 self._say(f"  failed: {error!r}")
-            self.applied.append({**dataclasses.asdict(fault), "began_s": round(began, 2), "ended_s": round(time.monotonic() - start, 2)})
+            self.applied.append({**dataclasses.asdict(fault), "began_s": round(began, 2), "ended_s": round(time.monotonic() - start, 2),
+                                 "began_t": round(start + began, 3), "ended_t": round(time.monotonic(), 3)})
 
     def _apply(self, fault: Fault) -> None:
         cluster, (target, *rest) = self.cluster, fault.targets
@@ -290,6 +293,28 @@ class FaultRun:
                 self._say(f"no full ISR after {timeout_s:.0f} s: {self.last_describe}")
                 return False
             time.sleep(2.0)
+
+
+def ack_stalls(events: list[dict], faults: list[dict]) -> dict:
+    """How long acks=all writes waited through each fault: per fault kind, the longest time from a send
+    to its acknowledgement among the records sent while a fault of that kind was on (the history's and
+    the faults' times are both this machine's monotonic clock), with the fault it happened in. A cut
+    host leads some partitions and follows others: a send to a partition it led waits for a new
+    leader; one to a partition it followed waits until the leader drops it from the ISR
+    (replica.lag.time.max.ms)."""
+    sent = {e["value"]: e["t"] for e in events if e["kind"] == "send"}
+    acks = sorted((sent[e["value"]], e["t"] - sent[e["value"]], e.get("partition")) for e in events
+                  if e["kind"] == "ack" and e.get("value") in sent)
+    worst: dict[str, dict] = {}
+    for fault in faults:
+        waits = [(wait, partition) for t, wait, partition in acks if fault["began_t"] <= t <= fault["ended_t"]]
+        if not waits:
+            continue
+        wait, partition = max(waits)
+        if wait > worst.get(fault["kind"], {}).get("worst_ack_s", -1.0):
+            worst[fault["kind"]] = {"worst_ack_s": round(wait, 2), "partition": partition, "targets": fault["targets"],
+                                    "began_s": fault["began_s"], "records_sent": len(waits)}
+    return worst
 
 
 def _text(value) -> str:

@@ -187,3 +187,17 @@ def test_replicas_compared_below_the_high_watermark(tmp_path):
     for replica, records in logs.items():
         events += replica_events("t", 0, replica, records)
     assert check(events).two_values_at_offset == {("t", 0, 2): {"c": ["replica:1"], "x": ["replica:2"]}}
+
+
+def test_ack_stalls_are_the_longest_waits_of_records_sent_during_each_kind_of_fault():
+    from tests.cluster.fault_run import ack_stalls
+
+    events = [{"kind": "send", "value": v, "t": t} for v, t in (("a", 1.0), ("b", 5.0), ("c", 6.0), ("d", 20.0))]
+    events += [{"kind": "ack", "value": v, "t": t, "partition": p} for v, t, p in (("a", 1.1, 0), ("b", 9.5, 2), ("c", 6.2, 1), ("d", 20.1, 0))]
+    faults = [{"kind": "cut", "targets": ("n1",), "began_s": 4.0, "began_t": 4.0, "ended_t": 8.0},
+              {"kind": "pause", "targets": ("head",), "began_s": 19.0, "began_t": 19.0, "ended_t": 21.0},
+              {"kind": "cut", "targets": ("n2",), "began_s": 30.0, "began_t": 30.0, "ended_t": 32.0}]
+    assert ack_stalls(events, faults) == {
+        "cut": {"worst_ack_s": 4.5, "partition": 2, "targets": ("n1",), "began_s": 4.0, "records_sent": 2},
+        "pause": {"worst_ack_s": 0.1, "partition": 0, "targets": ("head",), "began_s": 19.0, "records_sent": 1},
+    }
