@@ -130,11 +130,12 @@ def native_produce(bus, topic: str, table, n: int) -> float:
     return sent.records / sent.seconds
 
 
-def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int) -> Rate:
+def kafka_produce(bootstrap: str, topic: str, pool: list[bytes], n: int, client: dict | None = None) -> Rate:
+    """``client``: more librdkafka settings (security, for perf/bench_gateway_security.py)."""
     import confluent_kafka as ck
 
     producer = ck.Producer({
-        "bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 5, "batch.size": 1 << 20, "enable.idempotence": False,
+        **(client or {}), "bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 5, "batch.size": 1 << 20, "enable.idempotence": False,
         "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 1 << 20,
     })
     failures = []
@@ -210,10 +211,10 @@ def native_consume(bus, topic: str, n: int) -> float:
 KAFKA_CONSUMER_TUNING = {"fetch.queue.backoff.ms": 10, "queued.min.messages": 1_000_000}
 
 
-def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None) -> Rate:
+def kafka_consume(bootstrap: str, topic: str, n: int, tuning: dict | None = None, client: dict | None = None) -> Rate:
     import confluent_kafka as ck
 
-    consumer = ck.Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-{time.monotonic_ns()}", "enable.auto.commit": False,
+    consumer = ck.Consumer({**(client or {}), "bootstrap.servers": bootstrap, "group.id": f"bench-{time.monotonic_ns()}", "enable.auto.commit": False,
                             "auto.offset.reset": "earliest", **(tuning or {})})
     try:
         consumer.list_topics(topic, timeout=30)

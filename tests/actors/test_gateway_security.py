@@ -271,6 +271,53 @@ def test_confluent_kafka_and_kafka_python_authenticate_with_sasl_ssl_produce_and
     assert after["by_mechanism"].get(mechanism, 0) > before["by_mechanism"].get(mechanism, 0) and after["failed"] == before["failed"]
 
 
+@pytest.mark.parametrize("mechanism", ["SCRAM-SHA-512", "PLAIN"])
+def test_aiokafka_authenticates_with_sasl_ssl_produces_and_consumes_and_a_wrong_password_is_refused(bus, sasl_gateway, authority, topic_name, mechanism):
+    import asyncio
+
+    import aiokafka
+    import aiokafka.errors
+    from aiokafka.helpers import create_ssl_context
+
+    bus.admin.create_topic(topic_name, partitions=1)
+
+    def settings(password: str) -> dict:
+        return {"bootstrap_servers": sasl_gateway.bootstrap_servers, "security_protocol": "SASL_SSL",
+                "ssl_context": create_ssl_context(cafile=authority.cafile), "sasl_mechanism": mechanism,
+                "sasl_plain_username": "alice", "sasl_plain_password": password, "request_timeout_ms": 10_000}
+
+    async def main() -> list:
+        producer = aiokafka.AIOKafkaProducer(acks="all", **settings("alice-secret"))
+        await producer.start()
+        try:
+            for i in range(RECORDS):
+                await producer.send(topic_name, key=b"ak-%d" % i, value=b"v")
+            await producer.flush()
+        finally:
+            await producer.stop()
+        consumer = aiokafka.AIOKafkaConsumer(topic_name, group_id=f"aiokafka-{mechanism}", auto_offset_reset="earliest", **settings("alice-secret"))
+        await consumer.start()
+        seen = {}
+        try:
+            while len(seen) < RECORDS:
+                batches = await asyncio.wait_for(consumer.getmany(timeout_ms=1000), 60)
+                for records in batches.values():
+                    seen.update((r.offset, r.key) for r in records)
+        finally:
+            await consumer.stop()
+        refused = aiokafka.AIOKafkaProducer(**settings("not-her-password"))
+        with pytest.raises((aiokafka.errors.KafkaConnectionError, aiokafka.errors.KafkaError)):
+            await refused.start()
+        await refused.stop()
+        return sorted(seen.values())
+
+    before = authentications(sasl_gateway)
+    assert asyncio.run(main()) == sorted(b"ak-%d" % i for i in range(RECORDS))
+    after = authentications(sasl_gateway)
+    assert after["by_mechanism"].get(mechanism, 0) > before["by_mechanism"].get(mechanism, 0)
+    assert after["failed"] > before["failed"]
+
+
 @pytest.mark.parametrize("user, password", [("alice", "not-her-password"), ("nobody", "alice-secret")])
 def test_a_wrong_password_or_an_unknown_user_is_refused_as_clients_report_it(bus, sasl_gateway, authority, user, password, caplog):
     import confluent_kafka as ck

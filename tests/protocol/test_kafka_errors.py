@@ -147,7 +147,7 @@ def test_an_api_not_served_is_answered_unsupported_version_in_its_own_version():
     handler = kg.KafkaHandler(backend=None)
     unserved = [(key, version) for key, version in KNOWN if key not in kg.API_VERSIONS_SERVED or
                 not kg.API_VERSIONS_SERVED[key][0] <= version <= kg.API_VERSIONS_SERVED[key][1]]
-    assert (30, 3) in unserved  # CreateAcls
+    assert (38, 2) in unserved  # CreateDelegationToken
     for api_key, version in unserved:
         if api_key == kg.API_VERSIONS:
             continue  # answered in version 0 (see test_kafka_gateway)
@@ -155,7 +155,7 @@ def test_an_api_not_served_is_answered_unsupported_version_in_its_own_version():
         body = decoded(api_key, version, asyncio.run(handler.start(frame)))
         if hasattr(body, "error_code"):
             assert body.error_code == km.ErrorCode.unsupported_version and not body.error_code.retriable
-    assert handler.requests_unserved[(30, 3)] == 1
+    assert handler.requests_unserved[(38, 2)] == 1
 
 
 def test_join_group_failures_encode_below_version_7_where_protocol_name_is_not_nullable():
