@@ -4,8 +4,8 @@
 Run with ``.venv/bin/python perf/bench_gateway_security.py``; ``--quick`` makes a
 short smoke run; ``--records N`` sets the records per repetition.
 
-One private local Ray, a fresh temp ``data_dir``, a unique namespace, and two
-gateways on this node (loopback, free ports): one plaintext, one with TLS (a
+One private local Ray, a fresh temp ``data_dir``, a unique namespace, and a
+gateway on this node (loopback, a free port), started in turn plaintext and with TLS (a
 certificate authority made for the run, as the tests make theirs) and SASL
 SCRAM-SHA-512 (one user; the principal is a super user, so ACL checks are
 made and all pass). The produce and consume cases are perf/bench_gateway.py's
@@ -81,25 +81,31 @@ def main() -> int:
               "sasl.username": USER, "sasl.password": PASSWORD}
     cases = ("produce", "consume", "connect")
     samples: dict[tuple[str, str], list[float]] = {(case, kind): [] for case in cases for kind in ("plaintext", "sasl_ssl")}
-    bus = plain = tls = None
+    bus = gateway = None
     topics: list[str] = []
     try:
         start_local_ray(namespace)
         bus = logbus.connect(data_dir=data_dir, namespace=namespace)
         bus.admin.create_scram_user(USER, PASSWORD, mechanism="SCRAM-SHA-512")
-        plain = bus.start_gateway(port=0)
-        tls = bus.start_gateway(port=0, ssl_certfile=server.certfile, ssl_keyfile=server.keyfile, sasl_mechanisms=("SCRAM-SHA-512",),
-                                super_users=(f"User:{USER}",))
-        gateways = {"plaintext": (plain.bootstrap_servers, {}), "sasl_ssl": (tls.bootstrap_servers, secure)}
+        settings = {"plaintext": ({}, {}),
+                    "sasl_ssl": ({"ssl_certfile": server.certfile, "ssl_keyfile": server.keyfile, "sasl_mechanisms": ("SCRAM-SHA-512",),
+                                  "super_users": (f"User:{USER}",)}, secure)}
         for rep in range(mode.reps + 1):  # the first is the warm-up
             figures = {}
-            for kind, (bootstrap, client) in (gateways.items() if rep % 2 == 0 else reversed(gateways.items())):
-                topic = f"{kind}-{rep}"
-                bus.admin.create_topic(topic, partitions=1)
-                topics.append(topic)
-                figures[("produce", kind)] = kafka_produce(bootstrap, topic, pool, n, client).records_per_s
-                figures[("consume", kind)] = kafka_consume(bootstrap, topic, n, KAFKA_CONSUMER_TUNING, client).records_per_s
-                figures[("connect", kind)] = connect_s(bootstrap, client)
+            for kind in (("plaintext", "sasl_ssl") if rep % 2 == 0 else ("sasl_ssl", "plaintext")):
+                options, client = settings[kind]
+                gateway = bus.start_gateway(port=0, **options)  # one gateway per node: each kind in turn
+                try:
+                    bootstrap = gateway.bootstrap_servers
+                    topic = f"{kind}-{rep}"
+                    bus.admin.create_topic(topic, partitions=1)
+                    topics.append(topic)
+                    figures[("produce", kind)] = kafka_produce(bootstrap, topic, pool, n, client).records_per_s
+                    figures[("consume", kind)] = kafka_consume(bootstrap, topic, n, KAFKA_CONSUMER_TUNING, client).records_per_s
+                    figures[("connect", kind)] = connect_s(bootstrap, client)
+                finally:
+                    gateway.stop()
+                    gateway = None
             log(("warm-up: " if rep == 0 else f"rep {rep}: ") + ", ".join(
                 f"{case} {kind} " + (f"{value * 1000:.1f} ms" if case == "connect" else f"{fmt_rate(value)}/s") for (case, kind), value in figures.items()))
             if rep > 0:
@@ -108,9 +114,8 @@ def main() -> int:
             delete_topics(bus, topics)
             topics.clear()
     finally:
-        for gateway in (plain, tls):
-            if gateway is not None:
-                gateway.stop()
+        if gateway is not None:
+            gateway.stop()
         if bus is not None:
             delete_topics(bus, topics)
         shutdown_ray()
