@@ -221,11 +221,13 @@ def _metadata(access: Access, request: Request) -> Decision:
             return {**values, "topics": [t for t in values.get("topics", ()) if describable(t)]}
         return Decision(request, patch=hide, may_create=may_create)
     allowed, denied = _split(body.topics, lambda t: t.name is None or access.may(Operation.describe, TOPIC, t.name))
+    every_topic_served = request.api_version == 0 and not allowed  # v0 reads an empty list as "every topic"
 
     def refuse(values: dict) -> dict:
         # Topics named by id are looked up first: one it may not describe is refused as well, without its name.
+        listed = () if every_topic_served else values.get("topics", ())
         topics = [t if t.get("name") is None or t.get("error_code") not in (None, ErrorCode.none, 0) or describable(t)
-                  else _metadata_entry(None, t.get("topic_id")) for t in values.get("topics", ())]
+                  else _metadata_entry(None, t.get("topic_id")) for t in listed]
         return {**values, "topics": topics + [_metadata_entry(t.name) for t in denied]}
 
     return Decision(_replace(request, topics=tuple(allowed)), patch=refuse, may_create=may_create)

@@ -85,6 +85,11 @@ def test_metadata_hides_what_may_not_be_described_and_refuses_it_by_name():
     body = reply(named, decision, {"topics": [{"name": "orders", "error_code": 0, "partitions": []}]})
     assert [(t.name, t.error_code) for t in body.topics] == [("orders", E.none), ("payments", E.topic_authorization_failed)]
     assert decision.may_create("new-y") and not decision.may_create("orders2")
+    # v0 reads an empty topic list as every topic: a v0 request whose topics are all refused lists none it may see.
+    refused_v0 = request(kg.METADATA, 0, {"topics": [{"name": "payments"}]})
+    decision = az.authorize(who, refused_v0)
+    body = reply(refused_v0, decision, {"topics": [{"name": n, "error_code": 0, "partitions": []} for n in ("orders", "new-x")]})
+    assert [(t.name, t.error_code) for t in body.topics] == [("payments", E.topic_authorization_failed)]
     assert access(acl("cluster", "kafka-cluster", "create")).authorizer.authorize(ALICE, "h", az.Operation.create, az.CLUSTER, "kafka-cluster")
 
 
@@ -205,6 +210,11 @@ def test_the_handler_refuses_before_anything_reaches_a_log(tmp_path):
         frame = asyncio.run(plain.start(kio_frame(kg.DESCRIBE_ACLS, 1, {"resource_type_filter": 1, "pattern_type_filter": 1, "operation": 1,
                                                                           "permission_type": 1})))
         assert kio_response(kg.DESCRIBE_ACLS, 1, frame).error_code == E.security_disabled
+        # ... and nobody may change SCRAM credentials through it (any client could take over another's login).
+        alter = {"deletions": [], "upsertions": [{"name": "admin", "mechanism": 2, "iterations": 8192, "salt": b"s", "salted_password": b"p"}]}
+        frame = asyncio.run(plain.start(kio_frame(kg.ALTER_USER_SCRAM_CREDENTIALS, 0, alter), principal="User:bob"))
+        assert [(r.user, r.error_code) for r in kio_response(kg.ALTER_USER_SCRAM_CREDENTIALS, 0, frame).results] == [
+            ("admin", E.cluster_authorization_failed)]
     finally:
         logs.close()
 
