@@ -671,11 +671,18 @@ def test_topics_a_kafka_client_asks_for_are_created_with_the_gateways_settings(b
 
     gateway = start_gateways(bus.namespace, bus.controller, port=0, config={"num.partitions": 3})
     try:
-        # A consumer subscribing to a topic that does not exist (kafka-python allows auto-creation by default).
-        consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id="auto", auto_offset_reset="earliest")
+        # A Metadata request naming a topic that does not exist creates it (Kafka clients allow auto-creation by
+        # default). kafka-python's group subscribes once it is there: a group joined before the topic's partitions
+        # are known is assigned nothing, and kafka-python looks again only at its next metadata refresh (5 minutes).
+        asking = Raw(gateway)
+        asking.call(kg.METADATA, 12, {"topics": [{"name": topic_name, "topic_id": None}], "allow_auto_topic_creation": True,
+                                      "include_topic_authorized_operations": False})
+        asking.close()
+        consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id=f"{topic_name}-auto",
+                                 auto_offset_reset="earliest")
         try:
             wait_for(lambda: consumer.poll(timeout_ms=200) is not None and len(consumer.assignment()) == 3, timeout_s=120,
-                     message="created and assigned")
+                     message="assigned")
         finally:
             consumer.close()
         assert len(bus.admin.describe_topic(topic_name).partitions) == 3  # num.partitions

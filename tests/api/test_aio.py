@@ -28,6 +28,7 @@ from logbus.errors import (
     InvalidRecordError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
+    TransactionAbortedError,
     UnknownTopicError,
 )
 from tests.api.loop_probe import BlockingCalls
@@ -656,3 +657,38 @@ def test_the_clients_make_no_blocking_call_on_the_loop_under_load(bus, topic_nam
         assert np.array_equal(offsets[partition], np.arange(count // partitions))
     assert producer_calls == []
     assert consumer_calls == []
+
+
+@pytest.mark.timeout(180)
+def test_a_transactional_producer_commits_and_aborts_off_the_loop(bus, topic_name):
+    # logbus.aio's transactional calls, with a consumer's offsets in the committed transaction:
+    # a read_committed consumer sees the committed records only, and the group has the offsets.
+    from tests.api.test_transactions_e2e import committed_values
+
+    bus.admin.create_topic(topic_name, partitions=2)
+    source = TopicPartition(topic_name, 1)
+    group = f"{topic_name}-g"
+
+    async def main():
+        async with logbus.aio.Consumer(bus, group_id=group, enable_auto_commit=False) as consumer, \
+                logbus.aio.Producer(bus, transactional_id=f"{topic_name}-tx") as producer:
+            await producer.init_transactions()
+            await producer.begin_transaction()
+            sent = [await producer.send(topic_name, b"c%d" % i, partition=0) for i in range(10)]
+            await producer.send_offsets_to_transaction({source: 7}, await consumer.group_metadata())
+            await producer.commit_transaction()
+            assert [m.offset for m in await asyncio.gather(*sent)] == list(range(10))
+            await producer.begin_transaction()
+            aborted = [await producer.send(topic_name, b"a%d" % i, partition=0) for i in range(5)]
+            await producer.abort_transaction()
+            # Records not yet sent when the abort came fail with TransactionAbortedError; none is ever read committed.
+            outcomes = await asyncio.gather(*aborted, return_exceptions=True)
+            assert all(isinstance(o, TransactionAbortedError) or o.offset >= 10 for o in outcomes)
+
+    asyncio.run(main())
+    assert committed_values(bus, topic_name, 2) == sorted(b"c%d" % i for i in range(10))
+    checker = logbus.Consumer(bus, group_id=group, enable_auto_commit=False)
+    try:
+        assert checker.committed([source]) == {source: 7}
+    finally:
+        checker.close()
