@@ -177,8 +177,10 @@ def test_a_drained_node_ends_with_no_replicas_and_leaders_come_back_to_their_pre
     os.kill(status["pid"], 9)
     wait_for(lambda: rbus.admin.describe_topic("drained").partitions[0].leader_epoch > described.leader_epoch, timeout_s=60, message="failover")
     wait_isr(rbus, "drained", 2)
-    moved = rbus.admin.elect_preferred_leaders(["drained"])
-    assert ("drained", 0) in [tuple(m) for m in moved]
+    # The election needs the preferred replica alive in the controller's view (its node's report
+    # that the replica is up), which can come a moment after the leader counts it in sync again.
+    wait_for(lambda: ("drained", 0) in [tuple(m) for m in rbus.admin.elect_preferred_leaders(["drained"])],
+             timeout_s=60, message="partition 0 moved back to its preferred replica")
     final = rbus.admin.describe_topic("drained").partitions[0]
     assert final.leader == final.replicas[0]
     assert_healed(rbus, "drained")
