@@ -18,8 +18,8 @@ be unlimited says so with ``forever``: then None (and infinity, for ms, as
 kafka-python's ``consumer_timeout_ms`` takes it) mean no limit.
 
 The command line parses its flags' text into numbers and runs the same
-checks (``logbus/cli.py``), so a flag and the option it sets fail with the
-same words.
+checks (``logbus/cli/_common.py``), so a flag and the option it sets fail
+with the same words.
 """
 
 from __future__ import annotations
