@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import RunInfo, arg_parser, delete_topics, exit_on_sigterm, fmt_rate, log, make_pool, new_namespace, remove_dir, shutdown_ray, start_local_ray  # noqa: I001
+from _common import RunInfo, arg_parser, delete_topics, exit_on_sigterm, fmt_rate, log, make_pool, new_namespace, print_table, remove_dir, shutdown_ray, start_local_ray  # noqa: I001
 from bench_gateway import FULL, KAFKA_CONSUMER_TUNING, QUICK, kafka_consume, kafka_produce
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -136,12 +136,11 @@ def main() -> int:
                         "best": round(min(values) * 1000, 2), "values": [round(v * 1000, 2) for v in values]})
     seconds = run.finish()
     log(f"done in {seconds:.0f}s; load average {run.loadavg_start} at the start, {run.loadavg_end} at the end")
-    print()
-    for r in results:
-        extra = f"  ratio {r['ratio']:.2f} (target {r['target']}: {'met' if r['meets_target'] else 'MISSED'})" if "ratio" in r else ""
-        figure = f"{r['best']:,.1f} ms" if r["unit"] == "ms" else f"{fmt_rate(r['best'])}/s"
-        print(f"{r['case']:<62} {figure:>14}{extra}")
-    print()
+    print_table(("case", "best", "ratio"), [
+        (r["case"], f"{r['best']:,.1f} ms" if r["unit"] == "ms" else f"{fmt_rate(r['best'])}/s",
+         f"{r['ratio']:.2f} (target {r['target']}: {'met' if r['meets_target'] else 'MISSED'})" if "ratio" in r else "")
+        for r in results
+    ])
     for r in results:
         print(json.dumps({"bench": "gateway_security", **r, "quick": bool(args.quick), "date": run.date,
                           "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end}))

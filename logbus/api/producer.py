@@ -1308,12 +1308,8 @@ class Producer:
         """
         txn = self._require_txn()
         deadline = self._deadline(timeout_s)
+        self._flush_for_commit(txn, deadline)
         with self._condition:
-            txn.begin_commit()
-        self._drain_transaction(deadline)
-        with self._condition:
-            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
-                txn.begin_commit()  # raises the failure that ended the transaction
             needs_end = txn.needs_end_txn
         if needs_end:
             self._end_txn(True, deadline)
@@ -1355,15 +1351,21 @@ class Producer:
         """
         txn = self._require_txn()
         deadline = self._deadline(timeout_s)
+        self._flush_for_commit(txn, deadline)
         with self._condition:
-            txn.begin_commit()
-        self._drain_transaction(deadline)
-        with self._condition:
-            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
-                txn.begin_commit()  # raises the failure that ended the transaction
             handle = (txn.transactional_id, txn.producer_id, txn.epoch) if txn.needs_end_txn else None
             txn.completed()
         return handle
+
+    def _flush_for_commit(self, txn, deadline_s: float) -> None:
+        """Move the transaction to COMMITTING, send and wait for every record, then raise the failure
+        that ended the transaction meanwhile, if one did (a failed send)."""
+        with self._condition:
+            txn.begin_commit()
+        self._drain_transaction(deadline_s)
+        with self._condition:
+            if txn.state is not TxnClientState.COMMITTING_TRANSACTION:
+                txn.begin_commit()  # raises the failure that ended the transaction
 
     def _fail_unsent(self) -> None:
         """Fail every batch buffered and not in flight with TransactionAbortedError (the transaction aborts)."""
