@@ -13,7 +13,7 @@ what the cluster has nodes, not replicas: one agent per node
 socket, ``heartbeat_link.py``, or ``node_heartbeat`` while that is down),
 reports replica processes that exit or are stopped, and is told each
 partition's current leader epoch. The control loop checks only the nodes'
-leases (``protocol/liveness.py``), pending role deliveries and the partitions
+leases (``protocol/node_table.py``), pending role deliveries and the partitions
 without a leader (normally none). Elections happen on every event that may
 make a leader possible or lose one (``protocol/elections.py``): a node's
 lease runs out, an agent reports a replica down or up, a node is heard again
@@ -102,8 +102,8 @@ from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
-from logbus.protocol.liveness import Liveness
 from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
+from logbus.protocol.node_table import Node, NodeTable
 from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
@@ -128,7 +128,6 @@ REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed else
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
 ROLE_CALL_TIMEOUT_S = 5.0  # a become_leader / become_follower not answered in this long is sent again (RoleDeliveries)
-NODE_STEADY_MS = 10_000  # a node heard again must stay alive this long before another expiry is reported as new
 NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
 IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
 
@@ -176,37 +175,6 @@ class Reservation:
                 pass
 
 
-class _Node:
-    """What the controller knows of one node that hosts replicas (see the module docstring)."""
-
-    __slots__ = (
-        "node_id", "agent", "incarnation", "down", "epochs", "version", "acked", "dead_since_ms", "next_replace_ms", "revived_ms",
-        "ray_node_id", "data_dir", "past_ray_nodes",
-    )
-
-    def __init__(self, node_id: str) -> None:
-        self.node_id = node_id
-        # The Ray node it is on now. A node named by its Ray node id is that Ray node for good; a host's
-        # node (a logbus node id) is found by its label, and checked (``identify``), before it is used.
-        self.ray_node_id: str | None = None if is_node_id(node_id) else node_id
-        self.data_dir: str | None = None  # where its replicas keep their logs; None: the cluster's data directory
-        self.past_ray_nodes: set[str] = set()  # Ray nodes it was on before (a host that joined again): never again
-        self.agent = None  # the node agent's handle, once started
-        self.incarnation: str | None = None  # of the agent process last heard
-        self.down: set[str] = set()  # replica file names the agent reports down (exited or stopped)
-        self.epochs: dict[str, int] = {}  # replica file name -> its partition's current leader epoch
-        self.version: list = ["", 0]  # [controller incarnation, counter] of ``epochs``
-        self.acked: list | None = None  # the version the agent last said it applied
-        self.dead_since_ms: int | None = None  # when its lease ran out (None while alive)
-        self.next_replace_ms = 0  # replacing its replicas elsewhere is tried again no sooner
-        self.revived_ms: int | None = None  # when it was last heard again after its lease ran out
-
-    @property
-    def ready(self) -> bool:
-        """Whether its replicas can run now: it is on a Ray node, checked."""
-        return self.ray_node_id is not None
-
-
 class Controller:
     """Cluster metadata and replica lifecycle; consumer groups through its GroupService (see the module docstring)."""
 
@@ -223,7 +191,6 @@ class Controller:
         self.replica_replacement_ms = replica_replacement_ms
         self.max_replicas_per_node = max_replicas_per_node
         self._incarnation = uuid.uuid4().hex
-        self._liveness = Liveness(monotonic_ms())  # keyed by node id
         self._control_loop: asyncio.Task | None = None
         self._metadata_dir = os.path.join(self.data_dir, "controller")
         os.makedirs(self._metadata_dir, exist_ok=True)
@@ -243,12 +210,11 @@ class Controller:
             self._persist()
             logger.info("metadata.json upgraded from version %d: cluster id %s", self.metadata.upgraded_from, self.metadata.cluster_id)
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
-        self._nodes: dict[str, _Node] = {}
+        self._table = NodeTable(self._incarnation, monotonic_ms())  # the nodes: leases, epoch tables, pruning
         self._by_name: dict[str, tuple[str, int, int]] = {}  # replica file name -> (topic, partition, replica id)
         self._lock_: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
-        self._versions = 0  # counter of epoch table versions
         self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
         self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
         self._last_preferred_check_ms = monotonic_ms()
@@ -312,7 +278,7 @@ class Controller:
         if self.metadata.reassign_dead_nodes(self._live_nodes()):
             self._persist()
             self._reindex()
-        for node in list(self._nodes.values()):
+        for node in self._table.nodes():
             if node.ready:
                 self._agent(node)
                 self._push_epochs(node)
@@ -353,7 +319,7 @@ class Controller:
             self._replicas[key] = handle
         return handle
 
-    def _replica_directory(self, node: _Node, topic: str, partition: int, replica_id: int) -> str:
+    def _replica_directory(self, node: Node, topic: str, partition: int, replica_id: int) -> str:
         return replica_directory(node.data_dir or self.data_dir, topic, partition, replica_id)
 
     def _handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
@@ -468,7 +434,7 @@ class Controller:
 
     # --- nodes: agents, leases, epochs ---------------------------------------------------------------
 
-    def _reindex(self) -> list[_Node]:
+    def _reindex(self) -> list[Node]:
         """Rebuild the replica index and every node's epoch table from the metadata (after any change);
         returns the nodes whose table changed (push them)."""
         by_name: dict[str, tuple[str, int, int]] = {}
@@ -480,34 +446,18 @@ class Controller:
                     by_name[name] = (topic.name, p, r)
                     tables.setdefault(state.nodes[str(r)], {})[name] = state.leader_epoch
         self._by_name = by_name
-        changed = []
-        for node_id, epochs in tables.items():
-            node = self._nodes.get(node_id)
-            if node is None:
-                node = self._nodes[node_id] = _Node(node_id)
-            if node.epochs != epochs:
-                node.epochs = epochs
-                self._versions += 1
-                node.version = [self._incarnation, self._versions]
-                changed.append(node)
-        for node_id, node in self._nodes.items():
-            if node_id not in tables and node.epochs:
-                node.epochs = {}
-                self._versions += 1
-                node.version = [self._incarnation, self._versions]
-                changed.append(node)
-        return changed
+        return self._table.set_epochs(tables)
 
-    def _agent(self, node: _Node):
+    def _agent(self, node: Node):
         if node.agent is None:
             if not node.ready:
                 raise ReplicaNotAvailableError(f"node {node.node_id} is not in the cluster now")
             node.agent = start_agent(self.namespace, node.ray_node_id, CONTROLLER_NAME, node.node_id)
             if node.incarnation is None:
-                self._liveness.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
+                self._table.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
         return node.agent
 
-    def _push_epochs(self, node: _Node) -> None:
+    def _push_epochs(self, node: Node) -> None:
         """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
         if not node.epochs and node.agent is None:
             return  # a node without replicas needs no agent
@@ -520,14 +470,14 @@ class Controller:
                 applied = await asyncio.wait_for(self._agent(node).set_epochs.remote(version, epochs), REPLICA_CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 (the agent is away: its heartbeats, or its lease, settle it)
                 return
-            self._acked(node, applied)
+            self._table.applied(node, applied)
 
         self._spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
 
     async def _retire_idle_agents(self) -> None:
         """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
         and an idle node is what an autoscaler removes (a drained node, say)."""
-        for node in list(self._nodes.values()):
+        for node in self._table.nodes():
             if node.epochs or node.agent is None:
                 continue
             agent, node.agent = node.agent, None
@@ -539,14 +489,24 @@ class Controller:
                 ray.kill(agent, no_restart=True)
             except Exception:  # noqa: BLE001 (already gone)
                 pass
-            node.incarnation, node.acked, node.down = None, None, set()
-            self._liveness.forget(node.node_id)
+            self._table.agent_stopped(node)
             logger.info("node %s hosts no replicas: its agent stopped", node.node_id[:8])
 
-    @staticmethod
-    def _acked(node: _Node, applied: list | None) -> None:
-        if applied is not None and applied[0] == node.version[0] and (node.acked is None or node.acked[0] != applied[0] or applied[1] > node.acked[1]):
-            node.acked = list(applied)
+    def _prune_nodes(self, now: int) -> None:
+        """Each tick: the nodes that left for good leave the table (``NodeTable.prune``: dead for ten
+        lease timeouts, hosting nothing, on no Ray node as last seen), and with it everything else kept
+        of them here: a drain, host checks, duplicate reports. A node that comes back is new."""
+        for node in self._table.prune(now):
+            if node.agent is not None:
+                try:
+                    ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone, with its Ray node)
+                    pass
+            self._draining.discard(node.node_id)
+            self._identified = {r: i for r, i in self._identified.items() if i["node_id"] != node.node_id}
+            self._refused_hosts = {r: i for r, i in self._refused_hosts.items() if i["node_id"] != node.node_id}
+            self._duplicates_told = {told for told in self._duplicates_told if told[0] != node.node_id}
+            logger.info("node %s: gone and hosting no replicas; it leaves the node table", node.node_id[:8])
 
     def _export_health(self) -> None:
         """Under-replicated and offline partitions, as gauges; recounted when an ISR or a leader changes.
@@ -592,13 +552,11 @@ class Controller:
             self._spawn(self._check_partitions({key for key, _ in overdue}), "checking leaderless partitions")
 
     def _node_alive(self, node_id: str, now: int) -> bool:
-        return self._liveness.alive(node_id, now)
+        return self._table.alive(node_id, now)
 
     def _replica_alive(self, topic: TopicState, partition: int, replica_id: int, now: int) -> bool:
-        node = self._nodes.get(topic.partitions[partition].nodes.get(str(replica_id)))
-        if node is None or not self._node_alive(node.node_id, now):
-            return False
-        return replica_file_name(topic.topic_id, partition, replica_id) not in node.down
+        node_id = topic.partitions[partition].nodes.get(str(replica_id))
+        return self._table.replica_alive(node_id, replica_file_name(topic.topic_id, partition, replica_id), now)
 
     async def _fenced(self, topic: TopicState, partition: int) -> None:
         """Wait until every live node hosting the partition has applied its current epoch.
@@ -609,19 +567,11 @@ class Controller:
         stopped when their lease ran out.
         """
         state = topic.partitions[partition]
-        needed = {}
-        for r in state.replicas:
-            node = self._nodes.get(state.nodes[str(r)])
-            if node is not None:
-                needed[node.node_id] = node.version[1]
+        needed = self._table.fence_versions(state.nodes[str(r)] for r in state.replicas)
         deadline = monotonic_ms() + FENCE_TIMEOUT_MS
         while True:
             now = monotonic_ms()
-            waiting = [
-                n for n, counter in needed.items()
-                if self._node_alive(n, now)
-                and not (self._nodes[n].acked and self._nodes[n].acked[0] == self._incarnation and self._nodes[n].acked[1] >= counter)
-            ]
+            waiting = self._table.fence_waiting(needed, now)
             if not waiting:
                 return
             if now > deadline:
@@ -647,31 +597,22 @@ class Controller:
 
     def _renew(self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None) -> dict:
         now = monotonic_ms()
-        node = self._nodes.get(node_id)
-        if node is None:
-            node = self._nodes[node_id] = _Node(node_id)
+        node = self._table.entry(node_id)
         if not node.ready:
             return {"wait": True}
         if ray_node_id is not None and ray_node_id != node.ray_node_id:
             return {"stale": True}
-        self._liveness.heard(node_id, now)
+        renewal = self._table.renew(node, incarnation, down, version, now)
         # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
         # its replicas may lead partitions that have no leader (a controller restart, say).
-        returned = node.incarnation != incarnation
-        node.incarnation = incarnation
-        revived = node.dead_since_ms is not None
+        returned, changed = renewal.returned, set(renewal.changed)
+        revived = renewal.revived_after_ms is not None
         if revived:
-            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], now - node.dead_since_ms)
-            node.revived_ms = now
-        node.dead_since_ms = None
-        down_now = set(down)
-        changed = down_now ^ node.down
-        node.down = down_now
-        self._acked(node, version)
+            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)
         if revived or returned:
             self._deliveries.node_heard(node_id, now)  # role changes it missed are sent again now
-        elif changed - down_now:
-            self._deliveries.retry_now((self._by_name[n] for n in changed - down_now if n in self._by_name), now)
+        elif renewal.up:
+            self._deliveries.retry_now((self._by_name[n] for n in renewal.up if n in self._by_name), now)
         if revived or returned or changed:
             names = set(node.epochs) if revived or returned else changed
             self._spawn(self._check_replicas(names), "checking replicas")
@@ -780,26 +721,15 @@ class Controller:
                 logger.exception("control loop error")
 
     async def _check_nodes(self) -> None:
-        """Each tick: which nodes' leases ran out (work per node, not per replica)."""
+        """Each tick: which nodes' leases ran out, which dead nodes leave the table (work per node, not per replica)."""
         now = monotonic_ms()
         # A late tick (this process stalled) does not count the stall against any lease.
-        self._liveness.tick(now, int(CONTROL_LOOP_INTERVAL_S * 1000))
-        names: set[str] = set()
-        for node in self._nodes.values():
-            if not node.epochs:
-                continue
-            if node.dead_since_ms is None:
-                if not self._node_alive(node.node_id, now):
-                    node.dead_since_ms = now
-                    node.next_replace_ms = now + self.replica_replacement_ms
-                    # Once per outage: a node heard briefly in between (a late heartbeat) is the same outage.
-                    again = node.revived_ms is not None and now - node.revived_ms < NODE_STEADY_MS
-                    (logger.debug if again else logger.warning)(
-                        "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
-                    names |= set(node.epochs)
-            elif now >= node.next_replace_ms:
-                node.next_replace_ms = now + REPLACE_RETRY_MS
-                names |= set(node.epochs)
+        self._table.tick(now, int(CONTROL_LOOP_INTERVAL_S * 1000))
+        names, expired = self._table.check_leases(now, self.replica_replacement_ms, REPLACE_RETRY_MS)
+        for node, again in expired:  # once per outage: a node heard briefly in between is the same outage
+            (logger.debug if again else logger.warning)(
+                "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
+        self._prune_nodes(now)
         if names:
             await self._check_replicas(names)
         self._look_for_nodes(now)
@@ -867,7 +797,7 @@ class Controller:
         for r in list(state.replicas):
             if r in state.removing:
                 continue  # leaving anyway: its reassignment finishes without it
-            node = self._nodes.get(state.nodes.get(str(r)))
+            node = self._table.get(state.nodes.get(str(r)))
             if node is None or node.dead_since_ms is None or now - node.dead_since_ms <= self.replica_replacement_ms:
                 continue
             if state.isr == [r]:
@@ -892,11 +822,8 @@ class Controller:
             replaced = True
         return replaced
 
-    def _node_entry(self, node_id: str) -> _Node:
-        node = self._nodes.get(node_id)
-        if node is None:
-            node = self._nodes[node_id] = _Node(node_id)
-        return node
+    def _node_entry(self, node_id: str) -> Node:
+        return self._table.entry(node_id)
 
     # --- node identity: which Ray node each node is now ------------------------------------------------
 
@@ -913,7 +840,7 @@ class Controller:
         for host in self._hosts:
             if host.ray_node_id in self._refused_hosts:
                 continue
-            node = self._nodes.get(host.node_id)
+            node = self._table.get(host.node_id)
             if not host.labelled or (node is not None and node.ray_node_id == host.ray_node_id):
                 usable.append(host)
         return usable
@@ -923,7 +850,7 @@ class Controller:
         return sorted({host.node_id for host in self._usable_hosts()})
 
     def _ray_node_of(self, node_id: str | None) -> str | None:
-        node = self._nodes.get(node_id) if node_id is not None else None
+        node = self._table.get(node_id)
         return node.ray_node_id if node is not None else (None if node_id is None or is_node_id(node_id) else node_id)
 
     def _node_of_ray_node(self, ray_node_id: str) -> str:
@@ -944,6 +871,7 @@ class Controller:
         async with self._refresh_lock:
             self._last_discovery_ms = monotonic_ms()
             hosts = await asyncio.to_thread(replica_hosts, self.max_replicas_per_node)
+            self._table.set_carried(host.node_id for host in hosts)  # before any await: none of them is pruned
             now = monotonic_ms()
             candidates: dict[str, list[str]] = {}
             for host in hosts:
@@ -994,7 +922,7 @@ class Controller:
         self._identified[ray_node_id] = identity
         return identity
 
-    def _move_node(self, node: _Node, ray_node_id: str, identity: dict) -> None:
+    def _move_node(self, node: Node, ray_node_id: str, identity: dict) -> None:
         """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
 
         The actors on the Ray node it leaves are killed (that Ray node is dead,
@@ -1004,14 +932,10 @@ class Controller:
         brings elections for their partitions (a replica that was the only
         in-sync one leads again).
         """
-        old = node.ray_node_id
-        if old is not None:
-            node.past_ray_nodes.add(old)
         names = [n for n in node.epochs if n in self._by_name]  # its replicas (_reindex)
         old_handles = [self._replicas.pop(self._by_name[n]) for n in names if self._by_name[n] in self._replicas]
         old_agent = node.agent
-        node.ray_node_id, node.data_dir = ray_node_id, identity["data_dir"]
-        node.agent, node.incarnation, node.acked, node.down = identity["agent"], None, None, set()
+        old = self._table.move(node, ray_node_id, identity["data_dir"], identity["agent"])
         for handle in [*old_handles, *([old_agent] if old_agent is not None else [])]:
             try:
                 ray.kill(handle, no_restart=True)
@@ -1022,7 +946,7 @@ class Controller:
             "" if old is None else f" now (was {old[:12]}): its replicas open their logs there", len(names), node.data_dir or self.data_dir)
         if not names:
             return
-        self._liveness.expect(node.node_id, monotonic_ms())  # its agent has its first heartbeat to send
+        self._table.expect(node.node_id, monotonic_ms())  # its agent has its first heartbeat to send
         self._push_epochs(node)
         for name in names:
             topic_name, partition, replica_id = self._by_name[name]
@@ -1035,7 +959,7 @@ class Controller:
         """Each tick: while a node hosting replicas is away, look through Ray's nodes for it (once a second)."""
         if now - self._last_discovery_ms < NODE_DISCOVERY_MS or (self._discovery is not None and not self._discovery.done()):
             return
-        if not any(n.epochs and (not n.ready or n.dead_since_ms is not None) for n in self._nodes.values()):
+        if not self._table.away_with_replicas():
             return
         self._discovery = asyncio.get_running_loop().create_task(self._refresh_safely())
 
@@ -1155,7 +1079,7 @@ class Controller:
         await self._ready()
         for name in list(self.metadata.topics):
             await self._delete_topic(name)
-        for node in self._nodes.values():
+        for node in self._table.nodes():
             if node.agent is not None:
                 try:
                     await asyncio.wait_for(node.agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
@@ -1188,7 +1112,7 @@ class Controller:
         for handle in handles:
             ray.kill(handle, no_restart=True)
         for node_id, names in gone.items():
-            node = self._nodes.get(node_id)
+            node = self._table.get(node_id)
             if node is not None and node.agent is not None:
                 try:
                     await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
@@ -1374,7 +1298,7 @@ class Controller:
             except Exception:  # noqa: BLE001 (already gone)
                 pass
         for node_id, names in gone.items():
-            node = self._nodes.get(node_id)
+            node = self._table.get(node_id)
             if node is not None and node.agent is not None:
                 try:
                     await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
@@ -1425,7 +1349,7 @@ class Controller:
         """
         await self._ready()
         await self._refresh_nodes()
-        if node_id not in self._live_nodes() and node_id not in self._nodes:
+        if node_id not in self._live_nodes() and node_id not in self._table:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
         already = node_id in self._draining
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
@@ -1542,8 +1466,7 @@ class Controller:
                 })
             topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
         now = monotonic_ms()
-        dead = [n.ray_node_id for n in self._nodes.values() if n.ray_node_id is not None and not self._node_alive(n.node_id, now)]
-        return {"topics": topics, "dead_nodes": dead, "acl_version": self.metadata.acl_version}
+        return {"topics": topics, "dead_nodes": self._table.dead_ray_nodes(now), "acl_version": self.metadata.acl_version}
 
     async def scram_credential(self, user: str, mechanism: str) -> dict | None:
         """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
@@ -1650,12 +1573,12 @@ class Controller:
                 for status in replicas:
                     if "size_bytes" in status:
                         sizes[status["node"]] += status["size_bytes"]
-        agents = [(n, n.agent) for n in self._nodes.values() if n.agent is not None]
+        agents = [(n, n.agent) for n in self._table.nodes() if n.agent is not None]
         usage = await asyncio.gather(*(asyncio.wait_for(a.usage.remote(), 10) for _, a in agents), return_exceptions=True)
         memory = {n.node_id: u.get("uss_mean_bytes") for (n, _), u in zip(agents, usage) if isinstance(u, dict)}
         out = []
         for node_id in sorted(set(limits) | set(counts)):
-            node = self._nodes.get(node_id)
+            node = self._table.get(node_id)
             out.append({
                 "bytes": sizes.get(node_id, 0),
                 "memory_per_replica_bytes": memory.get(node_id),

@@ -3,11 +3,12 @@
 Starting from a head alone: a topic whose replication factor needs nodes
 that do not exist becomes pending demand and the autoscaler adds them; a
 second topic that needs one more node gets it; a partition moves onto the
-new node and a drain moves it off again, after which the node is idle and
-the autoscaler removes it. An idempotent acks="all" producer and a consumer
-group run throughout: every record sent is acknowledged (the partitions
-always had a leader to take it within the producer's delivery timeout), none
-is lost or written twice, and the group reads them all.
+new node and a drain moves it off again, after which the node is idle, the
+autoscaler removes it, and the controller forgets it. An idempotent
+acks="all" producer and a consumer group run throughout: every record sent
+is acknowledged (the partitions always had a leader to take it within the
+producer's delivery timeout), none is lost or written twice, and the group
+reads them all.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
+from logbus.errors import InvalidReassignmentError
 from tests.conftest import close_bus, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -145,6 +147,17 @@ def test_topics_grow_the_cluster_and_a_drained_node_is_removed(cluster, tmp_path
         wait_for(lambda: new_node not in cluster.node_ids(), timeout_s=SCALE_TIMEOUT_S, message="the drained node removed")
         acked = load.acknowledged_count()
         wait_for(lambda: load.acknowledged_count() > acked + 500, timeout_s=60, message="more load after the removal")
+
+        # 5. The controller forgets the removed node (protocol/node_table.py): it is unknown from then on.
+        def forgotten() -> bool:
+            try:
+                bus.admin.drain_node(new_node, timeout_s=10)
+            except InvalidReassignmentError as error:
+                assert "unknown node" in str(error)
+                return True
+            return False
+
+        wait_for(forgotten, timeout_s=120, interval_s=0.5, message="the removed node gone from the controller's node table")
         acknowledged, failed = load.finish()
         assert not load.errors, load.errors
         assert not failed, f"{len(failed)} records not acknowledged, e.g. {failed[:3]}"
