@@ -1098,27 +1098,9 @@ class Controller:
             for node in self._reindex():
                 self._push_epochs(node)
             self.groups.topics_changed()
-        handles = []
-        gone: dict[str, list[str]] = {}
-        for p, state in enumerate(topic.partitions):
-            self._deliveries.forget((name, p, r) for r in state.replicas)
-            for r in state.replicas:
-                gone.setdefault(state.nodes[str(r)], []).append(replica_file_name(topic.topic_id, p, r))
-                handle = self._replicas.pop((name, p, r), None)
-                if handle is not None:
-                    handles.append(handle)
-        if handles:
-            await asyncio.gather(*(h.delete.remote() for h in handles), return_exceptions=True)
-        for handle in handles:
-            ray.kill(handle, no_restart=True)
-        for node_id, names in gone.items():
-            node = self._table.get(node_id)
-            if node is not None and node.agent is not None:
-                try:
-                    await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
-                    pass
-        await self._retire_idle_agents()
+        await self._retire_replicas(
+            [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas]
+        )
 
     async def list_topics(self, include_internal: bool = False) -> list[str]:
         await self._ready()
@@ -1284,13 +1266,20 @@ class Controller:
 
     async def _remove_replicas(self, topic: TopicState, partition: int, removed: list[int], nodes: dict[str, str]) -> None:
         """Delete the files and actors of replicas no longer in the partition."""
+        await self._retire_replicas([(topic, partition, r, nodes[str(r)]) for r in removed])
+
+    async def _retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]]) -> None:
+        """The one path by which replicas end, for a deleted topic or a finished move: each
+        (topic, partition, replica id, node id) loses its pending role deliveries, its actor deletes
+        its files (bounded wait) and is killed, and its node's agent forgets it; then agents left with
+        nothing to run stop."""
         handles, gone = [], {}
-        self._deliveries.forget((topic.name, partition, r) for r in removed)
-        for r in removed:
+        self._deliveries.forget((topic.name, partition, r) for topic, partition, r, _ in replicas)
+        for topic, partition, r, node_id in replicas:
             handle = self._replicas.pop((topic.name, partition, r), None)
             if handle is not None:
                 handles.append(handle)
-            gone.setdefault(nodes[str(r)], []).append(replica_file_name(topic.topic_id, partition, r))
+            gone.setdefault(node_id, []).append(replica_file_name(topic.topic_id, partition, r))
         await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), REPLICA_CALL_TIMEOUT_S) for h in handles), return_exceptions=True)
         for handle in handles:
             try:
