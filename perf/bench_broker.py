@@ -38,6 +38,12 @@ current Producer, enable_idempotence=True). Cases:
              calls only, no Unix socket to the leader). The throughput cases' topics are
              deleted first (their actors and files), so the stream does not share the
              CPUs with their heartbeats or with the kernel writing back their data.
+3b. latency  in one process: a Producer (linger_ms=0) in the driver's main thread sends at the
+             same paced 10,000 records/s while a Consumer in a thread of the driver polls them
+             with ``poll()`` (per record, as users write it; timeout 5 ms); the two share the
+             process and its GIL (a Ray driver or a Serve replica that produces and consumes).
+             Target p99 <= 5 ms; ratio against the two-process linger_ms=0 case's p99. One more
+             repetition than the other latency cases, the best (lowest p99) reported.
 4. baselines Redis Streams with redis-py + hiredis: XADD pipelined 1,000 at a time
              (produce); XREADGROUP COUNT 1000 from the start of the stream (consume, no
              XACK); the same latency test (XADD of the records due at each ~0.5 ms tick
@@ -70,6 +76,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -78,6 +85,7 @@ import ray
 
 # First: it puts this tree's logbus on sys.path.
 from _common import (
+    LATENCY_POLL_MS,
     QUEUE_BATCH,
     REDIS_PIPELINE,
     REDIS_READ_COUNT,
@@ -103,6 +111,7 @@ from _common import (
     make_pool,
     make_table,
     new_namespace,
+    paced_send,
     print_table,
     produce_send,
     produce_tables,
@@ -111,6 +120,7 @@ from _common import (
     redis_produce,
     remove_dir,
     shutdown_ray,
+    stamped_value,
     start_local_ray,
 )
 
@@ -128,6 +138,7 @@ CONSUME_TARGET = 5_000_000
 CONSUME_RATIO_TARGET = 15.0  # x Redis XREADGROUP
 P50_TARGET_MS = 3.0
 P99_TARGET_MS = 15.0
+ONE_PROCESS_P99_TARGET_MS = 5.0  # producer and consumer in one process (a Ray driver, a Serve replica)
 
 
 @dataclass
@@ -398,6 +409,51 @@ def aio_loop_lateness(bus, topic: str, seconds: float) -> Result:
     )
 
 
+def one_process_latency(bus, topic: str, duration_s: float, grace_s: float) -> tuple[np.ndarray, int, float]:
+    """A Producer (linger_ms=0) in this process's main thread sends stamped records at a paced
+    LATENCY_RATE while a Consumer in a thread of the same process polls them record by record
+    (``poll()``, as users write it) and takes poll-return time minus send time; the two clients share
+    the process and its GIL. Returns (latencies in ns, records sent, seconds of sending)."""
+    from logbus import Consumer, TopicPartition
+
+    tp = TopicPartition(topic, 0)
+    producer = Producer(bus, acks=1, linger_ms=0)
+    consumer = Consumer(bus)
+    try:
+        consumer.assign([tp])
+        consumer.seek(tp, high_watermarks(bus, topic)[0])
+        # First-use costs out of the timing: producer id, metadata, first encode and decode.
+        paced_send(lambda: producer.send(topic, stamped_value()), LATENCY_RATE, LATENCY_WARMUP_RECORDS / LATENCY_RATE)
+        producer.flush(timeout_s=60)
+        warm, deadline = 0, time.monotonic() + 60
+        while warm < LATENCY_WARMUP_RECORDS and time.monotonic() < deadline:
+            warm += sum(len(records) for records in consumer.poll(timeout_ms=100).values())
+        expected = int(LATENCY_RATE * duration_s)
+        out: list[np.ndarray] = []
+        stop = threading.Event()
+
+        def consume() -> None:
+            got = 0
+            while got < expected and not stop.is_set():
+                polled = consumer.poll(timeout_ms=LATENCY_POLL_MS, max_records=500)
+                now = time.time_ns()
+                for records in polled.values():
+                    out.append(now - np.fromiter((int.from_bytes(r.value[:8], "little", signed=True) for r in records), np.int64, len(records)))
+                    got += len(records)
+
+        reader = threading.Thread(target=consume, name="one-process-consumer", daemon=True)
+        reader.start()
+        sent, send_s = paced_send(lambda: producer.send(topic, stamped_value()), LATENCY_RATE, duration_s)
+        producer.flush(timeout_s=grace_s)
+        reader.join(grace_s)
+        stop.set()
+        reader.join(10)
+        return (np.concatenate(out) if out else np.empty(0, np.int64)), sent, send_s
+    finally:
+        producer.close()
+        consumer.close()
+
+
 def producer_accepts(option: str) -> bool:
     return option in inspect.signature(Producer.__init__).parameters
 
@@ -586,6 +642,27 @@ def main() -> int:
                        "received_per_rep": [r[3] for r in lat_runs]},
             ))
         ray.kill(latency_consumer)
+        two_process_p99 = next(r.p99_ms for r in results if r.case == f"logbus latency @ {LATENCY_RATE:,}/s, linger_ms=0")
+
+        # ---- 3b. latency with producer and consumer in one process ---------------------------------------
+        label = f"logbus latency @ {LATENCY_RATE:,}/s, producer and consumer in one process, poll()"
+        topic = create("bench-latency-one-process", 1)
+        lat_runs = []
+        for rep in range(mode.latency_reps + 1):
+            latencies, sent, send_s = one_process_latency(bus, topic, mode.latency_s, mode.latency_grace_s)
+            p50, p99, worst = latency_percentiles_ms(latencies, sent)
+            lat_runs.append((p99, p50, worst, len(latencies), sent, send_s))
+            log(f"{label:<60} rep {rep + 1}: {len(latencies):,}/{sent:,} records received, sent in {send_s:.2f}s, "
+                f"p50 {p50:.2f} ms, p99 {p99:.2f} ms, max {worst:.1f} ms")
+        p99, p50, worst, received, sent, send_s = min(lat_runs)
+        results.append(Result(
+            label, sent / send_s, p50_ms=p50, p99_ms=p99, ratio_vs="two processes' p99 (linger_ms=0)",
+            ratio=p99 / two_process_p99 if two_process_p99 else None,
+            target=f"p99 <= {ONE_PROCESS_P99_TARGET_MS:g} ms", meets_target=bool(p99 <= ONE_PROCESS_P99_TARGET_MS),
+            reps=[r[0] for r in lat_runs],
+            extra={"received": received, "sent": sent, "max_ms": worst, "p50_per_rep": [r[1] for r in lat_runs],
+                   "max_per_rep": [r[2] for r in lat_runs]},
+        ))
 
         # ---- 6. the asyncio clients (before the baselines: the same bus) ----------------------------------
         results.append(aio_send_and_wait(bus, create("bench-aio-send-and-wait", 1), rounds=2 * mode.reps))

@@ -14,7 +14,9 @@ the log, and the read on start, stay proportional to the live commits rather
 than to every commit ever made. Deleting a group writes a tombstone for each
 of its committed partitions.
 
-The topic is created on first use, through the host's ``create_internal_topic``.
+The topic is created through the host's ``create_internal_topic``: in the
+background when a group is first joined (as Kafka creates it on the first
+FindCoordinator), so the first commit finds it serving, or else on first use.
 
 Offsets in transactions (KIP-98). A transactional producer's offsets
 (``send_offsets_to_transaction``) are appended as a *transactional* batch of
@@ -73,6 +75,7 @@ class CommittedOffsets:
         self.table: dict[Key, OffsetAndMetadata] = {}
         self.pending: dict[int, dict[Key, OffsetAndMetadata]] = {}  # producer id -> offsets of its open transaction
         self._loaded: asyncio.Event | None = None
+        self._creating: asyncio.Task | None = None  # the topic's creation started by prepare(), while it runs
 
     def get(self, group_id: str, tp: TopicPartition) -> OffsetAndMetadata | None:
         return self.table.get((group_id, tp.topic, tp.partition))
@@ -146,7 +149,22 @@ class CommittedOffsets:
         """Create ``__consumer_offsets`` now if it does not exist (Kafka tools expect to find it)."""
         await self._ensure_topic()
 
+    def prepare(self) -> None:
+        """Start creating the topic in the background if it does not exist yet (a group's first join),
+        so that the group's first commit does not wait for a new topic's replicas to start."""
+        if self._creating is None and OFFSETS_TOPIC not in self._host.partition_counts():
+            self._creating = asyncio.ensure_future(self._ensure_topic())
+            self._creating.add_done_callback(self._prepared)
+
+    def _prepared(self, task: asyncio.Task) -> None:
+        self._creating = None
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("creating %s failed (the first commit tries again): %s", OFFSETS_TOPIC, task.exception())
+
     async def _ensure_topic(self) -> None:
+        creating = self._creating
+        if creating is not None and creating is not asyncio.current_task():
+            await asyncio.wait([creating])  # its failure is logged; the checks below then try again
         if OFFSETS_TOPIC in self._host.partition_counts():
             return
         replication = min(OFFSETS_TOPIC_REPLICATION_MAX, max(1, self._host.live_node_count()))

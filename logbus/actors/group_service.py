@@ -285,6 +285,7 @@ class GroupService:
         it arrives.
         """
         self.start()
+        self.offsets.prepare()  # the group will commit: have __consumer_offsets ready by then
         loop = asyncio.get_running_loop()
         session_ms = options.get("session_timeout_ms", DEFAULT_SESSION_TIMEOUT_MS)
         deadline = loop.time() + long_poll_wait_ms(wait_ms, session_ms, LONG_POLL_MAX_MS) / 1000
@@ -358,6 +359,8 @@ class GroupService:
         """
         self.start()
         validate_group_id(group_id)
+        if member_epoch == 0:
+            self.offsets.prepare()  # a member joining will commit: have __consumer_offsets ready by then
         if assignor not in (None, "", "uniform", "cooperative-sticky"):
             raise UnsupportedAssignorError(f"server assignor {assignor!r}; the coordinator has 'uniform' (cooperative-sticky)")
         if member_epoch == -1:

@@ -327,6 +327,23 @@ def test_controller_kill_pauses_consumers_and_keeps_committed_offsets(bus, topic
     assert assert_healed(bus, topic_name) == {0: 3000, 1: 3000}
 
 
+def test_a_groups_first_join_creates_the_offsets_topic_before_any_commit(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    with logbus.Producer(bus) as producer:
+        producer.send(topic_name, b"one").get(timeout=60)
+    assert "__consumer_offsets" not in ray.get(bus.controller.list_topics.remote(True))
+    consumer = logbus.Consumer(bus, group_id="first-join", auto_offset_reset="earliest", **FAST_GROUP)
+    consumer.subscribe([topic_name])
+    wait_for(lambda: consumer.poll(timeout_ms=100) and consumer.assignment(), timeout_s=60, message="join and the record")
+    # Nothing was committed (auto-commit is off), and the topic is there, serving, for the first commit.
+    wait_for(lambda: "__consumer_offsets" in ray.get(bus.controller.list_topics.remote(True)), timeout_s=60,
+             message="__consumer_offsets created by the join")
+    assert consumer.committed(TopicPartition(topic_name, 0)) is None
+    consumer.commit()
+    assert consumer.committed(TopicPartition(topic_name, 0)) == 1
+    consumer.close()
+
+
 def test_group_errors_are_clear(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=2)
     # `first` stops polling after it joined: past max_poll_interval_ms it is removed from the group.
