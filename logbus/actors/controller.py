@@ -29,9 +29,10 @@ which copies the log from the leader, unless its node has come back.
 
 Nodes are named by their logbus node ids (``placement.py``): a host's
 identity, kept in its data directory, outlives its Ray nodes. The controller
-maps each node to the Ray node carrying its label now, and runs the node's
-agent and replicas there (``_refresh_nodes``); a host that joins again as a
-new Ray node gets its replicas back, which reopen their logs where the host
+maps each node to the Ray node carrying its label now (``_refresh_nodes``
+lists Ray's nodes and checks hosts; ``protocol/host_map.py`` decides), and
+runs the node's agent and replicas there; a host that joins again as a new
+Ray node gets its replicas back, which reopen their logs where the host
 keeps them (no copy), and a replica that was the only in-sync one leads
 again. It looks for such hosts among Ray's nodes once a second, only while a
 node hosting replicas is away. Before placing anything on a host new to it,
@@ -75,7 +76,6 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
-    RayNode,
     autoscaler_replica_capacity,
     replica_directory,
     replica_hosts,
@@ -102,6 +102,7 @@ from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
+from logbus.protocol.host_map import HostMap, Identity
 from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
 from logbus.protocol.node_table import Node, NodeTable
 from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
@@ -109,7 +110,6 @@ from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
-from logbus.storage.node_identity import is_node_id
 
 logger = logging.getLogger(__name__)
 
@@ -225,14 +225,11 @@ class Controller:
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
-        # Ray nodes as last seen (``_refresh_nodes``), hosts checked or refused by Ray node id.
-        self._hosts: list[RayNode] = []
-        self._identified: dict[str, dict] = {}  # Ray node id -> {"node_id", "data_dir", "agent"}
-        self._refused_hosts: dict[str, dict] = {}  # Ray node id -> {"node_id", "error"}
+        # Ray nodes as last seen (``_refresh_nodes``), hosts checked or refused: which Ray node each node is.
+        self._host_map = HostMap(self._table)
         self._refresh_lock_: asyncio.Lock | None = None
         self._discovery: asyncio.Task | None = None
         self._last_discovery_ms = 0
-        self._duplicates_told: set[tuple] = set()  # (node id, its Ray nodes) logged as carried twice
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
         self.transactions = TransactionService(self, self.groups)
@@ -275,7 +272,7 @@ class Controller:
 
     async def _restore(self) -> None:
         await self._refresh_nodes()
-        if self.metadata.reassign_dead_nodes(self._live_nodes()):
+        if self.metadata.reassign_dead_nodes(self._host_map.live_nodes()):
             self._persist()
             self._reindex()
         for node in self._table.nodes():
@@ -503,9 +500,7 @@ class Controller:
                 except Exception:  # noqa: BLE001 (already gone, with its Ray node)
                     pass
             self._draining.discard(node.node_id)
-            self._identified = {r: i for r, i in self._identified.items() if i["node_id"] != node.node_id}
-            self._refused_hosts = {r: i for r, i in self._refused_hosts.items() if i["node_id"] != node.node_id}
-            self._duplicates_told = {told for told in self._duplicates_told if told[0] != node.node_id}
+            self._host_map.forget(node.node_id)
             logger.info("node %s: gone and hosting no replicas; it leaves the node table", node.node_id[:8])
 
     def _export_health(self) -> None:
@@ -664,7 +659,7 @@ class Controller:
     def _loads(self) -> list[NodeLoad]:
         """What placement knows of the live nodes (as last seen: ``_refresh_nodes``): replicas and leaders
         from the metadata, racks from Ray's node labels, and each node's replica limit."""
-        hosts = [host for host in self._usable_hosts() if host.node_id not in self._draining]
+        hosts = [host for host in self._host_map.usable() if host.node_id not in self._draining]
         limits = {host.node_id: host.limit for host in hosts}
         self._use_slots = uses_replica_slots()
         loads = self.metadata.node_loads(sorted(limits), limits)
@@ -691,7 +686,7 @@ class Controller:
         await self._create_topic(name, partitions, replication_factor, config, internal=True)
 
     def live_node_count(self) -> int:
-        return len(self._live_nodes())
+        return len(self._host_map.live_nodes())
 
     # --- failure detection and elections: driven by nodes and events, not by replicas --------------
 
@@ -803,7 +798,7 @@ class Controller:
             if state.isr == [r]:
                 continue  # the only in-sync copy: replacing it would lose the partition's data
             if live_nodes is None:
-                live_nodes = self._live_nodes()
+                live_nodes = self._host_map.live_nodes()
             if node.node_id in live_nodes:
                 continue  # Ray still counts the node alive (Ray restarts the actor there), or its host joined again
             used = {state.nodes[str(x)] for x in state.replicas if x != r}
@@ -833,30 +828,6 @@ class Controller:
             self._refresh_lock_ = asyncio.Lock()
         return self._refresh_lock_
 
-    def _usable_hosts(self) -> list[RayNode]:
-        """The live Ray nodes, as last seen, that are their node now: a node named by its Ray node id, or a
-        host's node mapped there (checked); hosts refused and Ray nodes a host left are not."""
-        usable = []
-        for host in self._hosts:
-            if host.ray_node_id in self._refused_hosts:
-                continue
-            node = self._table.get(host.node_id)
-            if not host.labelled or (node is not None and node.ray_node_id == host.ray_node_id):
-                usable.append(host)
-        return usable
-
-    def _live_nodes(self) -> list[str]:
-        """The ids of the nodes that may host replicas now (as last seen: ``_refresh_nodes``), sorted."""
-        return sorted({host.node_id for host in self._usable_hosts()})
-
-    def _ray_node_of(self, node_id: str | None) -> str | None:
-        node = self._table.get(node_id)
-        return node.ray_node_id if node is not None else (None if node_id is None or is_node_id(node_id) else node_id)
-
-    def _node_of_ray_node(self, ray_node_id: str) -> str:
-        """The node a Ray node is (as last seen): its label's node id, else its own id."""
-        return next((host.node_id for host in self._hosts if host.ray_node_id == ray_node_id), ray_node_id)
-
     async def _refresh_nodes(self) -> None:
         """Look through Ray's nodes: map each host's node to the Ray node carrying its label now.
 
@@ -866,41 +837,28 @@ class Controller:
         dead), moves to that Ray node (``_move_node``). A node keeps its Ray
         node while that one heartbeats, whatever else carries its label (two
         hosts with one identity: a copied data directory), and never goes
-        back to a Ray node it left. One GCS query, plus a check per new host.
+        back to a Ray node it left (``HostMap.look`` decides). One GCS query,
+        plus a check per new host.
         """
         async with self._refresh_lock:
             self._last_discovery_ms = monotonic_ms()
             hosts = await asyncio.to_thread(replica_hosts, self.max_replicas_per_node)
-            self._table.set_carried(host.node_id for host in hosts)  # before any await: none of them is pruned
-            now = monotonic_ms()
-            candidates: dict[str, list[str]] = {}
-            for host in hosts:
-                if host.labelled and host.ray_node_id not in self._refused_hosts:
-                    candidates.setdefault(host.node_id, []).append(host.ray_node_id)
-            moves = []
-            for node_id, ray_node_ids in sorted(candidates.items()):
-                node = self._node_entry(node_id)
-                fresh = [r for r in ray_node_ids if r not in node.past_ray_nodes]
-                if node.ray_node_id in fresh and (len(fresh) == 1 or self._node_alive(node_id, now)):
-                    if len(fresh) > 1 and (node_id, tuple(sorted(fresh))) not in self._duplicates_told:
-                        self._duplicates_told.add((node_id, tuple(sorted(fresh))))
-                        logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
-                                     "directory?); it stays on %s", node_id, sorted(fresh), node.ray_node_id[:12])
-                    continue
-                others = [r for r in fresh if r != node.ray_node_id]
-                if others:
-                    moves.append((node, others[0]))
+            look = self._host_map.look(hosts, monotonic_ms())  # before any await: none of them is pruned
+            for duplicate in look.duplicates:
+                logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
+                             "directory?); it stays on %s", duplicate.node_id, list(duplicate.ray_node_ids), duplicate.kept[:12])
+            moves = look.moves
             found = await asyncio.gather(*(self._identify(ray_node_id, node.node_id) for node, ray_node_id in moves))
-            self._hosts = hosts
+            self._host_map.seen(hosts)
             for (node, ray_node_id), identity in zip(moves, found):
                 if identity is not None:
                     self._move_node(node, ray_node_id, identity)
 
-    async def _identify(self, ray_node_id: str, node_id: str) -> dict | None:
+    async def _identify(self, ray_node_id: str, node_id: str) -> Identity | None:
         """Check the host on ``ray_node_id`` through an agent there (its data directory holds ``node_id``'s
         identity and this cluster's id, recorded now if it had none); its identity, or None if it cannot
         be used now (refused for good: another cluster's directory; or not answering: tried again later)."""
-        known = self._identified.get(ray_node_id)
+        known = self._host_map.identified(ray_node_id)
         if known is not None:
             return known
         agent = start_agent(self.namespace, ray_node_id, CONTROLLER_NAME, node_id)
@@ -909,7 +867,7 @@ class Controller:
         except Exception as raised:  # noqa: BLE001 (refused below, or tried again at the next look)
             error = unwrap(raised)
             if isinstance(error, (InconsistentClusterIdError, NodeIdentityError)):
-                self._refused_hosts[ray_node_id] = {"node_id": node_id, "error": str(error)}
+                self._host_map.refuse(ray_node_id, node_id, str(error))
                 logger.error("Ray node %s refused as node %s: %s", ray_node_id[:12], node_id, error)
                 try:
                     ray.kill(agent, no_restart=True)
@@ -918,11 +876,9 @@ class Controller:
             else:
                 logger.warning("Ray node %s (node %s) not checked yet: %s: %s", ray_node_id[:12], node_id, type(error).__name__, error)
             return None
-        identity = {"node_id": node_id, "data_dir": found.get("data_dir"), "agent": agent}
-        self._identified[ray_node_id] = identity
-        return identity
+        return self._host_map.identify(ray_node_id, node_id, found.get("data_dir"), agent)
 
-    def _move_node(self, node: Node, ray_node_id: str, identity: dict) -> None:
+    def _move_node(self, node: Node, ray_node_id: str, identity: Identity) -> None:
         """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
 
         The actors on the Ray node it leaves are killed (that Ray node is dead,
@@ -935,7 +891,7 @@ class Controller:
         names = [n for n in node.epochs if n in self._by_name]  # its replicas (_reindex)
         old_handles = [self._replicas.pop(self._by_name[n]) for n in names if self._by_name[n] in self._replicas]
         old_agent = node.agent
-        old = self._table.move(node, ray_node_id, identity["data_dir"], identity["agent"])
+        old = self._table.move(node, ray_node_id, identity.data_dir, identity.agent)
         for handle in [*old_handles, *([old_agent] if old_agent is not None else [])]:
             try:
                 ray.kill(handle, no_restart=True)
@@ -995,7 +951,9 @@ class Controller:
         await self._refresh_nodes()
         async with self._lock:
             try:
-                topic = self.metadata.create_topic(name, partitions, replication_factor, config, self._live_nodes(), loads=self._loads())
+                topic = self.metadata.create_topic(
+                    name, partitions, replication_factor, config, self._host_map.live_nodes(), loads=self._loads()
+                )
             except (NodeCapacityError, InvalidReplicationFactorError):
                 if internal or autoscaler_replica_capacity() == 0:
                     raise
@@ -1007,7 +965,7 @@ class Controller:
             async with self._lock:
                 try:
                     topic = self.metadata.create_topic(
-                        name, partitions, replication_factor, config, self._live_nodes(), placements=reserved.placements
+                        name, partitions, replication_factor, config, self._host_map.live_nodes(), placements=reserved.placements
                     )
                 except BaseException:
                     reserved.release()
@@ -1063,7 +1021,8 @@ class Controller:
             reservation.release()
             raise
         reservation.placements = [
-            [self._node_of_ray_node(placement_group_table(g)["bundles_to_node_id"][i]) for i in range(replication_factor)] for g in groups
+            [self._host_map.node_of_ray_node(placement_group_table(g)["bundles_to_node_id"][i]) for i in range(replication_factor)]
+            for g in groups
         ]
         return reservation
 
@@ -1128,7 +1087,7 @@ class Controller:
         await self._ready()
         await self._refresh_nodes()
         async with self._lock:
-            added = self.metadata.create_partitions(name, total, self._live_nodes(), loads=self._loads())
+            added = self.metadata.create_partitions(name, total, self._host_map.live_nodes(), loads=self._loads())
             topic = self.metadata.topic(name)
             self._persist()
             for node in self._reindex():
@@ -1208,7 +1167,7 @@ class Controller:
             raise InvalidReassignmentError("assignments must be a non-empty {(topic, partition): [node ids]} dict")
         await self._refresh_nodes()
         async with self._lock:
-            live = self._live_nodes()
+            live = self._host_map.live_nodes()
             trial = ClusterMetadata.from_json(self.metadata.to_json())
             for (topic, partition), nodes in assignments.items():
                 trial.start_reassignment(topic, partition, list(nodes), live)  # raises before anything changes
@@ -1338,7 +1297,7 @@ class Controller:
         """
         await self._ready()
         await self._refresh_nodes()
-        if node_id not in self._live_nodes() and node_id not in self._table:
+        if node_id not in self._host_map.live_nodes() and node_id not in self._table:
             raise InvalidReassignmentError(f"unknown node {node_id!r}")
         already = node_id in self._draining
         self._draining.add(node_id)  # placement (and the plan) leave it out from now on
@@ -1449,9 +1408,9 @@ class Controller:
                 partitions.append({
                     "leader": handle,
                     "leader_epoch": state.leader_epoch,
-                    "leader_node": self._ray_node_of(state.nodes.get(str(leader))) if handle is not None else None,
-                    "replica_nodes": [n for r in state.replicas if (n := self._ray_node_of(state.nodes.get(str(r)))) is not None],
-                    "isr_nodes": [n for r in state.isr if (n := self._ray_node_of(state.nodes.get(str(r)))) is not None],
+                    "leader_node": self._host_map.ray_node_of(state.nodes.get(str(leader))) if handle is not None else None,
+                    "replica_nodes": [n for r in state.replicas if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
+                    "isr_nodes": [n for r in state.isr if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
                 })
             topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
         now = monotonic_ms()
@@ -1551,7 +1510,7 @@ class Controller:
                 if state.leader is not None:
                     leaders[state.nodes[str(state.leader)]] += 1
         await self._refresh_nodes()
-        usable = self._usable_hosts()
+        usable = self._host_map.usable()
         limits = {host.node_id: host.limit for host in usable}
         now = monotonic_ms()
         # Bytes from the leaders' own view, memory from each node's agent: asked now, concurrently.
@@ -1578,16 +1537,14 @@ class Controller:
                 "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
                 "replicas_down": len(node.down) if node is not None else 0,
                 "draining": node_id in self._draining,
-                "ray_node_id": node.ray_node_id if node is not None else self._ray_node_of(node_id),
+                "ray_node_id": node.ray_node_id if node is not None else self._host_map.ray_node_of(node_id),
                 "data_dir": (node.data_dir if node is not None else None) or self.data_dir,
             })
         # Hosts refused (another cluster's data directory): listed with the reason, never used.
-        live = {host.ray_node_id for host in self._hosts}
-        for ray_node_id, refused in sorted(self._refused_hosts.items()):
-            if ray_node_id in live:
-                out.append({"bytes": 0, "memory_per_replica_bytes": None, "node_id": refused["node_id"], "replicas": 0, "leaders": 0,
-                            "max_replicas": None, "alive": False, "replicas_down": 0, "draining": False,
-                            "ray_node_id": ray_node_id, "data_dir": None, "refused": refused["error"]})
+        for ray_node_id, refused in self._host_map.refused_live():
+            out.append({"bytes": 0, "memory_per_replica_bytes": None, "node_id": refused.node_id, "replicas": 0, "leaders": 0,
+                        "max_replicas": None, "alive": False, "replicas_down": 0, "draining": False,
+                        "ray_node_id": ray_node_id, "data_dir": None, "refused": refused.error})
         return out
 
     async def call_counts(self) -> dict[str, int]:

@@ -26,6 +26,7 @@ import os
 
 import ray
 
+from logbus.protocol.host_map import RayNode
 from logbus.storage import node_identity
 from logbus.storage.names import partition_dir_name
 
@@ -46,17 +47,6 @@ def node_id_of(node: dict) -> str:
     return (node.get("Labels") or {}).get(NODE_LABEL) or node["NodeID"]
 
 
-@dataclasses.dataclass(frozen=True)
-class RayNode:
-    """A live Ray node that may host replicas, as placement sees it."""
-
-    ray_node_id: str
-    node_id: str  # its logbus node id (label), or its Ray node id when it has no label
-    labelled: bool
-    limit: int  # replicas it may hold (replica_limit)
-    rack: str  # "" when it has none
-
-
 def _replica_entries() -> list[dict]:
     nodes = [node for node in ray.nodes() if node.get("Alive")]
     marked = [node for node in nodes if node.get("Resources", {}).get(REPLICA_NODE_RESOURCE)]
@@ -68,7 +58,7 @@ def replica_hosts(max_replicas_per_node: int | None = None) -> list[RayNode]:
 
     Two Ray nodes may carry one node id for a while: a host that restarted
     joins again before Ray declares its old Ray node dead. The controller
-    decides which one is the node (controller.py, ``_refresh_nodes``).
+    decides which one is the node (``protocol/host_map.py``).
     """
     hosts = []
     for node in _replica_entries():
