@@ -85,6 +85,7 @@ JAVA_OPTION_KEYS = (
 
 # Spark's Kafka source spells the offset bounds in JSON with these two sentinels.
 SPARK_EARLIEST = -2
+SMALL_READ_OFFSETS = 20_000  # a range of at most this many offsets is read in this process, not by Ray Data tasks
 SPARK_LATEST = -1
 
 def spark_configs(configs: dict | None = None) -> dict:
@@ -203,16 +204,47 @@ def _arrow_stream_task():
     # Zero CPUs, as the read and write tasks: Spark's executors may hold every CPU of the cluster.
     @ray.remote(num_cpus=0)
     def arrow_stream(table, columns: list[str]) -> bytes:
-        """One block's ``columns`` as an Arrow IPC stream in a bytes object, the form RayDP's JVM reads directly."""
-        import pyarrow as pa
-
-        table = table.select(columns)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table)
-        return sink.getvalue().to_pybytes()
+        """One block's ``columns`` as an Arrow IPC stream (:func:`_ipc_stream`)."""
+        return _ipc_stream(table, columns)
 
     return arrow_stream
+
+
+def _ipc_stream(table, columns: list[str]) -> bytes:
+    """``columns`` of ``table`` as an Arrow IPC stream in a bytes object, the form RayDP's JVM reads directly."""
+    import pyarrow as pa
+
+    table = table.select(columns)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _hand_to_spark(spark, refs: list, schema):
+    """A DataFrame of ``schema`` over Arrow IPC streams in Ray's object store (``refs``)."""
+    import ray
+    from raydp.spark.dataset import ray_dataset_to_spark_dataframe
+    from raydp.spark.ray_cluster_master import RAYDP_SPARK_MASTER_SUFFIX
+
+    # The JVM gets only the objects' ids, so something must hold the references
+    # for as long as Spark may read them: RayDP's master actor, which holds
+    # Dataset.to_spark's blocks the same way, until the Spark session stops.
+    master = ray.get_actor(spark.sparkContext.appName + RAYDP_SPARK_MASTER_SUFFIX)
+    ray.get(master.add_objects.remote(uuid.uuid4().hex, refs))
+    return ray_dataset_to_spark_dataframe(spark, schema, refs)
+
+
+def _small_to_spark(spark, source: TopicDatasource, schema):
+    """A small range, read here rather than by Ray Data: its planning and tasks cost more than the read
+    (a micro-batch trigger over a few records). The same reads the tasks make, in this process, then
+    one IPC stream through the object store, as :func:`to_spark` hands Spark its blocks."""
+    import pyarrow as pa
+    import ray
+
+    tables = [block for task in source.get_read_tasks(1) for block in task()]
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    return _hand_to_spark(spark, [ray.put(_ipc_stream(table, list(schema.names)))], schema)
 
 
 def to_spark(spark, dataset, schema):
@@ -228,8 +260,6 @@ def to_spark(spark, dataset, schema):
     most :func:`~logbus.api.dataset.task_slots` of them run at once.
     """
     import ray
-    from raydp.spark.dataset import ray_dataset_to_spark_dataframe
-    from raydp.spark.ray_cluster_master import RAYDP_SPARK_MASTER_SUFFIX
 
     arrow_stream = _arrow_stream_task()
     columns = list(schema.names)
@@ -242,12 +272,7 @@ def to_spark(spark, dataset, schema):
         running.append(refs[-1])
     if not refs:
         raise IllegalStateError("to_spark needs a Dataset with at least one block")
-    # The JVM gets only the objects' ids, so something must hold the references
-    # for as long as Spark may read them: RayDP's master actor, which holds
-    # Dataset.to_spark's blocks the same way, until the Spark session stops.
-    master = ray.get_actor(spark.sparkContext.appName + RAYDP_SPARK_MASTER_SUFFIX)
-    ray.get(master.add_objects.remote(uuid.uuid4().hex, refs))
-    return ray_dataset_to_spark_dataframe(spark, schema, refs)
+    return _hand_to_spark(spark, refs, schema)
 
 
 def read(
@@ -291,12 +316,14 @@ def read(
     # Zero-CPU read tasks: Spark's executors (Ray actors of executor_cores CPUs each) keep
     # their CPUs for the session's life, and one-CPU read tasks waited forever for them
     # when they held all of Ray's CPUs. The executors sit idle while the read runs.
-    dataset = source.to_dataset(num_cpus=0)
     schema = DATASET_SCHEMA
     if not include_headers:
         # Dropped in the stream-writing tasks, not by a Ray Data projection (another stage of tasks).
         schema = schema.remove(schema.get_field_index("headers"))
-    df = to_spark(spark, dataset, schema)
+    if source.num_rows <= SMALL_READ_OFFSETS:
+        df = _small_to_spark(spark, source, schema)
+    else:
+        df = to_spark(spark, source.to_dataset(num_cpus=0), schema)
     columns = [
         F.col("key"),
         F.col("value"),

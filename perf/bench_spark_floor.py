@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""The micro-batch floor: how long a `logbus.spark.stream` trigger over one record takes, beside Spark's own floor.
+
+Run with ``./dev bench spark_floor`` (= ``.venv/bin/python perf/bench_spark_floor.py``);
+``--triggers N`` sets how many one-record triggers are timed (default 30).
+
+One Spark session through RayDP (1 executor of 1 core, as the tests use) and a
+1-partition topic. A stream (``logbus.spark.stream``, ``process_batch`` =
+``df.count()``) runs with a 10 ms trigger interval; the benchmark sends one record,
+waits for the batch that holds it, and takes the batch's own duration
+(``BatchProgress.duration_s``: recording the plan, reading the range as a
+DataFrame, the count, committing the offsets). Then, in the same session, Spark's
+own floor: ``spark.range(1).count()`` and the count of a one-row DataFrame made by
+``spark.createDataFrame``, the least a trigger that runs a Spark job can take.
+Every case gets 3 untimed runs first; medians are reported. Target: trigger median
+<= 0.1 s; ratio: trigger median / Spark's ``range(1).count()`` median.
+
+The last lines are one JSON object per result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+# First: it puts this tree's logbus on sys.path.
+from _common import arg_parser, new_namespace, print_table, remove_dir, shutdown_ray, start_local_ray, timed
+
+TARGET_S = 0.1
+WARMUP = 3
+
+
+def main(argv=None) -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--triggers", type=int, default=30, help="one-record triggers timed (default 30)")
+    args = parser.parse_args(argv)
+    if args.triggers < 1:
+        parser.error("--triggers must be at least 1")
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    root = tempfile.mkdtemp(prefix="bench_spark_floor-")
+    start_local_ray()
+    import logbus
+    import logbus.spark
+
+    results = []
+    try:
+        spark = logbus.spark.init_spark("logbus-bench-floor", num_executors=1, executor_cores=1, executor_memory="1GB",
+                                        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"})
+        bus = logbus.connect(data_dir=root, namespace=new_namespace("bench-floor"))
+        topic = "floor"
+        bus.admin.create_topic(topic, partitions=1)
+        batches: list = []
+        arrived = threading.Condition()
+
+        def progress(batch) -> None:
+            with arrived:
+                batches.append(batch)
+                arrived.notify_all()
+
+        counted: list[int] = []
+        stream = logbus.spark.stream(spark, topic, "floor-group", lambda df, batch_id: counted.append(df.count()),
+                                     trigger_interval_s=0.01, bus=bus, progress=progress)
+        producer = logbus.Producer(bus, linger_ms=0)
+        try:
+            for i in range(WARMUP + args.triggers):
+                producer.send(topic, b"record-%d" % i).get(timeout=60)
+                with arrived:
+                    if not arrived.wait_for(lambda: len(batches) > i, timeout=120):
+                        raise SystemExit(f"no batch for record {i} within 120 s")
+        finally:
+            stream.stop()
+            stream.await_termination()
+            producer.close()
+        if sum(b.records for b in batches) != WARMUP + args.triggers or sum(counted) != WARMUP + args.triggers:
+            raise SystemExit(f"{sum(counted)} records counted in {len(batches)} batches, expected {WARMUP + args.triggers}")
+        trigger = [b.duration_s for b in batches[WARMUP:]]
+
+        def floor(run) -> list[float]:
+            for _ in range(WARMUP):
+                run()
+            return [timed(run)[0] for _ in range(args.triggers)]
+
+        spark_range = floor(lambda: spark.range(1).count())
+        one_row = floor(lambda: spark.createDataFrame([(b"k", b"v")], "key binary, value binary").count())
+        median = statistics.median(trigger)
+        range_median = statistics.median(spark_range)
+        results.append({"case": "logbus.spark.stream trigger over 1 record (df.count())", "median_s": round(median, 3),
+                        "p90_s": round(sorted(trigger)[int(0.9 * (len(trigger) - 1))], 3), "ratio": round(median / range_median, 2),
+                        "ratio_to": "spark.range(1).count()", "target_s": TARGET_S, "met": median <= TARGET_S})
+        results.append({"case": "Spark floor: spark.range(1).count()", "median_s": round(range_median, 3),
+                        "p90_s": round(sorted(spark_range)[int(0.9 * (len(spark_range) - 1))], 3)})
+        results.append({"case": "Spark floor: createDataFrame(1 row).count()", "median_s": round(statistics.median(one_row), 3),
+                        "p90_s": round(sorted(one_row)[int(0.9 * (len(one_row) - 1))], 3)})
+        load = [round(x, 1) for x in os.getloadavg()]
+        for r in results:
+            r["load_avg"] = load
+            r["triggers"] = args.triggers
+    finally:
+        try:
+            import logbus.spark
+
+            logbus.spark.stop_spark()
+        except Exception:  # noqa: BLE001 (best-effort cleanup)
+            pass
+        shutdown_ray()
+        remove_dir(root)
+
+    print_table(("case", "median s", "p90 s", "ratio", "target"), [
+        (r["case"], f"{r['median_s']:.3f}", f"{r['p90_s']:.3f}", f"{r['ratio']:.2f}x {r['ratio_to']}" if "ratio" in r else "",
+         f"<= {r['target_s']} s: {'met' if r['met'] else 'MISSED'}" if "target_s" in r else "")
+        for r in results
+    ])
+    for r in results:
+        print(json.dumps({"bench": "spark_floor", **r}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
