@@ -302,10 +302,24 @@ class KafkaProtocolError(LogbusError):
 
 
 class InternalStateError(LogbusError, RuntimeError):
-    """logbus was asked to break a rule its own state relies on (a bug in logbus, not bad input).
+    """A bug in logbus, not bad input: a rule logbus's own state relies on (see ``logbus/invariant.py``).
 
-    For example, a log segment refuses a batch whose base offset does not
-    continue it. The call is refused before anything changes.
+    Raised as itself, it is a refusal: one part of logbus asked another for
+    a change that would break a rule (the transaction coordinator told of
+    markers for a transaction it has not prepared, a reassignment completed
+    before it is ready), and the call was refused before anything changed.
+    The state that refused is sound; the caller's view was wrong.
+    """
+
+
+class InvariantViolationError(InternalStateError):
+    """A rule logbus's own state relies on does not hold (raised by ``logbus.invariant.check``).
+
+    Unlike a refusal, the state that found it cannot be trusted: a check
+    after a change failed, or a step's own inputs show the state is already
+    wrong. In a replica or the controller the process ends at once and
+    restarts from its files (``logbus/actors/invariant_exit.py``); elsewhere
+    (clients, the gateway) the error reaches the caller.
     """
 
 

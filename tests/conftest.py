@@ -154,6 +154,7 @@ CLUSTER_MODULES = {
     "test_compaction_replicas.py": 2,
     "test_gateway_failover.py": 2,
     "test_replication.py": 2,
+    "test_broken_invariant.py": 2,
 }
 
 

@@ -69,6 +69,7 @@ from logbus.actors import metrics, ray_auth
 from logbus.actors.group_service import GroupService
 from logbus.actors.transaction_service import TransactionService
 from logbus.actors.heartbeat_link import HeartbeatServer
+from logbus.actors.invariant_exit import exit_on_violation
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.logs import configure_logging
 from logbus.actors.node_agent import start_agent
@@ -98,6 +99,7 @@ from logbus.errors import (
     RequestTimedOutError,
     UnknownTopicError,
 )
+from logbus.invariant import check
 from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
@@ -131,8 +133,8 @@ ROLE_CALL_TIMEOUT_S = 5.0  # a become_leader / become_follower not answered in t
 NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
 IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
 
-if not groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2:
-    raise AssertionError("held group calls must leave at least half of the controller's concurrency to other calls")
+check(groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2,
+      "held group calls must leave at least half of the controller's concurrency to other calls")
 
 
 def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> DirectoryLock:
@@ -233,6 +235,9 @@ class Controller:
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
         self.transactions = TransactionService(self, self.groups)
+        # From here on a broken invariant ends this process, and Ray starts it again from its files
+        # (invariant_exit.py); one found while they load is raised from here (a failed start).
+        exit_on_violation("controller")
 
     # --- persistence ---------------------------------------------------------------------------
 

@@ -64,7 +64,10 @@ idempotent producer that overtook their predecessors wait for them (see
 ``_wait_for_earlier_batches``), so they land in the order they were sent.
 
 All durable state is rebuilt from disk in ``__init__`` (Ray reruns only the
-constructor on restart); the role is relearned from the controller.
+constructor on restart); the role is relearned from the controller. That is
+also what a broken invariant leads to (``logbus/invariant.py``, a post-condition
+of the log, a rule of the replication state): the process logs it and ends
+where it was found (``invariant_exit.py``), and Ray starts it again.
 
 Transactions (KIP-98). ``produce`` takes a transactional producer's batches
 as any idempotent producer's (the producer registered the partition with its
@@ -102,6 +105,7 @@ from logbus.actors.channel_server import ChannelServer
 from logbus.actors.cleaning_schedule import CleaningSchedule
 from logbus.actors.fetch_packaging import FetchPackaging
 from logbus.actors.fetch_parking import FetchParking
+from logbus.actors.invariant_exit import exit_on_violation
 from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write, node_directory, replica_file_name
 from logbus.actors.node_agent import agent_actor_name
 from logbus.actors.replica_fetcher import ReplicaFetcher
@@ -117,6 +121,7 @@ from logbus.errors import (
     ProducerFencedError,
     RequestTimedOutError,
 )
+from logbus.invariant import check as _check
 from logbus.protocol import local_channel as wire
 from logbus.protocol.fetch_sessions import FetchSessions
 from logbus.protocol.liveness import LEASE_MS
@@ -243,6 +248,10 @@ class PartitionReplica:
         self._channel = ChannelServer(self._channel_request, f"replica {self._label}")
         self._channel_started: asyncio.Task | None = None
         self._save_state()
+        # From here on a broken invariant ends this process, and Ray starts it again from its files
+        # (invariant_exit.py). Not before: one found while the log opens is raised from here, and Ray
+        # reports the failed start rather than restarting into the same files again and again.
+        exit_on_violation(f"replica {self._label}")
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -832,6 +841,7 @@ class PartitionReplica:
                 f"{self.topic}-{self.partition}: cannot delete records up to {offset}, past the high watermark {high_watermark}"
             )
         start = self.log.delete_records(offset)
+        _check(start <= self.high_watermark, f"{self._label}: delete_records({offset}) moved the log start past the high watermark")
         self._packaging.forget()
         self._log_shrank()
         self._arm_retention()
@@ -888,6 +898,14 @@ class PartitionReplica:
     async def ping(self) -> int:
         """Ready check: returns the process id (fault-injection tests kill it)."""
         self._started()
+        return os.getpid()
+
+    async def test_hook_break_next_append(self) -> int:
+        """A test hook: the next batch this replica's log writes fails its post-condition
+        (``PartitionLog.test_hook_break_next_append``), as a bug in the append would, and this
+        process ends (invariant_exit.py). Returns the process id."""
+        self._started()
+        self.log.test_hook_break_next_append = True
         return os.getpid()
 
     async def status(self) -> dict:

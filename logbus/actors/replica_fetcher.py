@@ -18,7 +18,10 @@ module makes the calls and carries the answers back:
   copy rate), the loop waits until the bytes copied are within the rate.
 
 The loop ends when the state says so (the role or epoch changed) or when
-``stop()`` cancels it.
+``stop()`` cancels it. A broken invariant met on the way (an append's
+post-condition, a rule of the replication state) never reaches the loop's
+``except`` clauses to be retried: it ends the replica's process where it is
+found (``invariant_exit.py``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from logbus.errors import InvalidConfigError
+from logbus.invariant import check
 from logbus.protocol.messages import TopicPartition
 
 # The controller computes assignments inline, so their size is bounded. At these limits (measured on
@@ -254,7 +255,7 @@ def _sticky_equal_subscriptions(
         assigned[member].add(tp)
         if load + 1 < quota[member]:
             heapq.heappush(heap, (load + 1, member_rank, member))
-    _check_internal(not heap, "equal-subscription quotas do not add up to the partition count")
+    check(not heap, "equal-subscription quotas do not add up to the partition count")
     return assigned
 
 
@@ -307,12 +308,6 @@ def _sticky_general(
     while balancer.move_one():
         pass
     return assigned
-
-
-def _check_internal(condition: bool, message: str) -> None:
-    """A broken invariant is a bug: crash loudly (not an assert, which -O removes)."""
-    if not condition:
-        raise AssertionError(message)
 
 
 class _Balancer:
@@ -371,7 +366,7 @@ class _Balancer:
         for members, key in ((self.donors, self._donor_key), (self.receivers, self._receiver_key)):
             for member in (donor, receiver):  # take both out while their keys still match their places
                 index = bisect.bisect_left(members, key(member), key=key)
-                _check_internal(members[index] == member, "balancer order is out of date")
+                check(members[index] == member, "balancer order is out of date")
                 del members[index]
         self.load[donor] -= 1
         self.load[receiver] += 1

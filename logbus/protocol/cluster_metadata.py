@@ -30,7 +30,8 @@ removed, so elections prefer the target, and its first replica is the
 preferred leader (:meth:`ClusterMetadata.elect_preferred_leader`).
 
 Invariants of every partition, checked after each change (a violation is a
-bug and raises AssertionError, not an ``assert``, which -O removes):
+bug and raises InvariantViolationError, ``logbus/invariant.py``; in the controller
+it ends the process, which restarts from ``metadata.json``):
 
 - the replica ids are distinct, and the node map has exactly them;
 - the ISR is a non-empty subset of the replicas, also while the partition
@@ -358,7 +359,7 @@ class ClusterMetadata:
         moves on, as for any change of leader. The caller must not replace
         the only in-sync replica (that would lose the committed records), nor
         put the new one on a node that holds another replica of the partition
-        (AssertionError, nothing changed).
+        (InvariantViolationError, nothing changed: the controller checks both first).
         """
         state = self.topic(name).partitions[partition]
         where = f"{name}-{partition}"

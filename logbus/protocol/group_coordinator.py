@@ -88,7 +88,7 @@ and shrinks when the member's join reports it no longer holds a partition
 ignored). So ``owned`` always contains what the member really holds.
 Members' ``owned`` sets are disjoint, and a generation never assigns a member
 a partition in another member's ``owned`` set (checked at every formation;
-a violation is a bug and raises AssertionError). Under an eager strategy every
+a violation is a bug and raises InvariantViolationError, see ``logbus/invariant.py``). Under an eager strategy every
 member has revoked everything by the time the generation forms, so ``owned``
 is cleared first. Under cooperative-sticky a moving partition is withheld
 (assigned to nobody) until its owner's next join no longer reports it; that
@@ -1091,7 +1091,7 @@ class GroupCoordinator:
                     group.rebalance_deadline_ms = now_ms + _max_rebalance_timeout_ms(group)
                 coordinator._check_loaded_group(group)
                 coordinator._groups[group.group_id] = group
-        except (KeyError, TypeError, AssertionError, InvalidGroupIdError, ValueError) as e:
+        except (KeyError, TypeError, InvalidGroupIdError, ValueError) as e:
             raise ValueError(f"corrupt group coordinator state: {e!r}") from e
         return coordinator
 
@@ -1537,15 +1537,22 @@ class GroupCoordinator:
         return tuple(sorted(member.owned.difference(member.assignment)))
 
     def _check_loaded_group(self, group: _Group) -> None:
-        _check(group.state is not GroupState.DEAD, "a Dead group was persisted")
-        _check((group.state is GroupState.EMPTY) == (not group.members), f"group {group.group_id!r}: state {group.state.value} with {len(group.members)} members")
-        _check(group.leader is None or group.leader in group.members, f"group {group.group_id!r}: its leader is no member")
+        """A group read back from a file keeps the rules (ValueError otherwise): data read from disk is
+        checked as input, not trusted, so a damaged file is refused rather than taken for a bug here."""
+        _check_loaded(group.state is not GroupState.DEAD, "a Dead group was persisted")
+        _check_loaded((group.state is GroupState.EMPTY) == (not group.members), f"group {group.group_id!r}: state {group.state.value} with {len(group.members)} members")
+        _check_loaded(group.leader is None or group.leader in group.members, f"group {group.group_id!r}: its leader is no member")
         holders: dict[TopicPartition, str] = {}
         for member in group.members.values():
-            _check(member.generation <= group.generation, f"member {member.member_id!r} is ahead of its group")
+            _check_loaded(member.generation <= group.generation, f"member {member.member_id!r} is ahead of its group")
             for tp in member.owned:
-                _check(tp not in holders, f"{tp} held by {holders.get(tp)!r} and {member.member_id!r}")
+                _check_loaded(tp not in holders, f"{tp} held by {holders.get(tp)!r} and {member.member_id!r}")
                 holders[tp] = member.member_id
+
+
+def _check_loaded(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
 
 
 def _max_rebalance_timeout_ms(group: _Group) -> int:

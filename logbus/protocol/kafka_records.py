@@ -80,7 +80,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from logbus.errors import CorruptRecordError, InternalStateError, InvalidRecordError, RecordTooLargeError
+from logbus.errors import CorruptRecordError, InvalidRecordError, RecordTooLargeError
+from logbus.invariant import check
 from logbus.storage import record_batch as rb
 
 KAFKA_MAGIC = 2
@@ -824,8 +825,7 @@ def _kafka_batch_parts(header: rb.BatchHeader, records: pa.RecordBatch) -> tuple
         tail = b""
     joined = _join(*pieces)
     records_bytes = memoryview(joined.buffers()[2]).cast("B")[: total - len(tail)]
-    if len(records_bytes) + len(tail) != total:
-        raise InternalStateError(f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
+    check(len(records_bytes) + len(tail) == total, f"a Kafka batch's records came to {len(records_bytes) + len(tail)} bytes, not {total}")
 
     log_append_time = header.timestamp_type == rb.TIMESTAMP_LOG_APPEND_TIME
     # The transactional and control bits are Kafka's own, at Kafka's positions: a transaction marker

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
+from logbus.invariant import check
+
 # As a Ray actor call a heartbeat cost each of its two processes about 1.7 ms of CPU on a 2-core
 # VM (idle, the agent and the controller each used 2.0-2.7 % of a core with a heartbeat every
 # 100 ms, 1.35 % every 200 ms); over the agents' sockets (actors/heartbeat_link.py) they use about
@@ -31,8 +33,8 @@ STALL_MS = 200  # a controller tick this much later than its interval means the 
 STARTUP_GRACE_MS = 30_000  # a replica actor being created is not judged before its first heartbeat (or this)
 RESTART_GRACE_MS = 3_000  # after a controller restart, running replicas get this long to check in
 
-if not LEASE_TIMEOUT_MS > LEASE_MS + HEARTBEAT_INTERVAL_MS:
-    raise AssertionError("the controller's lease timeout must exceed a leader's lease by at least one heartbeat interval")
+check(LEASE_TIMEOUT_MS > LEASE_MS + HEARTBEAT_INTERVAL_MS,
+      "the controller's lease timeout must exceed a leader's lease by at least one heartbeat interval")
 
 
 class Liveness:

@@ -67,7 +67,8 @@ Invariants
 ----------
 - The leader is in the ISR (and in a pending ISR), and both are subsets of
   the replicas. Checked after every change of membership: a violation is a
-  bug and raises AssertionError (not an ``assert``, which -O removes).
+  bug and raises InvariantViolationError (``logbus/invariant.py``; in a replica's
+  process it ends the process, which restarts from its files).
 - The high watermark never moves back, and is never raised past the leader's
   log end offset nor past the log end offset this leader knows for any ISR
   or pending ISR member (it is their minimum). A leader starts with the high
@@ -80,7 +81,7 @@ Invariants
   catches up first.
 - A leader is never asked to stand below its high watermark: the leader's
   log end offset given to :meth:`LeaderState.update_high_watermark` is at
-  least the high watermark (AssertionError otherwise).
+  least the high watermark (InvariantViolationError otherwise).
 
 These classes are not thread-safe; the partition replica actor serialises calls.
 """
@@ -127,7 +128,7 @@ class LeaderState:
         """Start leading at ``epoch_start_offset`` (this replica's log end offset) with ``high_watermark``.
 
         ``replicas`` and ``isr`` are the controller's; the leader must be one
-        of the replicas, and the ISR a subset of them (AssertionError otherwise).
+        of the replicas, and the ISR a subset of them (InvariantViolationError otherwise).
         """
         _check(replica_id in replicas, f"leader {replica_id} is not one of the replicas {replicas}")
         _check(set(isr) <= set(replicas), f"ISR {sorted(isr)} is not a subset of the replicas {replicas}")

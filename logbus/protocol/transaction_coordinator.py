@@ -70,6 +70,7 @@ from logbus.errors import (
     InvalidTxnStateError,
     ProducerFencedError,
 )
+from logbus.invariant import check
 from logbus.protocol.field_reader import FieldReader
 from logbus.protocol.messages import TopicPartition
 
@@ -282,8 +283,8 @@ class TransactionCoordinator:
         if current.state is S.ONGOING or current.state is S.PREPARE_EPOCH_FENCE:
             # (a fence whose abort was not saved is prepared again)
             return self._fence_and_abort(entry, now_ms, reply=Retry.AFTER_COMPLETION)
-        if current.state is S.DEAD:  # (a tombstone removes the entry; DEAD is never current)
-            raise InternalStateError(f"transactional id {transactional_id!r} is Dead but still has an entry")
+        # (a tombstone removes the entry: DEAD is never current)
+        check(current.state is not S.DEAD, f"transactional id {transactional_id!r} is Dead but still has an entry")
         if current.producer_epoch >= PRODUCER_EPOCH_MAX:
             producer_id, epoch = self._fresh(new_producer_id), 0
         else:

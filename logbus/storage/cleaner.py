@@ -97,7 +97,8 @@ import numpy as np
 if TYPE_CHECKING:  # Arrow is imported where a cleaning decodes batches, in its thread
     import pyarrow as pa
 
-from logbus.errors import CorruptRecordError, InternalStateError, StorageError
+from logbus.errors import CorruptRecordError, StorageError
+from logbus.invariant import check
 from logbus.storage import batch_header as bh
 from logbus.storage.files import write_atomically
 from logbus.storage.producer_state import NO_TRANSACTION, BatchEntry, ProducerStateTable
@@ -485,8 +486,7 @@ def clean_group(plan: CleaningPlan, group: tuple[SourceSegment, ...], offset_map
                         framed = _frame_run(header, records, first, count)
                         parts.append((bh.read_header(framed), framed))
                 for part_header, framed in parts:
-                    if not out.can_hold(part_header):
-                        raise InternalStateError(f"cleaned segment {out.log_path} cannot hold the batch at offset {part_header.base_offset}")
+                    check(out.can_hold(part_header), f"cleaned segment {out.log_path} cannot hold the batch at offset {part_header.base_offset}")
                     out.append(part_header, [framed], allow_gap=True)
                     cleaned.bytes_after += part_header.size_bytes
         for index in (out.offset_index, out.time_index, out.txn_index):
@@ -580,8 +580,7 @@ def commit_swap(cleaned: CleanedSegment) -> None:
     nothing changed for the log; :func:`discard` removes the files), or "committed" (the
     directory's sync failed: the swap is visible, and its completion is up to open).
     """
-    if cleaned.state != "written":
-        raise InternalStateError(f"cleaned segment {cleaned.base_offset} is {cleaned.state}, not written")
+    check(cleaned.state == "written", f"cleaned segment {cleaned.base_offset} is {cleaned.state}, not written")
     try:
         for suffix in SWAP_ORDER:
             os.replace(cleaned.path(suffix), cleaned.path(suffix, SWAP_SUFFIX))

@@ -80,6 +80,27 @@ it returned or raised; a step that fails raises StorageError naming its file.
   read back from disk (:meth:`_resync`). If even that fails, the log closes
   itself and every call raises StorageError until its owner opens it again.
 
+Post-conditions (``logbus/invariant.py``: a failure raises
+InvariantViolationError, and ends a replica's process, which reopens the log).
+After each batch written, the log end is the batch's next offset and the
+batch continued the log (a gap only where gaps are allowed), and a segment
+just rolled continues the one before: O(1), from what the append computed
+anyway. After a truncation the log ends at the truncation point (at the
+start of the batch that held it: batches go whole), and nothing at or past
+it is left; after delete_records the log start only moved forward, to the
+offset asked for, never past the log end, and the first segment holds it;
+after recovery the log end is at or past the log start. After each of
+those, and after retention and a cleaning's swap, the segments continue one
+another (and the base offsets the reads bisect are theirs): these run over
+the segments, on operations that are rare next to appends.
+
+Recovery makes the last one hold: a log start written by delete_records
+whose records were then lost with unsynced writes (a machine that crashed;
+flush.policy "os" syncs nothing per batch) lies past the recovered log end.
+The log is then emptied and starts at its log start, as Kafka's does: the
+records below it were deleted anyway, the ones above it are gone, and a
+follower copies them again.
+
 This class is not thread-safe: its owner (a partition replica actor)
 serialises calls.
 """
@@ -89,7 +110,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from logbus.errors import (
@@ -100,6 +121,7 @@ from logbus.errors import (
     StorageError,
 )
 from logbus.clock import wall_ms
+from logbus.invariant import check, violated
 from logbus.storage import batch_header as bh
 from logbus.storage.files import replace_file, sync_directory
 from logbus.storage.cleaner import (
@@ -205,6 +227,9 @@ class PartitionLog:
         self.segments: list[LogSegment] = []
         self._bases: list[int] = []
         self._failure: str | None = None  # why the log closed itself (see _resync)
+        # A test hook, off unless a test sets it: the next batch written fails its post-condition
+        # (what a bug in the append would look like), so tests can watch a replica end and come back.
+        self.test_hook_break_next_append = False
         self.epochs = LeaderEpochCache(directory)
         self.producer_state = ProducerStateTable()
         self.recovery = self._load()
@@ -223,7 +248,18 @@ class PartitionLog:
         checkpoint = self._read_text(CLEANER_CHECKPOINT_FILE).split()
         self._cleaner_checkpoint = int(checkpoint[0]) if checkpoint[:1] and checkpoint[0].isdigit() else 0
         self._tombstones_due_ms = int(checkpoint[1]) if checkpoint[1:2] and checkpoint[1].isdigit() else None
+        if self._log_start > self.log_end_offset:
+            # The records up to the log start were lost after it was written (see the module docstring).
+            message = f"log start {self._log_start} is past the recovered log end {self.log_end_offset}: emptied, starting at it"
+            logger.warning("%s: %s", self.directory, message)
+            recovery = replace(recovery, errors=recovery.errors + (message,))
+            self.truncate_fully_and_start_at(self._log_start)
         self._rebuild_derived_state(trust_epoch_checkpoint=True)
+        self._check_segments("recovery")
+        check(
+            self.log_start_offset <= self.log_end_offset,
+            f"{self.directory}: after recovery, the log start {self.log_start_offset} is past the log end {self.log_end_offset}",
+        )
         return recovery
 
     def _rebuild_derived_state(self, trust_epoch_checkpoint: bool = False) -> None:
@@ -415,6 +451,46 @@ class PartitionLog:
     def _add_segment(self, segment: LogSegment) -> None:
         self.segments.append(segment)
         self._bases.append(segment.base_offset)
+
+    # --- post-conditions (see the module docstring) -----------------------------------------------
+
+    def _continues(self, before: LogSegment, after: LogSegment) -> bool:
+        """Whether ``after`` starts where ``before`` ends (or past it, in a log that may have gaps)."""
+        return before.next_offset == after.base_offset or (self._gaps and before.next_offset < after.base_offset)
+
+    def _check_appended(self, header: bh.BatchHeader, end_before: int, allow_gap: bool) -> None:
+        """After one batch written: the log end moved to the batch's next offset, the batch continued
+        the log, and a segment rolled for it continues the one before. O(1)."""
+        # (On this path the messages are formatted only once a check failed.)
+        end = header.next_offset
+        if self.test_hook_break_next_append:
+            self.test_hook_break_next_append = False
+            end += 1  # as if the log end had not moved by exactly the batch's offsets
+        if not (self.log_end_offset == end and (header.base_offset == end_before or (allow_gap and header.base_offset > end_before))):
+            violated(
+                f"{self.directory}: the log end is {self.log_end_offset} after a batch at [{header.base_offset}, "
+                f"{header.next_offset}) was appended to a log ending at {end_before}"
+            )
+        active = self.active_segment
+        if not (self._bases[-1] == active.base_offset and (len(self.segments) == 1 or self._continues(self.segments[-2], active))):
+            violated(
+                f"{self.directory}: the active segment at {active.base_offset} does not continue the log "
+                f"(the segment before ends at {self.segments[-2].next_offset if len(self.segments) > 1 else None})"
+            )
+
+    def _check_segments(self, after: str) -> None:
+        """After a rare operation (``after`` names it): the segments continue one another, and their
+        base offsets are the index's. O(segments)."""
+        check(
+            self._bases == [segment.base_offset for segment in self.segments],
+            f"{self.directory}: after {after}, the segment index {self._bases[:5]}... does not match the segments",
+        )
+        for before, following in zip(self.segments, self.segments[1:]):
+            check(
+                self._continues(before, following),
+                f"{self.directory}: after {after}, segment {following.base_offset} does not continue segment "
+                f"{before.base_offset}, which ends at {before.next_offset}",
+            )
 
     # --- offsets ---------------------------------------------------------------------------------
 
@@ -615,6 +691,7 @@ class PartitionLog:
         A control batch's marker type is ``commit`` (read from its record when None: a copied one).
         """
         aborted = None
+        end_before = self.log_end_offset
         if header.is_control:
             if commit is None:
                 try:
@@ -642,6 +719,7 @@ class PartitionLog:
             raise
         self.producer_state.update(header)
         active.release_page_cache(self.config.cache_tail_bytes)
+        self._check_appended(header, end_before, allow_gap)
 
     def _maybe_roll(self, incoming: bh.BatchHeader) -> None:
         active = self.active_segment
@@ -875,6 +953,9 @@ class PartitionLog:
         start = self.log_start_offset
         offset = max(offset, start)
         found = self.segments[max(0, bisect.bisect_right(self._bases, offset) - 1)].find_batch(offset)
+        # Where the log must end: at the start of the batch holding ``offset`` (None: in a gap, or
+        # past the last batch, it ends somewhere at or below ``offset``).
+        cut = found[1].base_offset if found is not None and found[1].base_offset <= offset else None
         if found is not None and found[1].base_offset < start:
             # The batch to cut holds the log start (delete_records moved it inside the batch): the
             # log would end below its start. Empty it at its start instead, as a follower started
@@ -891,6 +972,14 @@ class PartitionLog:
             self.active_segment.truncate_to(offset)
         except StorageError as error:
             failure = error
+        self._check_segments("a truncation")
+        if failure is None:
+            end = self.log_end_offset
+            check(
+                end <= offset and (cut is None or end == cut),
+                f"{self.directory}: truncated to {offset}, the log ends at {end}"
+                + ("" if cut is None else f", not at {cut} where the batch holding {offset} began"),
+            )
         epochs = self.epochs.entries
         self.epochs.truncate_from_end(self.log_end_offset, persist=False)
         self._rebuild_producer_state()
@@ -949,6 +1038,11 @@ class PartitionLog:
             if self._closed:  # reading the log back failed too (see _resync)
                 raise
         if failure is None:
+            self._check_segments("a truncation to a new start")
+            check(
+                len(self.segments) == 1 and self.active_segment.is_empty and self.log_end_offset == offset,
+                f"{self.directory}: started again at {offset}, the log holds {len(self.segments)} segments and ends at {self.log_end_offset}",
+            )
             self.epochs.entries = []
             self.producer_state.clear()
             steps = [
@@ -982,7 +1076,8 @@ class PartitionLog:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset > self.log_end_offset:
             raise OffsetOutOfRangeError(f"cannot delete records below {offset!r}: the log ends at {self.log_end_offset}")
         failure = None
-        if offset > self.log_start_offset:
+        start_before = self.log_start_offset
+        if offset > start_before:
             try:
                 self._set_log_start(offset)
             except StorageError as error:
@@ -990,8 +1085,19 @@ class PartitionLog:
                     raise  # the file kept the old log start: nothing changed
                 failure = error  # only the directory's sync failed: the new log start stands
         # The rest also completes a call that failed part way before.
-        _run_steps([self._clamp_epochs, self._delete_below_log_start], failure)
-        return self.log_start_offset
+        try:
+            _run_steps([self._clamp_epochs, self._delete_below_log_start], failure)
+        finally:
+            # Whether or not a segment's deletion failed: the log start went to the offset (forward only).
+            start = self.log_start_offset
+            check(
+                start == max(start_before, offset) and self.segments[0].base_offset <= start
+                and (start == start_before or start <= self.log_end_offset),
+                f"{self.directory}: delete_records({offset}) moved the log start from {start_before} to {start} "
+                f"(first segment at {self.segments[0].base_offset}, log end {self.log_end_offset})",
+            )
+            self._check_segments("delete_records")
+        return start
 
     def _clamp_epochs(self, persist: bool = True) -> None:
         """Keep the epochs inside the log, as open does (leader_epoch_cache.py): in memory whatever
@@ -1031,6 +1137,8 @@ class PartitionLog:
                 total -= self.segments[0].size_bytes
                 self._delete_oldest()
                 deleted += 1
+        if deleted:
+            self._check_segments("retention")
         return deleted
 
     def next_retention_ms(self) -> int | None:
@@ -1169,6 +1277,7 @@ class PartitionLog:
         end = position + len(sources)
         self.segments[position:end] = [segment]
         self._bases[position:end] = [segment.base_offset]
+        self._check_segments("a cleaning's swap")
         return True
 
     def _resync(self) -> None:

@@ -62,7 +62,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from logbus.errors import CorruptRecordError, InternalStateError, StorageError
+from logbus.errors import CorruptRecordError, StorageError
+from logbus.invariant import check
 from logbus.storage import batch_header as bh
 from logbus.storage.offset_index import OffsetIndex
 from logbus.storage.time_index import TimeIndex
@@ -260,17 +261,17 @@ class LogSegment:
 
         The batch must continue the segment: its base offset is the segment's
         next offset, or with ``allow_gap`` (a compacted log) any offset past it
-        (InternalStateError otherwise, before anything is written; the
-        partition log assigns or checks offsets first, so this is a bug).
+        (InvariantViolationError otherwise, before anything is written: the
+        partition log assigns or checks offsets first, so its state is wrong).
         All or nothing: on an I/O error (log file or index) every file is cut
         back to where it was and StorageError is raised (see the module docstring).
         """
-        if header.base_offset != self.next_offset and not (allow_gap and header.base_offset > self.next_offset):
-            # Written anyway, a gap or an overlap would be served to readers, and the next recovery
-            # (which requires contiguous offsets) would cut the log there.
-            raise InternalStateError(
-                f"batch at offset {header.base_offset} does not continue segment {self.log_path} at offset {self.next_offset}"
-            )
+        # Written anyway, a gap or an overlap would be served to readers, and the next recovery
+        # (which requires contiguous offsets) would cut the log there.
+        check(
+            header.base_offset == self.next_offset or (allow_gap and header.base_offset > self.next_offset),
+            f"batch at offset {header.base_offset} does not continue segment {self.log_path} at offset {self.next_offset}",
+        )
         self.repair()
         tail = self.tail()
         position = self.size_bytes

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from logbus.errors import (
     InternalStateError,
+    InvariantViolationError,
     InvalidPartitionError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
@@ -139,9 +140,9 @@ def test_the_only_in_sync_replica_is_never_replaced():
     assert metadata.alter_isr("t", 0, leader=0, leader_epoch=0, isr=[0]) == [0]
     assert metadata.elect_leader("t", 0, alive={1, 2}, unclean_allowed=False)  # leaderless, ISR [0]
     before = metadata.to_json()
-    with pytest.raises(AssertionError, match="only in-sync replica"):
+    with pytest.raises(InvariantViolationError, match="only in-sync replica"):
         metadata.replace_replica("t", 0, dead=0, node="n3")
-    with pytest.raises(AssertionError, match="not one of"):
+    with pytest.raises(InvariantViolationError, match="not one of"):
         metadata.replace_replica("t", 0, dead=7, node="n3")
     assert metadata.to_json() == before and state.isr == [0]
 
@@ -440,7 +441,7 @@ def test_a_replacement_during_a_reassignment_takes_the_dead_replicas_role():
     assert metadata.replace_replica("t", 0, dead=2, node="n5") == 5
     assert (state.replicas, state.adding, state.removing) == ([0, 4, 1, 5], [4], [1, 5])
     assert metadata.reassignments()[("t", 0)]["target"] == [a, "n4"]
-    with pytest.raises(AssertionError, match="already holds"):
+    with pytest.raises(InvariantViolationError, match="already holds"):
         metadata.replace_replica("t", 0, dead=1, node="n4")
 
 

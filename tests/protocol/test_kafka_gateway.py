@@ -274,7 +274,7 @@ def test_a_newer_subscription_version_is_read_for_its_topics_and_owned_partition
 # administration the gateway does not serve) or that mean a bug; they are reported as UNKNOWN_SERVER_ERROR.
 UNMAPPED = {
     "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
-    "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "DataDirectoryInUseError", "KafkaProtocolError",
+    "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "InvariantViolationError", "DataDirectoryInUseError", "KafkaProtocolError",
     "HeartbeatLinkClosedError", "HeartbeatRefusedError", "TransactionAbortedError",
     "NodeIdentityError",  # a host's identity files: the host's operator meets it, never a client
 }

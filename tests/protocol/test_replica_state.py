@@ -9,6 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from logbus.errors import InvariantViolationError
 from logbus.protocol.cluster_metadata import ClusterMetadata
 from logbus.protocol.replica_state import LeaderState
 
@@ -175,18 +176,18 @@ def test_a_replaced_replica_leaves_the_isr_when_the_replica_list_changes():
 
 
 def test_broken_invariants_raise():
-    with pytest.raises(AssertionError, match="not one of the replicas"):
+    with pytest.raises(InvariantViolationError, match="not one of the replicas"):
         LeaderState(3, [0, 1, 2], [0, 1, 2], 1, 10, 10, 0)
-    with pytest.raises(AssertionError, match="not a subset"):
+    with pytest.raises(InvariantViolationError, match="not a subset"):
         LeaderState(0, [0, 1], [0, 1, 2], 1, 10, 10, 0)
-    with pytest.raises(AssertionError, match="outside the new leader's log"):
+    with pytest.raises(InvariantViolationError, match="outside the new leader's log"):
         LeaderState(0, [0, 1], [0, 1], 1, 10, 11, 0)
     state = leader()
-    with pytest.raises(AssertionError, match="below its high watermark"):
+    with pytest.raises(InvariantViolationError, match="below its high watermark"):
         state.update_high_watermark(9)
-    with pytest.raises(AssertionError, match="past the leader's log end"):
+    with pytest.raises(InvariantViolationError, match="past the leader's log end"):
         state.on_follower_fetch(1, 11, 10, 0)
-    with pytest.raises(AssertionError, match="not one of the new replicas"):
+    with pytest.raises(InvariantViolationError, match="not one of the new replicas"):
         state.replicas = [1, 2]
     assert state.isr == {0, 1, 2} and state.replicas == [0, 1, 2]
 

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from logbus.errors import InternalStateError
+from logbus.errors import InvariantViolationError
 from logbus.storage import decode_batches, encode_batch
 from logbus.storage import record_batch as rb
 from logbus.storage.segment import LogSegment
@@ -47,7 +47,7 @@ def test_an_append_that_does_not_continue_the_segment_is_refused_and_changes_not
     segment.append(*stamped([b"d", b"e"], BASE + 3))
     segment.flush()
     before = snapshot(segment)
-    with pytest.raises(InternalStateError, match=f"offset {base_offset} does not continue segment .* at offset {BASE + 5}"):
+    with pytest.raises(InvariantViolationError, match=f"offset {base_offset} does not continue segment .* at offset {BASE + 5}"):
         segment.append(*stamped([b"x"], base_offset))
     assert snapshot(segment) == before
     segment.close()
@@ -65,7 +65,7 @@ def test_an_append_that_does_not_continue_the_segment_is_refused_and_changes_not
 
 def test_an_empty_segment_takes_only_its_base_offset(tmp_path):
     segment = LogSegment(str(tmp_path), BASE, index_interval_bytes=4096)
-    with pytest.raises(InternalStateError):
+    with pytest.raises(InvariantViolationError):
         segment.append(*stamped([b"a"], BASE + 1))
     assert (segment.is_empty, segment.next_offset, os.path.getsize(segment.log_path)) == (True, BASE, 0)
     segment.append(*stamped([b"a"], BASE))
