@@ -299,7 +299,10 @@ class PartitionLog:
                     pending = []
                     if aborted is not None and header.is_control:
                         # (A cleaned segment's markers below its summary's end name no batch left: no entry.)
-                        entry = self._aborted_entry(header, self._marker_commits(view, position))
+                        commit = self._marker_commits(view, position)
+                        entry = self._aborted_entry(header, commit)
+                        if not commit:  # the entry written with the marker, if the file had it (segment.recover)
+                            entry = segment.txn_entries_before.get((header.producer_id, header.base_offset), entry)
                         if entry is not None:
                             aborted.append(entry)
                     self.producer_state.update(header)
@@ -311,6 +314,7 @@ class PartitionLog:
             if aborted is not None:
                 segment.txn_index.rebuild(aborted)
                 segment.txn_index_stale = False
+                segment.txn_entries_before = {}
 
     @staticmethod
     def _marker_commits(buffer, position: int = 0) -> bool:

@@ -125,6 +125,9 @@ class LogSegment:
         self.time_index = TimeIndex(os.path.join(directory, segment_file_name(base_offset, TIME_INDEX_SUFFIX) + file_suffix))
         self.txn_index = TxnIndex(os.path.join(directory, segment_file_name(base_offset, TXN_INDEX_SUFFIX) + file_suffix))
         self.txn_index_stale = False  # emptied by recovery, or did not load: the partition log rebuilds it
+        # What the transaction index file held when recovery emptied it, by (producer id, marker offset):
+        # the rebuild keeps the entry of each ABORT marker it finds again (see recover()).
+        self.txn_entries_before: dict = {}
         self.summary_path = os.path.join(directory, segment_file_name(base_offset, SUMMARY_SUFFIX) + file_suffix)
         try:
             self._fd = os.open(self.log_path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -179,6 +182,9 @@ class LogSegment:
             return False
         if last is None:
             return False
+        # The bytes since the last offset-index entry, as appends and recovery count them: the next
+        # entry then goes where either would put it (this segment may be, or become, the active one).
+        self._bytes_since_index_entry = self.size_bytes - start
         if len(self.time_index) and self.time_index.entry(len(self.time_index) - 1)[1] >= last.next_offset - self.base_offset:
             return False  # entries past the log's end: left by a cut that failed (see offset_index.py)
         self.next_offset = last.next_offset
@@ -197,6 +203,12 @@ class LogSegment:
         """
         self.offset_index.reset()
         self.time_index.reset()
+        # An entry was written as its ABORT marker was appended, with the transaction's first offset
+        # and the last stable offset then. Either may lie in a segment deleted since (retention,
+        # delete_records), which the producer state rebuilt from the segments left cannot know: the
+        # rebuild keeps the entries of the markers it finds again, so it gives what memory held.
+        loaded = self.txn_index.load()
+        self.txn_entries_before = {(e.producer_id, e.last_offset): e for e in self.txn_index.entries()} if loaded else {}
         self.txn_index.reset()
         self.txn_index_stale = True
         self.next_offset = self.base_offset

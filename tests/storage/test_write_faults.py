@@ -217,6 +217,9 @@ class Producer:
         known = log.producer_state.producers.get(self.producer_id)
         if known is None or not known.batches:
             self.sequence = 0
+            # A batch that failed before is sent again with the new sequence (a real producer does,
+            # after the log's OutOfOrderSequenceError): it was never acknowledged, so it is given up.
+            self.pending = None
         else:
             assert known.last_sequence + 1 == self.sequence
 
