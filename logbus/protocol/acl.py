@@ -80,7 +80,7 @@ IMPLIES = {
     Operation.describe: (Operation.describe, Operation.read, Operation.write, Operation.delete, Operation.alter),
     Operation.describe_configs: (Operation.describe_configs, Operation.alter_configs),
 }
-BINDINGS_MAX = 100_000  # a bound on what one cluster keeps (each check scans the resource's own bindings)
+BINDINGS_MAX = 100_000  # a bound on what one cluster keeps (a check reads only the bindings that could apply)
 
 
 def _enum(cls, value, what: str, *, filtering: bool):
@@ -221,6 +221,13 @@ class Authorizer:
         self.super_users = frozenset(_principal(p, filtering=False) for p in super_users)
         self.allow_if_no_acls = allow_if_no_acls
         self._bindings: dict[AclBinding, None] = {}  # ordered, unique
+        # Indexes, so a check costs the bindings that could apply rather than every binding: literal
+        # bindings by (type, name) (the name ``*`` among them), prefixed ones by (type, prefix), with
+        # the prefix lengths in use per type (a check looks up only those), and every binding by type.
+        self._literal: dict[tuple[ResourceType, str], list[AclBinding]] = {}
+        self._prefixed: dict[tuple[ResourceType, str], list[AclBinding]] = {}
+        self._prefix_lengths: dict[ResourceType, dict[int, int]] = {}
+        self._by_type: dict[ResourceType, list[AclBinding]] = {}
         self.add(bindings)
 
     @property
@@ -235,8 +242,41 @@ class Authorizer:
                 if len(self._bindings) >= BINDINGS_MAX:
                     raise InvalidConfigError(f"at most {BINDINGS_MAX} ACL bindings")
                 self._bindings[binding] = None
+                self._index(binding)
                 added += 1
         return added
+
+    def _index(self, binding: AclBinding) -> None:
+        key = (binding.resource_type, binding.name)
+        if binding.pattern == PatternType.prefixed:
+            self._prefixed.setdefault(key, []).append(binding)
+            lengths = self._prefix_lengths.setdefault(binding.resource_type, {})
+            lengths[len(binding.name)] = lengths.get(len(binding.name), 0) + 1
+        else:
+            self._literal.setdefault(key, []).append(binding)
+        self._by_type.setdefault(binding.resource_type, []).append(binding)
+
+    def _unindex(self, binding: AclBinding) -> None:
+        key = (binding.resource_type, binding.name)
+        if binding.pattern == PatternType.prefixed:
+            _remove(self._prefixed, key, binding)
+            lengths = self._prefix_lengths[binding.resource_type]
+            lengths[len(binding.name)] -= 1
+            if not lengths[len(binding.name)]:
+                del lengths[len(binding.name)]
+        else:
+            _remove(self._literal, key, binding)
+        _remove(self._by_type, binding.resource_type, binding)
+
+    def _applicable(self, resource_type: ResourceType, name: str) -> list[AclBinding]:
+        """The bindings whose pattern covers the resource (what ``applies_to`` would pick out of all)."""
+        found = list(self._literal.get((resource_type, name), ()))
+        if name != WILDCARD:
+            found += self._literal.get((resource_type, WILDCARD), ())
+        for length in self._prefix_lengths.get(resource_type, ()):
+            if length <= len(name):
+                found += self._prefixed.get((resource_type, name[:length]), ())
+        return found
 
     def describe(self, acl_filter: AclFilter) -> list[AclBinding]:
         return [b for b in self._bindings if acl_filter.matches(b)]
@@ -246,13 +286,14 @@ class Authorizer:
         gone = self.describe(acl_filter)
         for binding in gone:
             del self._bindings[binding]
+            self._unindex(binding)
         return gone
 
     def authorize(self, principal: str, host: str, operation: Operation, resource_type: ResourceType, name: str) -> bool:
         """Whether ``principal`` connected from ``host`` may perform ``operation`` on the resource."""
         if principal in self.super_users:
             return True
-        applicable = [b for b in self._bindings if b.applies_to(resource_type, name)]
+        applicable = self._applicable(resource_type, name)
         if not applicable:
             return self.allow_if_no_acls
         mine = [b for b in applicable if b.principal in (principal, f"{PRINCIPAL_TYPE}:{WILDCARD}") and b.host in (host, WILDCARD)]
@@ -271,7 +312,7 @@ class Authorizer:
         """
         if principal in self.super_users:
             return True
-        mine = [b for b in self._bindings if b.resource_type == resource_type and b.principal in (principal, f"{PRINCIPAL_TYPE}:{WILDCARD}")
+        mine = [b for b in self._by_type.get(resource_type, ()) if b.principal in (principal, f"{PRINCIPAL_TYPE}:{WILDCARD}")
                 and b.host in (host, WILDCARD)]
         granting = IMPLIES.get(operation, (operation,))
         denies = [b for b in mine if b.permission == Permission.deny and b.operation in (operation, Operation.all)]
@@ -281,3 +322,10 @@ class Authorizer:
             if not any(d.applies_to(resource_type, allow.name) for d in denies):
                 return True
         return False
+
+
+def _remove(index: dict, key, binding: AclBinding) -> None:
+    entries = index[key]
+    entries.remove(binding)
+    if not entries:
+        del index[key]

@@ -100,3 +100,31 @@ def test_adding_a_matching_deny_always_refuses_and_removing_every_deny_never_ref
     assert not may(authorizer, operation.name)
     authorizer.delete(AclFilter.of({"permission": "deny"}))
     assert may(authorizer, operation.name) or not allowed
+
+
+def decided_by_scanning(authorizer: Authorizer, principal: str, operation: Operation, name: str) -> bool:
+    """The decision as the module docstring states it, over every binding (the indexes must agree)."""
+    applicable = [b for b in authorizer.bindings if b.applies_to(ResourceType.topic, name)]
+    if not applicable:
+        return authorizer.allow_if_no_acls
+    mine = [b for b in applicable if b.principal in (principal, "User:*")]
+    if any(b.permission.name == "deny" and b.operation in (operation, Operation.all) for b in mine):
+        return False
+    granting = {operation} | ({Operation.read, Operation.write, Operation.delete, Operation.alter} if operation == Operation.describe else set()) \
+        | ({Operation.alter_configs} if operation == Operation.describe_configs else set())
+    return any(b.permission.name == "allow" and (b.operation == Operation.all or b.operation in granting) for b in mine)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), binding), max_size=16), st.sampled_from(OPERATIONS),
+       st.sampled_from([ALICE, BOB]), st.sampled_from(["orders", "ord", "o", "*", "order", "other", "x"]), st.booleans())
+def test_the_indexed_decision_is_the_decision_over_every_binding(steps, operation, principal, name, allow_if_no_acls):
+    authorizer = Authorizer(allow_if_no_acls=allow_if_no_acls)
+    for adding, one in steps:  # adds and deletes in any order keep the indexes in step with the bindings
+        if adding:
+            authorizer.add([one])
+        else:
+            authorizer.delete(AclFilter.of({"principal": one.principal, "resource_type": "topic", "name": one.name,
+                                            "pattern": one.pattern.name, "operation": one.operation.name, "permission": one.permission.name}))
+        assert authorizer.authorize(principal, "127.0.0.1", operation, ResourceType.topic, name) \
+            == decided_by_scanning(authorizer, principal, operation, name)
