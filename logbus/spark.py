@@ -85,7 +85,8 @@ JAVA_OPTION_KEYS = (
 
 # Spark's Kafka source spells the offset bounds in JSON with these two sentinels.
 SPARK_EARLIEST = -2
-SMALL_READ_OFFSETS = 20_000  # a range of at most this many offsets is read in this process, not by Ray Data tasks
+SMALL_READ_OFFSETS = 20_000  # a range of at most this many offsets is read in this process, not by Ray Data tasks,
+SMALL_READ_BYTES = 64 << 20  # unless its records come to more than this: then the tasks read it after all
 SPARK_LATEST = -1
 
 def spark_configs(configs: dict | None = None) -> dict:
@@ -238,12 +239,20 @@ def _hand_to_spark(spark, refs: list, schema):
 def _small_to_spark(spark, source: TopicDatasource, schema):
     """A small range, read here rather than by Ray Data: its planning and tasks cost more than the read
     (a micro-batch trigger over a few records). The same reads the tasks make, in this process, then
-    one IPC stream through the object store, as :func:`to_spark` hands Spark its blocks."""
+    one IPC stream through the object store, as :func:`to_spark` hands Spark its blocks. None if its
+    records come to more than SMALL_READ_BYTES (the caller has the tasks read it)."""
     import pyarrow as pa
     import ray
 
-    tables = [block for task in source.get_read_tasks(1) for block in task()]
-    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    tables, size = [], 0
+    for task in source.get_read_tasks(1):
+        for block in task():
+            tables.append(block)
+            size += block.nbytes
+            if size > SMALL_READ_BYTES:
+                return None  # large records: not small after all
+    # (A range of only transaction markers, aborted or compacted records yields no block.)
+    table = pa.concat_tables(tables) if tables else DATASET_SCHEMA.empty_table()
     return _hand_to_spark(spark, [ray.put(_ipc_stream(table, list(schema.names)))], schema)
 
 
@@ -320,9 +329,8 @@ def read(
     if not include_headers:
         # Dropped in the stream-writing tasks, not by a Ray Data projection (another stage of tasks).
         schema = schema.remove(schema.get_field_index("headers"))
-    if source.num_rows <= SMALL_READ_OFFSETS:
-        df = _small_to_spark(spark, source, schema)
-    else:
+    df = _small_to_spark(spark, source, schema) if source.num_rows <= SMALL_READ_OFFSETS else None
+    if df is None:
         df = to_spark(spark, source.to_dataset(num_cpus=0), schema)
     columns = [
         F.col("key"),

@@ -121,6 +121,7 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
+TOPIC_DELETE_TIMEOUT_S = 600.0  # a deleted topic's replica deleting its files (a large log, a cleaning to stop)
 REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
@@ -1062,8 +1063,11 @@ class Controller:
             for node in self._reindex():
                 self._push_epochs(node)
             self.groups.topics_changed()
+        # A deleted topic's replicas get long to delete their files: a topic made again under the same
+        # name reuses the replicas' directories, so files left behind would come back as its records.
         await self._retire_replicas(
-            [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas]
+            [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas],
+            delete_timeout_s=TOPIC_DELETE_TIMEOUT_S,
         )
 
     async def list_topics(self, include_internal: bool = False) -> list[str]:
@@ -1232,7 +1236,7 @@ class Controller:
         """Delete the files and actors of replicas no longer in the partition."""
         await self._retire_replicas([(topic, partition, r, nodes[str(r)]) for r in removed])
 
-    async def _retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]]) -> None:
+    async def _retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float = REPLICA_CALL_TIMEOUT_S) -> None:
         """The one path by which replicas end, for a deleted topic or a finished move: each
         (topic, partition, replica id, node id) loses its pending role deliveries, its actor deletes
         its files (bounded wait) and is killed, and its node's agent forgets it; then agents left with
@@ -1244,7 +1248,10 @@ class Controller:
             if handle is not None:
                 handles.append(handle)
             gone.setdefault(node_id, []).append(replica_file_name(topic.topic_id, partition, r))
-        await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), REPLICA_CALL_TIMEOUT_S) for h in handles), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), delete_timeout_s) for h in handles), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("a replica did not delete its files (%r); they stay on its node's disk", result)
         for handle in handles:
             try:
                 ray.kill(handle, no_restart=True)

@@ -21,7 +21,6 @@ node id to the Ray node carrying it now (:func:`replica_hosts`).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import ray

@@ -61,6 +61,7 @@ from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
     InternalStateError,
     InvalidPartitionError,
+    NodeCapacityError,
     InvalidPartitionsError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
@@ -172,8 +173,13 @@ class ClusterMetadata:
         """
         normalized = self.check_new_topic(name, partitions, replication_factor, config)
         if placements is not None:
-            _check(len(placements) == partitions and all(len(set(p)) == len(p) == replication_factor for p in placements),
-                   f"placements for {name!r} must give {replication_factor} distinct nodes for each of {partitions} partitions")
+            # Slots come from the autoscaler through Ray's placement groups, and two hosts claiming one
+            # node could both get a bundle: a placement the caller cannot use, not a broken invariant.
+            if not (len(placements) == partitions and all(len(set(p)) == len(p) == replication_factor for p in placements)):
+                raise NodeCapacityError(
+                    f"placements for {name!r} must give {replication_factor} distinct nodes for each of {partitions} partitions, "
+                    f"not {placements!r}"
+                )
             topic = TopicState(name, uuid.uuid4().hex, [], {key: normalized[key] for key in (config or {})})
             topic.partitions = [self._partition_on(nodes) for nodes in placements]
             self.topics[name] = topic

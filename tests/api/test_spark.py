@@ -208,6 +208,25 @@ class _StoppedContext:
     master = "ray://stopped"
 
 
+@pytest.mark.timeout(300)
+def test_small_reads_of_only_a_marker_and_of_large_records(spark, module_bus, monkeypatch):
+    name = f"sp-small-{uuid.uuid4().hex[:8]}"
+    module_bus.admin.create_topic(name, partitions=1)
+    with logbus.Producer(module_bus, transactional_id=f"tx-{name}") as producer:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.send(name, b"committed", key=b"k")
+        producer.commit_transaction()
+    # Offset 0 is the record, offset 1 its transaction's COMMIT marker: a range of only the marker is no row.
+    wait_for(lambda: module_bus.admin.describe_topic(name).partitions[0].high_watermark == 2, timeout_s=60, message="the marker")
+    only_marker = logbus.spark.read(spark, name, starting_offsets={name: {"0": 1}}, ending_offsets={name: {"0": 2}}, bus=module_bus)
+    assert only_marker.count() == 0
+    # Records past the byte bound of a driver-side read are read by the tasks instead: the same rows.
+    monkeypatch.setattr(logbus.spark, "SMALL_READ_BYTES", 1)
+    rows = logbus.spark.read(spark, name, bus=module_bus).collect()
+    assert [(bytes(r["key"]), bytes(r["value"]), r["offset"]) for r in rows] == [(b"k", b"committed", 0)]
+
+
 @pytest.mark.timeout(120)
 def test_bad_input_raises_clear_errors(spark, module_bus, topic):
     from pyspark.sql import DataFrame, SparkSession
