@@ -181,6 +181,19 @@ def remove_dir(path: str, attempts: int = 1) -> None:
             time.sleep(1)
 
 
+def end_spark_run(root: str) -> None:
+    """A Spark benchmark's cleanup, also after an error: stop the Spark session (if any), Ray, and
+    remove the run's data directory."""
+    try:
+        import logbus.spark
+
+        logbus.spark.stop_spark()
+    except Exception:  # noqa: BLE001 (best-effort cleanup)
+        pass
+    shutdown_ray()
+    remove_dir(root)
+
+
 # --- output ----------------------------------------------------------------------------------------
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 
 # First: it puts this tree's logbus on sys.path.
-from _common import VALUE_SIZE, arg_parser, new_namespace, remove_dir, shutdown_ray, start_local_ray, timed
+from _common import VALUE_SIZE, arg_parser, end_spark_run, new_namespace, start_local_ray, timed
 
 KEYS = 1_000
 PARTITIONS = 4
@@ -258,14 +258,7 @@ def main(argv=None) -> int:
         for r in results:
             r["load_avg"] = load
     finally:
-        try:
-            import logbus.spark
-
-            logbus.spark.stop_spark()
-        except Exception:  # noqa: BLE001 (best-effort cleanup)
-            pass
-        shutdown_ray()
-        remove_dir(root)
+        end_spark_run(root)
 
     print()
     print(f"{'case':<52} {'records/s':>12} {'seconds':>8} {'ratio':>6}")

@@ -29,7 +29,7 @@ import threading
 import time
 
 # First: it puts this tree's logbus on sys.path.
-from _common import arg_parser, new_namespace, print_table, remove_dir, shutdown_ray, start_local_ray, timed
+from _common import arg_parser, end_spark_run, new_namespace, print_table, start_local_ray, timed
 
 TARGET_S = 0.1
 WARMUP = 3
@@ -101,14 +101,7 @@ def main(argv=None) -> int:
             r["load_avg"] = load
             r["triggers"] = args.triggers
     finally:
-        try:
-            import logbus.spark
-
-            logbus.spark.stop_spark()
-        except Exception:  # noqa: BLE001 (best-effort cleanup)
-            pass
-        shutdown_ray()
-        remove_dir(root)
+        end_spark_run(root)
 
     print_table(("case", "median s", "p90 s", "ratio", "target"), [
         (r["case"], f"{r['median_s']:.3f}", f"{r['p90_s']:.3f}", f"{r['ratio']:.2f}x {r['ratio_to']}" if "ratio" in r else "",
