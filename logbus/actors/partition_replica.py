@@ -613,7 +613,11 @@ class PartitionReplica:
         Ray runs an async actor's calls concurrently, so batches sent in order
         by one producer may start here out of order. A batch whose sequence is
         ahead of the producer's next expected one waits (briefly) for the gap to
-        fill, instead of failing with OutOfOrderSequenceError and a retry.
+        fill, instead of failing with OutOfOrderSequenceError and a retry. A
+        producer the log does not know waits for its sequence 0 the same way:
+        the log takes an unknown producer's batch whatever its sequence
+        (producer_state.py), so one that overtook its predecessors would be
+        written ahead of them.
         """
         try:
             header = bh.read_header(memoryview(batch).cast("B") if isinstance(batch, np.ndarray) else batch)

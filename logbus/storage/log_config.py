@@ -75,6 +75,18 @@ What the cleaner honours:
   is None: "delete this key") is kept this long after its timestamp (the
   timestamp readers see for it), so a consumer reading the log from the start
   sees it and forgets the key; a cleaning after that removes it.
+
+Producer ids
+------------
+
+``producer.id.expiration.ms`` (default 1 day, at most Kafka's int range, about
+24.8 days): a partition forgets an idempotent producer (its epoch and last
+sequence numbers) once the producer's last write there is this old, unless it
+has a transaction open. In Kafka this is a broker setting; here it is a topic
+setting like the others (each log applies its own). There is no timer for it:
+the log drops expired producers when it rolls a segment and when it rebuilds
+its producer table (open, recovery, truncation); see ``producer_state.py`` for
+what a producer the log no longer knows may then write.
 """
 
 from __future__ import annotations
@@ -121,6 +133,7 @@ class LogConfig:
     delete_retention_ms: int = DAY_MS  # how long a tombstone outlives its timestamp
     min_cleanable_dirty_ratio: float = 0.5
     min_compaction_lag_ms: int = 0
+    producer_id_expiration_ms: int = DAY_MS  # a producer's state goes once its last write is this old
 
     # dotted Kafka name -> (attribute, type, lowest legal value, highest legal value). The highest
     # is the range of Kafka's type for the key (int or long): values must fit the int32 / int64
@@ -143,6 +156,7 @@ class LogConfig:
         "delete.retention.ms": ("delete_retention_ms", int, 0, LONG_MAX),
         "min.cleanable.dirty.ratio": ("min_cleanable_dirty_ratio", float, 0, 1),
         "min.compaction.lag.ms": ("min_compaction_lag_ms", int, 0, LONG_MAX),
+        "producer.id.expiration.ms": ("producer_id_expiration_ms", int, 1, INT_MAX),  # an int in Kafka too
     }
 
     @classmethod

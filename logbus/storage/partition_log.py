@@ -30,6 +30,13 @@ remaining segment, or higher once :meth:`PartitionLog.delete_records` moved
 it (Kafka's DeleteRecords: it is kept in ``log-start-offset``, and reads
 below it raise OffsetOutOfRangeError).
 
+Producer expiry (``producer.id.expiration.ms``, see producer_state.py): the
+producer table forgets producers whose last write is that old, with no
+transaction open, when a segment rolls and whenever the table is rebuilt from
+the headers (open, recovery, truncation). No timer: the timestamps come from
+the batch headers, so a rebuild forgets again whatever an earlier expiry
+forgot.
+
 Transactions (KIP-98). A transactional producer's batches carry the
 TRANSACTIONAL attribute; the transaction ends with a marker, a control batch
 (COMMIT or ABORT) that the leader appends with :meth:`PartitionLog.append_marker`
@@ -315,6 +322,15 @@ class PartitionLog:
                 segment.txn_index.rebuild(aborted)
                 segment.txn_index_stale = False
                 segment.txn_entries_before = {}
+        # After the whole log: a producer's later batches may revive it (an expired producer that
+        # wrote again), and the transaction index above needed every producer's ongoing transaction.
+        self._expire_producers()
+
+    def _expire_producers(self) -> int:
+        """Forget the producers whose last write is producer.id.expiration.ms old (producer_state.py).
+        Run on work the log does anyway (a roll, a rebuild of the producer table), never on a timer:
+        an idle partition keeps its producers until its next roll or open, which is harmless."""
+        return self.producer_state.remove_expired(self.clock_ms(), self.config.producer_id_expiration_ms)
 
     @staticmethod
     def _marker_commits(buffer, position: int = 0) -> bool:
@@ -793,6 +809,7 @@ class PartitionLog:
             self._bases[-1] = base_offset
         else:
             self._add_segment(segment)
+        self._expire_producers()  # the roll stands: work the log does anyway, so expiry rides on it
         self._write_recovery_point(segment.base_offset)
         return segment
 

@@ -12,10 +12,25 @@ The leader checks every batch that carries a producer id before writing it:
   sequence numbers in order), so writing it would duplicate its records, and
   no retry can make it the next batch (Kafka's DUPLICATE_SEQUENCE_NUMBER);
 - a batch must otherwise continue the producer's sequence exactly
-  (``base_sequence == last_sequence + 1``), or start at 0 for a new producer
-  or a new epoch; anything else is OutOfOrderSequenceError, retriable (a
-  gap would mean lost records, and the batch that fills it may still be on
+  (``base_sequence == last_sequence + 1``), or start at 0 for a new epoch of
+  a producer known here; anything else is OutOfOrderSequenceError, retriable
+  (a gap would mean lost records, and the batch that fills it may still be on
   its way);
+- a batch from a producer id this table does not know is accepted whatever
+  its first sequence, and starts the producer's state (Kafka's rule since
+  KIP-360, ``ProducerAppendInfo.checkSequence``): the table may have
+  forgotten the producer (expiry, below; or retention or delete_records took
+  every batch it had, and the open after that), and the producer's next batch
+  then continues a sequence the table never saw. The price, as in Kafka: a
+  batch of a producer unknown here that overtook its predecessors (they met a
+  retriable error, or arrived late) is written ahead of them, and they are
+  then DuplicateSequenceError (below its first sequence), so their records
+  fail instead of being written out of order; and a retry of a batch written
+  before the producer was forgotten is written again. A leader replica lets a
+  batch ahead of its producer's next sequence wait briefly for its
+  predecessors first (partition_replica.py, ``_wait_for_earlier_batches``),
+  an unknown producer's too, so only a predecessor that failed or is slower
+  than that wait is overtaken;
 - a batch from an older producer epoch is ProducerFencedError, and so is a
   transaction marker (:meth:`ProducerStateTable.check_marker`).
 
@@ -25,6 +40,15 @@ transaction marker may carry a newer epoch than the producer's batches here
 (the coordinator fenced the producer and ended its transaction): the epoch
 moves to it, the producer's batches are forgotten, and its next batch starts
 at sequence 0.
+
+Expiry (Kafka's ``producer.id.expiration.ms``): :meth:`ProducerStateTable.remove_expired`
+forgets every producer whose last write (the max timestamp of its last batch
+or marker, as Kafka takes it: on a CreateTime topic the producer's own
+timestamp) is at least the expiration old, except one with a transaction
+open. The table runs no timer: its owner calls it when it does work anyway
+(partition_log.py: a segment roll, a rebuild). The timestamps are those of
+the batch headers (and of the cleaner's summaries), so an open, which rebuilds
+the table from them and then expires, forgets the same producers again.
 
 A transactional batch without sequence numbers (base sequence -1: the group
 coordinator's offsets in a transaction, as Kafka's coordinator writes them)
@@ -73,6 +97,21 @@ class _Producer:
     # producer whose table holds no batch.
     marker_offset: int = -1
     marker_timestamp_ms: int = -1
+    last_timestamp_ms: int = -1  # the max timestamp of its latest batch or marker: what expiry measures
+
+    def add_batch(self, first: int, last: int, base_offset: int, max_timestamp_ms: int) -> None:
+        """Keep a batch written (as leader or follower). One that does not continue the producer's
+        sequence starts it afresh: the leader took it from a producer it did not know (expired, or
+        all its batches deleted), and the batches before it are no sequence the next one continues."""
+        if self.batches and first != self.batches[-1][1] + 1:
+            self.batches.clear()
+        self.batches.append((first, last, base_offset, max_timestamp_ms))
+        self.last_timestamp_ms = max_timestamp_ms
+
+    def add_marker(self, offset: int, timestamp_ms: int) -> None:
+        """Keep a marker (or a batch without sequence numbers) written."""
+        self.marker_offset, self.marker_timestamp_ms = offset, timestamp_ms
+        self.last_timestamp_ms = timestamp_ms
 
     @property
     def last_sequence(self) -> int:
@@ -102,11 +141,7 @@ class ProducerStateTable:
                 raise ProducerFencedError(f"producer {header.producer_id} epoch {header.producer_epoch} is older than {state.epoch}")
             return None
         if state is None:
-            if header.base_sequence != 0:
-                raise OutOfOrderSequenceError(
-                    f"producer {header.producer_id} is unknown here and its batch starts at sequence {header.base_sequence}, not 0"
-                )
-            return None
+            return None  # unknown here (new, or forgotten): any first sequence starts its state (KIP-360)
         if header.producer_epoch < state.epoch:
             raise ProducerFencedError(f"producer {header.producer_id} epoch {header.producer_epoch} is older than {state.epoch}")
         if header.producer_epoch > state.epoch or not state.batches:
@@ -152,14 +187,14 @@ class ProducerStateTable:
                 state = self._new_epoch(producer_id, header.producer_epoch, state)
             state.txn_first_offset = None
             self.ongoing.pop(producer_id, None)
-            state.marker_offset, state.marker_timestamp_ms = header.base_offset, header.max_timestamp_ms
+            state.add_marker(header.base_offset, header.max_timestamp_ms)
             return
         if state is None or header.producer_epoch > state.epoch:
             state = self._new_epoch(producer_id, header.producer_epoch, state)
         if header.base_sequence == NO_SEQUENCE:  # continues no sequence: recorded as a marker's epoch is
-            state.marker_offset, state.marker_timestamp_ms = header.base_offset, header.max_timestamp_ms
+            state.add_marker(header.base_offset, header.max_timestamp_ms)
         else:
-            state.batches.append((header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms))
+            state.add_batch(header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms)
         if header.is_transactional and state.txn_first_offset is None:
             state.txn_first_offset = self.ongoing[producer_id] = header.base_offset
 
@@ -179,14 +214,27 @@ class ProducerStateTable:
         if state is None or epoch > state.epoch:
             state = self._new_epoch(producer_id, epoch, state)
         if first_sequence == NO_SEQUENCE:
-            state.marker_offset, state.marker_timestamp_ms = base_offset, max_timestamp_ms
+            state.add_marker(base_offset, max_timestamp_ms)
         else:
-            state.batches.append((first_sequence, last_sequence, base_offset, max_timestamp_ms))
+            state.add_batch(first_sequence, last_sequence, base_offset, max_timestamp_ms)
         if txn_first_offset == NO_TRANSACTION:
             state.txn_first_offset = None
             self.ongoing.pop(producer_id, None)
         else:
             state.txn_first_offset = self.ongoing[producer_id] = txn_first_offset
+
+    def remove_expired(self, now_ms: int, expiration_ms: int) -> int:
+        """Forget every producer whose last write is at least ``expiration_ms`` old at ``now_ms``
+        (Kafka's ``producer.id.expiration.ms``), except those with a transaction open. Returns how
+        many went. O(producers): called on work the log does anyway, never on a timer."""
+        expired = [
+            producer_id
+            for producer_id, state in self.producers.items()
+            if state.txn_first_offset is None and now_ms - state.last_timestamp_ms >= expiration_ms
+        ]
+        for producer_id in expired:
+            del self.producers[producer_id]
+        return len(expired)
 
     def first_unstable_offset(self) -> int | None:
         """The first offset of the oldest ongoing transaction, or None when none is ongoing."""

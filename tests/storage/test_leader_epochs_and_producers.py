@@ -62,11 +62,15 @@ def test_sequence_gaps_and_fenced_epochs_are_rejected(open_log):
     with pytest.raises(OutOfOrderSequenceError):
         log.append(idempotent([b"c"], 5), leader_epoch=1)
     with pytest.raises(OutOfOrderSequenceError):
-        log.append(idempotent([b"z"], 3, producer_id=99), leader_epoch=1)  # unknown producer not at 0
+        log.append(idempotent([b"b"], 5, epoch=1), leader_epoch=1)  # a new epoch of a known producer starts at 0
     log.append(idempotent([b"b"], 0, epoch=1), leader_epoch=1)  # a new producer epoch restarts at 0
     with pytest.raises(ProducerFencedError):
         log.append(idempotent([b"old"], 1, epoch=0), leader_epoch=1)
-    assert log.log_end_offset == 2
+    # A producer unknown here starts wherever its sequence is (KIP-360): the log may have forgotten it.
+    assert log.append(idempotent([b"z"], 3, producer_id=99), leader_epoch=1).base_offset == 2
+    with pytest.raises(OutOfOrderSequenceError):
+        log.append(idempotent([b"z"], 5, producer_id=99), leader_epoch=1)  # known now: a gap is refused
+    assert log.log_end_offset == 3
 
 
 def test_producer_state_survives_reopen_and_follower_appends(open_log, tmp_path):

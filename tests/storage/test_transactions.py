@@ -355,7 +355,9 @@ def test_the_summary_keeps_an_ongoing_transaction_whose_marker_is_past_the_clean
     summary = read_summary(log.segments[0].summary_path)
     assert summary.end_offset == 3 and [e[6] for e in summary.producers if e[0] == 10] == [2]  # ongoing from 2 at 3
     log.close()
-    again = PartitionLog(log.directory, log.config)
+    # (On the log's own clock: on the wall clock, records stamped by the test's clock are older than
+    # producer.id.expiration.ms, and the open would rightly forget producer 10.)
+    again = PartitionLog(log.directory, log.config, clock_ms=log.clock_ms)
     assert again.first_unstable_offset() is None and again.producer_state.producers[10].last_sequence == 0
     again.close()
 
