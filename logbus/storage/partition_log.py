@@ -35,7 +35,10 @@ producer table forgets producers whose last write is that old, with no
 transaction open, when a segment rolls and whenever the table is rebuilt from
 the headers (open, recovery, truncation). No timer: the timestamps come from
 the batch headers, so a rebuild forgets again whatever an earlier expiry
-forgot.
+forgot. (One exception to "memory is what an open recovers": a batch's append
+time, which the table also counts while the log is open, is not on disk, so
+a producer whose records are stamped over the expiration in the past stays
+in memory for the expiration after its write, and a rebuild forgets it.)
 
 Transactions (KIP-98). A transactional producer's batches carry the
 TRANSACTIONAL attribute; the transaction ends with a marker, a control batch
@@ -737,7 +740,7 @@ class PartitionLog:
             active.restore(tail)
             self.epochs.entries = epochs  # the file may hold the new entry: it starts at the log end, so open drops it
             raise
-        self.producer_state.update(header)
+        self.producer_state.update(header, self.clock_ms())
         active.release_page_cache(self.config.cache_tail_bytes)
         self._check_appended(header, end_before, allow_gap)
 

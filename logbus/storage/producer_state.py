@@ -49,6 +49,13 @@ open. The table runs no timer: its owner calls it when it does work anyway
 (partition_log.py: a segment roll, a rebuild). The timestamps are those of
 the batch headers (and of the cleaner's summaries), so an open, which rebuilds
 the table from them and then expires, forgets the same producers again.
+While the log stays open, a batch's append time counts too when it is later
+than the batch's timestamp (:meth:`ProducerStateTable.update`): a producer
+that writes records stamped in the past (a backfill on a CreateTime topic)
+keeps its state for the expiration after each write, where Kafka, which
+measures the timestamps alone, would forget it at its next check and write
+its next retry twice. That append time is nowhere on disk, so a rebuild (an
+open, a truncation) forgets such a producer once its timestamps are the expiration old (Kafka's rule).
 
 A transactional batch without sequence numbers (base sequence -1: the group
 coordinator's offsets in a transaction, as Kafka's coordinator writes them)
@@ -176,8 +183,9 @@ class ProducerStateTable:
                 f"transaction marker of producer {producer_id} with epoch {producer_epoch}, older than {state.epoch}"
             )
 
-    def update(self, header: BatchHeader) -> None:
-        """Record a batch that was appended (as leader or follower)."""
+    def update(self, header: BatchHeader, append_ms: int | None = None) -> None:
+        """Record a batch that was appended (as leader or follower); ``append_ms``: when (the log's
+        clock), which expiry takes when it is later than the batch's timestamp (see the module docstring)."""
         producer_id = header.producer_id
         if producer_id == NO_PRODUCER_ID:
             return
@@ -188,6 +196,8 @@ class ProducerStateTable:
             state.txn_first_offset = None
             self.ongoing.pop(producer_id, None)
             state.add_marker(header.base_offset, header.max_timestamp_ms)
+            if append_ms is not None and append_ms > state.last_timestamp_ms:
+                state.last_timestamp_ms = append_ms
             return
         if state is None or header.producer_epoch > state.epoch:
             state = self._new_epoch(producer_id, header.producer_epoch, state)
@@ -197,6 +207,8 @@ class ProducerStateTable:
             state.add_batch(header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms)
         if header.is_transactional and state.txn_first_offset is None:
             state.txn_first_offset = self.ongoing[producer_id] = header.base_offset
+        if append_ms is not None and append_ms > state.last_timestamp_ms:
+            state.last_timestamp_ms = append_ms
 
     def _new_epoch(self, producer_id: int, epoch: int, previous: _Producer | None) -> _Producer:
         """The producer in a new epoch: its batches forgotten, its ongoing transaction kept (only a

@@ -253,3 +253,21 @@ def test_property_the_log_knows_exactly_the_producers_expiry_has_not_taken(tmp_p
     finally:
         log.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_records_stamped_in_the_past_keep_their_producer_while_the_log_is_open(open_log, clock):
+    """A backfill on a CreateTime topic: the append time counts while the log is open, so a retry right
+    after a roll is still a duplicate; an open has only the timestamps, and forgets the producer."""
+    config = {"producer.id.expiration.ms": EXPIRY_MS}
+    log = open_log(config)
+    old = encode_batch([b"a", b"b"], timestamps_ms=[5, 6], producer_id=1, producer_epoch=0, base_sequence=0)
+    assert log.append(old, leader_epoch=1).base_offset == 0
+    log.roll()
+    assert log.append(old, leader_epoch=1).duplicate
+    clock.now_ms += EXPIRY_MS
+    log.append(encode_batch([b"no producer"]), leader_epoch=1)
+    log.roll()
+    assert log.producer_state.producers == {}  # the expiration after its last append
+    log.append(encode_batch([b"c"], timestamps_ms=[7], producer_id=1, producer_epoch=0, base_sequence=2), leader_epoch=1)
+    log.close()
+    assert open_log(config).producer_state.producers == {}  # stamped 7 ms after the epoch: long expired
