@@ -40,14 +40,24 @@ one owner per partition, a log end that moves by exactly what was appended)
 are what keeps acknowledged records safe. Checks cost what they check: the
 ones on hot paths are O(1), the ones over every segment run on rare
 operations only.
+
+Tests also break an invariant on purpose, to watch a replica end and come
+back (``PartitionLog.test_hook_break_next_append``). Such a hook is refused
+(:func:`require_test_hooks`) unless the process was started with
+``LOGBUS_TEST_HOOKS=1`` in its environment: a production process cannot be
+made to end by a stray call. The test suite sets it before it starts Ray, so
+every Ray process it starts inherits it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NoReturn
 
-from logbus.errors import InvariantViolationError
+from logbus.errors import IllegalStateError, InvariantViolationError
+
+TEST_HOOKS_ENV = "LOGBUS_TEST_HOOKS"  # "1" in a process's environment: its test hooks may be used
 
 _handler: Callable[[InvariantViolationError], None] | None = None
 
@@ -74,3 +84,16 @@ def on_violation(handler: Callable[[InvariantViolationError], None] | None) -> N
     """
     global _handler
     _handler = handler
+
+
+def test_hooks_enabled() -> bool:
+    """Whether this process was started with ``LOGBUS_TEST_HOOKS=1``: the test hooks that break an invariant on purpose may be used."""
+    return os.environ.get(TEST_HOOKS_ENV) == "1"
+
+
+def require_test_hooks(hook: str) -> None:
+    """Refuse the test hook ``hook`` (IllegalStateError) unless :func:`test_hooks_enabled`."""
+    if not test_hooks_enabled():
+        raise IllegalStateError(
+            f"{hook} is a test hook and is refused: this process was not started with {TEST_HOOKS_ENV}=1 in its environment"
+        )

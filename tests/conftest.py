@@ -21,6 +21,10 @@ os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 # would wait that long for each value. Every Ray process the tests start inherits this (an idle
 # Ray session costs the same CPU with it as with the default).
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# The test hooks that break an invariant on purpose (logbus/invariant.py: require_test_hooks) are
+# refused in a process started without this; every Ray process the tests start inherits it, so a
+# replica actor accepts them in tests, and only there.
+os.environ["LOGBUS_TEST_HOOKS"] = "1"
 
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
 

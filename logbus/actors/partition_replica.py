@@ -910,9 +910,12 @@ class PartitionReplica:
     async def test_hook_break_next_append(self) -> int:
         """A test hook: the next batch this replica's log writes fails its post-condition
         (``PartitionLog.test_hook_break_next_append``), as a bug in the append would, and this
-        process ends (invariant_exit.py). Returns the process id."""
+        process ends (invariant_exit.py). Returns the process id.
+
+        Refused with IllegalStateError unless this process was started with ``LOGBUS_TEST_HOOKS=1``
+        in its environment (the test suite sets it before it starts Ray)."""
         self._started()
-        self.log.test_hook_break_next_append = True
+        self.log.test_hook_break_next_append()
         return os.getpid()
 
     async def status(self) -> dict:

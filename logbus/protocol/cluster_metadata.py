@@ -54,22 +54,22 @@ import json
 import uuid
 from dataclasses import asdict, dataclass, field
 
-from logbus.invariant import check as _check
-from logbus.protocol.acl import AclBinding, AclFilter, Authorizer
-from logbus.protocol.elections import candidates
-from logbus.protocol.placement import NodeLoad, Placer
 from logbus.errors import (
     InternalStateError,
     InvalidPartitionError,
-    NodeCapacityError,
     InvalidPartitionsError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
+    NodeCapacityError,
     NoReassignmentInProgressError,
     ReassignmentInProgressError,
     TopicAlreadyExistsError,
     UnknownTopicError,
 )
+from logbus.invariant import check as _check
+from logbus.protocol.acl import AclBinding, AclFilter, Authorizer
+from logbus.protocol.elections import candidates
+from logbus.protocol.placement import NodeLoad, Placer
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_topic_name
 from logbus.storage.node_identity import is_node_id

@@ -38,14 +38,23 @@ their node now: unlabelled ones, and labelled ones their node is on. Refused
 hosts are not, nor a Ray node a host left, nor a Ray node not in Ray's list
 (it left, or is dead).
 
-A node that leaves the node table (``NodeTable.prune``) leaves this map too
-(``forget``): its checks, refusals and reported duplicates. Checks and
-refusals are otherwise kept per Ray node id, which Ray never reuses.
+What is kept, and for how long. Checks and refusals are kept per Ray node
+id, which Ray never reuses, while that Ray node is among Ray's nodes as
+last seen: ``seen`` drops those of Ray nodes no longer listed (they left,
+or are dead), and with them the duplicates reported of a set of Ray nodes
+one of which left. So a cluster whose hosts come and go keeps as many as
+it has live Ray nodes, not one per Ray node it ever had. A refused host
+stays refused while Ray lists it; a Ray node listed again after a list
+without it (Ray does not list a dead node again, so only as a glitch) is
+checked again, as a new host would be. A node that leaves the node table
+(``NodeTable.prune``) leaves this map too (``forget``): its checks,
+refusals and reported duplicates.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
 from logbus.protocol.node_table import Node, NodeTable
 from logbus.storage.node_identity import is_node_id
 
@@ -101,8 +110,9 @@ class HostMap:
     def __init__(self, table: NodeTable) -> None:
         self._table = table
         self._hosts: list[RayNode] = []  # Ray's nodes as last seen
-        self._identified: dict[str, Identity] = {}  # by Ray node id
-        self._refused: dict[str, Refusal] = {}  # by Ray node id
+        # By Ray node id, those among Ray's nodes as last seen only (``seen``): bounded by the live Ray nodes.
+        self._identified: dict[str, Identity] = {}
+        self._refused: dict[str, Refusal] = {}
         self._duplicates_told: set[tuple[str, tuple[str, ...]]] = set()  # (node id, its Ray nodes) reported
 
     # --- looking at Ray's nodes ---------------------------------------------------------------------
@@ -136,8 +146,16 @@ class HostMap:
         return Look(moves, duplicates)
 
     def seen(self, hosts: list[RayNode]) -> None:
-        """Ray's nodes as last seen (after the look's checks): what ``usable`` and the lookups below go by."""
+        """Ray's nodes as last seen (after the look's checks): what ``usable`` and the lookups below go by.
+
+        The checks, refusals and reported duplicates of Ray nodes not among them go: those Ray nodes
+        left (the controller checks only Ray nodes of the list it then passes here).
+        """
         self._hosts = list(hosts)
+        listed = {host.ray_node_id for host in hosts}
+        self._identified = {r: i for r, i in self._identified.items() if r in listed}
+        self._refused = {r: i for r, i in self._refused.items() if r in listed}
+        self._duplicates_told = {told for told in self._duplicates_told if listed.issuperset(told[1])}
 
     # --- checks --------------------------------------------------------------------------------------
 

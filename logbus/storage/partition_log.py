@@ -131,7 +131,7 @@ from logbus.errors import (
     StorageError,
 )
 from logbus.clock import wall_ms
-from logbus.invariant import check, violated
+from logbus.invariant import check, require_test_hooks, violated
 from logbus.storage import batch_header as bh
 from logbus.storage.files import replace_file, sync_directory
 from logbus.storage.cleaner import (
@@ -237,9 +237,9 @@ class PartitionLog:
         self.segments: list[LogSegment] = []
         self._bases: list[int] = []
         self._failure: str | None = None  # why the log closed itself (see _resync)
-        # A test hook, off unless a test sets it: the next batch written fails its post-condition
-        # (what a bug in the append would look like), so tests can watch a replica end and come back.
-        self.test_hook_break_next_append = False
+        # Set by the test hook test_hook_break_next_append (refused outside tests): the next batch
+        # written fails its post-condition.
+        self._break_next_append = False
         self.epochs = LeaderEpochCache(directory)
         self.producer_state = ProducerStateTable()
         self.recovery = self._load()
@@ -481,13 +481,23 @@ class PartitionLog:
         """Whether ``after`` starts where ``before`` ends (or past it, in a log that may have gaps)."""
         return before.next_offset == after.base_offset or (self._gaps and before.next_offset < after.base_offset)
 
+    def test_hook_break_next_append(self) -> None:
+        """A test hook: the next batch written (as leader or follower) fails its post-condition, as a
+        bug in the append would, so tests can watch a replica end and come back. One append only.
+
+        Refused (IllegalStateError, nothing changed) unless the process was started with
+        ``LOGBUS_TEST_HOOKS=1`` (``logbus.invariant.require_test_hooks``).
+        """
+        require_test_hooks("test_hook_break_next_append")
+        self._break_next_append = True
+
     def _check_appended(self, header: bh.BatchHeader, end_before: int, allow_gap: bool) -> None:
         """After one batch written: the log end moved to the batch's next offset, the batch continued
         the log, and a segment rolled for it continues the one before. O(1)."""
         # (On this path the messages are formatted only once a check failed.)
         end = header.next_offset
-        if self.test_hook_break_next_append:
-            self.test_hook_break_next_append = False
+        if self._break_next_append:
+            self._break_next_append = False
             end += 1  # as if the log end had not moved by exactly the batch's offsets
         if not (self.log_end_offset == end and (header.base_offset == end_before or (allow_gap and header.base_offset > end_before))):
             violated(

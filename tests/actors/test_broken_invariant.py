@@ -1,14 +1,15 @@
 """A replica that finds a broken invariant ends its process, and comes back from its files with its data.
 
 The violation is injected for real, through the log's test hook
-(``PartitionLog.test_hook_break_next_append``, set by the replica's
-``test_hook_break_next_append``): the next batch the replica writes fails
-the append's post-condition, as a bug in the append would. A follower meets
-it copying from its leader, a leader taking a produce. The replica's process
-must end (no retry loop may swallow it), say why in its log, and come back:
-Ray restarts the actor, it reopens its log, and the partition has its full
-ISR again, with every acknowledged record at the offset it was acknowledged
-at, on every replica.
+(``PartitionLog.test_hook_break_next_append``, called by the replica's
+``test_hook_break_next_append``; accepted because tests/conftest.py sets
+LOGBUS_TEST_HOOKS=1 for every Ray process the tests start): the next batch
+the replica writes fails the append's post-condition, as a bug in the
+append would. A follower meets it copying from its leader, a leader taking
+a produce. The replica's process must end (no retry loop may swallow it),
+say why in its log, and come back: Ray restarts the actor, it reopens its
+log, and the partition has its full ISR again, with every acknowledged
+record at the offset it was acknowledged at, on every replica.
 """
 
 from __future__ import annotations

@@ -218,6 +218,47 @@ def test_a_node_that_leaves_the_table_is_forgotten_here_too():
     assert len(look.duplicates) == 1  # reported again: nothing of its past is kept
 
 
+def test_checks_and_refusals_of_ray_nodes_that_left_go_so_hosts_coming_and_going_keep_the_map_bounded():
+    """Hosts restart again and again (each time a new Ray node id carrying the same node, listed beside
+    the old one for a while), a host with another cluster's directory keeps joining and leaving, and
+    unlabelled Ray nodes come and go: what the map keeps stays within the Ray nodes listed now."""
+    table, hosts = tables()
+    nodes = [node_id(0x100 + i) for i in range(5)]
+    intruder_node = node_id(0x200)  # claimed by hosts of another cluster only
+    for round_ in range(200):
+        now = round_ * 100
+        for node in nodes:
+            heard(table, node, now)
+        # Each node's host on a fresh Ray node every other round; in the rounds between, the next one
+        # is listed beside it (the old one heartbeats, so the node stays and the pair is reported).
+        listed = [host(f"ray-{node[-4:]}-{round_ // 2}", node) for node in nodes]
+        if round_ % 2:
+            listed += [host(f"ray-{node[-4:]}-{round_ // 2 + 1}", node) for node in nodes]
+        intruder = host(f"ray-intruder-{round_}", intruder_node)
+        listed += [intruder, host(f"ray-plain-{round_}"), host(f"ray-plain-{round_ + 1}")]
+        look = refresh(table, hosts, listed, now, refuse=frozenset({intruder.ray_node_id}))
+        assert (intruder_node, intruder.ray_node_id) in [(node.node_id, ray) for node, ray in look.moves]
+        # Looked at again: the refusal holds and nothing is checked again.
+        assert refresh(table, hosts, listed, now + 1).moves == []
+        assert [r for r, _ in hosts.refused_live()] == [intruder.ray_node_id]
+        assert sorted(hosts.live_nodes()) == sorted([*nodes, f"ray-plain-{round_}", f"ray-plain-{round_ + 1}"])
+        live = {h.ray_node_id for h in listed}
+        assert set(hosts._identified) <= live and set(hosts._refused) <= live
+        assert len(hosts._identified) == len(nodes) and len(hosts._refused) == 1
+        assert len(hosts._duplicates_told) == (len(nodes) if round_ % 2 else 0)
+    refresh(table, hosts, [], 200 * 100)  # every Ray node left
+    assert hosts._identified == {} and hosts._refused == {} and hosts._duplicates_told == set()
+
+
+def test_a_ray_node_listed_again_after_a_list_without_it_is_checked_again():
+    table, hosts = tables()
+    refresh(table, hosts, [host("ray-1", A)], 0, refuse=frozenset({"ray-1"}))
+    refresh(table, hosts, [], 100)
+    look = refresh(table, hosts, [host("ray-1", A)], 200)  # a new host as far as the map knows: checked, and passes
+    assert [(node.node_id, ray) for node, ray in look.moves] == [(A, "ray-1")]
+    assert hosts.refused_live() == [] and hosts.live_nodes() == [A]
+
+
 def test_the_ray_node_of_a_node_without_a_record():
     _, hosts = tables()
     assert hosts.ray_node_of(None) is None
@@ -241,8 +282,10 @@ LABELS = [None, A, B, node_id(0xC)]
 def test_each_node_is_on_at_most_one_usable_ray_node_and_a_lone_new_one_takes_it(labels, refused, steps):
     """Through Ray nodes coming and going (a Ray node's label fixed for its life), nodes heard or silent,
     and some hosts refused: every usable host is its node now, no node has two, nothing refused or left is
-    used, a node never returns to a Ray node it left, each duplicate set is reported once, and a node
-    carried by exactly one Ray node it never left and not refused is on it after the look."""
+    used, a refusal holds while its Ray node is listed, a node never returns to a Ray node it left, each
+    duplicate set is reported once while its Ray nodes stay listed, a node carried by exactly one Ray node
+    it never left and not refused is on it after the look, and the map keeps checks and refusals of listed
+    Ray nodes only."""
     label_of = dict(zip(RAY_NODES, labels))
     table, hosts = tables()
     reported: set[tuple[str, tuple[str, ...]]] = set()
@@ -259,12 +302,16 @@ def test_each_node_is_on_at_most_one_usable_ray_node_and_a_lone_new_one_takes_it
             if len(fresh) == 1:
                 lone[label] = fresh[0]
         look = refresh(table, hosts, listed, now, refuse=refused)
-        refused_seen |= {r for r, _ in hosts.refused_live()}
+        # A refusal lasts while Ray lists its Ray node; one listed again after a list without it is a new host.
+        assert {r for r, _ in hosts.refused_live()} >= refused_seen & set(listed_ids)
+        refused_seen = {r for r, _ in hosts.refused_live()}
         for duplicate in look.duplicates:
             told = (duplicate.node_id, duplicate.ray_node_ids)
             assert told not in reported
             reported.add(told)
             assert duplicate.kept in duplicate.ray_node_ids and len(duplicate.ray_node_ids) > 1
+        reported = {told for told in reported if set(told[1]) <= listed_ids}  # reported again once all are back
+        assert len(hosts._identified) + len(hosts._refused) <= len(listed_ids)  # kept for live Ray nodes only
         usable = hosts.usable()
         assert {h.ray_node_id for h in usable} <= set(listed_ids) - refused_seen
         by_node: dict[str, list[str]] = {}

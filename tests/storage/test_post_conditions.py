@@ -1,6 +1,7 @@
 """The partition log's post-conditions (see its module docstring): they hold through every operation,
 and a state that breaks one (memory corrupted as a bug would, or the log's test hook) makes the
-operation raise InvariantViolationError, after which the files reopen into a whole log."""
+operation raise InvariantViolationError, after which the files reopen into a whole log. The test hook
+is refused in a process started without LOGBUS_TEST_HOOKS=1 (tests/conftest.py sets it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import os
 
 import pytest
 
-from logbus.errors import InvariantViolationError
+from logbus import invariant
+from logbus.errors import IllegalStateError, InvariantViolationError
 from logbus.storage import batch_header as bh
 from logbus.storage import encode_batch
 from logbus.storage.partition_log import LOG_START_OFFSET_FILE
@@ -19,12 +21,12 @@ SMALL_SEGMENTS = {"segment.bytes": 1024}
 
 def test_the_test_hook_is_off_by_default_and_breaks_one_append(open_log, tmp_path):
     log = open_log()
-    assert log.test_hook_break_next_append is False
+    assert log._break_next_append is False
     log.append(encode_batch([b"a", b"b"]), leader_epoch=1)
-    log.test_hook_break_next_append = True
+    log.test_hook_break_next_append()
     with pytest.raises(InvariantViolationError, match=r"the log end is 4 after a batch at \[2, 4\) was appended to a log ending at 2"):
         log.append(encode_batch([b"c", b"d"]), leader_epoch=1)
-    assert log.test_hook_break_next_append is False  # one append only
+    assert log._break_next_append is False  # one append only
     log.append(encode_batch([b"e"]), leader_epoch=1)
     log.close()
     # What a replica's restart finds: every batch written, at its offsets (the one whose check
@@ -38,9 +40,35 @@ def test_the_hook_breaks_a_followers_append_too(open_log, tmp_path):
     leader = open_log(directory=tmp_path / "leader")
     fill(leader, batches=3, per_batch=2)
     follower = open_log(directory=tmp_path / "follower")
-    follower.test_hook_break_next_append = True
+    follower.test_hook_break_next_append()
     with pytest.raises(InvariantViolationError, match="after a batch at"):
         follower.append_as_follower(leader.read(0, 1 << 20).data, 0, leader.log_end_offset)
+
+
+@pytest.mark.parametrize("switch", [None, "0", "true", ""])
+def test_the_test_hook_is_refused_in_a_process_started_without_the_switch(open_log, monkeypatch, switch):
+    """Outside the tests (LOGBUS_TEST_HOOKS unset, or anything but "1") the hook refuses with a
+    logbus error and changes nothing: the next appends go through."""
+    if switch is None:
+        monkeypatch.delenv(invariant.TEST_HOOKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(invariant.TEST_HOOKS_ENV, switch)
+    assert not invariant.test_hooks_enabled()
+    log = open_log()
+    with pytest.raises(IllegalStateError, match=r"test_hook_break_next_append is a test hook and is refused: .* LOGBUS_TEST_HOOKS=1"):
+        log.test_hook_break_next_append()
+    log.append(encode_batch([b"a", b"b"]), leader_epoch=1)
+    log.append(encode_batch([b"c"]), leader_epoch=1)
+    assert read_all(log) == ([0, 1, 2], [b"a", b"b", b"c"])
+
+
+def test_the_test_hook_is_accepted_with_the_switch(open_log, monkeypatch):
+    monkeypatch.setenv(invariant.TEST_HOOKS_ENV, "1")
+    assert invariant.test_hooks_enabled()
+    log = open_log()
+    log.test_hook_break_next_append()
+    with pytest.raises(InvariantViolationError, match="after a batch at"):
+        log.append(encode_batch([b"a"]), leader_epoch=1)
 
 
 def test_an_append_after_the_segment_index_went_wrong_raises(open_log):
