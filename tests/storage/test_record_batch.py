@@ -160,7 +160,12 @@ def test_encode_is_a_few_c_level_calls():
         profiler.disable()
         return pstats.Stats(profiler).total_calls
 
-    assert python_calls(10_000) == python_calls(10)
+    python_calls(10)  # first use: modules and caches loaded lazily
+    small = min(python_calls(10) for _ in range(3))
+    large = min(python_calls(10_000) for _ in range(3))
+    # Per-record work would add at least 10,000 calls; a few stray ones (a garbage collection's
+    # callbacks, in whatever process order the suite runs) are not work that grows with the records.
+    assert large <= small + 10, (large, small)
 
 
 @settings(max_examples=150, deadline=None)
