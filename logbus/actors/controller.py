@@ -44,11 +44,14 @@ the controller forwards the group RPCs to it and serves it the small
 :class:`~logbus.actors.group_service.GroupHost` interface (partition counts,
 leaders, the internal topic).
 
-Moving replicas (reassignments, drains, rebalancing, preferred leaders) is
-the :class:`~logbus.actors.replica_moves.ReplicaMoves`'s: the controller
-forwards those RPCs and serves it the
-:class:`~logbus.actors.replica_moves.MoveHost` interface (the metadata and
-its lock, the nodes, starting, announcing and retiring replicas).
+Topic administration (create, delete, describe, partitions, configs,
+delete_records) is the :class:`~logbus.actors.topic_admin.TopicAdmin`'s, and
+moving replicas (reassignments, drains, rebalancing, preferred leaders) the
+:class:`~logbus.actors.replica_moves.ReplicaMoves`'s: the controller forwards
+those RPCs and serves each a small interface
+(:class:`~logbus.actors.topic_admin.TopicAdminHost`,
+:class:`~logbus.actors.replica_moves.MoveHost`: the metadata and its lock,
+the nodes, starting, announcing and retiring replicas).
 
 Retry contract: a call that failed may have taken effect, so clients may send
 it again; creating an existing replica actor reuses it (``get_if_exists``),
@@ -83,26 +86,22 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
-    autoscaler_replica_capacity,
     replica_directory,
     replica_hosts,
     uses_replica_slots,
 )
 from logbus.actors.remote import unwrap
 from logbus.actors.replica_moves import ReplicaMoves
+from logbus.actors.topic_admin import TopicAdmin
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
     InconsistentClusterIdError,
-    InvalidConfigError,
-    InvalidPartitionError,
-    InvalidReplicationFactorError,
     InvalidTopicError,
     LeaderNotAvailableError,
     NodeCapacityError,
     NodeIdentityError,
     ReplicaNotAvailableError,
-    RequestTimedOutError,
     UnknownTopicError,
 )
 from logbus.invariant import check
@@ -111,7 +110,7 @@ from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.host_map import HostMap, Identity
-from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
+from logbus.protocol.messages import TopicDescription
 from logbus.protocol.node_table import Node, NodeTable
 from logbus.protocol.placement import NodeLoad
 from logbus.storage.dir_lock import DirectoryLock
@@ -127,7 +126,6 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
-TOPIC_DELETE_TIMEOUT_S = 600.0  # a deleted topic's replica deleting its files (a large log, a cleaning to stop)
 REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
@@ -239,6 +237,7 @@ class Controller:
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
         self.moves = ReplicaMoves(self, self._calls)  # reassignments, drains, rebalancing, preferred leaders
+        self.admin = TopicAdmin(self, self.groups.topics_changed)  # topics: create, delete, describe, partitions, configs
         self.transactions = TransactionService(self, self.groups)
         # From here on a broken invariant ends this process, and Ray starts it again from its files
         # (invariant_exit.py); one found while they load is raised from here (a failed start).
@@ -700,7 +699,7 @@ class Controller:
         return handle
 
     async def create_internal_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
-        await self._create_topic(name, partitions, replication_factor, config, internal=True)
+        await self.admin.create_topic(name, partitions, replication_factor, config, CREATE_TIMEOUT_S, internal=True)
 
     def live_node_count(self) -> int:
         return len(self._host_map.live_nodes())
@@ -978,7 +977,7 @@ class Controller:
         except Exception:  # noqa: BLE001 (the next look tries again)
             logger.exception("looking through Ray's nodes failed")
 
-    # --- admin -------------------------------------------------------------------------------------
+    # --- topic administration: forwarded to TopicAdmin -------------------------------------------------
 
     async def create_topic(
         self, name: str, partitions: int, replication_factor: int, config: dict | None, timeout_s: float = CREATE_TIMEOUT_S
@@ -994,50 +993,59 @@ class Controller:
         await self._ready()
         if name == OFFSETS_TOPIC:
             raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic; it is created on first use")
-        await self._create_topic(name, partitions, replication_factor, config, timeout_s=timeout_s)
+        await self.admin.create_topic(name, partitions, replication_factor, config, timeout_s)
         return await self.describe_topic(name)
 
-    async def _create_topic(
-        self, name, partitions, replication_factor, config, internal: bool = False, timeout_s: float = CREATE_TIMEOUT_S
-    ) -> None:
-        reserved = None
-        await self.refresh_nodes()
-        async with self.lock:
-            try:
-                topic = self.metadata.create_topic(
-                    name, partitions, replication_factor, config, self._host_map.live_nodes(), loads=self.loads()
-                )
-            except (NodeCapacityError, InvalidReplicationFactorError):
-                if internal or autoscaler_replica_capacity() == 0:
-                    raise
-                self.metadata.check_new_topic(name, partitions, replication_factor, config)
-                topic = None
-        if topic is None:
-            # More nodes are needed: ask the autoscaler for them (the lock is not held meanwhile).
-            reserved = await self.reserve_nodes(f"topic {name!r}", partitions, replication_factor, timeout_s)
-            async with self.lock:
+    async def delete_topic(self, name: str) -> None:
+        await self._ready()
+        if name == OFFSETS_TOPIC:
+            raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic and cannot be deleted")
+        await self.admin.delete_topic(name)
+
+    async def list_topics(self, include_internal: bool = False) -> list[str]:
+        await self._ready()
+        return self.admin.list_topics(include_internal)
+
+    async def describe_topic(self, name: str) -> TopicDescription:
+        await self._ready()
+        return await self.admin.describe_topic(name)
+
+    async def create_partitions(self, name: str, total: int) -> TopicDescription:
+        await self._ready()
+        return await self.admin.create_partitions(name, total)
+
+    async def alter_config(self, name: str, config: dict, delete: list[str] | None = None) -> dict:
+        """Set topic config overrides, and remove those named in ``delete`` (back to the defaults);
+        returns the topic's overrides. Every replica applies them before this returns."""
+        await self._ready()
+        return await self.admin.alter_config(name, config, delete)
+
+    async def delete_records(self, offsets: dict) -> dict:
+        """Kafka's DeleteRecords: ``{(topic, partition): offset}`` (-1: the high watermark) -> each
+        partition's new log start offset, moved by its leader (its followers follow). Every partition
+        is tried; the first error (an offset past the high watermark, no leader) is raised after."""
+        await self._ready()
+        return await self.admin.delete_records(offsets)
+
+    async def destroy(self) -> None:
+        """Delete every topic, the internal one too, with its actors and files, and stop the node agents
+        (tests and teardown: what is left is the controller, which the caller kills)."""
+        await self._ready()
+        for name in list(self.metadata.topics):
+            await self.admin.delete_topic(name)
+        for node in self._table.nodes():
+            if node.agent is not None:
                 try:
-                    topic = self.metadata.create_topic(
-                        name, partitions, replication_factor, config, self._host_map.live_nodes(), placements=reserved.placements
-                    )
-                except BaseException:
-                    reserved.release()
-                    raise
-        try:
-            async with self.lock:
-                self.metadata_changed()
-                self.groups.topics_changed()
-            # Start every replica actor concurrently: each is a process that takes a while to boot.
-            starts = [self.start_partition(topic, p) for p in range(partitions)]
-            if reserved is not None:
-                for p in range(partitions):  # the actors exist (pending on their slots): free the slots for them
-                    for r in topic.partitions[p].replicas:
-                        self.replica_handle(topic, p, r)
-                reserved.release()
-            await asyncio.gather(*starts)
-        finally:
-            if reserved is not None:
-                reserved.release()
+                    await asyncio.wait_for(node.agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                try:
+                    ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                node.agent = None
+
+    # --- autoscaler reservations ------------------------------------------------------------------------
 
     async def reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> "Reservation":
         """Pending demand the autoscaler answers: one placement group per partition, each of
@@ -1076,127 +1084,6 @@ class Controller:
             for g in groups
         ]
         return reservation
-
-    async def delete_topic(self, name: str) -> None:
-        await self._ready()
-        if name == OFFSETS_TOPIC:
-            raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic and cannot be deleted")
-        await self._delete_topic(name)
-
-    async def destroy(self) -> None:
-        """Delete every topic, the internal one too, with its actors and files, and stop the node agents
-        (tests and teardown: what is left is the controller, which the caller kills)."""
-        await self._ready()
-        for name in list(self.metadata.topics):
-            await self._delete_topic(name)
-        for node in self._table.nodes():
-            if node.agent is not None:
-                try:
-                    await asyncio.wait_for(node.agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                try:
-                    ray.kill(node.agent, no_restart=True)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                node.agent = None
-
-    async def _delete_topic(self, name: str) -> None:
-        async with self.lock:
-            topic = self.metadata.delete_topic(name)
-            self.metadata_changed()
-            self.groups.topics_changed()
-        # A deleted topic's replicas get long to delete their files: a topic made again under the same
-        # name reuses the replicas' directories, so files left behind would come back as its records.
-        await self.retire_replicas(
-            [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas],
-            delete_timeout_s=TOPIC_DELETE_TIMEOUT_S,
-        )
-
-    async def list_topics(self, include_internal: bool = False) -> list[str]:
-        await self._ready()
-        return sorted(name for name in self.metadata.topics if include_internal or name != OFFSETS_TOPIC)
-
-    async def describe_topic(self, name: str) -> TopicDescription:
-        await self._ready()
-        topic = self.metadata.topic(name)
-
-        async def leader_offsets(p, state):
-            if state.leader is None:
-                return None
-            return await asyncio.wait_for(self.replica_handle(topic, p, state.leader).offsets.remote(), 10)
-
-        offsets = await asyncio.gather(*(leader_offsets(p, s) for p, s in enumerate(topic.partitions)), return_exceptions=True)
-        infos = []
-        for p, (state, found) in enumerate(zip(topic.partitions, offsets)):
-            start, high_watermark, end = found if isinstance(found, tuple) else (-1, -1, -1)
-            infos.append(
-                PartitionInfo(name, p, state.leader, tuple(state.replicas), tuple(state.isr), state.leader_epoch, start, high_watermark, end)
-            )
-        return TopicDescription(name, tuple(infos), dict(topic.config))
-
-    async def create_partitions(self, name: str, total: int) -> TopicDescription:
-        await self._ready()
-        await self.refresh_nodes()
-        async with self.lock:
-            added = self.metadata.create_partitions(name, total, self._host_map.live_nodes(), loads=self.loads())
-            topic = self.metadata.topic(name)
-            self.metadata_changed()
-            self.groups.topics_changed()
-        await asyncio.gather(*(self.start_partition(topic, p) for p in added))
-        return await self.describe_topic(name)
-
-    async def alter_config(self, name: str, config: dict, delete: list[str] | None = None) -> dict:
-        """Set topic config overrides, and remove those named in ``delete`` (back to the defaults);
-        returns the topic's overrides. Every replica applies them before this returns."""
-        await self._ready()
-        async with self.lock:
-            topic = self.metadata.topic(name)
-            for key in delete or ():
-                if key not in LogConfig.KEYS:
-                    raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(LogConfig.KEYS))}")
-                if key in (config or {}):
-                    raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
-            LogConfig.from_dict({**{k: v for k, v in topic.config.items() if k not in (delete or ())}, **(config or {})})
-            for key in delete or ():
-                topic.config.pop(key, None)
-            overrides = self.metadata.alter_config(name, config)
-            self._persist()
-            topic = self.metadata.topic(name)
-        # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync
-        # replica: at once, before the replicas (one of them perhaps paused) are told the new config.
-        await self.check_partitions({(name, p) for p in range(len(topic.partitions))})
-        # A replica whose node is away is told when it starts there again (it is created with the topic's config).
-        handles = [self.handle_or_none(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        await asyncio.gather(*(h.update_config.remote(overrides) for h in handles if h is not None))
-        return dict(overrides)
-
-    async def delete_records(self, offsets: dict) -> dict:
-        """Kafka's DeleteRecords: ``{(topic, partition): offset}`` (-1: the high watermark) -> each
-        partition's new log start offset, moved by its leader (its followers follow). Every partition
-        is tried; the first error (an offset past the high watermark, no leader) is raised after."""
-        await self._ready()
-        tps = []
-        for tp, offset in offsets.items():
-            topic, partition = tp
-            state_topic = self.metadata.topic(topic)
-            if not 0 <= partition < len(state_topic.partitions):
-                raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
-            tps.append((TopicPartition(topic, partition), offset))
-
-        async def one(tp, offset):
-            leader = self.leader_handle(tp.topic, tp.partition)
-            try:
-                return await asyncio.wait_for(leader.delete_records.remote(offset), REPLICA_CALL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise RequestTimedOutError(f"{tp.topic}-{tp.partition}: its leader did not answer delete_records "
-                                           f"within {REPLICA_CALL_TIMEOUT_S:.0f} s") from None
-
-        found = await asyncio.gather(*(one(tp, offset) for tp, offset in tps), return_exceptions=True)
-        for result in found:
-            if isinstance(result, BaseException):
-                raise unwrap(result)
-        return {tp: start for (tp, _), start in zip(tps, found)}
 
     # --- moving replicas: forwarded to ReplicaMoves ---------------------------------------------------
 

@@ -15,9 +15,10 @@ import pytest
 from logbus.actors.controller import Controller
 from logbus.actors.group_service import GroupHost
 from logbus.actors.replica_moves import MoveHost
+from logbus.actors.topic_admin import TopicAdminHost
 from logbus.actors.transaction_service import TransactionHost
 
-HOSTS = [MoveHost, GroupHost, TransactionHost]
+HOSTS = [MoveHost, TopicAdminHost, GroupHost, TransactionHost]
 
 
 def members(protocol) -> dict[str, object]:
