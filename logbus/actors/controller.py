@@ -71,7 +71,6 @@ import os
 import uuid
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
@@ -86,8 +85,10 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
+    SlotReservation,
     replica_directory,
     replica_hosts,
+    reserve_replica_slots,
     uses_replica_slots,
 )
 from logbus.actors.remote import unwrap
@@ -163,22 +164,6 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
     lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir,
                      "ray_auth": ray_auth.cluster_auth()})  # how a process over the same directory joins (client.py)
     return lock
-
-
-class Reservation:
-    """Placement groups holding replica slots until the replicas' actors take them over."""
-
-    def __init__(self, groups: list) -> None:
-        self.groups = groups
-        self.placements: list[list[str]] = []
-
-    def release(self) -> None:
-        groups, self.groups = self.groups, []
-        for group in groups:
-            try:
-                remove_placement_group(group)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
 
 
 class Controller:
@@ -861,7 +846,7 @@ class Controller:
     def _node_entry(self, node_id: str) -> Node:
         return self._table.entry(node_id)
 
-    # --- MoveHost: what moving replicas needs besides the above ------------------------------------------
+    # --- MoveHost, TopicAdminHost: what the parts need besides the above ----------------------------------
 
     def live_nodes(self) -> list[str]:
         return self._host_map.live_nodes()
@@ -1047,42 +1032,19 @@ class Controller:
 
     # --- autoscaler reservations ------------------------------------------------------------------------
 
-    async def reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> "Reservation":
-        """Pending demand the autoscaler answers: one placement group per partition, each of
-        ``replication_factor`` replica slots on distinct nodes (STRICT_SPREAD). Returns the nodes
-        the slots were reserved on, once all are; NodeCapacityError naming what is missing if the
+    async def reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> SlotReservation:
+        """Pending demand the autoscaler answers (``reserve_replica_slots``): ``partitions`` groups of
+        ``replication_factor`` replica slots on distinct nodes. Returns them once all are held, with the
+        nodes they are on (checked first, if new); NodeCapacityError naming what is missing if the
         autoscaler does not provide them within ``timeout_s``."""
-        groups = [
-            placement_group([{REPLICA_NODE_RESOURCE: 1}] * replication_factor, strategy="STRICT_SPREAD", name=f"logbus:{uuid.uuid4().hex[:12]}")
-            for _ in range(partitions)
-        ]
-        reservation = Reservation(groups)
-        logger.info("%s needs %d replicas on %d distinct nodes each: waiting up to %.0f s for the autoscaler",
-                    what, partitions * replication_factor, replication_factor, timeout_s)
-        ready = [asyncio.wrap_future(g.ready().future()) for g in groups]
-        try:
-            await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
-        except asyncio.TimeoutError:
-            reservation.release()
-            done = sum(1 for f in ready if f.done() and not f.cancelled() and f.exception() is None)
-            raise NodeCapacityError(
-                f"{what}: the autoscaler did not provide {partitions * replication_factor} replica slots "
-                f"({REPLICA_NODE_RESOURCE}) on {replication_factor} distinct nodes per partition within {timeout_s:.0f} s "
-                f"({done} of {partitions} partitions placed); add nodes with replica slots or raise the autoscaler's max_workers"
-            ) from None
-        except BaseException:
-            reservation.release()
-            raise
+        reservation = await reserve_replica_slots(what, partitions, replication_factor, timeout_s)
         self._use_slots = True
         try:
             await self.refresh_nodes()  # the nodes just added (hosts among them are checked first)
         except BaseException:
             reservation.release()
             raise
-        reservation.placements = [
-            [self._host_map.node_of_ray_node(placement_group_table(g)["bundles_to_node_id"][i]) for i in range(replication_factor)]
-            for g in groups
-        ]
+        reservation.placements = [[self._host_map.node_of_ray_node(n) for n in ray_nodes] for ray_nodes in reservation.ray_nodes()]
         return reservation
 
     # --- moving replicas: forwarded to ReplicaMoves ---------------------------------------------------

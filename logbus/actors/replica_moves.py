@@ -34,7 +34,7 @@ import logging
 from typing import Protocol
 
 from logbus.actors import metrics
-from logbus.actors.placement import autoscaler_replica_capacity
+from logbus.actors.placement import SlotReservation, autoscaler_replica_capacity
 from logbus.clock import monotonic_ms
 from logbus.errors import InvalidReassignmentError, NodeCapacityError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
@@ -52,15 +52,6 @@ logger = logging.getLogger(__name__)
 
 PREFERRED_LEADER_CHECK_MS = 300_000  # leaders go back to their preferred replicas this often (Kafka: 5 min)
 OFFSETS_CALL_TIMEOUT_S = 10.0  # a replica that does not report its offsets in this long shows no progress
-
-
-class SlotReservation(Protocol):
-    """Replica slots an autoscaler provided (the controller's ``Reservation``)."""
-
-    placements: list[list[str]]
-
-    def release(self) -> None:
-        """Free the slots (the new replicas' actors take them over); idempotent."""
 
 
 class MoveHost(Protocol):

@@ -22,7 +22,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Protocol
 
-from logbus.actors.placement import autoscaler_replica_capacity
+from logbus.actors.placement import SlotReservation, autoscaler_replica_capacity
 from logbus.actors.remote import unwrap
 from logbus.errors import (
     InvalidPartitionError,
@@ -38,15 +38,6 @@ from logbus.protocol.placement import NodeLoad
 TOPIC_DELETE_TIMEOUT_S = 600.0  # a deleted topic's replica deleting its files (a large log, a cleaning to stop)
 LEADER_CALL_TIMEOUT_S = 60.0  # a leader that does not answer delete_records in this long: RequestTimedOutError
 OFFSETS_CALL_TIMEOUT_S = 10.0  # a leader that does not report its offsets in this long shows -1 in a description
-
-
-class SlotReservation(Protocol):
-    """Replica slots an autoscaler provided (the controller's ``Reservation``)."""
-
-    placements: list[list[str]]
-
-    def release(self) -> None:
-        """Free the slots (the new replicas' actors take them over); idempotent."""
 
 
 class TopicAdminHost(Protocol):
