@@ -29,7 +29,7 @@ which copies the log from the leader, unless its node has come back.
 
 Nodes are named by their logbus node ids (``placement.py``): a host's
 identity, kept in its data directory, outlives its Ray nodes. The controller
-maps each node to the Ray node carrying its label now (``_refresh_nodes``
+maps each node to the Ray node carrying its label now (``refresh_nodes``
 lists Ray's nodes and checks hosts; ``protocol/host_map.py`` decides), and
 runs the node's agent and replicas there; a host that joins again as a new
 Ray node gets its replicas back, which reopen their logs where the host
@@ -43,6 +43,15 @@ Consumer groups are the :class:`~logbus.actors.group_service.GroupService`'s:
 the controller forwards the group RPCs to it and serves it the small
 :class:`~logbus.actors.group_service.GroupHost` interface (partition counts,
 leaders, the internal topic).
+
+Topic administration (create, delete, describe, partitions, configs,
+delete_records) is the :class:`~logbus.actors.topic_admin.TopicAdmin`'s, and
+moving replicas (reassignments, drains, rebalancing, preferred leaders) the
+:class:`~logbus.actors.replica_moves.ReplicaMoves`'s: the controller forwards
+those RPCs and serves each a small interface
+(:class:`~logbus.actors.topic_admin.TopicAdminHost`,
+:class:`~logbus.actors.replica_moves.MoveHost`: the metadata and its lock,
+the nodes, starting, announcing and retiring replicas).
 
 Retry contract: a call that failed may have taken effect, so clients may send
 it again; creating an existing replica actor reuses it (``get_if_exists``),
@@ -62,7 +71,6 @@ import os
 import uuid
 
 import ray
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
@@ -77,26 +85,24 @@ from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
-    autoscaler_replica_capacity,
+    SlotReservation,
     replica_directory,
     replica_hosts,
+    reserve_replica_slots,
     uses_replica_slots,
 )
 from logbus.actors.remote import unwrap
+from logbus.actors.replica_moves import ReplicaMoves
+from logbus.actors.topic_admin import TopicAdmin
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
     InconsistentClusterIdError,
-    InvalidConfigError,
-    InvalidPartitionError,
-    InvalidReassignmentError,
-    InvalidReplicationFactorError,
     InvalidTopicError,
     LeaderNotAvailableError,
     NodeCapacityError,
     NodeIdentityError,
     ReplicaNotAvailableError,
-    RequestTimedOutError,
     UnknownTopicError,
 )
 from logbus.invariant import check
@@ -105,9 +111,9 @@ from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.host_map import HostMap, Identity
-from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
+from logbus.protocol.messages import TopicDescription
 from logbus.protocol.node_table import Node, NodeTable
-from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
+from logbus.protocol.placement import NodeLoad
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
@@ -121,12 +127,10 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
-TOPIC_DELETE_TIMEOUT_S = 600.0  # a deleted topic's replica deleting its files (a large log, a cleaning to stop)
 REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
-PREFERRED_LEADER_CHECK_MS = 300_000  # leaders go back to their preferred replicas this often (Kafka: 5 min)
 REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
@@ -160,22 +164,6 @@ def take_ownership(metadata_dir: str, data_dir: str, namespace: str) -> Director
     lock.write_note({"namespace": namespace, "gcs_address": context.gcs_address, "node_id": context.get_node_id(), "data_dir": data_dir,
                      "ray_auth": ray_auth.cluster_auth()})  # how a process over the same directory joins (client.py)
     return lock
-
-
-class Reservation:
-    """Placement groups holding replica slots until the replicas' actors take them over."""
-
-    def __init__(self, groups: list) -> None:
-        self.groups = groups
-        self.placements: list[list[str]] = []
-
-    def release(self) -> None:
-        groups, self.groups = self.groups, []
-        for group in groups:
-            try:
-                remove_placement_group(group)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
 
 
 class Controller:
@@ -219,8 +207,6 @@ class Controller:
         self._started: asyncio.Task | None = None
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
         self._use_slots = uses_replica_slots()  # replicas ask for a logbus_replica slot (see placement.py)
-        self._draining: set[str] = set()  # nodes being emptied: placement leaves them out
-        self._last_preferred_check_ms = monotonic_ms()
         # Role changes not yet acknowledged by their replicas, sent again until they are (elections.py).
         self._deliveries = RoleDeliveries()
         self._delivery_tasks: dict[tuple[str, int, int], asyncio.Task] = {}
@@ -228,13 +214,15 @@ class Controller:
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
-        # Ray nodes as last seen (``_refresh_nodes``), hosts checked or refused: which Ray node each node is.
+        # Ray nodes as last seen (``refresh_nodes``), hosts checked or refused: which Ray node each node is.
         self._host_map = HostMap(self._table)
         self._refresh_lock_: asyncio.Lock | None = None
         self._discovery: asyncio.Task | None = None
         self._last_discovery_ms = 0
         self._reindex()
         self.groups = GroupService(self, self._metadata_dir)
+        self.moves = ReplicaMoves(self, self._calls)  # reassignments, drains, rebalancing, preferred leaders
+        self.admin = TopicAdmin(self, self.groups.topics_changed)  # topics: create, delete, describe, partitions, configs
         self.transactions = TransactionService(self, self.groups)
         # From here on a broken invariant ends this process, and Ray starts it again from its files
         # (invariant_exit.py); one found while they load is raised from here (a failed start).
@@ -253,10 +241,17 @@ class Controller:
     def _persist(self) -> None:
         write_atomically(os.path.join(self._metadata_dir, METADATA_FILE), self.metadata.to_json())
 
+    def metadata_changed(self) -> None:
+        """After a change to the replicas or epochs (under the lock): persist the metadata, then send every
+        node whose fence epochs changed its new table."""
+        self._persist()
+        for node in self._reindex():
+            self._push_epochs(node)
+
     # --- start-up --------------------------------------------------------------------------------
 
     @property
-    def _lock(self) -> asyncio.Lock:
+    def lock(self) -> asyncio.Lock:
         if self._lock_ is None:
             self._lock_ = asyncio.Lock()
         return self._lock_
@@ -277,7 +272,7 @@ class Controller:
             self.transactions.start()
 
     async def _restore(self) -> None:
-        await self._refresh_nodes()
+        await self.refresh_nodes()
         if self.metadata.reassign_dead_nodes(self._host_map.live_nodes()):
             self._persist()
             self._reindex()
@@ -289,15 +284,15 @@ class Controller:
         # now, from its ISR: every node counts alive through the restart grace, and one whose
         # agent then reports the new leader down, or stays silent, starts the next election.
         everything = {(t.name, p) for t in self.metadata.topics.values() for p in range(len(t.partitions))}
-        await self._check_partitions(everything, announce=False)
+        await self.check_partitions(everything, announce=False)
         self._export_health()
         starts = []
         for topic in self.metadata.topics.values():
             for p in range(len(topic.partitions)):
-                starts.append(self._start_partition(topic, p))
+                starts.append(self.start_partition(topic, p))
         await asyncio.gather(*starts)
 
-    def _replica_handle(self, topic: TopicState, partition: int, replica_id: int):
+    def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
         key = (topic.name, partition, replica_id)
         handle = self._replicas.get(key)
         if handle is None:
@@ -325,21 +320,21 @@ class Controller:
     def _replica_directory(self, node: Node, topic: str, partition: int, replica_id: int) -> str:
         return replica_directory(node.data_dir or self.data_dir, topic, partition, replica_id)
 
-    def _handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
+    def handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
         """A replica's handle, or None when it has none or its node is away (ReplicaNotAvailableError)."""
         if replica_id is None:
             return None
         try:
-            return self._replica_handle(topic, partition, replica_id)
+            return self.replica_handle(topic, partition, replica_id)
         except ReplicaNotAvailableError:
             return None
 
-    async def _start_partition(self, topic: TopicState, partition: int) -> None:
+    async def start_partition(self, topic: TopicState, partition: int) -> None:
         """Start a partition's replica actors (concurrently), fence its epoch, and tell each its role.
 
         Replicas on nodes away now start when their node comes back (``_move_node``)."""
         state = topic.partitions[partition]
-        handles = {r: h for r in state.replicas if (h := self._handle_or_none(topic, partition, r)) is not None}
+        handles = {r: h for r in state.replicas if (h := self.handle_or_none(topic, partition, r)) is not None}
         pings = await asyncio.gather(*(h.ping.remote() for h in handles.values()), return_exceptions=True)
         if pings and all(isinstance(p, Exception) for p in pings):
             raise pings[0]
@@ -370,7 +365,7 @@ class Controller:
         if sends:
             await asyncio.wait(sends)
 
-    def _spawn(self, coroutine, what: str) -> asyncio.Task:
+    def spawn(self, coroutine, what: str) -> asyncio.Task:
         """Run ``coroutine`` in the background: the task is held until it ends, and a failure is logged."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
@@ -407,11 +402,11 @@ class Controller:
             self._deliveries.delivered(key, epoch)
             return
         try:
-            handle = self._replica_handle(topic, partition, replica_id)  # ReplicaNotAvailableError: its node is away
+            handle = self.replica_handle(topic, partition, replica_id)  # ReplicaNotAvailableError: its node is away
             if replica_id == state.leader:
                 call = handle.become_leader.remote(epoch, list(state.replicas), list(state.isr))
             else:
-                call = handle.become_follower.remote(epoch, state.leader, self._replica_handle(topic, partition, state.leader))
+                call = handle.become_follower.remote(epoch, state.leader, self.replica_handle(topic, partition, state.leader))
             accepted = await asyncio.wait_for(call, ROLE_CALL_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 (unreachable, paused or restarting: sent again)
             again_ms = self._deliveries.failed(key, epoch, monotonic_ms())
@@ -475,7 +470,7 @@ class Controller:
                 return
             self._table.applied(node, applied)
 
-        self._spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
+        self.spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
 
     async def _retire_idle_agents(self) -> None:
         """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
@@ -505,7 +500,7 @@ class Controller:
                     ray.kill(node.agent, no_restart=True)
                 except Exception:  # noqa: BLE001 (already gone, with its Ray node)
                     pass
-            self._draining.discard(node.node_id)
+            self.moves.node_gone(node.node_id)
             self._host_map.forget(node.node_id)
             logger.info("node %s: gone and hosting no replicas; it leaves the node table", node.node_id[:8])
 
@@ -530,7 +525,7 @@ class Controller:
     def _electable(self, topic: TopicState, partition: int, now: int) -> bool:
         """Whether an election would give the partition a live leader it lacks now."""
         state = topic.partitions[partition]
-        alive = {r for r in state.replicas if self._replica_alive(topic, partition, r, now)}
+        alive = {r for r in state.replicas if self.replica_alive(topic, partition, r, now)}
         unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
         return electable(state.leader, state.replicas, state.isr, alive, unclean)
 
@@ -550,12 +545,12 @@ class Controller:
                          topic_name, partition, electable_ms)
             metrics.leaderless_overdue()
         if overdue:
-            self._spawn(self._check_partitions({key for key, _ in overdue}), "checking leaderless partitions")
+            self.spawn(self.check_partitions({key for key, _ in overdue}), "checking leaderless partitions")
 
     def _node_alive(self, node_id: str, now: int) -> bool:
         return self._table.alive(node_id, now)
 
-    def _replica_alive(self, topic: TopicState, partition: int, replica_id: int, now: int) -> bool:
+    def replica_alive(self, topic: TopicState, partition: int, replica_id: int, now: int) -> bool:
         node_id = topic.partitions[partition].nodes.get(str(replica_id))
         return self._table.replica_alive(node_id, replica_file_name(topic.topic_id, partition, replica_id), now)
 
@@ -616,7 +611,7 @@ class Controller:
             self._deliveries.retry_now((self._by_name[n] for n in renewal.up if n in self._by_name), now)
         if revived or returned or changed:
             names = set(node.epochs) if revived or returned else changed
-            self._spawn(self._check_replicas(names), "checking replicas")
+            self.spawn(self._check_replicas(names), "checking replicas")
         current = version is not None and list(version) == node.version
         return {"version": node.version, "epochs": None if current else dict(node.epochs)}
 
@@ -644,7 +639,7 @@ class Controller:
         state = state_topic.partitions[partition]
         if self._started is not None and self._started.done() and self._electable(state_topic, partition, monotonic_ms()):
             # A replica that starts may make a leader possible: elect now, and answer with the result.
-            await self._check_partitions({(topic, partition)})
+            await self.check_partitions({(topic, partition)})
             state_topic = self.metadata.topics.get(topic)
             if state_topic is None or partition >= len(state_topic.partitions):
                 return {"deleted": True}
@@ -653,7 +648,7 @@ class Controller:
             # Only a fenced epoch is told: a deposed leader elsewhere must have stopped first.
             await self._fenced(state_topic, partition)
             state = state_topic.partitions[partition]
-        handle = self._replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
+        handle = self.replica_handle(state_topic, partition, state.leader) if state.leader is not None else None
         return {
             "leader": state.leader,
             "leader_epoch": state.leader_epoch,
@@ -662,10 +657,10 @@ class Controller:
             "leader_handle": handle,
         }
 
-    def _loads(self) -> list[NodeLoad]:
-        """What placement knows of the live nodes (as last seen: ``_refresh_nodes``): replicas and leaders
+    def loads(self) -> list[NodeLoad]:
+        """What placement knows of the live nodes (as last seen: ``refresh_nodes``): replicas and leaders
         from the metadata, racks from Ray's node labels, and each node's replica limit."""
-        hosts = [host for host in self._host_map.usable() if host.node_id not in self._draining]
+        hosts = [host for host in self._host_map.usable() if host.node_id not in self.moves.draining]
         limits = {host.node_id: host.limit for host in hosts}
         self._use_slots = uses_replica_slots()
         loads = self.metadata.node_loads(sorted(limits), limits)
@@ -683,13 +678,13 @@ class Controller:
         state_topic = self.metadata.topic(topic)
         if not 0 <= partition < len(state_topic.partitions):
             raise UnknownTopicError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
-        handle = self._handle_or_none(state_topic, partition, state_topic.partitions[partition].leader)
+        handle = self.handle_or_none(state_topic, partition, state_topic.partitions[partition].leader)
         if handle is None:
             raise LeaderNotAvailableError(f"{topic}-{partition} has no leader right now")
         return handle
 
     async def create_internal_topic(self, name: str, partitions: int, replication_factor: int, config: dict) -> None:
-        await self._create_topic(name, partitions, replication_factor, config, internal=True)
+        await self.admin.create_topic(name, partitions, replication_factor, config, CREATE_TIMEOUT_S, internal=True)
 
     def live_node_count(self) -> int:
         return len(self._host_map.live_nodes())
@@ -700,7 +695,7 @@ class Controller:
         """A leader's ISR change; accepted only from the current leader and epoch, and persisted first."""
         await self._ready()
         self._calls["alter_isr"] += 1
-        async with self._lock:
+        async with self.lock:
             if topic not in self.metadata.topics:
                 return None
             before = len(self.metadata.topics[topic].partitions[partition].isr)
@@ -709,8 +704,7 @@ class Controller:
                 self._persist()
                 metrics.isr_changed(before, len(accepted))
                 self._export_health()
-                if self.metadata.topics[topic].partitions[partition].adding and self.metadata.reassignment_ready(topic, partition):
-                    self._spawn(self._finish_move(topic, partition), f"completing the move of {topic}-{partition}")
+                self.moves.isr_changed(topic, partition)
         return accepted
 
     async def _run_control_loop(self) -> None:
@@ -736,28 +730,26 @@ class Controller:
         self._look_for_nodes(now)
         self._redeliver(now)
         self._watch_leaderless(now)
-        if now - self._last_preferred_check_ms > PREFERRED_LEADER_CHECK_MS:
-            self._last_preferred_check_ms = now
-            self._spawn(self.elect_preferred_leaders(), "electing preferred leaders")
+        self.moves.tick(now)
 
     async def _check_replicas(self, names: set[str]) -> None:
         """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
-        await self._check_partitions({self._by_name[n][:2] for n in names if n in self._by_name})
+        await self.check_partitions({self._by_name[n][:2] for n in names if n in self._by_name})
 
-    async def _check_partitions(self, partitions: set[tuple[str, int]], announce: bool = True) -> list[tuple[TopicState, int]]:
+    async def check_partitions(self, partitions: set[tuple[str, int]], announce: bool = True) -> list[tuple[TopicState, int]]:
         """Elect where a leader is missing or gone, replace replicas long gone; returns the partitions changed.
 
         Run on every event that may make a leader possible (see ``protocol/elections.py``).
         """
         changed: list[tuple[TopicState, int]] = []
         now = monotonic_ms()
-        async with self._lock:
+        async with self.lock:
             for topic_name, p in sorted(partitions):
                 topic = self.metadata.topics.get(topic_name)
                 if topic is None or p >= len(topic.partitions):
                     continue
                 state = topic.partitions[p]
-                alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
+                alive = {r for r in state.replicas if self.replica_alive(topic, p, r, now)}
                 elected = False
                 if needs_election(state.leader, alive):
                     unclean = LogConfig.from_dict(topic.config).unclean_leader_election_enable
@@ -770,27 +762,55 @@ class Controller:
                 if state.leader is not None:
                     self._leaderless_watch.clear((topic.name, p))
             if changed:
-                self._persist()
-                for node in self._reindex():
-                    self._push_epochs(node)
+                self.metadata_changed()
                 self._export_health()
         if announce:
             for topic, p in changed:
-                self._spawn(self._announce_safely(topic, p), f"announcing {topic.name}-{p}")
+                self.spawn(self.announce_fenced(topic, p), f"announcing {topic.name}-{p}")
         return changed
 
-    async def _announce_safely(self, topic: TopicState, partition: int) -> None:
+    async def announce_fenced(self, topic: TopicState, partition: int) -> None:
         try:
             await self._fenced(topic, partition)
             await self._announce(topic, partition)
         except Exception as error:  # noqa: BLE001 (a bug: deliveries themselves never raise)
             logger.exception("announcing %s-%d failed: %r", topic.name, partition, error)
 
+    async def retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float = REPLICA_CALL_TIMEOUT_S) -> None:
+        """The one path by which replicas end, for a deleted topic or a finished move: each
+        (topic, partition, replica id, node id) loses its pending role deliveries, its actor deletes
+        its files (bounded wait) and is killed, and its node's agent forgets it; then agents left with
+        nothing to run stop."""
+        handles, gone = [], {}
+        self._deliveries.forget((topic.name, partition, r) for topic, partition, r, _ in replicas)
+        for topic, partition, r, node_id in replicas:
+            handle = self._replicas.pop((topic.name, partition, r), None)
+            if handle is not None:
+                handles.append(handle)
+            gone.setdefault(node_id, []).append(replica_file_name(topic.topic_id, partition, r))
+        results = await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), delete_timeout_s) for h in handles), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                logger.warning("a replica did not delete its files (%r); they stay on its node's disk", result)
+        for handle in handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        for node_id, names in gone.items():
+            node = self._table.get(node_id)
+            if node is not None and node.agent is not None:
+                try:
+                    await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
+                    pass
+        await self._retire_idle_agents()
+
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
         """Replace replicas whose node has been dead for replica_replacement_ms and has not come back.
 
         A node that came back (Ray counts it alive, or its host joined again as
-        a new Ray node: ``_refresh_nodes`` looks once a second while it is
+        a new Ray node: ``refresh_nodes`` looks once a second while it is
         away) keeps its replicas: they reopen their logs there."""
         state = topic.partitions[partition]
         live_nodes = None
@@ -819,12 +839,23 @@ class Controller:
                     pass
             new = self.metadata.replace_replica(topic.name, partition, r, free[partition % len(free)])
             self._agent(self._node_entry(state.nodes[str(new)]))
-            self._replica_handle(topic, partition, new)
+            self.replica_handle(topic, partition, new)
             replaced = True
         return replaced
 
     def _node_entry(self, node_id: str) -> Node:
         return self._table.entry(node_id)
+
+    # --- MoveHost, TopicAdminHost: what the parts need besides the above ----------------------------------
+
+    def live_nodes(self) -> list[str]:
+        return self._host_map.live_nodes()
+
+    def knows_node(self, node_id: str) -> bool:
+        return node_id in self._host_map.live_nodes() or node_id in self._table
+
+    def start_agent(self, node_id: str) -> None:
+        self._agent(self._node_entry(node_id))
 
     # --- node identity: which Ray node each node is now ------------------------------------------------
 
@@ -834,7 +865,7 @@ class Controller:
             self._refresh_lock_ = asyncio.Lock()
         return self._refresh_lock_
 
-    async def _refresh_nodes(self) -> None:
+    async def refresh_nodes(self) -> None:
         """Look through Ray's nodes: map each host's node to the Ray node carrying its label now.
 
         A host new to this controller is checked first (``_identify``); a
@@ -913,7 +944,7 @@ class Controller:
         for name in names:
             topic_name, partition, replica_id = self._by_name[name]
             try:
-                self._replica_handle(self.metadata.topics[topic_name], partition, replica_id)
+                self.replica_handle(self.metadata.topics[topic_name], partition, replica_id)
             except Exception as error:  # noqa: BLE001 (its role delivery or the next look tries again)
                 logger.warning("%s-%d: replica %d did not start on node %s: %r", topic_name, partition, replica_id, node.node_id, error)
 
@@ -927,11 +958,11 @@ class Controller:
 
     async def _refresh_safely(self) -> None:
         try:
-            await self._refresh_nodes()
+            await self.refresh_nodes()
         except Exception:  # noqa: BLE001 (the next look tries again)
             logger.exception("looking through Ray's nodes failed")
 
-    # --- admin -------------------------------------------------------------------------------------
+    # --- topic administration: forwarded to TopicAdmin -------------------------------------------------
 
     async def create_topic(
         self, name: str, partitions: int, replication_factor: int, config: dict | None, timeout_s: float = CREATE_TIMEOUT_S
@@ -947,103 +978,46 @@ class Controller:
         await self._ready()
         if name == OFFSETS_TOPIC:
             raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic; it is created on first use")
-        await self._create_topic(name, partitions, replication_factor, config, timeout_s=timeout_s)
+        await self.admin.create_topic(name, partitions, replication_factor, config, timeout_s)
         return await self.describe_topic(name)
-
-    async def _create_topic(
-        self, name, partitions, replication_factor, config, internal: bool = False, timeout_s: float = CREATE_TIMEOUT_S
-    ) -> None:
-        reserved = None
-        await self._refresh_nodes()
-        async with self._lock:
-            try:
-                topic = self.metadata.create_topic(
-                    name, partitions, replication_factor, config, self._host_map.live_nodes(), loads=self._loads()
-                )
-            except (NodeCapacityError, InvalidReplicationFactorError):
-                if internal or autoscaler_replica_capacity() == 0:
-                    raise
-                self.metadata.check_new_topic(name, partitions, replication_factor, config)
-                topic = None
-        if topic is None:
-            # More nodes are needed: ask the autoscaler for them (the lock is not held meanwhile).
-            reserved = await self._reserve_nodes(f"topic {name!r}", partitions, replication_factor, timeout_s)
-            async with self._lock:
-                try:
-                    topic = self.metadata.create_topic(
-                        name, partitions, replication_factor, config, self._host_map.live_nodes(), placements=reserved.placements
-                    )
-                except BaseException:
-                    reserved.release()
-                    raise
-        try:
-            async with self._lock:
-                self._persist()
-                for node in self._reindex():
-                    self._push_epochs(node)
-                self.groups.topics_changed()
-            # Start every replica actor concurrently: each is a process that takes a while to boot.
-            starts = [self._start_partition(topic, p) for p in range(partitions)]
-            if reserved is not None:
-                for p in range(partitions):  # the actors exist (pending on their slots): free the slots for them
-                    for r in topic.partitions[p].replicas:
-                        self._replica_handle(topic, p, r)
-                reserved.release()
-            await asyncio.gather(*starts)
-        finally:
-            if reserved is not None:
-                reserved.release()
-
-    async def _reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> "Reservation":
-        """Pending demand the autoscaler answers: one placement group per partition, each of
-        ``replication_factor`` replica slots on distinct nodes (STRICT_SPREAD). Returns the nodes
-        the slots were reserved on, once all are; NodeCapacityError naming what is missing if the
-        autoscaler does not provide them within ``timeout_s``."""
-        groups = [
-            placement_group([{REPLICA_NODE_RESOURCE: 1}] * replication_factor, strategy="STRICT_SPREAD", name=f"logbus:{uuid.uuid4().hex[:12]}")
-            for _ in range(partitions)
-        ]
-        reservation = Reservation(groups)
-        logger.info("%s needs %d replicas on %d distinct nodes each: waiting up to %.0f s for the autoscaler",
-                    what, partitions * replication_factor, replication_factor, timeout_s)
-        ready = [asyncio.wrap_future(g.ready().future()) for g in groups]
-        try:
-            await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
-        except asyncio.TimeoutError:
-            reservation.release()
-            done = sum(1 for f in ready if f.done() and not f.cancelled() and f.exception() is None)
-            raise NodeCapacityError(
-                f"{what}: the autoscaler did not provide {partitions * replication_factor} replica slots "
-                f"({REPLICA_NODE_RESOURCE}) on {replication_factor} distinct nodes per partition within {timeout_s:.0f} s "
-                f"({done} of {partitions} partitions placed); add nodes with replica slots or raise the autoscaler's max_workers"
-            ) from None
-        except BaseException:
-            reservation.release()
-            raise
-        self._use_slots = True
-        try:
-            await self._refresh_nodes()  # the nodes just added (hosts among them are checked first)
-        except BaseException:
-            reservation.release()
-            raise
-        reservation.placements = [
-            [self._host_map.node_of_ray_node(placement_group_table(g)["bundles_to_node_id"][i]) for i in range(replication_factor)]
-            for g in groups
-        ]
-        return reservation
 
     async def delete_topic(self, name: str) -> None:
         await self._ready()
         if name == OFFSETS_TOPIC:
             raise InvalidTopicError(f"{OFFSETS_TOPIC} is logbus's internal topic and cannot be deleted")
-        await self._delete_topic(name)
+        await self.admin.delete_topic(name)
+
+    async def list_topics(self, include_internal: bool = False) -> list[str]:
+        await self._ready()
+        return self.admin.list_topics(include_internal)
+
+    async def describe_topic(self, name: str) -> TopicDescription:
+        await self._ready()
+        return await self.admin.describe_topic(name)
+
+    async def create_partitions(self, name: str, total: int) -> TopicDescription:
+        await self._ready()
+        return await self.admin.create_partitions(name, total)
+
+    async def alter_config(self, name: str, config: dict, delete: list[str] | None = None) -> dict:
+        """Set topic config overrides, and remove those named in ``delete`` (back to the defaults);
+        returns the topic's overrides. Every replica applies them before this returns."""
+        await self._ready()
+        return await self.admin.alter_config(name, config, delete)
+
+    async def delete_records(self, offsets: dict) -> dict:
+        """Kafka's DeleteRecords: ``{(topic, partition): offset}`` (-1: the high watermark) -> each
+        partition's new log start offset, moved by its leader (its followers follow). Every partition
+        is tried; the first error (an offset past the high watermark, no leader) is raised after."""
+        await self._ready()
+        return await self.admin.delete_records(offsets)
 
     async def destroy(self) -> None:
         """Delete every topic, the internal one too, with its actors and files, and stop the node agents
         (tests and teardown: what is left is the controller, which the caller kills)."""
         await self._ready()
         for name in list(self.metadata.topics):
-            await self._delete_topic(name)
+            await self.admin.delete_topic(name)
         for node in self._table.nodes():
             if node.agent is not None:
                 try:
@@ -1056,250 +1030,42 @@ class Controller:
                     pass
                 node.agent = None
 
-    async def _delete_topic(self, name: str) -> None:
-        async with self._lock:
-            topic = self.metadata.delete_topic(name)
-            self._persist()
-            for node in self._reindex():
-                self._push_epochs(node)
-            self.groups.topics_changed()
-        # A deleted topic's replicas get long to delete their files: a topic made again under the same
-        # name reuses the replicas' directories, so files left behind would come back as its records.
-        await self._retire_replicas(
-            [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas],
-            delete_timeout_s=TOPIC_DELETE_TIMEOUT_S,
-        )
+    # --- autoscaler reservations ------------------------------------------------------------------------
 
-    async def list_topics(self, include_internal: bool = False) -> list[str]:
-        await self._ready()
-        return sorted(name for name in self.metadata.topics if include_internal or name != OFFSETS_TOPIC)
+    async def reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> SlotReservation:
+        """Pending demand the autoscaler answers (``reserve_replica_slots``): ``partitions`` groups of
+        ``replication_factor`` replica slots on distinct nodes. Returns them once all are held, with the
+        nodes they are on (checked first, if new); NodeCapacityError naming what is missing if the
+        autoscaler does not provide them within ``timeout_s``."""
+        reservation = await reserve_replica_slots(what, partitions, replication_factor, timeout_s)
+        self._use_slots = True
+        try:
+            await self.refresh_nodes()  # the nodes just added (hosts among them are checked first)
+        except BaseException:
+            reservation.release()
+            raise
+        reservation.placements = [[self._host_map.node_of_ray_node(n) for n in ray_nodes] for ray_nodes in reservation.ray_nodes()]
+        return reservation
 
-    async def describe_topic(self, name: str) -> TopicDescription:
-        await self._ready()
-        topic = self.metadata.topic(name)
+    # --- moving replicas: forwarded to ReplicaMoves ---------------------------------------------------
 
-        async def leader_offsets(p, state):
-            if state.leader is None:
-                return None
-            return await asyncio.wait_for(self._replica_handle(topic, p, state.leader).offsets.remote(), 10)
-
-        offsets = await asyncio.gather(*(leader_offsets(p, s) for p, s in enumerate(topic.partitions)), return_exceptions=True)
-        infos = []
-        for p, (state, found) in enumerate(zip(topic.partitions, offsets)):
-            start, high_watermark, end = found if isinstance(found, tuple) else (-1, -1, -1)
-            infos.append(
-                PartitionInfo(name, p, state.leader, tuple(state.replicas), tuple(state.isr), state.leader_epoch, start, high_watermark, end)
-            )
-        return TopicDescription(name, tuple(infos), dict(topic.config))
-
-    async def create_partitions(self, name: str, total: int) -> TopicDescription:
-        await self._ready()
-        await self._refresh_nodes()
-        async with self._lock:
-            added = self.metadata.create_partitions(name, total, self._host_map.live_nodes(), loads=self._loads())
-            topic = self.metadata.topic(name)
-            self._persist()
-            for node in self._reindex():
-                self._push_epochs(node)
-            self.groups.topics_changed()
-        await asyncio.gather(*(self._start_partition(topic, p) for p in added))
-        return await self.describe_topic(name)
-
-    async def alter_config(self, name: str, config: dict, delete: list[str] | None = None) -> dict:
-        """Set topic config overrides, and remove those named in ``delete`` (back to the defaults);
-        returns the topic's overrides. Every replica applies them before this returns."""
-        await self._ready()
-        async with self._lock:
-            topic = self.metadata.topic(name)
-            for key in delete or ():
-                if key not in LogConfig.KEYS:
-                    raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(LogConfig.KEYS))}")
-                if key in (config or {}):
-                    raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
-            LogConfig.from_dict({**{k: v for k, v in topic.config.items() if k not in (delete or ())}, **(config or {})})
-            for key in delete or ():
-                topic.config.pop(key, None)
-            overrides = self.metadata.alter_config(name, config)
-            self._persist()
-            topic = self.metadata.topic(name)
-        # unclean.leader.election.enable may now let a leaderless partition elect an out-of-sync
-        # replica: at once, before the replicas (one of them perhaps paused) are told the new config.
-        await self._check_partitions({(name, p) for p in range(len(topic.partitions))})
-        # A replica whose node is away is told when it starts there again (it is created with the topic's config).
-        handles = [self._handle_or_none(topic, p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        await asyncio.gather(*(h.update_config.remote(overrides) for h in handles if h is not None))
-        return dict(overrides)
-
-    async def delete_records(self, offsets: dict) -> dict:
-        """Kafka's DeleteRecords: ``{(topic, partition): offset}`` (-1: the high watermark) -> each
-        partition's new log start offset, moved by its leader (its followers follow). Every partition
-        is tried; the first error (an offset past the high watermark, no leader) is raised after."""
-        await self._ready()
-        tps = []
-        for tp, offset in offsets.items():
-            topic, partition = tp
-            state_topic = self.metadata.topic(topic)
-            if not 0 <= partition < len(state_topic.partitions):
-                raise InvalidPartitionError(f"topic {topic!r} has partitions 0..{len(state_topic.partitions) - 1}, not {partition}")
-            tps.append((TopicPartition(topic, partition), offset))
-
-        async def one(tp, offset):
-            leader = self.leader_handle(tp.topic, tp.partition)
-            try:
-                return await asyncio.wait_for(leader.delete_records.remote(offset), REPLICA_CALL_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                raise RequestTimedOutError(f"{tp.topic}-{tp.partition}: its leader did not answer delete_records "
-                                           f"within {REPLICA_CALL_TIMEOUT_S:.0f} s") from None
-
-        found = await asyncio.gather(*(one(tp, offset) for tp, offset in tps), return_exceptions=True)
-        for result in found:
-            if isinstance(result, BaseException):
-                raise unwrap(result)
-        return {tp: start for (tp, _), start in zip(tps, found)}
-
-    # --- moving replicas: reassignment, drain, rebalance, preferred leaders ---------------------------
-
-    async def reassign_partitions(self, assignments: dict, throttle_bytes_per_s: int | None = None) -> dict:
+    async def reassign_partitions(self, assignments: dict, throttle_bytes_per_s: int | None = None) -> list[dict]:
         """Move partitions to new nodes: ``{(topic, partition): [node id, ...]}`` (the first hosts the
         preferred leader). New replicas copy the log from the leader (at most ``throttle_bytes_per_s``
         each), join the ISR, and only then are the old ones removed (and leadership moved, fenced,
         if the leader was one of them). Validates every entry first: all start, or none."""
         await self._ready()
-        await self._reassign(assignments, throttle_bytes_per_s)
-        return await self.describe_reassignments()
-
-    async def _reassign(self, assignments: dict, throttle_bytes_per_s: int | None, reserved: "Reservation | None" = None) -> None:
-        """Start moves; ``reserved`` (slots the autoscaler provided for them) is released once the
-        new replicas' actors exist and can take the slots over."""
-        self._calls["reassign_partitions"] += 1
-        if not isinstance(assignments, dict) or not assignments:
-            raise InvalidReassignmentError("assignments must be a non-empty {(topic, partition): [node ids]} dict")
-        await self._refresh_nodes()
-        async with self._lock:
-            live = self._host_map.live_nodes()
-            trial = ClusterMetadata.from_json(self.metadata.to_json())
-            for (topic, partition), nodes in assignments.items():
-                trial.start_reassignment(topic, partition, list(nodes), live)  # raises before anything changes
-            started = {}
-            for (topic, partition), nodes in assignments.items():
-                started[(topic, partition)] = self.metadata.start_reassignment(topic, partition, list(nodes), live, throttle_bytes_per_s)
-            self._persist()
-            for node in self._reindex():
-                self._push_epochs(node)
-        if reserved is not None:
-            for (topic, partition), added in started.items():
-                topic_state = self.metadata.topics[topic]
-                for r in added:
-                    self._replica_handle(topic_state, partition, r)  # pending on a slot the reservation frees
-        if reserved is not None:
-            reserved.release()
-        await asyncio.gather(*(self._begin_move(t, p) for (t, p), added in started.items()))
-
-    async def _begin_move(self, topic_name: str, partition: int) -> None:
-        """Start a reassignment's new replicas (throttled) and tell the partition its new replica list."""
-        topic = self.metadata.topics[topic_name]
-        state = topic.partitions[partition]
-        for r in state.adding:
-            self._agent(self._node_entry(state.nodes[str(r)]))
-        throttle = state.throttle_bytes_per_s
-        if throttle:  # before they are told to follow: the copy starts throttled
-            handles = [self._handle_or_none(topic, partition, r) for r in state.adding]
-            await asyncio.gather(*(h.set_throttle.remote(throttle) for h in handles if h is not None), return_exceptions=True)
-        await self._start_partition(topic, partition)
-        if self.metadata.reassignment_ready(topic_name, partition):
-            self._spawn(self._finish_move(topic_name, partition), f"completing the move of {topic_name}-{partition}")
-
-    async def _finish_move(self, topic_name: str, partition: int) -> None:
-        """Every new replica is in the ISR: drop the old ones, move leadership if needed (fenced)."""
-        async with self._lock:
-            topic = self.metadata.topics.get(topic_name)
-            if topic is None or partition >= len(topic.partitions) or not topic.partitions[partition].adding:
-                return
-            if not self.metadata.reassignment_ready(topic_name, partition):
-                return
-            old_nodes = dict(topic.partitions[partition].nodes)
-            removed, moved = self.metadata.complete_reassignment(topic_name, partition)
-            if moved:
-                metrics.leader_elected(unclean=False)
-            self._persist()
-            for node in self._reindex():
-                self._push_epochs(node)
-        state = topic.partitions[partition]
-        handles = [self._handle_or_none(topic, partition, r) for r in state.replicas]
-        await asyncio.gather(*(h.set_throttle.remote(None) for h in handles if h is not None), return_exceptions=True)
-        await self._announce_safely(topic, partition)
-        await self._remove_replicas(topic, partition, removed, old_nodes)
-        await self._check_partitions({(topic_name, partition)})  # the leader the move chose may be gone meanwhile
-        logger.info("%s-%d: moved to %s", topic_name, partition, [state.nodes[str(r)][:8] for r in state.replicas])
-
-    async def _remove_replicas(self, topic: TopicState, partition: int, removed: list[int], nodes: dict[str, str]) -> None:
-        """Delete the files and actors of replicas no longer in the partition."""
-        await self._retire_replicas([(topic, partition, r, nodes[str(r)]) for r in removed])
-
-    async def _retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float = REPLICA_CALL_TIMEOUT_S) -> None:
-        """The one path by which replicas end, for a deleted topic or a finished move: each
-        (topic, partition, replica id, node id) loses its pending role deliveries, its actor deletes
-        its files (bounded wait) and is killed, and its node's agent forgets it; then agents left with
-        nothing to run stop."""
-        handles, gone = [], {}
-        self._deliveries.forget((topic.name, partition, r) for topic, partition, r, _ in replicas)
-        for topic, partition, r, node_id in replicas:
-            handle = self._replicas.pop((topic.name, partition, r), None)
-            if handle is not None:
-                handles.append(handle)
-            gone.setdefault(node_id, []).append(replica_file_name(topic.topic_id, partition, r))
-        results = await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), delete_timeout_s) for h in handles), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                logger.warning("a replica did not delete its files (%r); they stay on its node's disk", result)
-        for handle in handles:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-        for node_id, names in gone.items():
-            node = self._table.get(node_id)
-            if node is not None and node.agent is not None:
-                try:
-                    await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
-                    pass
-        await self._retire_idle_agents()
+        return await self.moves.reassign_partitions(assignments, throttle_bytes_per_s)
 
     async def cancel_reassignments(self, partitions: list) -> list:
         """Abandon reassignments in progress: the new replicas go, the old ones stay. Returns what was cancelled."""
         await self._ready()
-        cancelled = []
-        for topic_name, partition in partitions:
-            async with self._lock:
-                topic = self.metadata.topic(topic_name)
-                old_nodes = dict(topic.partitions[partition].nodes)
-                removed = self.metadata.cancel_reassignment(topic_name, partition)
-                self._persist()
-                for node in self._reindex():
-                    self._push_epochs(node)
-            await self._announce_safely(topic, partition)
-            await self._remove_replicas(topic, partition, removed, old_nodes)
-            cancelled.append((topic_name, partition))
-        return cancelled
+        return await self.moves.cancel_reassignments(partitions)
 
     async def describe_reassignments(self) -> list[dict]:
         """Partitions being moved: target nodes, replicas being added and removed, and how far each new one has copied."""
         await self._ready()
-        out = []
-        for (topic_name, partition), moving in sorted(self.metadata.reassignments().items()):
-            topic = self.metadata.topics[topic_name]
-            leader = topic.partitions[partition].leader
-            handles = {r: self._handle_or_none(topic, partition, r) for r in [*moving["adding"], *([leader] if leader is not None else [])]}
-            handles = {r: h for r, h in handles.items() if h is not None}
-            found = await asyncio.gather(*(asyncio.wait_for(h.offsets.remote(), 10) for h in handles.values()), return_exceptions=True)
-            ends = {r: (f[2] if isinstance(f, tuple) else None) for r, f in zip(handles, found)}
-            out.append({
-                "topic": topic_name, "partition": partition, **moving,
-                "leader_log_end_offset": ends.get(leader),
-                "copied": {str(r): ends.get(r) for r in moving["adding"]},
-            })
-        return out
+        return await self.moves.describe_reassignments()
 
     async def drain_node(self, node_id: str, throttle_bytes_per_s: int | None = None, timeout_s: float = CREATE_TIMEOUT_S) -> dict:
         """Move every replica and leadership off ``node_id`` so it becomes idle (and an autoscaler may remove it).
@@ -1308,54 +1074,12 @@ class Controller:
         nodes with replica slots, one is asked for (up to ``timeout_s``).
         """
         await self._ready()
-        await self._refresh_nodes()
-        if node_id not in self._host_map.live_nodes() and node_id not in self._table:
-            raise InvalidReassignmentError(f"unknown node {node_id!r}")
-        already = node_id in self._draining
-        self._draining.add(node_id)  # placement (and the plan) leave it out from now on
-        try:
-            return await self._drain(node_id, throttle_bytes_per_s, timeout_s)
-        except BaseException:
-            if not already:  # a drain that could not start leaves the node as it was
-                self._draining.discard(node_id)
-            raise
-
-    async def _drain(self, node_id: str, throttle_bytes_per_s: int | None, timeout_s: float) -> dict:
-        reserved = None
-        try:
-            plan = plan_drain(self.metadata, node_id, self._loads())
-        except NodeCapacityError:
-            # Some partition has no other node to go to. With an autoscaler, ask for one: a group of
-            # RF + 1 slots on distinct nodes leaves at least RF nodes other than the drained one.
-            if autoscaler_replica_capacity() == 0:
-                raise
-            widest = max(
-                (len(s.replicas) for t in self.metadata.topics.values() for s in t.partitions if node_id in s.nodes.values()), default=1
-            )
-            reserved = await self._reserve_nodes(f"draining node {node_id[:12]}", 1, widest + 1, timeout_s)
-            try:
-                plan = plan_drain(self.metadata, node_id, self._loads())
-            except BaseException:
-                reserved.release()
-                raise
-        if not plan:
-            if reserved is not None:
-                reserved.release()
-            return {"node_id": node_id, "moving": []}
-        try:
-            await self._reassign(plan, throttle_bytes_per_s, reserved)
-        finally:
-            if reserved is not None:
-                reserved.release()
-        return {"node_id": node_id, "moving": sorted(plan)}
+        return await self.moves.drain_node(node_id, throttle_bytes_per_s, timeout_s)
 
     async def rebalance(self, throttle_bytes_per_s: int | None = None) -> dict:
         """Spread replicas evenly over the live nodes (e.g. onto nodes just added): the fewest moves."""
         await self._ready()
-        plan = plan_rebalance(self.metadata, self._loads())
-        if plan:
-            await self.reassign_partitions(plan, throttle_bytes_per_s)
-        return {"moving": sorted(plan)}
+        return await self.moves.rebalance(throttle_bytes_per_s)
 
     async def elect_preferred_leaders(self, topics: list[str] | None = None, partitions: list | None = None) -> list:
         """Give leadership back to each partition's preferred leader (its first replica) where it is
@@ -1363,28 +1087,7 @@ class Controller:
         partition) pairs), if given, narrows ``topics`` to those (Kafka's ElectLeaders). Returns the
         partitions moved."""
         await self._ready()
-        now = monotonic_ms()
-        changed = []
-        only = None if partitions is None else {(t, int(p)) for t, p in partitions}
-        async with self._lock:
-            for topic in list(self.metadata.topics.values()):
-                if topics is not None and topic.name not in topics:
-                    continue
-                for p, state in enumerate(topic.partitions):
-                    if only is not None and (topic.name, p) not in only:
-                        continue
-                    if state.adding or not state.replicas or state.leader == state.replicas[0]:
-                        continue
-                    alive = {r for r in state.replicas if self._replica_alive(topic, p, r, now)}
-                    if self.metadata.elect_preferred_leader(topic.name, p, alive):
-                        changed.append((topic, p))
-                        metrics.leader_elected(unclean=False)
-            if changed:
-                self._persist()
-                for node in self._reindex():
-                    self._push_epochs(node)
-        await asyncio.gather(*(self._announce_safely(t, p) for t, p in changed))
-        return [(t.name, p) for t, p in changed]
+        return await self.moves.elect_preferred_leaders(topics, partitions)
 
     # --- metadata for clients --------------------------------------------------------------------------
 
@@ -1396,7 +1099,7 @@ class Controller:
         partitions = []
         for p, state in enumerate(topic.partitions):
             # A leader on a node away now (for the moments before its lease runs out) is no leader to clients.
-            handle = self._handle_or_none(topic, p, state.leader)
+            handle = self.handle_or_none(topic, p, state.leader)
             partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
 
@@ -1416,7 +1119,7 @@ class Controller:
             partitions = []
             for p, state in enumerate(topic.partitions):
                 leader = state.leader
-                handle = self._handle_or_none(topic, p, leader)
+                handle = self.handle_or_none(topic, p, leader)
                 partitions.append({
                     "leader": handle,
                     "leader_epoch": state.leader_epoch,
@@ -1437,7 +1140,7 @@ class Controller:
         """Set each (user, mechanism, credential) of ``upserts``, then delete each (user, mechanism or
         None for all) of ``deletions``; durable before this returns. Per deletion, whether it found one."""
         await self._ready()
-        async with self._lock:
+        async with self.lock:
             for user, mechanism, credential in upserts:
                 self.metadata.set_scram_credential(user, mechanism, credential)
             found = [self.metadata.delete_scram_credential(user, mechanism) for user, mechanism in deletions]
@@ -1455,7 +1158,7 @@ class Controller:
         """Add ACL bindings (AclBinding.to_dict each); durable before this returns. How many were new."""
         await self._ready()
         parsed = [AclBinding.of(b) for b in bindings]
-        async with self._lock:
+        async with self.lock:
             added = self.metadata.create_acls(parsed)
             if added:
                 self._persist()
@@ -1470,7 +1173,7 @@ class Controller:
         """Delete the bindings each filter matches; per filter, the bindings it deleted. Durable before this returns."""
         await self._ready()
         parsed = [AclFilter.of(f) for f in filters]
-        async with self._lock:
+        async with self.lock:
             deleted = self.metadata.delete_acls(parsed)
             if any(deleted):
                 self._persist()
@@ -1485,7 +1188,7 @@ class Controller:
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
         await self._ready()
-        async with self._lock:
+        async with self.lock:
             producer_id = self.metadata.allocate_producer_id()
             self._persist()
         return producer_id
@@ -1498,7 +1201,7 @@ class Controller:
         topic = self.metadata.topic(name)
 
         async def status(p: int, r: int):
-            return await asyncio.wait_for(self._replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S)
+            return await asyncio.wait_for(self.replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S)
 
         # Every replica is asked at once: one that does not answer costs its 5 s once, not once per partition.
         asked = [(p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
@@ -1521,7 +1224,7 @@ class Controller:
                     counts[state.nodes[str(r)]] += 1
                 if state.leader is not None:
                     leaders[state.nodes[str(state.leader)]] += 1
-        await self._refresh_nodes()
+        await self.refresh_nodes()
         usable = self._host_map.usable()
         limits = {host.node_id: host.limit for host in usable}
         now = monotonic_ms()
@@ -1548,7 +1251,7 @@ class Controller:
                 "max_replicas": limits.get(node_id),
                 "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
                 "replicas_down": len(node.down) if node is not None else 0,
-                "draining": node_id in self._draining,
+                "draining": node_id in self.moves.draining,
                 "ray_node_id": node.ray_node_id if node is not None else self._host_map.ray_node_of(node_id),
                 "data_dir": (node.data_dir if node is not None else None) or self.data_dir,
             })

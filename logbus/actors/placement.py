@@ -17,17 +17,30 @@ node without the label is the node named by its Ray node id, with its
 replicas under the cluster's data directory (the controller's), as on one
 machine, where every Ray node sees that directory. The controller maps each
 node id to the Ray node carrying it now (:func:`replica_hosts`).
+
+The autoscaler. Work that needs more nodes than the cluster has (a topic,
+a drain) asks for them as pending demand: placement groups of replica
+slots on distinct nodes (:func:`reserve_replica_slots`), which an
+autoscaler that can add nodes with slots (:func:`autoscaler_replica_capacity`)
+answers; the slots are released once the replicas' actors take them over.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
+import uuid
 
 import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+from logbus.errors import NodeCapacityError
 from logbus.protocol.host_map import RayNode
 from logbus.storage import node_identity
 from logbus.storage.names import partition_dir_name
+
+logger = logging.getLogger(__name__)
 
 REPLICA_NODE_RESOURCE = "logbus_replica"
 # What one replica may take of a node's memory, for the default max.replicas.per.node: a replica
@@ -141,6 +154,64 @@ def replica_directory(data_dir: str, topic: str, partition: int, replica_id: int
 
 
 # --- the autoscaler: can the cluster grow to hold more replicas? -------------------------------------
+
+
+class SlotReservation:
+    """Placement groups holding replica slots until the replicas' actors take them over.
+
+    One group per partition, of ``replication_factor`` slots on distinct nodes.
+    ``placements`` is for its holder to fill: the logbus node of each slot,
+    per group. :meth:`release` is idempotent: the slots go back once the new
+    replicas' actors exist (pending on them), or when the work is abandoned.
+    """
+
+    def __init__(self, groups: list, replication_factor: int) -> None:
+        self.groups = groups
+        self.replication_factor = replication_factor
+        self.placements: list[list[str]] = []
+
+    def ray_nodes(self) -> list[list[str]]:
+        """The Ray node of each slot, per group (the groups are ready)."""
+        return [
+            [placement_group_table(g)["bundles_to_node_id"][i] for i in range(self.replication_factor)] for g in self.groups
+        ]
+
+    def release(self) -> None:
+        groups, self.groups = self.groups, []
+        for group in groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+
+
+async def reserve_replica_slots(what: str, partitions: int, replication_factor: int, timeout_s: float) -> SlotReservation:
+    """Pending demand the autoscaler answers: one placement group per partition, each of
+    ``replication_factor`` replica slots on distinct nodes (STRICT_SPREAD). Returns once all are
+    held; NodeCapacityError naming what is missing (and nothing held) if the autoscaler does not
+    provide them within ``timeout_s``. ``what`` names the work that needs them, in the log and the error."""
+    groups = [
+        placement_group([{REPLICA_NODE_RESOURCE: 1}] * replication_factor, strategy="STRICT_SPREAD", name=f"logbus:{uuid.uuid4().hex[:12]}")
+        for _ in range(partitions)
+    ]
+    reservation = SlotReservation(groups, replication_factor)
+    logger.info("%s needs %d replicas on %d distinct nodes each: waiting up to %.0f s for the autoscaler",
+                what, partitions * replication_factor, replication_factor, timeout_s)
+    ready = [asyncio.wrap_future(g.ready().future()) for g in groups]
+    try:
+        await asyncio.wait_for(asyncio.gather(*ready), timeout_s)
+    except asyncio.TimeoutError:
+        reservation.release()
+        done = sum(1 for f in ready if f.done() and not f.cancelled() and f.exception() is None)
+        raise NodeCapacityError(
+            f"{what}: the autoscaler did not provide {partitions * replication_factor} replica slots "
+            f"({REPLICA_NODE_RESOURCE}) on {replication_factor} distinct nodes per partition within {timeout_s:.0f} s "
+            f"({done} of {partitions} partitions placed); add nodes with replica slots or raise the autoscaler's max_workers"
+        ) from None
+    except BaseException:
+        reservation.release()
+        raise
+    return reservation
 
 
 def autoscaler_replica_capacity() -> int:

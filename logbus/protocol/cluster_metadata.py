@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 
 from logbus.errors import (
     InternalStateError,
+    InvalidConfigError,
     InvalidPartitionError,
     InvalidPartitionsError,
     InvalidReassignmentError,
@@ -264,10 +265,23 @@ class ClusterMetadata:
         topic.partitions += [self._partition_on(nodes) for nodes in placements]
         return added
 
-    def alter_config(self, name: str, config: dict) -> dict:
-        """Merge config overrides into a topic's (validated); return the new overrides."""
+    def alter_config(self, name: str, config: dict | None, delete: list[str] | None = None) -> dict:
+        """Merge config overrides into a topic's, and remove those named in ``delete`` (back to the
+        defaults); return the new overrides.
+
+        Validated first, and an error changes nothing: InvalidConfigError for
+        an unknown key in ``delete``, a key both set and deleted, or a
+        resulting config LogConfig refuses. Deleting a key the topic does not
+        override is no error (it is at its default already).
+        """
         topic = self.topic(name)
-        merged = {**topic.config, **(config or {})}
+        removed = list(delete or ())
+        for key in removed:
+            if key not in LogConfig.KEYS:
+                raise InvalidConfigError(f"unknown topic config {key!r}; known: {', '.join(sorted(LogConfig.KEYS))}")
+            if key in (config or {}):
+                raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
+        merged = {**{k: v for k, v in topic.config.items() if k not in removed}, **(config or {})}
         normalized = LogConfig.from_dict(merged).to_dict()
         topic.config = {key: normalized[key] for key in merged}
         return topic.config

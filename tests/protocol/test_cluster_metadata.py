@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from logbus.errors import (
     InternalStateError,
+    InvalidConfigError,
     InvariantViolationError,
     InvalidPartitionError,
     InvalidReassignmentError,
@@ -703,3 +704,65 @@ def test_acls_are_kept_in_the_metadata_and_a_file_from_before_acls_loads_with_no
     del raw["acls"], raw["acl_version"]
     older = ClusterMetadata.from_json(json.dumps(raw))
     assert older.acl_bindings() == [] and older.acl_version == 0
+
+
+# --- topic config changes -------------------------------------------------------------------------
+
+CONFIG_VALUES = {  # a few legal values per key, and one each LogConfig refuses
+    "retention.ms": ([-1, 1000, 86_400_000], 10**30),
+    "segment.bytes": ([1024, 1_048_576], 10),
+    "min.insync.replicas": ([1, 2], 0),
+    "cleanup.policy": (["delete", "compact", "compact,delete"], "shred"),
+}
+
+
+def test_a_config_change_sets_and_deletes_overrides_and_deleting_an_absent_one_is_no_error():
+    metadata = metadata_with()
+    assert metadata.alter_config("t", {"retention.ms": "1000", "segment.bytes": 2048}) == {"retention.ms": 1000, "segment.bytes": 2048}
+    assert metadata.alter_config("t", {"min.insync.replicas": 2}, delete=["retention.ms", "flush.ms"]) == {
+        "segment.bytes": 2048, "min.insync.replicas": 2}
+    assert metadata.topics["t"].config == {"segment.bytes": 2048, "min.insync.replicas": 2}
+    assert ClusterMetadata.from_json(metadata.to_json()).topics["t"].config == {"segment.bytes": 2048, "min.insync.replicas": 2}
+
+
+@pytest.mark.parametrize("config, delete, message", [
+    ({}, ["nope"], "unknown topic config 'nope'"),
+    ({"retention.ms": 5}, ["retention.ms"], "both set and deleted"),
+    ({"nope": 1}, [], "unknown topic config 'nope'"),
+    ({"segment.bytes": 10}, ["retention.ms"], "segment.bytes"),
+])
+def test_a_bad_config_change_is_a_named_error_and_changes_nothing(config, delete, message):
+    metadata = metadata_with()
+    metadata.alter_config("t", {"retention.ms": 1000})
+    before = metadata.to_json()
+    with pytest.raises(InvalidConfigError, match=message):
+        metadata.alter_config("t", config, delete)
+    assert metadata.to_json() == before
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_config_changes_leave_the_old_overrides_less_the_deleted_plus_the_set_or_change_nothing(data):
+    keys = sorted(CONFIG_VALUES)
+    legal = {key: st.sampled_from(values) for key, (values, _) in CONFIG_VALUES.items()}
+    any_value = {key: st.sampled_from([*values, bad]) for key, (values, bad) in CONFIG_VALUES.items()}
+    metadata = metadata_with()
+    old = data.draw(st.fixed_dictionaries({}, optional=legal), label="overrides before")
+    metadata.alter_config("t", old)
+    config = data.draw(st.fixed_dictionaries({}, optional=any_value), label="set")
+    delete = data.draw(st.lists(st.sampled_from([*keys, "nope"]), unique=True), label="delete")
+    before = metadata.to_json()
+    refused = (
+        "nope" in delete
+        or set(config) & set(delete)
+        or any(value == CONFIG_VALUES[key][1] for key, value in config.items())
+    )
+    if refused:
+        with pytest.raises(InvalidConfigError):
+            metadata.alter_config("t", config, delete)
+        assert metadata.to_json() == before
+        return
+    overrides = metadata.alter_config("t", config, delete)
+    assert set(overrides) == (set(old) - set(delete)) | set(config)
+    for key, value in overrides.items():
+        assert value == config.get(key, old.get(key))

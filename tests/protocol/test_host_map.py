@@ -29,7 +29,7 @@ def tables(now_ms: int = 0) -> tuple[NodeTable, HostMap]:
 
 
 def refresh(table: NodeTable, hosts: HostMap, listed: list[RayNode], now_ms: int, refuse: frozenset[str] = frozenset()):
-    """One ``_refresh_nodes``: look, check each Ray node a node would move to (refusing those in ``refuse``,
+    """One ``refresh_nodes``: look, check each Ray node a node would move to (refusing those in ``refuse``,
     the others' checks succeed), see, move. Returns the look."""
     look = hosts.look(listed, now_ms)
     found = []
