@@ -153,6 +153,19 @@ class OutOfOrderSequenceError(RetriableError):
     """An idempotent producer's batch does not continue its sequence (an earlier batch is still being retried)."""
 
 
+class UnknownSequenceError(LogbusError):
+    """An idempotent producer's batch starts below the first sequence number the leader knows its producer from.
+
+    The leader took a later batch of the producer while it did not know the
+    producer (new, or forgotten: expired after ``producer.id.expiration.ms``,
+    or its batches deleted), so it cannot tell whether this one was written
+    (before the producer was forgotten) or never was (it was overtaken). Not
+    retriable, and never reported as written: its records may be missing, and a
+    retry would write them after the ones that overtook them (Kafka answers
+    such a batch with OUT_OF_ORDER_SEQUENCE_NUMBER).
+    """
+
+
 class DuplicateSequenceError(LogbusError):
     """An idempotent producer's batch starts below the sequence numbers the leader remembers for it.
 

@@ -420,6 +420,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.RequestTimedOutError, ErrorCode.request_timed_out),
     (e.OutOfOrderSequenceError, ErrorCode.out_of_order_sequence_number),
     (e.DuplicateSequenceError, ErrorCode.duplicate_sequence_number),
+    (e.UnknownSequenceError, ErrorCode.out_of_order_sequence_number),  # never DUPLICATE: Java clients count that as written
     (e.ProducerFencedError, ErrorCode.invalid_producer_epoch),
     (e.FencedInstanceIdError, ErrorCode.fenced_instance_id),
     (e.FencedMemberEpochError, ErrorCode.fenced_member_epoch),

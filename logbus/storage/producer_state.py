@@ -24,7 +24,7 @@ The leader checks every batch that carries a producer id before writing it:
   then continues a sequence the table never saw. The price, as in Kafka: a
   batch of a producer unknown here that overtook its predecessors (they met a
   retriable error, or arrived late) is written ahead of them, and they are
-  then DuplicateSequenceError (below its first sequence), so their records
+  then UnknownSequenceError (below the sequence the table first knew it at), so their records
   fail instead of being written out of order; and a retry of a batch written
   before the producer was forgotten is written again. A leader replica lets a
   batch ahead of its producer's next sequence wait briefly for its
@@ -82,7 +82,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError
+from logbus.errors import DuplicateSequenceError, OutOfOrderSequenceError, ProducerFencedError, UnknownSequenceError
 from logbus.storage.batch_header import NO_PRODUCER_ID, NO_SEQUENCE, BatchHeader
 
 BATCHES_KEPT = 5  # as Kafka: at most this many batches in flight per partition with idempotence on
@@ -105,13 +105,20 @@ class _Producer:
     marker_offset: int = -1
     marker_timestamp_ms: int = -1
     last_timestamp_ms: int = -1  # the max timestamp of its latest batch or marker: what expiry measures
+    # The first sequence number of the run the table knows: a batch below it is UnknownSequenceError,
+    # not a duplicate (the table took a batch at this sequence while it did not know the producer).
+    known_from: int = 0
 
-    def add_batch(self, first: int, last: int, base_offset: int, max_timestamp_ms: int) -> None:
+    def add_batch(self, first: int, last: int, base_offset: int, max_timestamp_ms: int, unknown_before: bool = False) -> None:
         """Keep a batch written (as leader or follower). One that does not continue the producer's
         sequence starts it afresh: the leader took it from a producer it did not know (expired, or
-        all its batches deleted), and the batches before it are no sequence the next one continues."""
+        all its batches deleted), and the batches before it are no sequence the next one continues.
+        ``unknown_before``: the table did not know the producer (its sequences below ``first`` are unknown)."""
         if self.batches and first != self.batches[-1][1] + 1:
             self.batches.clear()
+            self.known_from = first
+        elif not self.batches and unknown_before:
+            self.known_from = first
         self.batches.append((first, last, base_offset, max_timestamp_ms))
         self.last_timestamp_ms = max_timestamp_ms
 
@@ -137,7 +144,7 @@ class ProducerStateTable:
 
         Returns (base offset, max timestamp) of the batch as written before if
         it is a duplicate, None if it may be appended; raises
-        DuplicateSequenceError, OutOfOrderSequenceError or ProducerFencedError
+        DuplicateSequenceError, UnknownSequenceError, OutOfOrderSequenceError or ProducerFencedError
         otherwise.
         """
         if header.producer_id == NO_PRODUCER_ID:
@@ -159,6 +166,12 @@ class ProducerStateTable:
             if first == header.base_sequence and last == header.last_sequence:
                 return base_offset, max_timestamp_ms
         oldest = state.batches[0][0]
+        if header.base_sequence < state.known_from:
+            raise UnknownSequenceError(
+                f"producer {header.producer_id}: batch starts at sequence {header.base_sequence}, below sequence "
+                f"{state.known_from}, which this leader took while it did not know the producer: whether it "
+                f"was written cannot be known here"
+            )
         if header.base_sequence < oldest:
             raise DuplicateSequenceError(
                 f"producer {header.producer_id}: batch starts at sequence {header.base_sequence}, below the last "
@@ -199,12 +212,13 @@ class ProducerStateTable:
             if append_ms is not None and append_ms > state.last_timestamp_ms:
                 state.last_timestamp_ms = append_ms
             return
+        unknown = state is None
         if state is None or header.producer_epoch > state.epoch:
             state = self._new_epoch(producer_id, header.producer_epoch, state)
         if header.base_sequence == NO_SEQUENCE:  # continues no sequence: recorded as a marker's epoch is
             state.add_marker(header.base_offset, header.max_timestamp_ms)
         else:
-            state.add_batch(header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms)
+            state.add_batch(header.base_sequence, header.last_sequence, header.base_offset, header.max_timestamp_ms, unknown_before=unknown)
         if header.is_transactional and state.txn_first_offset is None:
             state.txn_first_offset = self.ongoing[producer_id] = header.base_offset
         if append_ms is not None and append_ms > state.last_timestamp_ms:

@@ -6,8 +6,10 @@ import shutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kio.schema.errors import ErrorCode
 
-from logbus.errors import DuplicateSequenceError, InvalidConfigError, OutOfOrderSequenceError
+from logbus.errors import DuplicateSequenceError, InvalidConfigError, OutOfOrderSequenceError, UnknownSequenceError
+from logbus.protocol.kafka_gateway import error_code
 from logbus.storage import LogConfig, PartitionLog, encode_batch
 from logbus.storage.log_config import DAY_MS, INT_MAX
 from logbus.storage.producer_state import ProducerStateTable
@@ -58,8 +60,30 @@ def test_an_unknown_producer_starts_anywhere_but_a_known_one_keeps_its_rules():
     with pytest.raises(OutOfOrderSequenceError):
         table.check(header(1, 5, epoch=1))  # a new epoch of a known producer starts at 0
     assert table.check(header(1, 0, epoch=1)) is None
-    with pytest.raises(DuplicateSequenceError):
-        table.check(header(1, 0))  # below what it has written: never written again
+    with pytest.raises(UnknownSequenceError):
+        table.check(header(1, 0))  # below the sequence the table first knew it at: written or not, unknown
+
+
+def test_a_batch_overtaken_by_its_unknown_producers_next_one_fails_and_is_never_reported_written():
+    """A new producer's batch 0 fails retriably (or is slow), its batch 1 reaches the leader first and is
+    taken (the producer is unknown here): batch 0 must then fail for good, never as a duplicate, which
+    Kafka's clients count as written."""
+    leader, follower = ProducerStateTable(), ProducerStateTable()
+    assert leader.check(header(1, 5, count=5)) is None
+    for table in (leader, follower):
+        table.update(header(1, 5, count=5))
+    for table in (leader, follower):  # a follower that took the same batches answers the same
+        with pytest.raises(UnknownSequenceError) as failed:
+            table.check(header(1, 0, count=5))
+        assert error_code(failed.value) == ErrorCode.out_of_order_sequence_number
+        assert table.check(header(1, 5, count=5)) == (-1, 1_000)  # the batch it took is a duplicate, as before
+    # A producer known from sequence 0 still gets DuplicateSequenceError for a retry older than its kept batches.
+    known = ProducerStateTable()
+    for sequence in range(0, 60, 10):
+        known.update(header(2, sequence, count=10))
+    with pytest.raises(DuplicateSequenceError) as duplicate:
+        known.check(header(2, 0, count=10))
+    assert error_code(duplicate.value) == ErrorCode.duplicate_sequence_number
 
 
 def test_a_batch_that_does_not_continue_starts_the_kept_batches_afresh():
@@ -69,7 +93,7 @@ def test_a_batch_that_does_not_continue_starts_the_kept_batches_afresh():
     follower.update(header(1, 0, count=5))
     follower.update(header(1, 40, count=2))  # what a leader that had forgotten producer 1 took
     assert list(follower.producers[1].batches) == [(40, 41, -1, 1_000)]
-    with pytest.raises(DuplicateSequenceError):
+    with pytest.raises(UnknownSequenceError):
         follower.check(header(1, 0, count=5))
     assert follower.check(header(1, 40, count=2)) == (-1, 1_000)
 
