@@ -177,6 +177,9 @@ class _Sequences:
     producer_id: int
     epoch: int
     next: int = 0
+    # Whether the leader acknowledged a batch of this sequence: until it has, the partition has one
+    # batch in flight (see _collect).
+    acknowledged: bool = False
 
 
 _OUTCOME_LOCK = threading.Lock()  # orders a batch's completion against its records taking state of their own
@@ -920,6 +923,15 @@ class Producer:
                 held.add(slot)
                 kept.append(batch)
                 continue
+            sequences = self._sequences.get(slot)  # None until the partition's first batch is framed
+            if self.enable_idempotence and self._in_flight.get(slot, 0) and not (sequences is not None and sequences.acknowledged):
+                # A sequence the leader has not acknowledged yet goes one batch at a time: a leader
+                # that does not know this producer takes its batch at any sequence (KIP-360), so a
+                # second batch could be written ahead of a first that met a retriable error, which
+                # could then never be written (Kafka's client holds such batches back too).
+                held.add(slot)
+                kept.append(batch)
+                continue
             if slot in held or self._in_flight.get(slot, 0) >= self.max_in_flight or batch.not_before_s > now:
                 # A partition's batches leave in order: one held back (retry backoff, or no
                 # slot free) holds back the later ones, so they cannot overtake it at the leader.
@@ -1136,6 +1148,10 @@ class Producer:
                 self._ready = deque(retried + [b for b in self._ready if not b.order])
             else:
                 self._buffered_bytes -= batch.size_bytes
+                if error is None and batch.sequenced is not None:
+                    sequences = self._sequences.get(slot)
+                    if sequences is not None and (sequences.producer_id, sequences.epoch) == batch.sequenced:
+                        sequences.acknowledged = True
                 if error is not None and self._txn is not None:
                     self._txn.batch_failed(error)
                 if error is not None and batch.sequenced is not None:
