@@ -46,7 +46,10 @@ and headers. Cases:
              The target case is linger_ms=0; linger_ms=2 is reported for comparison (info),
              and so are the percentiles over the received records only. Also (info): the
              round trip of one record at a time (``send(...).result()``, linger_ms=0) with
-             acks=1 and with acks="all", 200 each (50 with --quick): the floor of the latency.
+             acks=1 and with acks="all", 200 each (50 with --quick): the floor of the latency;
+             and ref: the same hops as bare Ray actor calls, no logbus code (``ChainLeader`` on
+             one replica node, a ``ChainFollower`` long-polling it from each other one, the
+             driver as producer and consumer), one value at a time: the floor of the transport.
 3. failover  a steady workload: an idempotent acks="all" Producer (linger_ms=2, as in the
              test's Workload) in a thread of the driver, sending ``send()`` per record at
              10,000 records/s in bursts of 200 every 20 ms (one batch per burst), each value
@@ -87,6 +90,7 @@ Ray and the Cluster are always shut down at the end (also on errors and on SIGTE
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -621,6 +625,93 @@ def connect_with_controller_on_head(cluster: Cluster, data_dir: str, namespace: 
     return bus
 
 
+# --- the floor of Ray's transport for one acks=all round -----------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class ChainLeader:
+    """A bare imitation of one acks=all round on Ray actor calls (no logbus code): a produce call
+    appends a value and wakes the followers' parked fetches; each follower's next fetch reports its
+    position; once every follower holds the value, the produce call returns and a consumer's parked
+    call is answered. The same one-way hops as logbus's path: producer -> leader, leader -> followers
+    (fetch replies), followers -> leader (next fetches), leader -> consumer (and -> producer)."""
+
+    def __init__(self, followers: int) -> None:
+        self.followers = followers
+        self.values: list[bytes] = []
+        self.high_watermark = 0
+        self.positions: dict[int, int] = {}
+        self.events: dict[str, asyncio.Event] = {}
+
+    def _wake(self, name: str) -> None:
+        event = self.events.pop(name, None)
+        if event is not None:
+            event.set()
+
+    async def _wait(self, name: str) -> None:
+        await self.events.setdefault(name, asyncio.Event()).wait()
+
+    async def produce(self, value: bytes) -> int:
+        self.values.append(value)
+        end = len(self.values)
+        self._wake("appended")
+        while self.high_watermark < end:
+            await self._wait("hw")
+        return end
+
+    async def fetch(self, follower: int, offset: int) -> list:
+        self.positions[follower] = offset
+        if len(self.positions) == self.followers and min(self.positions.values()) > self.high_watermark:
+            self.high_watermark = min(self.positions.values())
+            self._wake("hw")
+        while len(self.values) <= offset:
+            await self._wait("appended")
+        return self.values[offset:]
+
+    async def consume(self, offset: int) -> list:
+        while self.high_watermark <= offset:
+            await self._wait("hw")
+        return self.values[offset:self.high_watermark]
+
+
+@ray.remote(num_cpus=0)
+class ChainFollower:
+    async def follow(self, leader, follower: int) -> None:
+        log: list[bytes] = []
+        while True:
+            log.extend(await leader.fetch.remote(follower, len(log)))
+
+
+def ray_chain_floor(cluster: Cluster, trips: int) -> tuple[np.ndarray, np.ndarray]:
+    """One value at a time through a ChainLeader (on one replica node) and two ChainFollowers (one on
+    each other replica node), from the driver on the head node: (send -> the consumer's parked call
+    answered, send -> the produce call answered), in ms."""
+    node_ids = sorted(n.node_id for n in cluster.worker_nodes)[:3]
+    nodes = [NodeAffinitySchedulingStrategy(node_id=node_id, soft=False) for node_id in node_ids]
+    leader = ChainLeader.options(scheduling_strategy=nodes[0]).remote(2)
+    followers = [ChainFollower.options(scheduling_strategy=node).remote() for node in nodes[1:]]
+    loops = [f.follow.remote(leader, i) for i, f in enumerate(followers)]
+    consumed, acked = [], []
+    try:
+        for i in range(trips + 10):
+            waiting = leader.consume.remote(i)
+            time.sleep(0.001)  # the consumer's call is parked before the value is sent, as a long poll is
+            start = time.perf_counter()
+            produced = leader.produce.remote(stamped_value())
+            ray.get(waiting, timeout=30)
+            got_s = time.perf_counter()
+            ray.get(produced, timeout=30)
+            if i >= 10:  # the first ones warm the calls up
+                consumed.append(got_s - start)
+                acked.append(time.perf_counter() - start)
+    finally:
+        for actor in [leader, *followers]:
+            ray.kill(actor)
+        del loops
+    return np.array(consumed) * 1e3, np.array(acked) * 1e3
+
+
+
 def add_replica_node(cluster: Cluster):
     return cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE, object_store_memory=WORKER_OBJECT_STORE)
 
@@ -809,6 +900,13 @@ def main() -> int:
             if producer_actor is not None:
                 ray.kill(producer_actor)
             ray.kill(consumer_actor)
+            # The floor: the same hops as bare Ray actor calls, one value at a time (info).
+            consumed_ms, acked_ms = ray_chain_floor(cluster, mode.round_trips)
+            for label, values in (("send -> consumer", consumed_ms), ("send -> producer's reply", acked_ms)):
+                p50, p99 = float(np.percentile(values, 50)), float(np.percentile(values, 99))
+                log(f"ref: bare Ray actor chain, {label}: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(values)}  ({load_text()})")
+                results.append(Result(f"ref: bare Ray actor chain of the acks=all hops, one value at a time, {label} (info)",
+                                      p50=p50, p99=p99, max=float(values.max()), unit="ms", extra={"values": len(values)}))
         if topic is not None:
             bus.admin.delete_topic(topic)
 
