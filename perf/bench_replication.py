@@ -4,7 +4,9 @@
 Run with ``./dev bench replication`` (= ``.venv/bin/python perf/bench_replication.py``).
 ``--quick`` makes a short smoke run (about 1 min on a quiet machine; 2 kills); ``--kills N`` sets
 the number of leader-node kills (default 10; 2 with ``--quick``); ``--wait-load L`` first waits
-(up to 20 min) for the 1-minute load average to fall below L; ``--verbose`` shows the actors' output.
+(up to 20 min) for the 1-minute load average to fall below L; ``--verbose`` shows the actors' output;
+``--only PHASE ...`` runs only those of the cases below (``produce``, ``latency``, ``failover``),
+e.g. ``--only latency`` for the latency case alone (about a minute).
 
 The cluster is built on this one machine with ``ray.cluster_utils.Cluster``, as in
 tests/actors/test_replication.py: a head node (the driver, the controller and the
@@ -44,7 +46,10 @@ and headers. Cases:
              The target case is linger_ms=0; linger_ms=2 is reported for comparison (info),
              and so are the percentiles over the received records only. Also (info): the
              round trip of one record at a time (``send(...).result()``, linger_ms=0) with
-             acks=1 and with acks="all", 200 each (50 with --quick): the floor of the latency.
+             acks=1 and with acks="all", 200 each (50 with --quick): the floor of the latency;
+             and ref: the same hops as bare Ray actor calls, no logbus code (``ChainLeader`` on
+             one replica node, a ``ChainFollower`` long-polling it from each other one, the
+             driver as producer and consumer), one value at a time: the floor of the transport.
 3. failover  a steady workload: an idempotent acks="all" Producer (linger_ms=2, as in the
              test's Workload) in a thread of the driver, sending ``send()`` per record at
              10,000 records/s in bursts of 200 every 20 ms (one batch per burst), each value
@@ -85,6 +90,7 @@ Ray and the Cluster are always shut down at the end (also on errors and on SIGTE
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -176,6 +182,7 @@ SYSTEM_CONFIG = {  # as in tests/actors/test_replication.py
 HEAD_OBJECT_STORE = 512 << 20
 WORKER_OBJECT_STORE = 384 << 20
 TOPIC_CONFIG = {"min.insync.replicas": 2}
+PHASES = ("produce", "latency", "failover")  # the cases of the docstring, in the order they run
 
 
 @dataclass
@@ -618,6 +625,93 @@ def connect_with_controller_on_head(cluster: Cluster, data_dir: str, namespace: 
     return bus
 
 
+# --- the floor of Ray's transport for one acks=all round -----------------------------------------------
+
+
+@ray.remote(num_cpus=0)
+class ChainLeader:
+    """A bare imitation of one acks=all round on Ray actor calls (no logbus code): a produce call
+    appends a value and wakes the followers' parked fetches; each follower's next fetch reports its
+    position; once every follower holds the value, the produce call returns and a consumer's parked
+    call is answered. The same one-way hops as logbus's path: producer -> leader, leader -> followers
+    (fetch replies), followers -> leader (next fetches), leader -> consumer (and -> producer)."""
+
+    def __init__(self, followers: int) -> None:
+        self.followers = followers
+        self.values: list[bytes] = []
+        self.high_watermark = 0
+        self.positions: dict[int, int] = {}
+        self.events: dict[str, asyncio.Event] = {}
+
+    def _wake(self, name: str) -> None:
+        event = self.events.pop(name, None)
+        if event is not None:
+            event.set()
+
+    async def _wait(self, name: str) -> None:
+        await self.events.setdefault(name, asyncio.Event()).wait()
+
+    async def produce(self, value: bytes) -> int:
+        self.values.append(value)
+        end = len(self.values)
+        self._wake("appended")
+        while self.high_watermark < end:
+            await self._wait("hw")
+        return end
+
+    async def fetch(self, follower: int, offset: int) -> list:
+        self.positions[follower] = offset
+        if len(self.positions) == self.followers and min(self.positions.values()) > self.high_watermark:
+            self.high_watermark = min(self.positions.values())
+            self._wake("hw")
+        while len(self.values) <= offset:
+            await self._wait("appended")
+        return self.values[offset:]
+
+    async def consume(self, offset: int) -> list:
+        while self.high_watermark <= offset:
+            await self._wait("hw")
+        return self.values[offset:self.high_watermark]
+
+
+@ray.remote(num_cpus=0)
+class ChainFollower:
+    async def follow(self, leader, follower: int) -> None:
+        log: list[bytes] = []
+        while True:
+            log.extend(await leader.fetch.remote(follower, len(log)))
+
+
+def ray_chain_floor(cluster: Cluster, trips: int) -> tuple[np.ndarray, np.ndarray]:
+    """One value at a time through a ChainLeader (on one replica node) and two ChainFollowers (one on
+    each other replica node), from the driver on the head node: (send -> the consumer's parked call
+    answered, send -> the produce call answered), in ms."""
+    node_ids = sorted(n.node_id for n in cluster.worker_nodes)[:3]
+    nodes = [NodeAffinitySchedulingStrategy(node_id=node_id, soft=False) for node_id in node_ids]
+    leader = ChainLeader.options(scheduling_strategy=nodes[0]).remote(2)
+    followers = [ChainFollower.options(scheduling_strategy=node).remote() for node in nodes[1:]]
+    loops = [f.follow.remote(leader, i) for i, f in enumerate(followers)]
+    consumed, acked = [], []
+    try:
+        for i in range(trips + 10):
+            waiting = leader.consume.remote(i)
+            time.sleep(0.001)  # the consumer's call is parked before the value is sent, as a long poll is
+            start = time.perf_counter()
+            produced = leader.produce.remote(stamped_value())
+            ray.get(waiting, timeout=30)
+            got_s = time.perf_counter()
+            ray.get(produced, timeout=30)
+            if i >= 10:  # the first ones warm the calls up
+                consumed.append(got_s - start)
+                acked.append(time.perf_counter() - start)
+    finally:
+        for actor in [leader, *followers]:
+            ray.kill(actor)
+        del loops
+    return np.array(consumed) * 1e3, np.array(acked) * 1e3
+
+
+
 def add_replica_node(cluster: Cluster):
     return cluster.add_node(num_cpus=1, resources=REPLICA_RESOURCE, object_store_memory=WORKER_OBJECT_STORE)
 
@@ -627,6 +721,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="short smoke run (about 1 min on a quiet machine; 2 kills unless --kills)")
     parser.add_argument("--kills", type=int, default=None, help="leader-node kills (default 10; 2 with --quick)")
     parser.add_argument("--verbose", action="store_true", help="show the replicas' and controller's output")
+    parser.add_argument("--only", nargs="+", choices=PHASES, default=None, metavar="PHASE",
+                        help=f"run only these phases ({', '.join(PHASES)}; default: all)")
     parser.add_argument("--wait-load", type=float, default=None, metavar="L",
                         help="first wait (up to 20 min) until the 1-minute load average is below L")
     args = parser.parse_args()
@@ -634,6 +730,10 @@ def main() -> int:
     kills = mode.kills if args.kills is None else args.kills
     if kills < 0:
         parser.error("--kills must be >= 0")
+
+    phases = set(args.only or PHASES)
+    if "failover" not in phases:
+        kills = 0
 
     exit_on_sigterm()
 
@@ -650,7 +750,7 @@ def main() -> int:
     loads: dict[str, str] = {}
     cluster: Cluster | None = None
     workload: Workload | None = None
-    log(f"mode={'quick' if args.quick else 'full'} kills={kills} data_dir={data_dir} namespace={namespace} ({load_text()})")
+    log(f"mode={'quick' if args.quick else 'full'} phases={','.join(p for p in PHASES if p in phases)} kills={kills} data_dir={data_dir} namespace={namespace} ({load_text()})")
     try:
         t0 = time.perf_counter()
         cluster = Cluster(
@@ -673,269 +773,280 @@ def main() -> int:
         encoded_bytes = len(rb.encode_batch(pool[:TABLE_ROWS])) / TABLE_ROWS  # framed, as stored and sent
 
         # ---- 1. produce throughput ---------------------------------------------------------------
-        loads["produce"] = load_text()
-        log(f"phase produce ({loads['produce']})")
-        topic = create_topic(bus, "bench")  # produce and latency; deleted before the kills
-        async_ref = ("LinkedIn Kafka 3x async 786,980/s", LINKEDIN_ASYNC)
-        sync_ref = ("LinkedIn Kafka 3x sync 421,823/s", LINKEDIN_SYNC)
-        cases = (
-            # (case, acks, idempotence, api, reps, ratio reference, target)
-            (f"produce send_table({TABLE_ROWS:,} rows), acks=1", 1, True, "table", mode.reps, async_ref, None),
-            (f"produce send_table({TABLE_ROWS:,} rows), acks=all", "all", True, "table", mode.reps, sync_ref, PRODUCE_ALL_TARGET),
-            ("produce send() per record, acks=all", "all", True, "send", mode.send_reps, sync_ref, None),
-            # Without idempotence there are no sequence numbers, and the Producer keeps one request in
-            # flight per partition (Ray may start concurrent calls out of order): info, see RESULTS.md.
-            (f"produce send_table({TABLE_ROWS:,} rows), acks=all, idempotence off (info)", "all", False, "table", mode.reps,
-             sync_ref, None),
-        )
-        for case, acks, idempotence, api, reps_wanted, (ratio_vs, reference), target in cases:
-            producer = Producer(bus, acks=acks, enable_idempotence=idempotence, delivery_timeout_ms=60_000)  # bounds a failing case
-            trace = ProducerTrace(producer)
-            if api == "table":
-                run_once = lambda warmup, p=producer: produce_tables(  # noqa: E731
-                    p, topic, table, mode.warmup_records if warmup else mode.records, mode.time_cap_s)
-            else:
-                run_once = lambda warmup, p=producer: produce_send(  # noqa: E731
-                    p, topic, pool, mode.warmup_records // 2 if warmup else mode.send_records, mode.time_cap_s)
-            result = Result(case, ratio_vs=ratio_vs, target=None if target is None else f">= {target:,} rec/s")
-            try:
-                rate, reps, counts = throughput_case(bus, acks, topic, run_once, reps_wanted, case)
-                result.records_per_s, result.ratio, result.reps = rate, rate / reference, reps
-                result.meets_target = None if target is None else rate >= target
-                result.extra = {"records_per_rep": counts, "payload_mb_per_s": rate * VALUE_SIZE / 1e6,
-                                "encoded_mb_per_s": rate * encoded_bytes / 1e6}
-            except Exception as error:  # noqa: BLE001 (recorded; the other cases still run)
-                log(f"{case}: FAILED: {type(error).__name__}: {error}")
-                result.meets_target = False if target is not None else None
-                result.extra = {"error": f"{type(error).__name__}: {error}"}
-            if trace.error_counts:
-                log(f"{case}: retried or failed batches: {trace.errors()}")
-                result.extra["batch_errors"] = dict(trace.error_counts)
-                result.extra["batch_error_samples"] = {n: m for n, (_, m) in trace.error_samples.items()}
-            results.append(result)
-            try:
-                producer.close(timeout_s=30)
-            except Exception as error:  # noqa: BLE001
-                log(f"{case}: the producer did not close cleanly: {error!r}")
+        topic = create_topic(bus, "bench") if phases & {"produce", "latency"} else None  # deleted before the kills
+        if "produce" in phases:
+            loads["produce"] = load_text()
+            log(f"phase produce ({loads['produce']})")
+            async_ref = ("LinkedIn Kafka 3x async 786,980/s", LINKEDIN_ASYNC)
+            sync_ref = ("LinkedIn Kafka 3x sync 421,823/s", LINKEDIN_SYNC)
+            cases = (
+                # (case, acks, idempotence, api, reps, ratio reference, target)
+                (f"produce send_table({TABLE_ROWS:,} rows), acks=1", 1, True, "table", mode.reps, async_ref, None),
+                (f"produce send_table({TABLE_ROWS:,} rows), acks=all", "all", True, "table", mode.reps, sync_ref, PRODUCE_ALL_TARGET),
+                ("produce send() per record, acks=all", "all", True, "send", mode.send_reps, sync_ref, None),
+                # Without idempotence there are no sequence numbers, and the Producer keeps one request in
+                # flight per partition (Ray may start concurrent calls out of order): info, see RESULTS.md.
+                (f"produce send_table({TABLE_ROWS:,} rows), acks=all, idempotence off (info)", "all", False, "table", mode.reps,
+                 sync_ref, None),
+            )
+            for case, acks, idempotence, api, reps_wanted, (ratio_vs, reference), target in cases:
+                producer = Producer(bus, acks=acks, enable_idempotence=idempotence, delivery_timeout_ms=60_000)  # bounds a failing case
+                trace = ProducerTrace(producer)
+                if api == "table":
+                    run_once = lambda warmup, p=producer: produce_tables(  # noqa: E731
+                        p, topic, table, mode.warmup_records if warmup else mode.records, mode.time_cap_s)
+                else:
+                    run_once = lambda warmup, p=producer: produce_send(  # noqa: E731
+                        p, topic, pool, mode.warmup_records // 2 if warmup else mode.send_records, mode.time_cap_s)
+                result = Result(case, ratio_vs=ratio_vs, target=None if target is None else f">= {target:,} rec/s")
+                try:
+                    rate, reps, counts = throughput_case(bus, acks, topic, run_once, reps_wanted, case)
+                    result.records_per_s, result.ratio, result.reps = rate, rate / reference, reps
+                    result.meets_target = None if target is None else rate >= target
+                    result.extra = {"records_per_rep": counts, "payload_mb_per_s": rate * VALUE_SIZE / 1e6,
+                                    "encoded_mb_per_s": rate * encoded_bytes / 1e6}
+                except Exception as error:  # noqa: BLE001 (recorded; the other cases still run)
+                    log(f"{case}: FAILED: {type(error).__name__}: {error}")
+                    result.meets_target = False if target is not None else None
+                    result.extra = {"error": f"{type(error).__name__}: {error}"}
+                if trace.error_counts:
+                    log(f"{case}: retried or failed batches: {trace.errors()}")
+                    result.extra["batch_errors"] = dict(trace.error_counts)
+                    result.extra["batch_error_samples"] = {n: m for n, (_, m) in trace.error_samples.items()}
+                results.append(result)
+                try:
+                    producer.close(timeout_s=30)
+                except Exception as error:  # noqa: BLE001
+                    log(f"{case}: the producer did not close cleanly: {error!r}")
 
-        # The ceiling of Ray's transport here: 1 MiB uint8 arrays (the size of the producer's batches) from the
-        # driver to an actor on a replica node, 5 in flight, as the producer sends them; no logbus code at all.
-        sink = Sink.options(resources={REPLICA_NODE_RESOURCE: 0.01}).remote()
-        ray.get(sink.take.remote(np.zeros(8, np.uint8)), timeout=60)
-        transport_mb_s, transport_reps = transport_ceiling(sink, mode.reps, mode.transport_s)
-        ray.kill(sink)
-        results.append(Result(
-            "ref: Ray transport, 1 MiB arrays driver -> actor on a replica node, 5 in flight",
-            transport_mb_s * 1e6 / encoded_bytes, reps=transport_reps,
-            extra={"mb_per_s": transport_mb_s, "note": "records/s = MB/s / encoded bytes per record"}))
-        for r in results:
-            if r.case.startswith("produce send_table") and r.records_per_s:
-                r.extra["share_of_transport_ceiling"] = r.records_per_s / (transport_mb_s * 1e6 / encoded_bytes)
-        log(f"Ray transport ceiling: {transport_mb_s:,.0f} MB/s = {transport_mb_s * 1e6 / encoded_bytes:,.0f} records/s "
-            f"at {encoded_bytes:.1f} encoded bytes per record")
+            # The ceiling of Ray's transport here: 1 MiB uint8 arrays (the size of the producer's batches) from the
+            # driver to an actor on a replica node, 5 in flight, as the producer sends them; no logbus code at all.
+            sink = Sink.options(resources={REPLICA_NODE_RESOURCE: 0.01}).remote()
+            ray.get(sink.take.remote(np.zeros(8, np.uint8)), timeout=60)
+            transport_mb_s, transport_reps = transport_ceiling(sink, mode.reps, mode.transport_s)
+            ray.kill(sink)
+            results.append(Result(
+                "ref: Ray transport, 1 MiB arrays driver -> actor on a replica node, 5 in flight",
+                transport_mb_s * 1e6 / encoded_bytes, reps=transport_reps,
+                extra={"mb_per_s": transport_mb_s, "note": "records/s = MB/s / encoded bytes per record"}))
+            for r in results:
+                if r.case.startswith("produce send_table") and r.records_per_s:
+                    r.extra["share_of_transport_ceiling"] = r.records_per_s / (transport_mb_s * 1e6 / encoded_bytes)
+            log(f"Ray transport ceiling: {transport_mb_s:,.0f} MB/s = {transport_mb_s * 1e6 / encoded_bytes:,.0f} records/s "
+                f"at {encoded_bytes:.1f} encoded bytes per record")
 
         # ---- 2. end-to-end latency, acks=all ---------------------------------------------------------
-        loads["latency"] = load_text()
-        log(f"phase latency ({loads['latency']})")
-        on_head = NodeAffinitySchedulingStrategy(node_id=head_id, soft=False)
-        consumer_actor = LatencyConsumer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
-        producer_actor = None
+        if "latency" in phases:
+            loads["latency"] = load_text()
+            log(f"phase latency ({loads['latency']})")
+            on_head = NodeAffinitySchedulingStrategy(node_id=head_id, soft=False)
+            consumer_actor = LatencyConsumer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
+            producer_actor = None
 
-        def latency_run(linger_ms: float, duration_s: float) -> tuple[np.ndarray, int, float, bool]:
-            nonlocal producer_actor
-            if producer_actor is None:
-                producer_actor = PacedProducer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
-            offset = log_end_offset(bus, topic)
-            ray.get(consumer_actor.prepare_logbus.remote(topic, 0, offset), timeout=60)
-            ref = consumer_actor.run_logbus.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s + 0.2)
-            time.sleep(0.2)
-            options = {"acks": "all", "linger_ms": linger_ms}  # a new Producer for each run
-            sent, send_s, flushed = ray.get(
-                producer_actor.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s, options),
-                timeout=duration_s + 120)
-            latencies = ray.get(ref, timeout=120)
-            if not flushed:  # hopelessly backlogged: kill it (and its backlog) rather than wait
+            def latency_run(linger_ms: float, duration_s: float) -> tuple[np.ndarray, int, float, bool]:
+                nonlocal producer_actor
+                if producer_actor is None:
+                    producer_actor = PacedProducer.options(scheduling_strategy=on_head).remote(namespace, data_dir)
+                offset = log_end_offset(bus, topic)
+                ray.get(consumer_actor.prepare_logbus.remote(topic, 0, offset), timeout=60)
+                ref = consumer_actor.run_logbus.remote(int(LATENCY_RATE * duration_s), duration_s + mode.latency_grace_s + 0.2)
+                time.sleep(0.2)
+                options = {"acks": "all", "linger_ms": linger_ms}  # a new Producer for each run
+                sent, send_s, flushed = ray.get(
+                    producer_actor.run_logbus.remote(topic, LATENCY_RATE, duration_s, mode.latency_grace_s, options),
+                    timeout=duration_s + 120)
+                latencies = ray.get(ref, timeout=120)
+                if not flushed:  # hopelessly backlogged: kill it (and its backlog) rather than wait
+                    ray.kill(producer_actor)
+                    producer_actor = None
+                return latencies, sent, send_s, flushed
+
+            for linger_ms in (0, 2):
+                latency_run(2, 1.0)  # warm-up (linger_ms=2: a backlog-free warm-up of every path)
+                lat_runs = []
+                for rep in range(mode.latency_reps):
+                    latencies, sent, send_s, flushed = latency_run(linger_ms, mode.latency_s)
+                    p50, p99, mx = latency_percentiles_ms(latencies, sent)
+                    got50, got99, _ = latency_percentiles_ms(latencies, len(latencies))  # over the received records only
+                    lat_runs.append((p99, p50, mx, len(latencies), sent, send_s, flushed, got50, got99))
+                    log(f"latency acks=all linger_ms={linger_ms} @{LATENCY_RATE:,}/s rep {rep + 1}: {len(latencies):,}/{sent:,} received "
+                        f"within {mode.latency_grace_s:g}s of the end of sending (sent in {send_s:.2f}s), "
+                        f"p50 {fmt(p50)} ms, p99 {fmt(p99)} ms, max {fmt(mx, 1)} ms; over the received ones only: "
+                        f"p50 {fmt(got50)} ms, p99 {fmt(got99)} ms  ({load_text()})")
+                # The repetition with the lowest p99 (ties, e.g. both infinite: the one that delivered the most).
+                p99, p50, mx, received, sent, send_s, flushed, got50, got99 = min(lat_runs, key=lambda r: (r[0], r[1], -r[3]))
+                results.append(Result(
+                    f"latency acks=all, linger_ms={linger_ms}, @ {LATENCY_RATE:,}/s" + ("" if linger_ms == 0 else " (info)"),
+                    sent / send_s, p50=p50, p99=p99, max=mx, unit="ms", reps=[r[0] for r in lat_runs],
+                    extra={"received": received, "sent": sent, "all_acknowledged_in_grace": flushed, "grace_s": mode.latency_grace_s,
+                           "p50_per_rep": [r[1] for r in lat_runs], "received_only_p50_ms": got50, "received_only_p99_ms": got99}))
+
+            # One record at a time, each awaited: the round trip of a single produce (info; the floor of the latency).
+            for acks in (1, "all"):
+                producer = Producer(bus, acks=acks, linger_ms=0)
+                for _ in range(10):
+                    producer.send(topic, stamped_value()).result(timeout=60)
+                trips = []
+                for _ in range(mode.round_trips):
+                    t0 = time.perf_counter()
+                    producer.send(topic, stamped_value()).result(timeout=60)
+                    trips.append(time.perf_counter() - t0)
+                producer.close()
+                trips_ms = np.array(trips) * 1e3
+                p50, p99 = float(np.percentile(trips_ms, 50)), float(np.percentile(trips_ms, 99))
+                log(f"round trip of one record, acks={acks}: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {len(trips)}  ({load_text()})")
+                results.append(Result(f"round trip of one record (send + result()), acks={acks} (info)", p50=p50, p99=p99,
+                                      max=float(trips_ms.max()), unit="ms", extra={"records": len(trips)}))
+            if producer_actor is not None:
                 ray.kill(producer_actor)
-                producer_actor = None
-            return latencies, sent, send_s, flushed
-
-        for linger_ms in (0, 2):
-            latency_run(2, 1.0)  # warm-up (linger_ms=2: a backlog-free warm-up of every path)
-            lat_runs = []
-            for rep in range(mode.latency_reps):
-                latencies, sent, send_s, flushed = latency_run(linger_ms, mode.latency_s)
-                p50, p99, mx = latency_percentiles_ms(latencies, sent)
-                got50, got99, _ = latency_percentiles_ms(latencies, len(latencies))  # over the received records only
-                lat_runs.append((p99, p50, mx, len(latencies), sent, send_s, flushed, got50, got99))
-                log(f"latency acks=all linger_ms={linger_ms} @{LATENCY_RATE:,}/s rep {rep + 1}: {len(latencies):,}/{sent:,} received "
-                    f"within {mode.latency_grace_s:g}s of the end of sending (sent in {send_s:.2f}s), "
-                    f"p50 {fmt(p50)} ms, p99 {fmt(p99)} ms, max {fmt(mx, 1)} ms; over the received ones only: "
-                    f"p50 {fmt(got50)} ms, p99 {fmt(got99)} ms  ({load_text()})")
-            # The repetition with the lowest p99 (ties, e.g. both infinite: the one that delivered the most).
-            p99, p50, mx, received, sent, send_s, flushed, got50, got99 = min(lat_runs, key=lambda r: (r[0], r[1], -r[3]))
-            results.append(Result(
-                f"latency acks=all, linger_ms={linger_ms}, @ {LATENCY_RATE:,}/s" + ("" if linger_ms == 0 else " (info)"),
-                sent / send_s, p50=p50, p99=p99, max=mx, unit="ms", reps=[r[0] for r in lat_runs],
-                extra={"received": received, "sent": sent, "all_acknowledged_in_grace": flushed, "grace_s": mode.latency_grace_s,
-                       "p50_per_rep": [r[1] for r in lat_runs], "received_only_p50_ms": got50, "received_only_p99_ms": got99}))
-
-        # One record at a time, each awaited: the round trip of a single produce (info; the floor of the latency).
-        for acks in (1, "all"):
-            producer = Producer(bus, acks=acks, linger_ms=0)
-            for _ in range(10):
-                producer.send(topic, stamped_value()).result(timeout=60)
-            trips = []
-            for _ in range(mode.round_trips):
-                t0 = time.perf_counter()
-                producer.send(topic, stamped_value()).result(timeout=60)
-                trips.append(time.perf_counter() - t0)
-            producer.close()
-            trips_ms = np.array(trips) * 1e3
-            p50, p99 = float(np.percentile(trips_ms, 50)), float(np.percentile(trips_ms, 99))
-            log(f"round trip of one record, acks={acks}: p50 {p50:.1f} ms, p99 {p99:.1f} ms over {len(trips)}  ({load_text()})")
-            results.append(Result(f"round trip of one record (send + result()), acks={acks} (info)", p50=p50, p99=p99,
-                                  max=float(trips_ms.max()), unit="ms", extra={"records": len(trips)}))
-        if producer_actor is not None:
-            ray.kill(producer_actor)
-        ray.kill(consumer_actor)
-        bus.admin.delete_topic(topic)
+            ray.kill(consumer_actor)
+            # The floor: the same hops as bare Ray actor calls, one value at a time (info).
+            consumed_ms, acked_ms = ray_chain_floor(cluster, mode.round_trips)
+            for label, values in (("send -> consumer", consumed_ms), ("send -> producer's reply", acked_ms)):
+                p50, p99 = float(np.percentile(values, 50)), float(np.percentile(values, 99))
+                log(f"ref: bare Ray actor chain, {label}: p50 {p50:.2f} ms, p99 {p99:.2f} ms over {len(values)}  ({load_text()})")
+                results.append(Result(f"ref: bare Ray actor chain of the acks=all hops, one value at a time, {label} (info)",
+                                      p50=p50, p99=p99, max=float(values.max()), unit="ms", extra={"values": len(values)}))
+        if topic is not None:
+            bus.admin.delete_topic(topic)
 
         # ---- 3. leader failover under a steady acks=all workload ---------------------------------------
-        loads["failover"] = load_text()
-        log(f"phase failover: {kills} kills of the leader's node under {WORKLOAD_RATE:,} records/s acks=all ({loads['failover']})")
-        topic = create_topic(bus, "failover")
-        controller = controller_of(bus)
-        controller_pid = ray.get(controller.ping.remote(), timeout=60)
-        workload_bus = logbus.connect(data_dir=data_dir, namespace=namespace)  # its own Bus, traced
-        workload = Workload(workload_bus, topic, WORKLOAD_RATE)
-        kill_rows = []
-        for k in range(kills):
-            recover_t0 = time.monotonic()
-            status = wait_for(lambda: isr_full(bus, topic), RECOVERY_TIMEOUT_S, 0.2, "ISR of 3")
-            # Steady state: the workload is progressing and its producer is keeping up (at most
-            # 300 ms of records unacknowledged), so that (b) measures the failover, not a backlog.
-            # On an overloaded machine that may not come: then kill anyway and record the backlog.
-            base = workload.acked
-            wait_for(lambda: workload.acked > base + WORKLOAD_RATE // 5, RECOVERY_TIMEOUT_S, 0.05, "workload progress")
-            try:
-                wait_for(lambda: workload.backlog <= STEADY_BACKLOG, mode.steady_timeout_s, 0.02, "no backlog")
-                steady = True
-            except TimeoutError:
-                steady = False
-                log(f"kill {k + 1}: the workload's producer is not keeping up ({workload.backlog:,} records unacknowledged "
-                    f"after {mode.steady_timeout_s:.0f}s); killing anyway")
-            recovered_s = time.monotonic() - recover_t0
-            status = leader_status(bus, topic) or status
-            old_epoch = status["leader_epoch"]
-            node = next((n for n in cluster.worker_nodes if n.node_id == status["node_id"]), None)
-            if node is None:
-                raise RuntimeError(f"the leader's node {status['node_id']} is not a worker node of the cluster")
-            pid = status["pid"]
-            backlog_at_kill = workload.backlog
-            _, old_handle = leader_now(bus, topic)
-            old_leader_id = None if old_handle is None else old_handle._actor_id
-            # The kill: freeze the leader process (every second kill, the node's agent first: the
-            # whole node freezes), kill the node's raylet and agents, kill the frozen processes.
-            whole_node = k % 2 == 1
-            frozen = [pid]
-            if whole_node:
-                agent = ray.get_actor(agent_actor_name(status["node_id"]), namespace=namespace)
-                frozen.insert(0, ray.get(agent.ping.remote(), timeout=30))
-            start = time.monotonic()
-            workload.mark(start)
-            for frozen_pid in frozen:
-                os.kill(frozen_pid, signal.SIGSTOP)
-            cluster.remove_node(node, allow_graceful=False)
-            for frozen_pid in frozen:
+        if "failover" in phases:
+            loads["failover"] = load_text()
+            log(f"phase failover: {kills} kills of the leader's node under {WORKLOAD_RATE:,} records/s acks=all ({loads['failover']})")
+            topic = create_topic(bus, "failover")
+            controller = controller_of(bus)
+            controller_pid = ray.get(controller.ping.remote(), timeout=60)
+            workload_bus = logbus.connect(data_dir=data_dir, namespace=namespace)  # its own Bus, traced
+            workload = Workload(workload_bus, topic, WORKLOAD_RATE)
+            kill_rows = []
+            for k in range(kills):
+                recover_t0 = time.monotonic()
+                status = wait_for(lambda: isr_full(bus, topic), RECOVERY_TIMEOUT_S, 0.2, "ISR of 3")
+                # Steady state: the workload is progressing and its producer is keeping up (at most
+                # 300 ms of records unacknowledged), so that (b) measures the failover, not a backlog.
+                # On an overloaded machine that may not come: then kill anyway and record the backlog.
+                base = workload.acked
+                wait_for(lambda: workload.acked > base + WORKLOAD_RATE // 5, RECOVERY_TIMEOUT_S, 0.05, "workload progress")
                 try:
-                    os.kill(frozen_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            removed_s = time.monotonic() - start
-            elected_s = leader_s = None
-            new_epoch = None
-            deadline = start + FAILOVER_TIMEOUT_S
-            while (leader_s is None or workload.first_ack_s is None) and time.monotonic() < deadline:
-                if leader_s is None:
+                    wait_for(lambda: workload.backlog <= STEADY_BACKLOG, mode.steady_timeout_s, 0.02, "no backlog")
+                    steady = True
+                except TimeoutError:
+                    steady = False
+                    log(f"kill {k + 1}: the workload's producer is not keeping up ({workload.backlog:,} records unacknowledged "
+                        f"after {mode.steady_timeout_s:.0f}s); killing anyway")
+                recovered_s = time.monotonic() - recover_t0
+                status = leader_status(bus, topic) or status
+                old_epoch = status["leader_epoch"]
+                node = next((n for n in cluster.worker_nodes if n.node_id == status["node_id"]), None)
+                if node is None:
+                    raise RuntimeError(f"the leader's node {status['node_id']} is not a worker node of the cluster")
+                pid = status["pid"]
+                backlog_at_kill = workload.backlog
+                _, old_handle = leader_now(bus, topic)
+                old_leader_id = None if old_handle is None else old_handle._actor_id
+                # The kill: freeze the leader process (every second kill, the node's agent first: the
+                # whole node freezes), kill the node's raylet and agents, kill the frozen processes.
+                whole_node = k % 2 == 1
+                frozen = [pid]
+                if whole_node:
+                    agent = ray.get_actor(agent_actor_name(status["node_id"]), namespace=namespace)
+                    frozen.insert(0, ray.get(agent.ping.remote(), timeout=30))
+                start = time.monotonic()
+                workload.mark(start)
+                for frozen_pid in frozen:
+                    os.kill(frozen_pid, signal.SIGSTOP)
+                cluster.remove_node(node, allow_graceful=False)
+                for frozen_pid in frozen:
                     try:
-                        raw = ray.get(controller.topic_metadata.remote(topic), timeout=2)
-                        epoch, handle = raw["partitions"][0]["leader_epoch"], raw["partitions"][0]["leader"]
-                        if epoch > old_epoch and handle is not None:
-                            if elected_s is None:
-                                elected_s = time.monotonic() - start
-                            reply = ray.get(handle.status.remote(), timeout=2)
-                            if reply.get("role") == "leader" and reply.get("leader_epoch") == epoch:
-                                leader_s = time.monotonic() - start
-                                new_epoch = epoch
-                    except Exception:  # noqa: BLE001 (busy controller or a replica restarting: poll again)
+                        os.kill(frozen_pid, signal.SIGKILL)
+                    except ProcessLookupError:
                         pass
-                time.sleep(0.02)
-            first_ack = workload.first_ack_s
-            ack_s = None if first_ack is None else first_ack - start
-            producer_steps = workload.trace.summary(start, start + FAILOVER_TIMEOUT_S, old_leader_id, old_epoch)
-            try:
-                pid_now = ray.get(controller.ping.remote(), timeout=30)
-            except Exception as error:  # noqa: BLE001
-                pid_now = repr(error)
-            if pid_now != controller_pid:
-                log(f"kill {k + 1}: the controller restarted (pid {controller_pid} -> {pid_now})")
-                controller_pid = pid_now
-            row = {"kill": k + 1, "whole_node": whole_node, "steady": steady, "backlog_at_kill": backlog_at_kill, "removed_s": removed_s, "elected_s": elected_s, "leader_s": leader_s, "first_ack_s": ack_s,
-                   "old_epoch": old_epoch, "new_epoch": new_epoch, "probes": workload.probes, "waited_before_kill_s": recovered_s,
-                   "producer": producer_steps}
-            kill_rows.append(row)
-            log(f"kill {k + 1}/{kills}: remove_node took {removed_s:.2f}s; controller elected at "
-                f"{fmt(elected_s) or 'n/a '}s, new leader (epoch {old_epoch}->{new_epoch}) at {fmt(leader_s) or 'n/a '}s, "
-                f"first ack at {fmt(ack_s) or 'n/a '}s; {workload.probes:,} records sent after the kill were watched; "
-                f"waited {recovered_s:.1f}s for ISR 3 and a steady workload before the kill  ({load_text()})")
-            log(f"  producer after the kill: {producer_steps}")
-            add_replica_node(cluster)
-            if leader_s is None or ack_s is None:
-                log(f"kill {k + 1}: failover did not complete within {FAILOVER_TIMEOUT_S:.0f}s; stopping the kills")
+                removed_s = time.monotonic() - start
+                elected_s = leader_s = None
+                new_epoch = None
+                deadline = start + FAILOVER_TIMEOUT_S
+                while (leader_s is None or workload.first_ack_s is None) and time.monotonic() < deadline:
+                    if leader_s is None:
+                        try:
+                            raw = ray.get(controller.topic_metadata.remote(topic), timeout=2)
+                            epoch, handle = raw["partitions"][0]["leader_epoch"], raw["partitions"][0]["leader"]
+                            if epoch > old_epoch and handle is not None:
+                                if elected_s is None:
+                                    elected_s = time.monotonic() - start
+                                reply = ray.get(handle.status.remote(), timeout=2)
+                                if reply.get("role") == "leader" and reply.get("leader_epoch") == epoch:
+                                    leader_s = time.monotonic() - start
+                                    new_epoch = epoch
+                        except Exception:  # noqa: BLE001 (busy controller or a replica restarting: poll again)
+                            pass
+                    time.sleep(0.02)
+                first_ack = workload.first_ack_s
+                ack_s = None if first_ack is None else first_ack - start
+                producer_steps = workload.trace.summary(start, start + FAILOVER_TIMEOUT_S, old_leader_id, old_epoch)
                 try:
-                    log(f"  controller: epoch/leader {leader_now(bus, topic)}; replicas: "
-                        f"{ray.get(controller.replica_statuses.remote(topic), timeout=30)[0]}")
+                    pid_now = ray.get(controller.ping.remote(), timeout=30)
                 except Exception as error:  # noqa: BLE001
-                    log(f"  no diagnostics: {error!r}")
-                break
-        if kills:
-            wait_for(lambda: isr_full(bus, topic), RECOVERY_TIMEOUT_S, 0.2, "ISR of 3 after the last kill")
-        acked_seqs, acked_offsets = workload.finish()
-        sent_total, failed, failures = workload.sent, workload.failed, workload.failures
-        failed_seqs = np.array(workload.failed_seqs, np.int64)
-        workload = None
-        check = drain_and_check(bus, topic, acked_seqs, acked_offsets, failed_seqs)
-        check.update(sent=sent_total, failed=failed)
-        log(f"workload: {sent_total:,} sent, {check['acknowledged']:,} acknowledged, {failed:,} failed; drained {check['stored']:,} "
-            f"(high watermark {check['high_watermark']:,}): lost {check['lost']}, at another offset {check['moved']}, "
-            f"duplicates {check['duplicates']}, offsets contiguous {check['offsets_contiguous']}; "
-            f"reported failed to the sender but stored anyway {check['failed_but_stored']}"
-            + (f"; failures e.g. {failures[:2]}" if failures else ""))
-        no_loss = check["lost"] == 0 and check["moved"] == 0 and check["duplicates"] == 0 and check["offsets_contiguous"]
+                    pid_now = repr(error)
+                if pid_now != controller_pid:
+                    log(f"kill {k + 1}: the controller restarted (pid {controller_pid} -> {pid_now})")
+                    controller_pid = pid_now
+                row = {"kill": k + 1, "whole_node": whole_node, "steady": steady, "backlog_at_kill": backlog_at_kill, "removed_s": removed_s, "elected_s": elected_s, "leader_s": leader_s, "first_ack_s": ack_s,
+                       "old_epoch": old_epoch, "new_epoch": new_epoch, "probes": workload.probes, "waited_before_kill_s": recovered_s,
+                       "producer": producer_steps}
+                kill_rows.append(row)
+                log(f"kill {k + 1}/{kills}: remove_node took {removed_s:.2f}s; controller elected at "
+                    f"{fmt(elected_s) or 'n/a '}s, new leader (epoch {old_epoch}->{new_epoch}) at {fmt(leader_s) or 'n/a '}s, "
+                    f"first ack at {fmt(ack_s) or 'n/a '}s; {workload.probes:,} records sent after the kill were watched; "
+                    f"waited {recovered_s:.1f}s for ISR 3 and a steady workload before the kill  ({load_text()})")
+                log(f"  producer after the kill: {producer_steps}")
+                add_replica_node(cluster)
+                if leader_s is None or ack_s is None:
+                    log(f"kill {k + 1}: failover did not complete within {FAILOVER_TIMEOUT_S:.0f}s; stopping the kills")
+                    try:
+                        log(f"  controller: epoch/leader {leader_now(bus, topic)}; replicas: "
+                            f"{ray.get(controller.replica_statuses.remote(topic), timeout=30)[0]}")
+                    except Exception as error:  # noqa: BLE001
+                        log(f"  no diagnostics: {error!r}")
+                    break
+            if kills:
+                wait_for(lambda: isr_full(bus, topic), RECOVERY_TIMEOUT_S, 0.2, "ISR of 3 after the last kill")
+            acked_seqs, acked_offsets = workload.finish()
+            sent_total, failed, failures = workload.sent, workload.failed, workload.failures
+            failed_seqs = np.array(workload.failed_seqs, np.int64)
+            workload = None
+            check = drain_and_check(bus, topic, acked_seqs, acked_offsets, failed_seqs)
+            check.update(sent=sent_total, failed=failed)
+            log(f"workload: {sent_total:,} sent, {check['acknowledged']:,} acknowledged, {failed:,} failed; drained {check['stored']:,} "
+                f"(high watermark {check['high_watermark']:,}): lost {check['lost']}, at another offset {check['moved']}, "
+                f"duplicates {check['duplicates']}, offsets contiguous {check['offsets_contiguous']}; "
+                f"reported failed to the sender but stored anyway {check['failed_but_stored']}"
+                + (f"; failures e.g. {failures[:2]}" if failures else ""))
+            no_loss = check["lost"] == 0 and check["moved"] == 0 and check["duplicates"] == 0 and check["offsets_contiguous"]
 
-        kinds = (("leader frozen first", False), ("whole node frozen", True))
-        for (key, label), (kind, whole_node) in itertools.product(
-            (("leader_s", "(a) new leader"), ("first_ack_s", "(b) first ack after kill")), kinds
-        ):
-            values = [r[key] for r in kill_rows if r["whole_node"] == whole_node]
-            done = [v for v in values if v is not None]
-            if not values:
-                continue
-            p50 = statistics.median([v if v is not None else float("inf") for v in values])
-            mx = max(done) if len(done) == len(values) else float("inf")
+            kinds = (("leader frozen first", False), ("whole node frozen", True))
+            for (key, label), (kind, whole_node) in itertools.product(
+                (("leader_s", "(a) new leader"), ("first_ack_s", "(b) first ack after kill")), kinds
+            ):
+                values = [r[key] for r in kill_rows if r["whole_node"] == whole_node]
+                done = [v for v in values if v is not None]
+                if not values:
+                    continue
+                p50 = statistics.median([v if v is not None else float("inf") for v in values])
+                mx = max(done) if len(done) == len(values) else float("inf")
+                results.append(Result(
+                    f"failover {label}, {len(values)} leader-node kills, {kind}", p50=p50, max=mx, unit="s",
+                    target=f"p50 <= {FAILOVER_P50_TARGET_S:g} s, max <= {FAILOVER_MAX_TARGET_S:g} s",
+                    meets_target=bool(p50 <= FAILOVER_P50_TARGET_S and mx <= FAILOVER_MAX_TARGET_S),
+                    reps=values, extra={"min": min(done) if done else None,
+                                        "kills_without_steady_workload": sum(1 for r in kill_rows if not r["steady"])}))
+            elected = [r["elected_s"] for r in kill_rows if r["elected_s"] is not None]
+            if elected:
+                results.append(Result("failover: controller metadata changed (info)", p50=statistics.median(elected), max=max(elected),
+                                      unit="s", reps=elected))
             results.append(Result(
-                f"failover {label}, {len(values)} leader-node kills, {kind}", p50=p50, max=mx, unit="s",
-                target=f"p50 <= {FAILOVER_P50_TARGET_S:g} s, max <= {FAILOVER_MAX_TARGET_S:g} s",
-                meets_target=bool(p50 <= FAILOVER_P50_TARGET_S and mx <= FAILOVER_MAX_TARGET_S),
-                reps=values, extra={"min": min(done) if done else None,
-                                    "kills_without_steady_workload": sum(1 for r in kill_rows if not r["steady"])}))
-        elected = [r["elected_s"] for r in kill_rows if r["elected_s"] is not None]
-        if elected:
-            results.append(Result("failover: controller metadata changed (info)", p50=statistics.median(elected), max=max(elected),
-                                  unit="s", reps=elected))
-        results.append(Result(
-            "failover workload: acknowledged records lost", None, target="0 lost, 0 duplicates", meets_target=no_loss,
-            extra={**check, "kills": kill_rows, "workload_rate": WORKLOAD_RATE}))
+                "failover workload: acknowledged records lost", None, target="0 lost, 0 duplicates", meets_target=no_loss,
+                extra={**check, "kills": kill_rows, "workload_rate": WORKLOAD_RATE}))
         loads["end"] = load_text()
     except BaseException:
         if workload is not None:
