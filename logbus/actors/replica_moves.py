@@ -31,14 +31,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from typing import Protocol
 
 from logbus.actors import metrics
+from logbus.actors.metadata_host import MetadataHost
 from logbus.actors.placement import SlotReservation, autoscaler_replica_capacity
 from logbus.clock import monotonic_ms
 from logbus.errors import InvalidReassignmentError, NodeCapacityError
-from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
-from logbus.protocol.placement import NodeLoad, plan_drain, plan_rebalance
+from logbus.protocol.cluster_metadata import TopicState
+from logbus.protocol.placement import plan_drain, plan_rebalance
 from logbus.protocol.replica_moves import (
     check_assignments_form,
     check_reassignments,
@@ -54,47 +54,17 @@ PREFERRED_LEADER_CHECK_MS = 300_000  # leaders go back to their preferred replic
 OFFSETS_CALL_TIMEOUT_S = 10.0  # a replica that does not report its offsets in this long shows no progress
 
 
-class MoveHost(Protocol):
+class MoveHost(MetadataHost):
     """What moving replicas needs of the controller."""
-
-    metadata: ClusterMetadata
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        """Held around every metadata change."""
-
-    async def refresh_nodes(self) -> None:
-        """Look through Ray's nodes now (nodes just added, hosts to check)."""
-
-    def live_nodes(self) -> list[str]:
-        """The nodes that may host replicas now."""
 
     def knows_node(self, node_id: str) -> bool:
         """Whether ``node_id`` is a live node or in the node table."""
 
-    def loads(self) -> list[NodeLoad]:
-        """What placement knows of the live nodes, draining ones left out."""
-
-    def metadata_changed(self) -> None:
-        """Persist the metadata, and send every node whose fence epochs changed its new table. Under the lock."""
-
-    def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
-        """A replica's actor handle, created if needed; ReplicaNotAvailableError when its node is away."""
-
-    def handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
-        """A replica's actor handle, or None when it has none or its node is away."""
-
     def start_agent(self, node_id: str) -> None:
         """Start the node agent of ``node_id`` if it has none; ReplicaNotAvailableError when the node is away."""
 
-    async def start_partition(self, topic: TopicState, partition: int) -> None:
-        """Start a partition's replica actors, fence its epoch, and tell each its role."""
-
     async def announce_fenced(self, topic: TopicState, partition: int) -> None:
         """Tell a partition's replicas its leader once its epoch is fenced (never raises)."""
-
-    async def check_partitions(self, partitions: set[tuple[str, int]]) -> object:
-        """Elect where a leader is missing or gone, replace replicas long gone."""
 
     async def retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]]) -> None:
         """End replicas (topic, partition, replica id, node id): their files, actors and fence entries."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol
 
+from logbus.actors.metadata_host import MetadataHost
 from logbus.actors.placement import SlotReservation, autoscaler_replica_capacity
 from logbus.actors.remote import unwrap
 from logbus.errors import (
@@ -30,51 +30,20 @@ from logbus.errors import (
     NodeCapacityError,
     RequestTimedOutError,
 )
-from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
+from logbus.protocol.cluster_metadata import TopicState
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
 from logbus.protocol.messages import PartitionInfo, TopicDescription, TopicPartition
-from logbus.protocol.placement import NodeLoad
 
 TOPIC_DELETE_TIMEOUT_S = 600.0  # a deleted topic's replica deleting its files (a large log, a cleaning to stop)
 LEADER_CALL_TIMEOUT_S = 60.0  # a leader that does not answer delete_records in this long: RequestTimedOutError
 OFFSETS_CALL_TIMEOUT_S = 10.0  # a leader that does not report its offsets in this long shows -1 in a description
 
 
-class TopicAdminHost(Protocol):
+class TopicAdminHost(MetadataHost):
     """What topic administration needs of the controller."""
-
-    metadata: ClusterMetadata
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        """Held around every metadata change."""
-
-    async def refresh_nodes(self) -> None:
-        """Look through Ray's nodes now (nodes just added, hosts to check)."""
-
-    def live_nodes(self) -> list[str]:
-        """The nodes that may host replicas now."""
-
-    def loads(self) -> list[NodeLoad]:
-        """What placement knows of the live nodes, draining ones left out."""
-
-    def metadata_changed(self) -> None:
-        """Persist the metadata, and send every node whose fence epochs changed its new table. Under the lock."""
-
-    def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
-        """A replica's actor handle, created if needed; ReplicaNotAvailableError when its node is away."""
-
-    def handle_or_none(self, topic: TopicState, partition: int, replica_id: int | None):
-        """A replica's actor handle, or None when it has none or its node is away."""
 
     def leader_handle(self, topic: str, partition: int):
         """A partition's leader's handle; UnknownTopicError, or LeaderNotAvailableError while it has none."""
-
-    async def start_partition(self, topic: TopicState, partition: int) -> None:
-        """Start a partition's replica actors, fence its epoch, and tell each its role."""
-
-    async def check_partitions(self, partitions: set[tuple[str, int]]) -> object:
-        """Elect where a leader is missing or gone, replace replicas long gone."""
 
     async def retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float) -> None:
         """End replicas (topic, partition, replica id, node id): their files (within ``delete_timeout_s``), actors, fence entries."""
