@@ -114,16 +114,78 @@ def data_dir(tmp_path):
     return str(path)
 
 
-@pytest.fixture
-def bus(ray_session, data_dir):
-    """A logbus cluster of its own (namespace and data dir) for one test."""
+def own_bus(data_dir: str):
+    """Connect a logbus cluster of its own (namespace and data directory)."""
     import logbus
 
     start_ray()  # a test may have restarted Ray
-    connected = logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
-    yield connected
+    return logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture(scope="module")
+def module_bus_state(ray_session, tmp_path_factory):
+    """The logbus cluster that a module's tests share (see ``bus``): [bus or None], started on first use."""
+    state: list = [None]
+    yield state
+    if state[0] is not None and ray_session.is_initialized():
+        close_bus(state[0])
+
+
+def _shared_bus(state: list, tmp_path_factory):
+    """The module's shared cluster, started now if it is not yet, or again if a test ended its controller."""
+    import ray
+
+    bus = state[0]
+    if bus is not None:
+        try:
+            ray.get(bus.controller.ping.remote(), timeout=60)
+            return bus
+        except Exception:  # noqa: BLE001 (a test killed it for good: start another)
+            close_bus(bus)
+    state[0] = own_bus(str(tmp_path_factory.mktemp("shared-data")))
+    return state[0]
+
+
+def _tidy_shared_bus(bus, topics_before: set[str], groups_before: set[str]) -> None:
+    """Delete the topics and groups a test made on the shared cluster, so the next test starts as it did."""
+    import ray
+
+    try:
+        for group in {g[0] for g in ray.get(bus.controller.list_groups.remote(), timeout=60)} - groups_before:
+            try:
+                ray.get(bus.controller.delete_group.remote(group), timeout=60)
+            except Exception:  # noqa: BLE001 (a group with live members: it stays, harmlessly)
+                pass
+        for topic in set(ray.get(bus.controller.list_topics.remote(), timeout=60)) - topics_before:
+            ray.get(bus.controller.delete_topic.remote(topic), timeout=120)
+            bus.forget(topic)
+    except Exception:  # noqa: BLE001 (a cluster the test broke: the next test gets a new one)
+        close_bus(bus)
+
+
+@pytest.fixture
+def bus(request, ray_session, module_bus_state, tmp_path_factory):
+    """A logbus cluster for one test.
+
+    Tests of a module share one cluster (a controller and a node agent are a Ray worker process
+    each to start, which every test paid): each test makes topics and groups of its own, and they
+    are deleted when it ends. A test that asks for ``data_dir`` (it looks at the files), or that is
+    marked ``own_bus`` (it changes the cluster as a whole), gets a cluster of its own.
+    """
+    import ray
+
+    if "data_dir" in request.fixturenames or request.node.get_closest_marker("own_bus"):
+        connected = own_bus(request.getfixturevalue("data_dir"))
+        yield connected
+        if ray_session.is_initialized():
+            close_bus(connected)
+        return
+    shared = _shared_bus(module_bus_state, tmp_path_factory)
+    topics_before = set(ray.get(shared.controller.list_topics.remote(), timeout=60))
+    groups_before = {g[0] for g in ray.get(shared.controller.list_groups.remote(), timeout=60)}
+    yield shared
     if ray_session.is_initialized():
-        close_bus(connected)
+        _tidy_shared_bus(shared, topics_before, groups_before)
 
 
 @pytest.fixture(scope="session")

@@ -327,6 +327,7 @@ def test_controller_kill_pauses_consumers_and_keeps_committed_offsets(bus, topic
     assert assert_healed(bus, topic_name) == {0: 3000, 1: 3000}
 
 
+@pytest.mark.own_bus  # it checks that the internal topic is not there yet
 def test_a_groups_first_join_creates_the_offsets_topic_before_any_commit(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=1)
     with logbus.Producer(bus) as producer:
