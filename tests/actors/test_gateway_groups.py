@@ -760,6 +760,7 @@ def kafka_decode(data: bytes, fields, flexible_from: int | None = None) -> dict:
     return out
 
 
+@pytest.mark.own_bus  # it reads __consumer_offsets from its start: other tests' deleted groups left tombstones
 def test_consumer_offsets_is_there_from_the_start_and_reads_with_kafkas_schemas(bus, gateway, topic_name):
     import confluent_kafka as ck
     from kafka import KafkaConsumer
