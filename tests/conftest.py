@@ -233,18 +233,5 @@ def run_order(item) -> tuple[int, int]:
     return (2, 0)
 
 
-# LOGBUS_TESTS=ray-free or =ray keeps only that part of what was collected: ./dev test runs the
-# Ray-free part in a process of its own, at the lowest CPU priority, beside the part that uses Ray.
-TEST_PARTS = {"ray-free": lambda item: run_order(item)[0] == 0, "ray": lambda item: run_order(item)[0] != 0}
-
-
 def pytest_collection_modifyitems(config, items):
-    part = os.environ.get("LOGBUS_TESTS")
-    if part:
-        if part not in TEST_PARTS:
-            raise pytest.UsageError(f"LOGBUS_TESTS must be one of {sorted(TEST_PARTS)}, not {part!r}")
-        deselected = [item for item in items if not TEST_PARTS[part](item)]
-        if deselected:
-            config.hook.pytest_deselected(items=deselected)
-            items[:] = [item for item in items if TEST_PARTS[part](item)]
     items.sort(key=run_order)  # stable: files keep their order within each group
