@@ -597,7 +597,11 @@ class Controller:
         if not node.ready:
             return {"wait": True}
         if ray_node_id is not None and ray_node_id != node.ray_node_id:
-            return {"stale": True}
+            # An agent on a Ray node the node left is stale: the host joined again elsewhere. One on a Ray
+            # node the node is not on yet waits: a host that joined again, whose agent (started for the
+            # host's check) heartbeats before the node is moved there. Told "stale", it stopped for good,
+            # and the node lost its lease right after the move.
+            return {"stale": True} if ray_node_id in node.past_ray_nodes else {"wait": True}
         renewal = self._table.renew(node, incarnation, down, version, now)
         # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
         # its replicas may lead partitions that have no leader (a controller restart, say).

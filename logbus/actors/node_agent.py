@@ -35,8 +35,11 @@ Identity. An agent runs on one Ray node (its actor name and its files are
 the Ray node's) and speaks for one logbus node: the host's identity, which
 outlives its Ray nodes (``placement.py``). Its heartbeats name both; the
 controller renews a node's lease only from the agent on the Ray node it maps
-the node to now, and answers any other ``stale``: that agent revokes its
-lease (its leaders stop) and stops heartbeating. ``identify`` reads the
+the node to now. It answers an agent on a Ray node the node left ``stale``:
+that agent revokes its lease (its leaders stop) and stops heartbeating. An
+agent on a Ray node the node is not on yet (a host that joined again, its
+agent heartbeating before the controller has moved the node there) is
+answered ``wait``: no renewal, and it goes on heartbeating. ``identify`` reads the
 host's data directory and records the cluster's id there, before the
 controller places anything on the node.
 """
