@@ -1,4 +1,4 @@
-"""Shared fixtures: one Ray session per test run (started on first use), a fresh bus per test.
+"""Shared fixtures: one Ray session per test run (started on first use), one logbus cluster per test module (see ``bus``).
 
 tests/storage and tests/protocol never request these, so they run without Ray.
 """
