@@ -1,4 +1,4 @@
-"""The controller serves the interfaces its parts are written against (MetadataHost, MoveHost, TopicAdminHost, GroupHost, TransactionHost).
+"""The controller serves the interfaces its parts are written against (MetadataHost, MoveHost, TopicAdminHost, NodeHost, GroupHost, TransactionHost).
 
 The parts call the controller only through these Protocols; a member the
 controller lacks, or has with other parameters or as a plain function where
@@ -12,6 +12,7 @@ import inspect
 
 import pytest
 
+from logbus.actors.cluster_nodes import NodeHost
 from logbus.actors.controller import Controller
 from logbus.actors.group_service import GroupHost
 from logbus.actors.metadata_host import MetadataHost
@@ -19,7 +20,7 @@ from logbus.actors.replica_moves import MoveHost
 from logbus.actors.topic_admin import TopicAdminHost
 from logbus.actors.transaction_service import TransactionHost
 
-HOSTS = [MetadataHost, MoveHost, TopicAdminHost, GroupHost, TransactionHost]
+HOSTS = [MetadataHost, MoveHost, TopicAdminHost, NodeHost, GroupHost, TransactionHost]
 
 
 def members(protocol) -> dict[str, object]:
