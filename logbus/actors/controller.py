@@ -51,6 +51,12 @@ forwards the agents' heartbeats and its looks at Ray's nodes to it, reads its
 node table for fences, elections and placement, and serves it the small
 :class:`~logbus.actors.cluster_nodes.NodeHost` interface.
 
+What clients, gateways and tools read (topic metadata, the gateway's view,
+replica statuses, the nodes) and the security records kept in the metadata
+(SCRAM credentials, ACLs, producer ids) are the
+:class:`~logbus.actors.client_metadata.ClientMetadata`'s, over the small
+:class:`~logbus.actors.client_metadata.ClientHost` interface.
+
 Topic administration (create, delete, describe, partitions, configs,
 delete_records) is the :class:`~logbus.actors.topic_admin.TopicAdmin`'s, and
 moving replicas (reassignments, drains, rebalancing, preferred leaders) the
@@ -81,6 +87,7 @@ import ray
 
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
+from logbus.actors.client_metadata import ClientMetadata
 from logbus.actors.cluster_nodes import ClusterNodes
 from logbus.actors.group_service import GroupService
 from logbus.actors.transaction_service import TransactionService
@@ -109,7 +116,6 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from logbus.invariant import check
-from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
@@ -119,7 +125,6 @@ from logbus.protocol.placement import NodeLoad
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
-from logbus.storage.names import validate_topic_name
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +134,6 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
-REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
@@ -197,7 +201,7 @@ class Controller:
         if self.metadata.upgraded_from is not None:
             # Written again at once in the current format: its node ids (Ray node ids then) stay what they
             # name, nodes without a logbus label; the cluster id is new (placement.py, cluster_metadata.py).
-            self._persist()
+            self.persist()
             logger.info("metadata.json upgraded from version %d: cluster id %s", self.metadata.upgraded_from, self.metadata.cluster_id)
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
         # The nodes: agents, leases, epoch tables, pruning, which Ray node each is (cluster_nodes.py).
@@ -220,6 +224,7 @@ class Controller:
         self.moves = ReplicaMoves(self, self._calls)  # reassignments, drains, rebalancing, preferred leaders
         self.admin = TopicAdmin(self, self.groups.topics_changed)  # topics: create, delete, describe, partitions, configs
         self.transactions = TransactionService(self, self.groups)
+        self.client = ClientMetadata(self, self.cluster_nodes, self.moves)  # what clients and tools read; SCRAM, ACLs, producer ids
         # From here on a broken invariant ends this process, and Ray starts it again from its files
         # (invariant_exit.py); one found while they load is raised from here (a failed start).
         exit_on_violation("controller")
@@ -234,13 +239,14 @@ class Controller:
         except FileNotFoundError:
             return ClusterMetadata()
 
-    def _persist(self) -> None:
+    def persist(self) -> None:
+        """Write the metadata to its file now (atomically)."""
         write_atomically(os.path.join(self._metadata_dir, METADATA_FILE), self.metadata.to_json())
 
     def metadata_changed(self) -> None:
         """After a change to the replicas or epochs (under the lock): persist the metadata, then send every
         node whose fence epochs changed its new table."""
-        self._persist()
+        self.persist()
         for node in self.cluster_nodes.reindex():
             self.cluster_nodes.push_epochs(node)
 
@@ -270,7 +276,7 @@ class Controller:
     async def _restore(self) -> None:
         await self.refresh_nodes()
         if self.metadata.reassign_dead_nodes(self._host_map.live_nodes()):
-            self._persist()
+            self.persist()
             self.cluster_nodes.reindex()
         for node in self._table.nodes():
             if node.ready:
@@ -613,7 +619,7 @@ class Controller:
             before = len(self.metadata.topics[topic].partitions[partition].isr)
             accepted = self.metadata.alter_isr(topic, partition, leader, leader_epoch, isr)
             if accepted is not None:
-                self._persist()
+                self.persist()
                 metrics.isr_changed(before, len(accepted))
                 self._export_health()
                 self.moves.isr_changed(topic, partition)
@@ -880,19 +886,12 @@ class Controller:
         await self._ready()
         return await self.moves.elect_preferred_leaders(topics, partitions)
 
-    # --- metadata for clients --------------------------------------------------------------------------
+    # --- metadata for clients, security records, status: forwarded to ClientMetadata ------------------
 
     async def topic_metadata(self, name: str) -> dict:
         """What producers and consumers need: config and, per partition, the leader's handle and epoch."""
         await self._ready()
-        validate_topic_name(name)
-        topic = self.metadata.topic(name)
-        partitions = []
-        for p, state in enumerate(topic.partitions):
-            # A leader on a node away now (for the moments before its lease runs out) is no leader to clients.
-            handle = self.handle_or_none(topic, p, state.leader)
-            partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
-        return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+        return self.client.topic_metadata(name)
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
         """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``
@@ -901,157 +900,60 @@ class Controller:
         replicas' nodes; and the nodes hosting replicas whose leases ran out (``dead_nodes``). Nodes
         here are the Ray nodes they are on now (a gateway is a Ray node's), a node away none."""
         await self._ready()
-        topics = {}
-        for name in (await self.list_topics(include_internal=True)) if names is None else names:
-            topic = self.metadata.topics.get(name)
-            if topic is None:
-                topics[name] = None
-                continue
-            partitions = []
-            for p, state in enumerate(topic.partitions):
-                leader = state.leader
-                handle = self.handle_or_none(topic, p, leader)
-                partitions.append({
-                    "leader": handle,
-                    "leader_epoch": state.leader_epoch,
-                    "leader_node": self._host_map.ray_node_of(state.nodes.get(str(leader))) if handle is not None else None,
-                    "replica_nodes": [n for r in state.replicas if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
-                    "isr_nodes": [n for r in state.isr if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
-                })
-            topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
-        now = monotonic_ms()
-        return {"topics": topics, "dead_nodes": self._table.dead_ray_nodes(now), "acl_version": self.metadata.acl_version}
+        return await self.client.gateway_metadata(names)
 
     async def scram_credential(self, user: str, mechanism: str) -> dict | None:
         """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
         await self._ready()
-        return self.metadata.scram_credential(user, mechanism)
+        return self.client.scram_credential(user, mechanism)
 
     async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
         """Set each (user, mechanism, credential) of ``upserts``, then delete each (user, mechanism or
         None for all) of ``deletions``; durable before this returns. Per deletion, whether it found one."""
         await self._ready()
-        async with self.lock:
-            for user, mechanism, credential in upserts:
-                self.metadata.set_scram_credential(user, mechanism, credential)
-            found = [self.metadata.delete_scram_credential(user, mechanism) for user, mechanism in deletions]
-            self._persist()
-        return found
+        return await self.client.alter_scram_credentials(upserts, deletions)
 
     async def scram_users(self) -> dict[str, dict[str, int]]:
         """user -> mechanism -> iterations of every SCRAM credential (never the credential itself)."""
         await self._ready()
-        return self.metadata.scram_users()
-
-    # --- ACLs (the Kafka gateway's authorizer) ------------------------------------------------------
+        return self.client.scram_users()
 
     async def create_acls(self, bindings: list[dict]) -> int:
         """Add ACL bindings (AclBinding.to_dict each); durable before this returns. How many were new."""
         await self._ready()
-        parsed = [AclBinding.of(b) for b in bindings]
-        async with self.lock:
-            added = self.metadata.create_acls(parsed)
-            if added:
-                self._persist()
-        return added
+        return await self.client.create_acls(bindings)
 
     async def describe_acls(self, acl_filter: dict | None = None) -> list[dict]:
         """The ACL bindings an AclFilter (as its to_dict; None: every binding) matches."""
         await self._ready()
-        return [b.to_dict() for b in self.metadata.describe_acls(AclFilter.of(acl_filter))]
+        return self.client.describe_acls(acl_filter)
 
     async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
         """Delete the bindings each filter matches; per filter, the bindings it deleted. Durable before this returns."""
         await self._ready()
-        parsed = [AclFilter.of(f) for f in filters]
-        async with self.lock:
-            deleted = self.metadata.delete_acls(parsed)
-            if any(deleted):
-                self._persist()
-        return [[b.to_dict() for b in found] for found in deleted]
+        return await self.client.delete_acls(filters)
 
     async def acls(self, known_version: int = -1) -> tuple[int, list[dict] | None]:
         """(the ACLs' version, every binding), or (version, None) when ``known_version`` is current: what a gateway loads."""
         await self._ready()
-        version = self.metadata.acl_version
-        return version, (None if version == known_version else list(self.metadata.acls))
+        return self.client.acls(known_version)
 
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
         await self._ready()
-        async with self.lock:
-            producer_id = self.metadata.allocate_producer_id()
-            self._persist()
-        return producer_id
+        return await self.client.allocate_producer_id()
 
     async def replica_statuses(self, name: str) -> list[list[dict]]:
         """Every replica's own view (role, epoch, offsets, bytes fetched as follower, last recovery): for
         `logbus status` and tools. The controller adds its ``node`` (``node_id`` is the replica's Ray
         node) and ``directory`` (None while its node was not seen), also to a replica that did not answer."""
         await self._ready()
-        topic = self.metadata.topic(name)
-
-        async def status(p: int, r: int):
-            return await asyncio.wait_for(self.replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S)
-
-        # Every replica is asked at once: one that does not answer costs its 5 s once, not once per partition.
-        asked = [(p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        found = await asyncio.gather(*(status(p, r) for p, r in asked), return_exceptions=True)
-        out: list[list[dict]] = [[] for _ in topic.partitions]
-        for (p, r), f in zip(asked, found):
-            node = self._node_entry(topic.partitions[p].nodes[str(r)])
-            where = {"node": node.node_id, "directory": self._replica_directory(node, name, p, r) if node.ready else None}
-            out[p].append({**f, **where} if isinstance(f, dict) else {"replica_id": r, "error": repr(f), **where})
-        return out
+        return await self.client.replica_statuses(name)
 
     async def nodes(self) -> list[dict]:
         """Every node that may host replicas: its replicas, leaders, replica limit, lease state (`logbus status`)."""
         await self._ready()
-        counts: dict[str, int] = collections.Counter()
-        leaders: dict[str, int] = collections.Counter()
-        for topic in self.metadata.topics.values():
-            for state in topic.partitions:
-                for r in state.replicas:
-                    counts[state.nodes[str(r)]] += 1
-                if state.leader is not None:
-                    leaders[state.nodes[str(state.leader)]] += 1
-        await self.refresh_nodes()
-        usable = self._host_map.usable()
-        limits = {host.node_id: host.limit for host in usable}
-        now = monotonic_ms()
-        # Bytes from the leaders' own view, memory from each node's agent: asked now, concurrently.
-        sizes: dict[str, int] = collections.Counter()
-        statuses = await asyncio.gather(*(self.replica_statuses(name) for name in list(self.metadata.topics)), return_exceptions=True)
-        for found in statuses:
-            for replicas in found if isinstance(found, list) else []:
-                for status in replicas:
-                    if "size_bytes" in status:
-                        sizes[status["node"]] += status["size_bytes"]
-        agents = [(n, n.agent) for n in self._table.nodes() if n.agent is not None]
-        usage = await asyncio.gather(*(asyncio.wait_for(a.usage.remote(), 10) for _, a in agents), return_exceptions=True)
-        memory = {n.node_id: u.get("uss_mean_bytes") for (n, _), u in zip(agents, usage) if isinstance(u, dict)}
-        out = []
-        for node_id in sorted(set(limits) | set(counts)):
-            node = self._table.get(node_id)
-            out.append({
-                "bytes": sizes.get(node_id, 0),
-                "memory_per_replica_bytes": memory.get(node_id),
-                "node_id": node_id,
-                "replicas": counts.get(node_id, 0),
-                "leaders": leaders.get(node_id, 0),
-                "max_replicas": limits.get(node_id),
-                "alive": node_id in limits and (node is None or node.agent is None or self._table.alive(node_id, now)),
-                "replicas_down": len(node.down) if node is not None else 0,
-                "draining": node_id in self.moves.draining,
-                "ray_node_id": node.ray_node_id if node is not None else self._host_map.ray_node_of(node_id),
-                "data_dir": (node.data_dir if node is not None else None) or self.data_dir,
-            })
-        # Hosts refused (another cluster's data directory): listed with the reason, never used.
-        for ray_node_id, refused in self._host_map.refused_live():
-            out.append({"bytes": 0, "memory_per_replica_bytes": None, "node_id": refused.node_id, "replicas": 0, "leaders": 0,
-                        "max_replicas": None, "alive": False, "replicas_down": 0, "draining": False,
-                        "ray_node_id": ray_node_id, "data_dir": None, "refused": refused.error})
-        return out
+        return await self.client.nodes()
 
     async def call_counts(self) -> dict[str, int]:
         """How many calls of each kind this controller served since it started (for `logbus status`),

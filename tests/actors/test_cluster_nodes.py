@@ -1,4 +1,4 @@
-"""The nodes' epoch tables as the controller derives them from its metadata, and ClusterNodes's use of its host. No Ray is started.
+"""The nodes' epoch tables as the controller derives them from its metadata. No Ray is started.
 
 Every replica the metadata names is in exactly one epoch table, its node's,
 with its partition's current leader epoch; a node hosting nothing has no
@@ -8,14 +8,10 @@ the replica index names each replica's (topic, partition, replica id).
 
 from __future__ import annotations
 
-import ast
-import inspect
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logbus.actors import cluster_nodes
-from logbus.actors.cluster_nodes import NodeHost, epoch_tables
+from logbus.actors.cluster_nodes import epoch_tables
 from logbus.actors.lease_files import replica_file_name
 from logbus.protocol.cluster_metadata import ClusterMetadata
 from logbus.protocol.node_table import NodeTable
@@ -70,23 +66,8 @@ def test_every_replica_is_in_exactly_one_table_and_the_index_names_it(topics):
         for t in metadata.topics.values() for p, state in enumerate(t.partitions) for r in state.replicas
     }
     assert len(expected) == sum(p * f for p, f in topics)
-    assert {name: key for name, key in by_name.items()} == {name: e[:3] for name, e in expected.items()}
+    assert by_name == {name: e[:3] for name, e in expected.items()}
     placed = [(name, node, epoch) for node, table in tables.items() for name, epoch in table.items()]
     assert sorted(placed) == sorted((name, e[3], e[4]) for name, e in expected.items())
     assert all(tables.values())  # no empty table: a node hosting nothing has none
 
-
-def test_cluster_nodes_reaches_the_controller_only_through_node_host():
-    """Every ``self._host.X`` or ``host.X`` in ClusterNodes is a member of NodeHost (which the controller
-    is checked to have, tests/actors/test_controller_parts.py)."""
-    declared = {name for name in vars(NodeHost) if not name.startswith("_")} | set(NodeHost.__annotations__)
-    used = set()
-    for node in ast.walk(ast.parse(inspect.getsource(cluster_nodes.ClusterNodes))):
-        if isinstance(node, ast.Attribute):
-            base = node.value
-            if isinstance(base, ast.Name) and base.id == "host":
-                used.add(node.attr)
-            elif isinstance(base, ast.Attribute) and base.attr == "_host" and isinstance(base.value, ast.Name) and base.value.id == "self":
-                used.add(node.attr)
-    assert used, "the source walk found no host use"
-    assert used <= declared, f"ClusterNodes uses {sorted(used - declared)} of its host outside NodeHost"
