@@ -9,13 +9,14 @@ the events a node's state starts (elections for its replicas' partitions,
 role changes sent again, a drain forgotten).
 
 The decisions are pure and tested without Ray: leases, epoch table
-versions, fences and pruning are ``protocol/node_table.py``'s
-(:class:`NodeTable`), which Ray node each node is ``protocol/host_map.py``'s
-(:class:`HostMap`), and each node's epoch table comes from the metadata by
-:func:`epoch_tables` here. :class:`ClusterNodes` makes the Ray calls around
-them: it starts node agents, pushes epoch tables to them and stops them,
-checks a host's identity through an agent there, and kills the actors a node
-leaves behind when it moves to another Ray node.
+versions, fences, pruning and what a heartbeat starts are
+``protocol/node_table.py``'s (:class:`NodeTable`, ``follow_up``), which Ray
+node each node is ``protocol/host_map.py``'s (:class:`HostMap`), and each
+node's epoch table comes from the metadata by :func:`epoch_tables` here.
+:class:`ClusterNodes` makes the Ray calls around them: it starts node
+agents, pushes epoch tables to them and stops them, checks a host's identity
+through an agent there, and kills the actors a node leaves behind when it
+moves to another Ray node.
 
 Every method runs on the controller's event loop (nothing here is
 thread-safe). The controller reads the table and the host map too: fences,
@@ -39,7 +40,7 @@ from logbus.clock import monotonic_ms
 from logbus.errors import InconsistentClusterIdError, NodeIdentityError, ReplicaNotAvailableError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.host_map import HostMap, Identity
-from logbus.protocol.node_table import Node, NodeTable
+from logbus.protocol.node_table import Node, NodeTable, follow_up
 
 logger = logging.getLogger(__name__)
 
@@ -217,19 +218,17 @@ class ClusterNodes:
         if ray_node_id is not None and ray_node_id != node.ray_node_id:
             return {"stale": True}
         renewal = self.table.renew(node, incarnation, down, version, now)
+        if renewal.revived_after_ms is not None:
+            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)
         # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
         # its replicas may lead partitions that have no leader (a controller restart, say).
-        returned, changed = renewal.returned, set(renewal.changed)
-        revived = renewal.revived_after_ms is not None
-        if revived:
-            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)
-        if revived or returned:
+        then = follow_up(renewal, node.epochs)
+        if then.resend_all:
             host.resend_roles(node_id, now)  # role changes it missed are sent again now
-        elif renewal.up:
-            host.retry_roles((self.by_name[n] for n in renewal.up if n in self.by_name), now)
-        if revived or returned or changed:
-            names = set(node.epochs) if revived or returned else changed
-            host.spawn(self.check_replicas(names), "checking replicas")
+        elif then.retry:
+            host.retry_roles((self.by_name[n] for n in then.retry if n in self.by_name), now)
+        if then.check is not None:
+            host.spawn(self.check_replicas(set(then.check)), "checking replicas")
         current = version is not None and list(version) == node.version
         return {"version": node.version, "epochs": None if current else dict(node.epochs)}
 
