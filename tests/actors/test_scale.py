@@ -22,6 +22,10 @@ from logbus.storage import encode_batch
 from tests.conftest import close_bus, wait_for
 from tests.healing import assert_healed
 
+# Each test counts the controller's calls and heartbeat links from its start, and stops the controller:
+# a cluster of its own each (counters a shared one carried over passed a wait before its heartbeats came).
+pytestmark = pytest.mark.own_bus
+
 WINDOW_HEARTBEATS = 15  # a window of this many node heartbeats (5 a second: 3 s on an idle machine)
 
 
