@@ -44,6 +44,19 @@ the controller forwards the group RPCs to it and serves it the small
 :class:`~logbus.actors.group_service.GroupHost` interface (partition counts,
 leaders, the internal topic).
 
+The nodes' agents, leases, the epoch tables pushed to them, pruning and
+which Ray node each node is are the
+:class:`~logbus.actors.cluster_nodes.ClusterNodes`'s: the controller
+forwards the agents' heartbeats and its looks at Ray's nodes to it, reads its
+node table for fences, elections and placement, and serves it the small
+:class:`~logbus.actors.cluster_nodes.NodeHost` interface.
+
+What clients, gateways and tools read (topic metadata, the gateway's view,
+replica statuses, the nodes) and the security records kept in the metadata
+(SCRAM credentials, ACLs, producer ids) are the
+:class:`~logbus.actors.client_metadata.ClientMetadata`'s, over the small
+:class:`~logbus.actors.client_metadata.ClientHost` interface.
+
 Topic administration (create, delete, describe, partitions, configs,
 delete_records) is the :class:`~logbus.actors.topic_admin.TopicAdmin`'s, and
 moving replicas (reassignments, drains, rebalancing, preferred leaders) the
@@ -74,50 +87,44 @@ import ray
 
 from logbus.actors import group_service as groups_module
 from logbus.actors import metrics, ray_auth
+from logbus.actors.client_metadata import ClientMetadata
+from logbus.actors.cluster_nodes import ClusterNodes
 from logbus.actors.group_service import GroupService
 from logbus.actors.transaction_service import TransactionService
 from logbus.actors.heartbeat_link import HeartbeatServer
 from logbus.actors.invariant_exit import exit_on_violation
 from logbus.actors.lease_files import replica_file_name
 from logbus.actors.logs import configure_logging
-from logbus.actors.node_agent import start_agent
 from logbus.actors.partition_replica import start_replica
 from logbus.actors.placement import (
     HEAD_NODE_RESOURCE,
     REPLICA_NODE_RESOURCE,
     SlotReservation,
     replica_directory,
-    replica_hosts,
     reserve_replica_slots,
     uses_replica_slots,
 )
-from logbus.actors.remote import unwrap
 from logbus.actors.replica_moves import ReplicaMoves
 from logbus.actors.topic_admin import TopicAdmin
 from logbus.clock import monotonic_ms
 from logbus.errors import (
     DataDirectoryInUseError,
-    InconsistentClusterIdError,
     InvalidTopicError,
     LeaderNotAvailableError,
     NodeCapacityError,
-    NodeIdentityError,
     ReplicaNotAvailableError,
     UnknownTopicError,
 )
 from logbus.invariant import check
-from logbus.protocol.acl import AclBinding, AclFilter
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.elections import LeaderlessWatch, RoleDeliveries, electable, needs_election
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC
-from logbus.protocol.host_map import HostMap, Identity
 from logbus.protocol.messages import TopicDescription
-from logbus.protocol.node_table import Node, NodeTable
+from logbus.protocol.node_table import Node
 from logbus.protocol.placement import NodeLoad
 from logbus.storage.dir_lock import DirectoryLock
 from logbus.storage.files import write_atomically
 from logbus.storage.log_config import LogConfig
-from logbus.storage.names import validate_topic_name
 
 logger = logging.getLogger(__name__)
 
@@ -127,16 +134,12 @@ METADATA_FILE = "metadata.json"
 OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner.lock.json
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
-REPLICA_STATUS_TIMEOUT_S = 5.0  # a replica that does not answer a status question in this long shows as an error
 CONTROL_LOOP_INTERVAL_S = 0.1
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
-REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
 FENCE_POLL_S = 0.01
 ROLE_CALL_TIMEOUT_S = 5.0  # a become_leader / become_follower not answered in this long is sent again (RoleDeliveries)
-NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
-IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
 
 check(groups_module.LONG_POLLS_MAX <= CONTROLLER_MAX_CONCURRENCY // 2,
       "held group calls must leave at least half of the controller's concurrency to other calls")
@@ -198,11 +201,12 @@ class Controller:
         if self.metadata.upgraded_from is not None:
             # Written again at once in the current format: its node ids (Ray node ids then) stay what they
             # name, nodes without a logbus label; the cluster id is new (placement.py, cluster_metadata.py).
-            self._persist()
+            self.persist()
             logger.info("metadata.json upgraded from version %d: cluster id %s", self.metadata.upgraded_from, self.metadata.cluster_id)
         self._replicas: dict[tuple[str, int, int], ray.actor.ActorHandle] = {}
-        self._table = NodeTable(self._incarnation, monotonic_ms())  # the nodes: leases, epoch tables, pruning
-        self._by_name: dict[str, tuple[str, int, int]] = {}  # replica file name -> (topic, partition, replica id)
+        # The nodes: agents, leases, epoch tables, pruning, which Ray node each is (cluster_nodes.py).
+        self.cluster_nodes = ClusterNodes(self, self._incarnation, CONTROLLER_NAME)
+        self._table = self.cluster_nodes.table  # read here by fences, elections and placement
         self._lock_: asyncio.Lock | None = None
         self._started: asyncio.Task | None = None
         self._calls = collections.Counter()  # calls served, by method (for `logbus status` and tests)
@@ -214,16 +218,13 @@ class Controller:
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
-        # Ray nodes as last seen (``refresh_nodes``), hosts checked or refused: which Ray node each node is.
-        self._host_map = HostMap(self._table)
-        self._refresh_lock_: asyncio.Lock | None = None
-        self._discovery: asyncio.Task | None = None
-        self._last_discovery_ms = 0
-        self._reindex()
+        self._host_map = self.cluster_nodes.host_map  # which Ray node each node is: read here by placement and clients
+        self.cluster_nodes.reindex()
         self.groups = GroupService(self, self._metadata_dir)
         self.moves = ReplicaMoves(self, self._calls)  # reassignments, drains, rebalancing, preferred leaders
         self.admin = TopicAdmin(self, self.groups.topics_changed)  # topics: create, delete, describe, partitions, configs
         self.transactions = TransactionService(self, self.groups)
+        self.client = ClientMetadata(self, self.cluster_nodes, self.moves)  # what clients and tools read; SCRAM, ACLs, producer ids
         # From here on a broken invariant ends this process, and Ray starts it again from its files
         # (invariant_exit.py); one found while they load is raised from here (a failed start).
         exit_on_violation("controller")
@@ -238,15 +239,16 @@ class Controller:
         except FileNotFoundError:
             return ClusterMetadata()
 
-    def _persist(self) -> None:
+    def persist(self) -> None:
+        """Write the metadata to its file now (atomically)."""
         write_atomically(os.path.join(self._metadata_dir, METADATA_FILE), self.metadata.to_json())
 
     def metadata_changed(self) -> None:
         """After a change to the replicas or epochs (under the lock): persist the metadata, then send every
         node whose fence epochs changed its new table."""
-        self._persist()
-        for node in self._reindex():
-            self._push_epochs(node)
+        self.persist()
+        for node in self.cluster_nodes.reindex():
+            self.cluster_nodes.push_epochs(node)
 
     # --- start-up --------------------------------------------------------------------------------
 
@@ -274,12 +276,12 @@ class Controller:
     async def _restore(self) -> None:
         await self.refresh_nodes()
         if self.metadata.reassign_dead_nodes(self._host_map.live_nodes()):
-            self._persist()
-            self._reindex()
+            self.persist()
+            self.cluster_nodes.reindex()
         for node in self._table.nodes():
             if node.ready:
-                self._agent(node)
-                self._push_epochs(node)
+                self.cluster_nodes.agent(node)
+                self.cluster_nodes.push_epochs(node)
         # A partition left without a leader (its leader was lost before the restart) elects one
         # now, from its ISR: every node counts alive through the restart grace, and one whose
         # agent then reports the new leader down, or stays silent, starts the next election.
@@ -332,7 +334,7 @@ class Controller:
     async def start_partition(self, topic: TopicState, partition: int) -> None:
         """Start a partition's replica actors (concurrently), fence its epoch, and tell each its role.
 
-        Replicas on nodes away now start when their node comes back (``_move_node``)."""
+        Replicas on nodes away now start when their node comes back (``ClusterNodes._move_node``)."""
         state = topic.partitions[partition]
         handles = {r: h for r in state.replicas if (h := self.handle_or_none(topic, partition, r)) is not None}
         pings = await asyncio.gather(*(h.ping.remote() for h in handles.values()), return_exceptions=True)
@@ -430,79 +432,52 @@ class Controller:
         self._check_owner()
         return self._deliveries.describe()
 
-    # --- nodes: agents, leases, epochs ---------------------------------------------------------------
+    # --- nodes: heartbeats forwarded to ClusterNodes, and the NodeHost it is served ----------------------
 
-    def _reindex(self) -> list[Node]:
-        """Rebuild the replica index and every node's epoch table from the metadata (after any change);
-        returns the nodes whose table changed (push them)."""
-        by_name: dict[str, tuple[str, int, int]] = {}
-        tables: dict[str, dict[str, int]] = {}
-        for topic in self.metadata.topics.values():
-            for p, state in enumerate(topic.partitions):
-                for r in state.replicas:
-                    name = replica_file_name(topic.topic_id, p, r)
-                    by_name[name] = (topic.name, p, r)
-                    tables.setdefault(state.nodes[str(r)], {})[name] = state.leader_epoch
-        self._by_name = by_name
-        return self._table.set_epochs(tables)
+    def drop_replica_handle(self, key: tuple[str, int, int]):
+        return self._replicas.pop(key, None)
 
-    def _agent(self, node: Node):
-        if node.agent is None:
-            if not node.ready:
-                raise ReplicaNotAvailableError(f"node {node.node_id} is not in the cluster now")
-            node.agent = start_agent(self.namespace, node.ray_node_id, CONTROLLER_NAME, node.node_id)
-            if node.incarnation is None:
-                self._table.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
-        return node.agent
+    def resend_roles(self, node_id: str, now: int) -> None:
+        self._deliveries.node_heard(node_id, now)
 
-    def _push_epochs(self, node: Node) -> None:
-        """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
-        if not node.epochs and node.agent is None:
-            return  # a node without replicas needs no agent
-        if not node.ready:
-            return  # away: its agent gets the table in its first heartbeat's reply
-        version, epochs = list(node.version), dict(node.epochs)
+    def retry_roles(self, keys, now: int) -> None:
+        self._deliveries.retry_now(keys, now)
 
-        async def push() -> None:
-            try:
-                applied = await asyncio.wait_for(self._agent(node).set_epochs.remote(version, epochs), REPLICA_CALL_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 (the agent is away: its heartbeats, or its lease, settle it)
-                return
-            self._table.applied(node, applied)
+    def node_gone(self, node_id: str) -> None:
+        self.moves.node_gone(node_id)
 
-        self.spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
+    async def node_heartbeat(
+        self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None
+    ) -> dict:
+        """A node agent's lease renewal: the replicas it reports down, and the epoch table version it applied.
 
-    async def _retire_idle_agents(self) -> None:
-        """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
-        and an idle node is what an autoscaler removes (a drained node, say)."""
-        for node in self._table.nodes():
-            if node.epochs or node.agent is None:
-                continue
-            agent, node.agent = node.agent, None
-            try:
-                await asyncio.wait_for(agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-            try:
-                ray.kill(agent, no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-            self._table.agent_stopped(node)
-            logger.info("node %s hosts no replicas: its agent stopped", node.node_id[:8])
+        The reply carries the node's epoch table whenever the agent is behind
+        (a new agent, a restarted controller, a change not yet pushed); the
+        agent applies it before it extends the node's lease. An agent on a
+        Ray node other than the one its node is mapped to is answered
+        ``stale`` (the host joined again elsewhere); one whose node is not
+        mapped yet (this controller is starting) is answered ``wait``.
+        """
+        self._check_owner()
+        self._calls["node_heartbeat"] += 1
+        return self.cluster_nodes.renew(node_id, incarnation, down, version, ray_node_id)
 
-    def _prune_nodes(self, now: int) -> None:
-        """Each tick: the nodes that left for good leave the table (``NodeTable.prune``: dead for ten
-        lease timeouts, hosting nothing, on no Ray node as last seen), and with it everything else kept
-        of them here: a drain, host checks, duplicate reports. A node that comes back is new."""
-        for node in self._table.prune(now):
-            if node.agent is not None:
-                try:
-                    ray.kill(node.agent, no_restart=True)
-                except Exception:  # noqa: BLE001 (already gone, with its Ray node)
-                    pass
-            self.moves.node_gone(node.node_id)
-            self._host_map.forget(node.node_id)
-            logger.info("node %s: gone and hosting no replicas; it leaves the node table", node.node_id[:8])
+    async def heartbeat_address(self) -> dict:
+        """Where node agents send heartbeats (``heartbeat_link.py``): host, port and token."""
+        self._check_owner()
+        return await self._heartbeats.start(ray.util.get_node_ip_address())
+
+    async def _linked_heartbeat(self, message: dict) -> dict:
+        down, version = message["down"], message["version"]
+        if not isinstance(down, list) or not (version is None or isinstance(version, list)):
+            raise TypeError("a heartbeat's down must be a list and its version a list or null")
+        self._check_owner()
+        self._calls["node_heartbeat_link"] += 1
+        ray_node = message.get("ray_node")
+        return self.cluster_nodes.renew(str(message["node"]), str(message["incarnation"]), down, version,
+                                        None if ray_node is None else str(ray_node))
+
+    # --- partition health, liveness, fences --------------------------------------------------------------
 
     def _export_health(self) -> None:
         """Under-replicated and offline partitions, as gauges; recounted when an ISR or a leader changes.
@@ -547,9 +522,6 @@ class Controller:
         if overdue:
             self.spawn(self.check_partitions({key for key, _ in overdue}), "checking leaderless partitions")
 
-    def _node_alive(self, node_id: str, now: int) -> bool:
-        return self._table.alive(node_id, now)
-
     def replica_alive(self, topic: TopicState, partition: int, replica_id: int, now: int) -> bool:
         node_id = topic.partitions[partition].nodes.get(str(replica_id))
         return self._table.replica_alive(node_id, replica_file_name(topic.topic_id, partition, replica_id), now)
@@ -574,64 +546,6 @@ class Controller:
                 logger.warning("%s-%d: nodes %s have not applied the new epoch; announcing anyway", topic.name, partition, waiting)
                 return
             await asyncio.sleep(FENCE_POLL_S)
-
-    async def node_heartbeat(
-        self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None
-    ) -> dict:
-        """A node agent's lease renewal: the replicas it reports down, and the epoch table version it applied.
-
-        The reply carries the node's epoch table whenever the agent is behind
-        (a new agent, a restarted controller, a change not yet pushed); the
-        agent applies it before it extends the node's lease. An agent on a
-        Ray node other than the one its node is mapped to is answered
-        ``stale`` (the host joined again elsewhere); one whose node is not
-        mapped yet (this controller is starting) is answered ``wait``.
-        """
-        self._check_owner()
-        self._calls["node_heartbeat"] += 1
-        return self._renew(node_id, incarnation, down, version, ray_node_id)
-
-    def _renew(self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None) -> dict:
-        now = monotonic_ms()
-        node = self._table.entry(node_id)
-        if not node.ready:
-            return {"wait": True}
-        if ray_node_id is not None and ray_node_id != node.ray_node_id:
-            # An agent on a Ray node the node left is stale: the host joined again elsewhere. One on a Ray
-            # node the node is not on yet waits: a host that joined again, whose agent (started for the
-            # host's check) heartbeats before the node is moved there. Told "stale", it stopped for good,
-            # and the node lost its lease right after the move.
-            return {"stale": True} if ray_node_id in node.past_ray_nodes else {"wait": True}
-        renewal = self._table.renew(node, incarnation, down, version, now)
-        # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
-        # its replicas may lead partitions that have no leader (a controller restart, say).
-        returned, changed = renewal.returned, set(renewal.changed)
-        revived = renewal.revived_after_ms is not None
-        if revived:
-            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)
-        if revived or returned:
-            self._deliveries.node_heard(node_id, now)  # role changes it missed are sent again now
-        elif renewal.up:
-            self._deliveries.retry_now((self._by_name[n] for n in renewal.up if n in self._by_name), now)
-        if revived or returned or changed:
-            names = set(node.epochs) if revived or returned else changed
-            self.spawn(self._check_replicas(names), "checking replicas")
-        current = version is not None and list(version) == node.version
-        return {"version": node.version, "epochs": None if current else dict(node.epochs)}
-
-    async def heartbeat_address(self) -> dict:
-        """Where node agents send heartbeats (``heartbeat_link.py``): host, port and token."""
-        self._check_owner()
-        return await self._heartbeats.start(ray.util.get_node_ip_address())
-
-    async def _linked_heartbeat(self, message: dict) -> dict:
-        down, version = message["down"], message["version"]
-        if not isinstance(down, list) or not (version is None or isinstance(version, list)):
-            raise TypeError("a heartbeat's down must be a list and its version a list or null")
-        self._check_owner()
-        self._calls["node_heartbeat_link"] += 1
-        ray_node = message.get("ray_node")
-        return self._renew(str(message["node"]), str(message["incarnation"]), down, version, None if ray_node is None else str(ray_node))
 
     async def replica_started(self, topic: str, partition: int, replica_id: int) -> dict:
         """A replica process started (or Ray restarted it): its partition's current leadership."""
@@ -705,7 +619,7 @@ class Controller:
             before = len(self.metadata.topics[topic].partitions[partition].isr)
             accepted = self.metadata.alter_isr(topic, partition, leader, leader_epoch, isr)
             if accepted is not None:
-                self._persist()
+                self.persist()
                 metrics.isr_changed(before, len(accepted))
                 self._export_health()
                 self.moves.isr_changed(topic, partition)
@@ -722,23 +636,13 @@ class Controller:
     async def _check_nodes(self) -> None:
         """Each tick: which nodes' leases ran out, which dead nodes leave the table (work per node, not per replica)."""
         now = monotonic_ms()
-        # A late tick (this process stalled) does not count the stall against any lease.
-        self._table.tick(now, int(CONTROL_LOOP_INTERVAL_S * 1000))
-        names, expired = self._table.check_leases(now, self.replica_replacement_ms, REPLACE_RETRY_MS)
-        for node, again in expired:  # once per outage: a node heard briefly in between is the same outage
-            (logger.debug if again else logger.warning)(
-                "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
-        self._prune_nodes(now)
+        names = self.cluster_nodes.check_leases(now, int(CONTROL_LOOP_INTERVAL_S * 1000))  # and prunes the nodes gone
         if names:
-            await self._check_replicas(names)
-        self._look_for_nodes(now)
+            await self.cluster_nodes.check_replicas(names)
+        self.cluster_nodes.look_for_nodes(now)
         self._redeliver(now)
         self._watch_leaderless(now)
         self.moves.tick(now)
-
-    async def _check_replicas(self, names: set[str]) -> None:
-        """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
-        await self.check_partitions({self._by_name[n][:2] for n in names if n in self._by_name})
 
     async def check_partitions(self, partitions: set[tuple[str, int]], announce: bool = True) -> list[tuple[TopicState, int]]:
         """Elect where a leader is missing or gone, replace replicas long gone; returns the partitions changed.
@@ -808,7 +712,7 @@ class Controller:
                     await asyncio.wait_for(node.agent.forget.remote(names), REPLICA_CALL_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 (an agent away: its fence files stay until it returns)
                     pass
-        await self._retire_idle_agents()
+        await self.cluster_nodes.retire_idle_agents()
 
     def _replace_lost(self, topic: TopicState, partition: int, now: int) -> bool:
         """Replace replicas whose node has been dead for replica_replacement_ms and has not come back.
@@ -842,7 +746,7 @@ class Controller:
                 except Exception:  # noqa: BLE001 (already gone)
                     pass
             new = self.metadata.replace_replica(topic.name, partition, r, free[partition % len(free)])
-            self._agent(self._node_entry(state.nodes[str(new)]))
+            self.cluster_nodes.agent(self._node_entry(state.nodes[str(new)]))
             self.replica_handle(topic, partition, new)
             replaced = True
         return replaced
@@ -859,112 +763,11 @@ class Controller:
         return node_id in self._host_map.live_nodes() or node_id in self._table
 
     def start_agent(self, node_id: str) -> None:
-        self._agent(self._node_entry(node_id))
-
-    # --- node identity: which Ray node each node is now ------------------------------------------------
-
-    @property
-    def _refresh_lock(self) -> asyncio.Lock:
-        if self._refresh_lock_ is None:
-            self._refresh_lock_ = asyncio.Lock()
-        return self._refresh_lock_
+        self.cluster_nodes.agent(self._node_entry(node_id))
 
     async def refresh_nodes(self) -> None:
-        """Look through Ray's nodes: map each host's node to the Ray node carrying its label now.
-
-        A host new to this controller is checked first (``_identify``); a
-        node whose Ray node is gone, or silent while another Ray node carries
-        its label (the host joined again before Ray declared its old Ray node
-        dead), moves to that Ray node (``_move_node``). A node keeps its Ray
-        node while that one heartbeats, whatever else carries its label (two
-        hosts with one identity: a copied data directory), and never goes
-        back to a Ray node it left (``HostMap.look`` decides). One GCS query,
-        plus a check per new host.
-        """
-        async with self._refresh_lock:
-            self._last_discovery_ms = monotonic_ms()
-            hosts = await asyncio.to_thread(replica_hosts, self.max_replicas_per_node)
-            look = self._host_map.look(hosts, monotonic_ms())  # before any await: none of them is pruned
-            for duplicate in look.duplicates:
-                logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
-                             "directory?); it stays on %s", duplicate.node_id, list(duplicate.ray_node_ids), duplicate.kept[:12])
-            moves = look.moves
-            found = await asyncio.gather(*(self._identify(ray_node_id, node.node_id) for node, ray_node_id in moves))
-            self._host_map.seen(hosts)
-            for (node, ray_node_id), identity in zip(moves, found):
-                if identity is not None:
-                    self._move_node(node, ray_node_id, identity)
-
-    async def _identify(self, ray_node_id: str, node_id: str) -> Identity | None:
-        """Check the host on ``ray_node_id`` through an agent there (its data directory holds ``node_id``'s
-        identity and this cluster's id, recorded now if it had none); its identity, or None if it cannot
-        be used now (refused for good: another cluster's directory; or not answering: tried again later)."""
-        known = self._host_map.identified(ray_node_id)
-        if known is not None:
-            return known
-        agent = start_agent(self.namespace, ray_node_id, CONTROLLER_NAME, node_id)
-        try:
-            found = await asyncio.wait_for(agent.identify.remote(self.metadata.cluster_id), IDENTIFY_TIMEOUT_S)
-        except Exception as raised:  # noqa: BLE001 (refused below, or tried again at the next look)
-            error = unwrap(raised)
-            if isinstance(error, (InconsistentClusterIdError, NodeIdentityError)):
-                self._host_map.refuse(ray_node_id, node_id, str(error))
-                logger.error("Ray node %s refused as node %s: %s", ray_node_id[:12], node_id, error)
-                try:
-                    ray.kill(agent, no_restart=True)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-            else:
-                logger.warning("Ray node %s (node %s) not checked yet: %s: %s", ray_node_id[:12], node_id, type(error).__name__, error)
-            return None
-        return self._host_map.identify(ray_node_id, node_id, found.get("data_dir"), agent)
-
-    def _move_node(self, node: Node, ray_node_id: str, identity: Identity) -> None:
-        """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
-
-        The actors on the Ray node it leaves are killed (that Ray node is dead,
-        or about to be declared so: its host joined again). Its replicas start
-        on the new Ray node at once and open their logs in the host's data
-        directory; they ask for their roles, and the agent's first heartbeat
-        brings elections for their partitions (a replica that was the only
-        in-sync one leads again).
-        """
-        names = [n for n in node.epochs if n in self._by_name]  # its replicas (_reindex)
-        old_handles = [self._replicas.pop(self._by_name[n]) for n in names if self._by_name[n] in self._replicas]
-        old_agent = node.agent
-        old = self._table.move(node, ray_node_id, identity.data_dir, identity.agent)
-        for handle in [*old_handles, *([old_agent] if old_agent is not None else [])]:
-            try:
-                ray.kill(handle, no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-        (logger.info if old is None else logger.warning)(
-            "node %s is on Ray node %s%s: %d replicas, data directory %s", node.node_id, ray_node_id[:12],
-            "" if old is None else f" now (was {old[:12]}): its replicas open their logs there", len(names), node.data_dir or self.data_dir)
-        if not names:
-            return
-        self._table.expect(node.node_id, monotonic_ms())  # its agent has its first heartbeat to send
-        self._push_epochs(node)
-        for name in names:
-            topic_name, partition, replica_id = self._by_name[name]
-            try:
-                self.replica_handle(self.metadata.topics[topic_name], partition, replica_id)
-            except Exception as error:  # noqa: BLE001 (its role delivery or the next look tries again)
-                logger.warning("%s-%d: replica %d did not start on node %s: %r", topic_name, partition, replica_id, node.node_id, error)
-
-    def _look_for_nodes(self, now: int) -> None:
-        """Each tick: while a node hosting replicas is away, look through Ray's nodes for it (once a second)."""
-        if now - self._last_discovery_ms < NODE_DISCOVERY_MS or (self._discovery is not None and not self._discovery.done()):
-            return
-        if not self._table.away_with_replicas():
-            return
-        self._discovery = asyncio.get_running_loop().create_task(self._refresh_safely())
-
-    async def _refresh_safely(self) -> None:
-        try:
-            await self.refresh_nodes()
-        except Exception:  # noqa: BLE001 (the next look tries again)
-            logger.exception("looking through Ray's nodes failed")
+        """Look through Ray's nodes now: map each host's node to the Ray node carrying its label (``ClusterNodes.refresh``)."""
+        await self.cluster_nodes.refresh()
 
     # --- topic administration: forwarded to TopicAdmin -------------------------------------------------
 
@@ -1022,17 +825,7 @@ class Controller:
         await self._ready()
         for name in list(self.metadata.topics):
             await self.admin.delete_topic(name)
-        for node in self._table.nodes():
-            if node.agent is not None:
-                try:
-                    await asyncio.wait_for(node.agent.shut_down.remote(), REPLICA_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                try:
-                    ray.kill(node.agent, no_restart=True)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                node.agent = None
+        await self.cluster_nodes.stop_agents()
 
     # --- autoscaler reservations ------------------------------------------------------------------------
 
@@ -1093,19 +886,12 @@ class Controller:
         await self._ready()
         return await self.moves.elect_preferred_leaders(topics, partitions)
 
-    # --- metadata for clients --------------------------------------------------------------------------
+    # --- metadata for clients, security records, status: forwarded to ClientMetadata ------------------
 
     async def topic_metadata(self, name: str) -> dict:
         """What producers and consumers need: config and, per partition, the leader's handle and epoch."""
         await self._ready()
-        validate_topic_name(name)
-        topic = self.metadata.topic(name)
-        partitions = []
-        for p, state in enumerate(topic.partitions):
-            # A leader on a node away now (for the moments before its lease runs out) is no leader to clients.
-            handle = self.handle_or_none(topic, p, state.leader)
-            partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
-        return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
+        return self.client.topic_metadata(name)
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
         """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``
@@ -1114,157 +900,60 @@ class Controller:
         replicas' nodes; and the nodes hosting replicas whose leases ran out (``dead_nodes``). Nodes
         here are the Ray nodes they are on now (a gateway is a Ray node's), a node away none."""
         await self._ready()
-        topics = {}
-        for name in (await self.list_topics(include_internal=True)) if names is None else names:
-            topic = self.metadata.topics.get(name)
-            if topic is None:
-                topics[name] = None
-                continue
-            partitions = []
-            for p, state in enumerate(topic.partitions):
-                leader = state.leader
-                handle = self.handle_or_none(topic, p, leader)
-                partitions.append({
-                    "leader": handle,
-                    "leader_epoch": state.leader_epoch,
-                    "leader_node": self._host_map.ray_node_of(state.nodes.get(str(leader))) if handle is not None else None,
-                    "replica_nodes": [n for r in state.replicas if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
-                    "isr_nodes": [n for r in state.isr if (n := self._host_map.ray_node_of(state.nodes.get(str(r)))) is not None],
-                })
-            topics[name] = {"topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
-        now = monotonic_ms()
-        return {"topics": topics, "dead_nodes": self._table.dead_ray_nodes(now), "acl_version": self.metadata.acl_version}
+        return await self.client.gateway_metadata(names)
 
     async def scram_credential(self, user: str, mechanism: str) -> dict | None:
         """The stored SCRAM credential of ``user`` for ``mechanism`` (None if it has none): the gateway's SASL check."""
         await self._ready()
-        return self.metadata.scram_credential(user, mechanism)
+        return self.client.scram_credential(user, mechanism)
 
     async def alter_scram_credentials(self, upserts: list, deletions: list) -> list[bool]:
         """Set each (user, mechanism, credential) of ``upserts``, then delete each (user, mechanism or
         None for all) of ``deletions``; durable before this returns. Per deletion, whether it found one."""
         await self._ready()
-        async with self.lock:
-            for user, mechanism, credential in upserts:
-                self.metadata.set_scram_credential(user, mechanism, credential)
-            found = [self.metadata.delete_scram_credential(user, mechanism) for user, mechanism in deletions]
-            self._persist()
-        return found
+        return await self.client.alter_scram_credentials(upserts, deletions)
 
     async def scram_users(self) -> dict[str, dict[str, int]]:
         """user -> mechanism -> iterations of every SCRAM credential (never the credential itself)."""
         await self._ready()
-        return self.metadata.scram_users()
-
-    # --- ACLs (the Kafka gateway's authorizer) ------------------------------------------------------
+        return self.client.scram_users()
 
     async def create_acls(self, bindings: list[dict]) -> int:
         """Add ACL bindings (AclBinding.to_dict each); durable before this returns. How many were new."""
         await self._ready()
-        parsed = [AclBinding.of(b) for b in bindings]
-        async with self.lock:
-            added = self.metadata.create_acls(parsed)
-            if added:
-                self._persist()
-        return added
+        return await self.client.create_acls(bindings)
 
     async def describe_acls(self, acl_filter: dict | None = None) -> list[dict]:
         """The ACL bindings an AclFilter (as its to_dict; None: every binding) matches."""
         await self._ready()
-        return [b.to_dict() for b in self.metadata.describe_acls(AclFilter.of(acl_filter))]
+        return self.client.describe_acls(acl_filter)
 
     async def delete_acls(self, filters: list[dict]) -> list[list[dict]]:
         """Delete the bindings each filter matches; per filter, the bindings it deleted. Durable before this returns."""
         await self._ready()
-        parsed = [AclFilter.of(f) for f in filters]
-        async with self.lock:
-            deleted = self.metadata.delete_acls(parsed)
-            if any(deleted):
-                self._persist()
-        return [[b.to_dict() for b in found] for found in deleted]
+        return await self.client.delete_acls(filters)
 
     async def acls(self, known_version: int = -1) -> tuple[int, list[dict] | None]:
         """(the ACLs' version, every binding), or (version, None) when ``known_version`` is current: what a gateway loads."""
         await self._ready()
-        version = self.metadata.acl_version
-        return version, (None if version == known_version else list(self.metadata.acls))
+        return self.client.acls(known_version)
 
     async def allocate_producer_id(self) -> int:
         """A producer id for an idempotent producer, unique for the life of the cluster's data."""
         await self._ready()
-        async with self.lock:
-            producer_id = self.metadata.allocate_producer_id()
-            self._persist()
-        return producer_id
+        return await self.client.allocate_producer_id()
 
     async def replica_statuses(self, name: str) -> list[list[dict]]:
         """Every replica's own view (role, epoch, offsets, bytes fetched as follower, last recovery): for
         `logbus status` and tools. The controller adds its ``node`` (``node_id`` is the replica's Ray
         node) and ``directory`` (None while its node was not seen), also to a replica that did not answer."""
         await self._ready()
-        topic = self.metadata.topic(name)
-
-        async def status(p: int, r: int):
-            return await asyncio.wait_for(self.replica_handle(topic, p, r).status.remote(), REPLICA_STATUS_TIMEOUT_S)
-
-        # Every replica is asked at once: one that does not answer costs its 5 s once, not once per partition.
-        asked = [(p, r) for p, state in enumerate(topic.partitions) for r in state.replicas]
-        found = await asyncio.gather(*(status(p, r) for p, r in asked), return_exceptions=True)
-        out: list[list[dict]] = [[] for _ in topic.partitions]
-        for (p, r), f in zip(asked, found):
-            node = self._node_entry(topic.partitions[p].nodes[str(r)])
-            where = {"node": node.node_id, "directory": self._replica_directory(node, name, p, r) if node.ready else None}
-            out[p].append({**f, **where} if isinstance(f, dict) else {"replica_id": r, "error": repr(f), **where})
-        return out
+        return await self.client.replica_statuses(name)
 
     async def nodes(self) -> list[dict]:
         """Every node that may host replicas: its replicas, leaders, replica limit, lease state (`logbus status`)."""
         await self._ready()
-        counts: dict[str, int] = collections.Counter()
-        leaders: dict[str, int] = collections.Counter()
-        for topic in self.metadata.topics.values():
-            for state in topic.partitions:
-                for r in state.replicas:
-                    counts[state.nodes[str(r)]] += 1
-                if state.leader is not None:
-                    leaders[state.nodes[str(state.leader)]] += 1
-        await self.refresh_nodes()
-        usable = self._host_map.usable()
-        limits = {host.node_id: host.limit for host in usable}
-        now = monotonic_ms()
-        # Bytes from the leaders' own view, memory from each node's agent: asked now, concurrently.
-        sizes: dict[str, int] = collections.Counter()
-        statuses = await asyncio.gather(*(self.replica_statuses(name) for name in list(self.metadata.topics)), return_exceptions=True)
-        for found in statuses:
-            for replicas in found if isinstance(found, list) else []:
-                for status in replicas:
-                    if "size_bytes" in status:
-                        sizes[status["node"]] += status["size_bytes"]
-        agents = [(n, n.agent) for n in self._table.nodes() if n.agent is not None]
-        usage = await asyncio.gather(*(asyncio.wait_for(a.usage.remote(), 10) for _, a in agents), return_exceptions=True)
-        memory = {n.node_id: u.get("uss_mean_bytes") for (n, _), u in zip(agents, usage) if isinstance(u, dict)}
-        out = []
-        for node_id in sorted(set(limits) | set(counts)):
-            node = self._table.get(node_id)
-            out.append({
-                "bytes": sizes.get(node_id, 0),
-                "memory_per_replica_bytes": memory.get(node_id),
-                "node_id": node_id,
-                "replicas": counts.get(node_id, 0),
-                "leaders": leaders.get(node_id, 0),
-                "max_replicas": limits.get(node_id),
-                "alive": node_id in limits and (node is None or node.agent is None or self._node_alive(node_id, now)),
-                "replicas_down": len(node.down) if node is not None else 0,
-                "draining": node_id in self.moves.draining,
-                "ray_node_id": node.ray_node_id if node is not None else self._host_map.ray_node_of(node_id),
-                "data_dir": (node.data_dir if node is not None else None) or self.data_dir,
-            })
-        # Hosts refused (another cluster's data directory): listed with the reason, never used.
-        for ray_node_id, refused in self._host_map.refused_live():
-            out.append({"bytes": 0, "memory_per_replica_bytes": None, "node_id": refused.node_id, "replicas": 0, "leaders": 0,
-                        "max_replicas": None, "alive": False, "replicas_down": 0, "draining": False,
-                        "ray_node_id": ray_node_id, "data_dir": None, "refused": refused.error})
-        return out
+        return await self.client.nodes()
 
     async def call_counts(self) -> dict[str, int]:
         """How many calls of each kind this controller served since it started (for `logbus status`),

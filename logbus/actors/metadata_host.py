@@ -1,8 +1,11 @@
 """What the controller's parts share of it: the metadata, its lock, the nodes and a partition's replicas.
 
 :class:`MetadataHost` is the common base of the interfaces the parts are
-written against (``replica_moves.MoveHost``, ``topic_admin.TopicAdminHost``);
-the controller serves it (``tests/actors/test_controller_parts.py`` checks).
+written against (``replica_moves.MoveHost``, ``topic_admin.TopicAdminHost``,
+``client_metadata.ClientHost``); the controller serves it
+(``tests/actors/test_controller_parts.py`` checks). The node table's part
+has its own, smaller interface (``cluster_nodes.NodeHost``): the other
+parts reach the nodes through the controller.
 """
 
 from __future__ import annotations

@@ -48,7 +48,9 @@ stays refused while Ray lists it; a Ray node listed again after a list
 without it (Ray does not list a dead node again, so only as a glitch) is
 checked again, as a new host would be. A node that leaves the node table
 (``NodeTable.prune``) leaves this map too (``forget``): its checks,
-refusals and reported duplicates.
+refusals and reported duplicates. A node's ``past_ray_nodes`` likewise
+keeps only the Ray nodes Ray still lists: one the node left that Ray no
+longer lists can never be a candidate again.
 """
 
 from __future__ import annotations
@@ -148,14 +150,17 @@ class HostMap:
     def seen(self, hosts: list[RayNode]) -> None:
         """Ray's nodes as last seen (after the look's checks): what ``usable`` and the lookups below go by.
 
-        The checks, refusals and reported duplicates of Ray nodes not among them go: those Ray nodes
-        left (the controller checks only Ray nodes of the list it then passes here).
+        The checks, refusals and reported duplicates of Ray nodes not among them go, as do those Ray
+        nodes from the nodes' ``past_ray_nodes``: those Ray nodes left (the controller checks only
+        Ray nodes of the list it then passes here), and Ray never lists a dead one again.
         """
         self._hosts = list(hosts)
         listed = {host.ray_node_id for host in hosts}
         self._identified = {r: i for r, i in self._identified.items() if r in listed}
         self._refused = {r: i for r, i in self._refused.items() if r in listed}
         self._duplicates_told = {told for told in self._duplicates_told if listed.issuperset(told[1])}
+        for node in self._table.nodes():  # a Ray node a node left is kept from it only while Ray lists it
+            node.past_ray_nodes &= listed
 
     # --- checks --------------------------------------------------------------------------------------
 

@@ -21,6 +21,13 @@ replicas whose lease just ran out, and those whose replicas are due another
 try at replacement. A node heard again within ``NODE_STEADY_MS`` of its last
 revival is the same outage (reported quietly).
 
+What a heartbeat starts (``follow_up``): a node back (heard again after
+its lease ran out, a new agent, or its first heartbeat to this controller)
+has every replica it hosts checked for an election and every role change
+its replicas missed sent again; otherwise the replicas reported down or up
+since its last heartbeat are checked, and those up again get their pending
+role changes at once. A steady heartbeat starts nothing.
+
 Epoch tables. ``set_epochs`` takes every node's table from the metadata (each
 replica there: its partition's current leader epoch) after each change, and
 gives each changed table a new version ``[controller incarnation, counter]``.
@@ -105,6 +112,31 @@ class Renewal:
     revived_after_ms: int | None  # heard again after its lease ran out this long ago; None if it had not
     changed: frozenset[str]  # replicas reported down, or up, since its last heartbeat
     up: frozenset[str]  # among them, those reported up
+
+
+@dataclass(frozen=True)
+class FollowUp:
+    """What a heartbeat starts (``follow_up``): role changes sent again, and which replicas' partitions to check."""
+
+    resend_all: bool  # the node is back (revived or a new agent): every role change its replicas missed is sent again
+    retry: frozenset[str]  # otherwise: replicas reported up again, whose pending role changes are sent again
+    check: frozenset[str] | None  # replicas whose partitions to check for an election (None: no check)
+
+
+def follow_up(renewal: Renewal, hosted: Iterable[str]) -> FollowUp:
+    """What a heartbeat that renewed as ``renewal`` starts, for a node hosting the replicas ``hosted``.
+
+    A node back (heard again after its lease ran out, or a new agent, or its
+    first heartbeat to this controller) may lead partitions that have no
+    leader: every replica it hosts is checked, and every role change its
+    replicas missed is sent again. Otherwise the replicas reported down or up
+    since its last heartbeat are checked, and those up again get their
+    pending role changes at once. A steady heartbeat starts nothing.
+    """
+    back = renewal.returned or renewal.revived_after_ms is not None
+    if back:
+        return FollowUp(True, frozenset(), frozenset(hosted))
+    return FollowUp(False, renewal.up, renewal.changed or None)
 
 
 class NodeTable:

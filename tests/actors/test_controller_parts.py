@@ -1,4 +1,4 @@
-"""The controller serves the interfaces its parts are written against (MetadataHost, MoveHost, TopicAdminHost, GroupHost, TransactionHost).
+"""The controller serves the interfaces its parts are written against (MetadataHost, MoveHost, TopicAdminHost, NodeHost, ClientHost, GroupHost, TransactionHost).
 
 The parts call the controller only through these Protocols; a member the
 controller lacks, or has with other parameters or as a plain function where
@@ -8,10 +8,13 @@ classes are inspected, no actor is started.
 
 from __future__ import annotations
 
+import ast
 import inspect
 
 import pytest
 
+from logbus.actors.client_metadata import ClientHost, ClientMetadata
+from logbus.actors.cluster_nodes import ClusterNodes, NodeHost
 from logbus.actors.controller import Controller
 from logbus.actors.group_service import GroupHost
 from logbus.actors.metadata_host import MetadataHost
@@ -19,7 +22,7 @@ from logbus.actors.replica_moves import MoveHost
 from logbus.actors.topic_admin import TopicAdminHost
 from logbus.actors.transaction_service import TransactionHost
 
-HOSTS = [MetadataHost, MoveHost, TopicAdminHost, GroupHost, TransactionHost]
+HOSTS = [MetadataHost, MoveHost, TopicAdminHost, NodeHost, ClientHost, GroupHost, TransactionHost]
 
 
 def members(protocol) -> dict[str, object]:
@@ -42,3 +45,32 @@ def test_the_controller_has_every_member_of_each_host_interface_with_its_paramet
         assert all(p.default is not inspect.Parameter.empty for p in extra), f"Controller.{name}: its extra parameters need defaults"
     for name in getattr(protocol, "__annotations__", {}):
         assert f"self.{name} = " in inspect.getsource(Controller.__init__), f"Controller sets no {name}"
+
+
+def host_members_used(part: type) -> set[str]:
+    """The attributes a part's source reads of its host: ``self._host.X``, or ``host.X`` after ``host = self._host``."""
+    used = set()
+    for node in ast.walk(ast.parse(inspect.getsource(part))):
+        if isinstance(node, ast.Attribute):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id == "host":
+                used.add(node.attr)
+            elif isinstance(base, ast.Attribute) and base.attr == "_host" and isinstance(base.value, ast.Name) and base.value.id == "self":
+                used.add(node.attr)
+    return used
+
+
+def protocol_members(protocol) -> set[str]:
+    found = set()
+    for cls in protocol.__mro__:
+        if cls is object:
+            continue
+        found |= {name for name in vars(cls) if not name.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+    return found
+
+
+@pytest.mark.parametrize(("part", "protocol"), [(ClusterNodes, NodeHost), (ClientMetadata, ClientHost)], ids=lambda p: p.__name__)
+def test_a_part_reaches_the_controller_only_through_its_host_interface(part, protocol):
+    used = host_members_used(part)
+    assert used, f"no use of the host found in {part.__name__}"
+    assert used <= protocol_members(protocol), f"{part.__name__} uses {sorted(used - protocol_members(protocol))} outside {protocol.__name__}"

@@ -244,10 +244,12 @@ def test_checks_and_refusals_of_ray_nodes_that_left_go_so_hosts_coming_and_going
         assert sorted(hosts.live_nodes()) == sorted([*nodes, f"ray-plain-{round_}", f"ray-plain-{round_ + 1}"])
         live = {h.ray_node_id for h in listed}
         assert set(hosts._identified) <= live and set(hosts._refused) <= live
+        assert all(table.get(node).past_ray_nodes <= live for node in nodes)  # not one per restart
         assert len(hosts._identified) == len(nodes) and len(hosts._refused) == 1
         assert len(hosts._duplicates_told) == (len(nodes) if round_ % 2 else 0)
     refresh(table, hosts, [], 200 * 100)  # every Ray node left
     assert hosts._identified == {} and hosts._refused == {} and hosts._duplicates_told == set()
+    assert all(table.get(node).past_ray_nodes == set() for node in nodes)
 
 
 def test_a_ray_node_listed_again_after_a_list_without_it_is_checked_again():

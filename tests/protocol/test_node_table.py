@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logbus.protocol import node_table
-from logbus.protocol.node_table import NODE_STEADY_MS, NodeTable
+from logbus.protocol.node_table import NODE_STEADY_MS, FollowUp, NodeTable, follow_up
 
 LEASE_MS = 800
 PRUNE_MS = 10 * LEASE_MS
@@ -141,6 +141,76 @@ def test_a_stopped_agent_forgets_the_lease_and_what_it_reported():
     nodes.agent_stopped(node)
     assert (node.incarnation, node.acked, node.down) == (None, None, set())
     assert not nodes.alive("ray-a", 1_500)  # no lease: silent since the controller started (no grace here)
+
+
+# --- what a heartbeat starts -------------------------------------------------------------------------
+
+
+def test_a_nodes_first_heartbeat_checks_every_replica_it_hosts_and_sends_its_roles_again():
+    nodes = table()
+    nodes.set_epochs({"ray-a": {"r1": 1, "r2": 1}})
+    then = follow_up(heard(nodes, "ray-a", 0), nodes.get("ray-a").epochs)
+    assert then == FollowUp(resend_all=True, retry=frozenset(), check=frozenset({"r1", "r2"}))
+
+
+def test_a_steady_heartbeat_starts_nothing_and_replicas_down_or_up_are_checked():
+    nodes = table()
+    nodes.set_epochs({"ray-a": {"r1": 1, "r2": 1}})
+    hosted = nodes.get("ray-a").epochs
+    heard(nodes, "ray-a", 0)
+    assert follow_up(heard(nodes, "ray-a", 100), hosted) == FollowUp(False, frozenset(), None)
+    assert follow_up(heard(nodes, "ray-a", 200, down=["r1"]), hosted) == FollowUp(False, frozenset(), frozenset({"r1"}))
+    assert follow_up(heard(nodes, "ray-a", 300, down=["r1"]), hosted) == FollowUp(False, frozenset(), None)
+    # Up again: checked, and its pending role change is sent at once.
+    assert follow_up(heard(nodes, "ray-a", 400), hosted) == FollowUp(False, frozenset({"r1"}), frozenset({"r1"}))
+
+
+def test_a_node_heard_after_its_lease_ran_out_or_with_a_new_agent_is_back():
+    nodes = table()
+    nodes.set_epochs({"ray-a": {"r1": 1}})
+    hosted = nodes.get("ray-a").epochs
+    heard(nodes, "ray-a", 0)
+    nodes.check_leases(LEASE_MS + 1, REPLACEMENT_MS, RETRY_MS)  # its lease ran out
+    revived = heard(nodes, "ray-a", LEASE_MS + 500, down=["r1"])
+    assert revived.revived_after_ms == 499 and not revived.returned
+    assert follow_up(revived, hosted) == FollowUp(True, frozenset(), frozenset({"r1"}))
+    # Within its lease, a new agent (its process restarted) is back too.
+    restarted = heard(nodes, "ray-a", LEASE_MS + 600, incarnation="agent-2")
+    assert restarted.returned and restarted.up == {"r1"}
+    assert follow_up(restarted, hosted) == FollowUp(True, frozenset(), frozenset({"r1"}))
+
+
+HEARTBEATS = st.lists(
+    st.tuples(
+        st.integers(1, 3 * LEASE_MS),  # ms since the last heartbeat (more than a lease: its lease ran out)
+        st.sets(st.sampled_from(["r1", "r2", "r3", "elsewhere"])),  # replicas reported down
+        st.booleans(),  # a new agent
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(HEARTBEATS)
+def test_every_replica_whose_state_changed_is_checked_and_a_steady_heartbeat_starts_nothing(heartbeats):
+    nodes = table()
+    nodes.set_epochs({"ray-a": {"r1": 1, "r2": 1, "r3": 1}})
+    hosted = set(nodes.get("ray-a").epochs)
+    now, agent = 0, 0
+    for gap_ms, down, new_agent in heartbeats:
+        now += gap_ms
+        agent += new_agent
+        nodes.check_leases(now - 1, REPLACEMENT_MS, RETRY_MS)
+        renewal = heard(nodes, "ray-a", now, down=down, incarnation=f"agent-{agent}")
+        then = follow_up(renewal, hosted)
+        back = renewal.returned or renewal.revived_after_ms is not None
+        assert then.resend_all == back
+        assert then.retry <= renewal.up and not (back and then.retry)
+        assert (renewal.changed & hosted) <= (then.check or set())
+        if back:
+            assert then.check == hosted
+        elif not renewal.changed:
+            assert then == FollowUp(False, frozenset(), None)
 
 
 # --- epoch tables and fences ------------------------------------------------------------------------

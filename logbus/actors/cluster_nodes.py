@@ -1,0 +1,343 @@
+"""The controller's nodes: their agents, leases, the fence epochs pushed to them, pruning, and which Ray node each is.
+
+The controller creates one :class:`ClusterNodes` and forwards to it the node
+agents' heartbeats (``node_heartbeat`` and the heartbeat link), its look
+through Ray's nodes (``refresh_nodes``) and each control-loop tick's node
+checks. It reaches the controller through the small :class:`NodeHost`
+interface: the metadata, the replica handles it keeps, background tasks, and
+the events a node's state starts (elections for its replicas' partitions,
+role changes sent again, a drain forgotten).
+
+The decisions are pure and tested without Ray: leases, epoch table
+versions, fences, pruning and what a heartbeat starts are
+``protocol/node_table.py``'s (:class:`NodeTable`, ``follow_up``), which Ray
+node each node is ``protocol/host_map.py``'s (:class:`HostMap`), and each
+node's epoch table comes from the metadata by :func:`epoch_tables` here.
+:class:`ClusterNodes` makes the Ray calls around them: it starts node
+agents, pushes epoch tables to them and stops them, checks a host's identity
+through an agent there, and kills the actors a node leaves behind when it
+moves to another Ray node.
+
+Every method runs on the controller's event loop (nothing here is
+thread-safe). The controller reads the table and the host map too: fences,
+elections, placement, and what clients are told of the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Protocol
+
+import ray
+
+from logbus.actors.lease_files import replica_file_name
+from logbus.actors.node_agent import start_agent
+from logbus.actors.placement import replica_hosts
+from logbus.actors.remote import unwrap
+from logbus.clock import monotonic_ms
+from logbus.errors import InconsistentClusterIdError, NodeIdentityError, ReplicaNotAvailableError
+from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
+from logbus.protocol.host_map import HostMap, Identity
+from logbus.protocol.node_table import Node, NodeTable, follow_up
+
+logger = logging.getLogger(__name__)
+
+AGENT_CALL_TIMEOUT_S = 60.0  # an agent that does not answer set_epochs or shut_down in this long is away (or gone)
+REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
+NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
+IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
+
+
+def epoch_tables(topics: Iterable[TopicState]) -> tuple[dict[str, tuple[str, int, int]], dict[str, dict[str, int]]]:
+    """The replica index and every node's epoch table, from the metadata's topics: replica file name ->
+    (topic, partition, replica id), and node id -> {replica file name: its partition's leader epoch}.
+    A node hosting nothing has no table."""
+    by_name: dict[str, tuple[str, int, int]] = {}
+    tables: dict[str, dict[str, int]] = {}
+    for topic in topics:
+        for p, state in enumerate(topic.partitions):
+            for r in state.replicas:
+                name = replica_file_name(topic.topic_id, p, r)
+                by_name[name] = (topic.name, p, r)
+                tables.setdefault(state.nodes[str(r)], {})[name] = state.leader_epoch
+    return by_name, tables
+
+
+class NodeHost(Protocol):
+    """What the node table's Ray side needs of the controller."""
+
+    metadata: ClusterMetadata
+    namespace: str
+    data_dir: str
+    replica_replacement_ms: int
+    max_replicas_per_node: int | None
+
+    def spawn(self, coroutine, what: str) -> asyncio.Task:
+        """Run ``coroutine`` in the background, logging a failure as ``what`` failed."""
+
+    def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
+        """A replica's actor handle, created if needed; ReplicaNotAvailableError when its node is away."""
+
+    def drop_replica_handle(self, key: tuple[str, int, int]):
+        """Forget the handle kept for replica (topic, partition, replica id) and return it (None if none is kept)."""
+
+    async def check_partitions(self, partitions: set[tuple[str, int]]) -> object:
+        """Elect where a leader is missing or gone, replace replicas long gone."""
+
+    def resend_roles(self, node_id: str, now: int) -> None:
+        """The node was heard again, or its agent is new: the role changes its replicas missed are sent again now."""
+
+    def retry_roles(self, keys: Iterable[tuple[str, int, int]], now: int) -> None:
+        """These replicas were reported up again: their pending role changes are sent again now."""
+
+    def node_gone(self, node_id: str) -> None:
+        """The node left the node table: forget what else is kept of it (a drain)."""
+
+
+class ClusterNodes:
+    """The nodes' agents, leases, epoch tables and identities, over a :class:`NodeHost` (see the module docstring)."""
+
+    def __init__(self, host: NodeHost, incarnation: str, controller_name: str) -> None:
+        self._host = host
+        self._controller_name = controller_name  # the agents' heartbeats go to the actor of this name
+        self.table = NodeTable(incarnation, monotonic_ms())  # the nodes: leases, epoch tables, pruning
+        # Ray nodes as last seen (``refresh``), hosts checked or refused: which Ray node each node is.
+        self.host_map = HostMap(self.table)
+        self.by_name: dict[str, tuple[str, int, int]] = {}  # replica file name -> (topic, partition, replica id)
+        self._refresh_lock_: asyncio.Lock | None = None
+        self._discovery: asyncio.Task | None = None
+        self._last_discovery_ms = 0
+
+    # --- agents, leases, epochs ----------------------------------------------------------------------
+
+    def reindex(self) -> list[Node]:
+        """Rebuild the replica index and every node's epoch table from the metadata (after any change);
+        returns the nodes whose table changed (push them)."""
+        self.by_name, tables = epoch_tables(self._host.metadata.topics.values())
+        return self.table.set_epochs(tables)
+
+    def agent(self, node: Node):
+        """The node's agent, started now if it has none; ReplicaNotAvailableError while the node is away."""
+        if node.agent is None:
+            if not node.ready:
+                raise ReplicaNotAvailableError(f"node {node.node_id} is not in the cluster now")
+            node.agent = start_agent(self._host.namespace, node.ray_node_id, self._controller_name, node.node_id)
+            if node.incarnation is None:
+                self.table.expect(node.node_id, monotonic_ms())  # a new agent takes a while to start
+        return node.agent
+
+    def push_epochs(self, node: Node) -> None:
+        """Send a node's epoch table to its agent now (heartbeat replies would carry it too, later)."""
+        if not node.epochs and node.agent is None:
+            return  # a node without replicas needs no agent
+        if not node.ready:
+            return  # away: its agent gets the table in its first heartbeat's reply
+        version, epochs = list(node.version), dict(node.epochs)
+
+        async def push() -> None:
+            try:
+                applied = await asyncio.wait_for(self.agent(node).set_epochs.remote(version, epochs), AGENT_CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (the agent is away: its heartbeats, or its lease, settle it)
+                return
+            self.table.applied(node, applied)
+
+        self._host.spawn(push(), f"pushing fence epochs to node {node.node_id[:8]}")
+
+    async def retire_idle_agents(self) -> None:
+        """Stop the agent of every node that hosts no replica any more: an actor keeps a node busy,
+        and an idle node is what an autoscaler removes (a drained node, say)."""
+        for node in self.table.nodes():
+            if node.epochs or node.agent is None:
+                continue
+            agent, node.agent = node.agent, None
+            try:
+                await asyncio.wait_for(agent.shut_down.remote(), AGENT_CALL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+            self.table.agent_stopped(node)
+            logger.info("node %s hosts no replicas: its agent stopped", node.node_id[:8])
+
+    async def stop_agents(self) -> None:
+        """Stop every node's agent (the cluster is being destroyed)."""
+        for node in self.table.nodes():
+            if node.agent is not None:
+                try:
+                    await asyncio.wait_for(node.agent.shut_down.remote(), AGENT_CALL_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                try:
+                    ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+                node.agent = None
+
+    def check_leases(self, now: int, tick_interval_ms: int) -> set[str]:
+        """Each tick: which nodes' leases ran out, which dead nodes leave the table (work per node, not per
+        replica); returns the replicas (file names) whose partitions need an election or a replacement."""
+        # A late tick (this process stalled) does not count the stall against any lease.
+        self.table.tick(now, tick_interval_ms)
+        names, expired = self.table.check_leases(now, self._host.replica_replacement_ms, REPLACE_RETRY_MS)
+        for node, again in expired:  # once per outage: a node heard briefly in between is the same outage
+            (logger.debug if again else logger.warning)(
+                "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
+        self._prune(now)
+        return names
+
+    def _prune(self, now: int) -> None:
+        """Each tick: the nodes that left for good leave the table (``NodeTable.prune``: dead for ten
+        lease timeouts, hosting nothing, on no Ray node as last seen), and with it everything else kept
+        of them: a drain, host checks, duplicate reports. A node that comes back is new."""
+        for node in self.table.prune(now):
+            if node.agent is not None:
+                try:
+                    ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone, with its Ray node)
+                    pass
+            self._host.node_gone(node.node_id)
+            self.host_map.forget(node.node_id)
+            logger.info("node %s: gone and hosting no replicas; it leaves the node table", node.node_id[:8])
+
+    async def check_replicas(self, names: set[str]) -> None:
+        """Elect where a leader is gone, replace replicas long gone: for the partitions of ``names``."""
+        await self._host.check_partitions({self.by_name[n][:2] for n in names if n in self.by_name})
+
+    def renew(self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None) -> dict:
+        """A node agent's heartbeat (see ``Controller.node_heartbeat``): its lease, the replicas it reports
+        down, the epoch table version it applied; the reply, with the node's epoch table if it is behind."""
+        host = self._host
+        now = monotonic_ms()
+        node = self.table.entry(node_id)
+        if not node.ready:
+            return {"wait": True}
+        if ray_node_id is not None and ray_node_id != node.ray_node_id:
+            # An agent on a Ray node the node left is stale: the host joined again elsewhere. One on a Ray
+            # node the node is not on yet waits: a host that joined again, whose agent (started for the
+            # host's check) heartbeats before the node is moved there. Told "stale", it stopped for good,
+            # and the node lost its lease right after the move.
+            return {"stale": True} if ray_node_id in node.past_ray_nodes else {"wait": True}
+        renewal = self.table.renew(node, incarnation, down, version, now)
+        if renewal.revived_after_ms is not None:
+            logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)
+        # A node's first heartbeat to this controller, or a new agent's, is a return like a revival:
+        # its replicas may lead partitions that have no leader (a controller restart, say).
+        then = follow_up(renewal, node.epochs)
+        if then.resend_all:
+            host.resend_roles(node_id, now)  # role changes it missed are sent again now
+        elif then.retry:
+            host.retry_roles((self.by_name[n] for n in then.retry if n in self.by_name), now)
+        if then.check is not None:
+            host.spawn(self.check_replicas(set(then.check)), "checking replicas")
+        current = version is not None and list(version) == node.version
+        return {"version": node.version, "epochs": None if current else dict(node.epochs)}
+
+    # --- node identity: which Ray node each node is now ------------------------------------------------
+
+    @property
+    def _refresh_lock(self) -> asyncio.Lock:
+        if self._refresh_lock_ is None:
+            self._refresh_lock_ = asyncio.Lock()
+        return self._refresh_lock_
+
+    async def refresh(self) -> None:
+        """Look through Ray's nodes: map each host's node to the Ray node carrying its label now.
+
+        A host new to this controller is checked first (``_identify``); a
+        node whose Ray node is gone, or silent while another Ray node carries
+        its label (the host joined again before Ray declared its old Ray node
+        dead), moves to that Ray node (``_move_node``). A node keeps its Ray
+        node while that one heartbeats, whatever else carries its label (two
+        hosts with one identity: a copied data directory), and never goes
+        back to a Ray node it left (``HostMap.look`` decides). One GCS query,
+        plus a check per new host.
+        """
+        async with self._refresh_lock:
+            self._last_discovery_ms = monotonic_ms()
+            hosts = await asyncio.to_thread(replica_hosts, self._host.max_replicas_per_node)
+            look = self.host_map.look(hosts, monotonic_ms())  # before any await: none of them is pruned
+            for duplicate in look.duplicates:
+                logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
+                             "directory?); it stays on %s", duplicate.node_id, list(duplicate.ray_node_ids), duplicate.kept[:12])
+            moves = look.moves
+            found = await asyncio.gather(*(self._identify(ray_node_id, node.node_id) for node, ray_node_id in moves))
+            self.host_map.seen(hosts)
+            for (node, ray_node_id), identity in zip(moves, found):
+                if identity is not None:
+                    self._move_node(node, ray_node_id, identity)
+
+    async def _identify(self, ray_node_id: str, node_id: str) -> Identity | None:
+        """Check the host on ``ray_node_id`` through an agent there (its data directory holds ``node_id``'s
+        identity and this cluster's id, recorded now if it had none); its identity, or None if it cannot
+        be used now (refused for good: another cluster's directory; or not answering: tried again later)."""
+        known = self.host_map.identified(ray_node_id)
+        if known is not None:
+            return known
+        agent = start_agent(self._host.namespace, ray_node_id, self._controller_name, node_id)
+        try:
+            found = await asyncio.wait_for(agent.identify.remote(self._host.metadata.cluster_id), IDENTIFY_TIMEOUT_S)
+        except Exception as raised:  # noqa: BLE001 (refused below, or tried again at the next look)
+            error = unwrap(raised)
+            if isinstance(error, (InconsistentClusterIdError, NodeIdentityError)):
+                self.host_map.refuse(ray_node_id, node_id, str(error))
+                logger.error("Ray node %s refused as node %s: %s", ray_node_id[:12], node_id, error)
+                try:
+                    ray.kill(agent, no_restart=True)
+                except Exception:  # noqa: BLE001 (already gone)
+                    pass
+            else:
+                logger.warning("Ray node %s (node %s) not checked yet: %s: %s", ray_node_id[:12], node_id, type(error).__name__, error)
+            return None
+        return self.host_map.identify(ray_node_id, node_id, found.get("data_dir"), agent)
+
+    def _move_node(self, node: Node, ray_node_id: str, identity: Identity) -> None:
+        """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
+
+        The actors on the Ray node it leaves are killed (that Ray node is dead,
+        or about to be declared so: its host joined again). Its replicas start
+        on the new Ray node at once and open their logs in the host's data
+        directory; they ask for their roles, and the agent's first heartbeat
+        brings elections for their partitions (a replica that was the only
+        in-sync one leads again).
+        """
+        host = self._host
+        names = [n for n in node.epochs if n in self.by_name]  # its replicas (reindex)
+        old_handles = [handle for n in names if (handle := host.drop_replica_handle(self.by_name[n])) is not None]
+        old_agent = node.agent
+        old = self.table.move(node, ray_node_id, identity.data_dir, identity.agent)
+        for handle in [*old_handles, *([old_agent] if old_agent is not None else [])]:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        (logger.info if old is None else logger.warning)(
+            "node %s is on Ray node %s%s: %d replicas, data directory %s", node.node_id, ray_node_id[:12],
+            "" if old is None else f" now (was {old[:12]}): its replicas open their logs there", len(names), node.data_dir or host.data_dir)
+        if not names:
+            return
+        self.table.expect(node.node_id, monotonic_ms())  # its agent has its first heartbeat to send
+        self.push_epochs(node)
+        for name in names:
+            topic_name, partition, replica_id = self.by_name[name]
+            try:
+                host.replica_handle(host.metadata.topics[topic_name], partition, replica_id)
+            except Exception as error:  # noqa: BLE001 (its role delivery or the next look tries again)
+                logger.warning("%s-%d: replica %d did not start on node %s: %r", topic_name, partition, replica_id, node.node_id, error)
+
+    def look_for_nodes(self, now: int) -> None:
+        """Each tick: while a node hosting replicas is away, look through Ray's nodes for it (once a second)."""
+        if now - self._last_discovery_ms < NODE_DISCOVERY_MS or (self._discovery is not None and not self._discovery.done()):
+            return
+        if not self.table.away_with_replicas():
+            return
+        self._discovery = asyncio.get_running_loop().create_task(self._refresh_safely())
+
+    async def _refresh_safely(self) -> None:
+        try:
+            await self.refresh()
+        except Exception:  # noqa: BLE001 (the next look tries again)
+            logger.exception("looking through Ray's nodes failed")

@@ -1,0 +1,73 @@
+"""The nodes' epoch tables as the controller derives them from its metadata. No Ray is started.
+
+Every replica the metadata names is in exactly one epoch table, its node's,
+with its partition's current leader epoch; a node hosting nothing has no
+table (so ``NodeTable.set_epochs`` empties it and its agent is retired); and
+the replica index names each replica's (topic, partition, replica id).
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from logbus.actors.cluster_nodes import epoch_tables
+from logbus.actors.lease_files import replica_file_name
+from logbus.protocol.cluster_metadata import ClusterMetadata
+from logbus.protocol.node_table import NodeTable
+
+NODES = ["node-a", "node-b", "node-c", "node-d"]
+
+
+def metadata_with(topics: list[tuple[int, int]]) -> ClusterMetadata:
+    """Topics t0, t1, ... of (partitions, replication factor) placed on NODES."""
+    metadata = ClusterMetadata()
+    for i, (partitions, replication_factor) in enumerate(topics):
+        metadata.create_topic(f"t{i}", partitions, replication_factor, None, NODES)
+    return metadata
+
+
+def test_each_replica_is_in_its_nodes_table_with_its_partitions_leader_epoch():
+    metadata = metadata_with([(2, 2)])
+    topic = metadata.topic("t0")
+    state = topic.partitions[1]
+    dead = state.nodes[str(state.leader)]
+    assert metadata.elect_leader("t0", 1, alive=set(state.replicas) - {state.leader}, unclean_allowed=False)
+    by_name, tables = epoch_tables(metadata.topics.values())
+    for p, partition in enumerate(topic.partitions):
+        for r in partition.replicas:
+            name = replica_file_name(topic.topic_id, p, r)
+            assert by_name[name] == ("t0", p, r)
+            assert tables[partition.nodes[str(r)]][name] == partition.leader_epoch
+    assert topic.partitions[1].leader_epoch == 1 and topic.partitions[0].leader_epoch == 0
+    assert dead in tables  # still hosting its (follower) replica
+
+
+def test_no_topics_no_tables_and_a_node_left_empty_loses_its_table():
+    assert epoch_tables([]) == ({}, {})
+    metadata = metadata_with([(1, 1)])
+    _, tables = epoch_tables(metadata.topics.values())
+    table = NodeTable("controller-1", 0)
+    assert [n.node_id for n in table.set_epochs(tables)] == list(tables)
+    metadata.delete_topic("t0")
+    _, tables = epoch_tables(metadata.topics.values())
+    assert tables == {}
+    emptied = table.set_epochs(tables)
+    assert len(emptied) == 1 and emptied[0].epochs == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, len(NODES))), max_size=5))
+def test_every_replica_is_in_exactly_one_table_and_the_index_names_it(topics):
+    metadata = metadata_with(topics)
+    by_name, tables = epoch_tables(metadata.topics.values())
+    expected = {
+        replica_file_name(t.topic_id, p, r): (t.name, p, r, state.nodes[str(r)], state.leader_epoch)
+        for t in metadata.topics.values() for p, state in enumerate(t.partitions) for r in state.replicas
+    }
+    assert len(expected) == sum(p * f for p, f in topics)
+    assert by_name == {name: e[:3] for name, e in expected.items()}
+    placed = [(name, node, epoch) for node, table in tables.items() for name, epoch in table.items()]
+    assert sorted(placed) == sorted((name, e[3], e[4]) for name, e in expected.items())
+    assert all(tables.values())  # no empty table: a node hosting nothing has none
+
