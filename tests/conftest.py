@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -122,6 +123,10 @@ def own_bus(data_dir: str):
     return logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
 
 
+class LeftoverGroupWarning(UserWarning):
+    """A test left a consumer group with live members on its module's shared cluster (``SharedBus.tidy``)."""
+
+
 class SharedBus:
     """A module's shared logbus cluster (see ``bus``): started on first use, replaced if a test broke it.
 
@@ -177,21 +182,42 @@ class SharedBus:
                 self._stops.append(lambda: stop(value))
         return self._kept[key]
 
-    def tidy(self, topics_before: set[str], groups_before: set[str]) -> None:
-        """Delete the topics and groups a test made, so the next test starts as it did (a cluster the test
-        broke is closed instead: the next test gets a new one)."""
+    def tidy(self, test: str, topics_before: set[str], groups_before: set[str]) -> None:
+        """Delete the topics and groups ``test`` made, so the next test starts as it did.
+
+        A cluster the test broke is closed instead: the next test gets a new one. So is a cluster where
+        the test left a group with live members (a consumer or a Kafka client it did not close, still
+        heartbeating or within its session timeout), which cannot be deleted: its consumer would go on
+        working on the cluster the next tests use. That is reported (a LeftoverGroupWarning in pytest's
+        warnings summary, naming the test and the groups), and the test does not fail for it.
+        """
         import ray
 
+        from logbus.actors.remote import unwrap
+        from logbus.errors import GroupNotEmptyError, InvalidGroupIdError
+
+        left: list[str] = []
         try:
-            for group in self.groups() - groups_before:
+            for group in sorted(self.groups() - groups_before):
                 try:
                     ray.get(self.bus.controller.delete_group.remote(group), timeout=60)
-                except Exception:  # noqa: BLE001 (a group with live members: it stays, harmlessly)
-                    pass
-            for topic in self.topics() - topics_before - self._kept_topics:
-                ray.get(self.bus.controller.delete_topic.remote(topic), timeout=120)
-                self.bus.forget(topic)
+                except Exception as error:  # noqa: BLE001 (sorted out below)
+                    cause = unwrap(error)
+                    if isinstance(cause, GroupNotEmptyError):
+                        left.append(group)
+                    elif not isinstance(cause, InvalidGroupIdError):  # gone meanwhile: nothing to delete
+                        raise
+            if not left:
+                for topic in self.topics() - topics_before - self._kept_topics:
+                    ray.get(self.bus.controller.delete_topic.remote(topic), timeout=120)
+                    self.bus.forget(topic)
         except Exception:  # noqa: BLE001 (a cluster the test broke: the next test gets a new one)
+            self.close()
+            return
+        if left:
+            warnings.warn(LeftoverGroupWarning(
+                f"{test} left consumer group(s) {', '.join(left)} with live members on its module's shared logbus "
+                "cluster (a consumer or Kafka client not closed?): the next test gets a new cluster"))
             self.close()
 
     def close(self) -> None:
@@ -223,10 +249,11 @@ def bus(request, ray_session, module_bus_state):
 
     Tests of a module share one cluster (a controller and a node agent are a Ray worker process
     each to start, which every test paid): each test makes topics and groups of its own, and they
-    are deleted when it ends. What the module makes once for all its tests (a topic produced once, a
-    Kafka gateway) it makes with ``module_bus_state.kept``. A test that asks for ``data_dir`` (it
-    looks at the files), or that is marked ``own_bus`` (it changes the cluster as a whole), gets a
-    cluster of its own.
+    are deleted when it ends (a group it leaves with live members is reported, and the next test gets
+    a new cluster: ``SharedBus.tidy``). What the module makes once for all its tests (a topic
+    produced once, a Kafka gateway) it makes with ``module_bus_state.kept``. A test that asks for
+    ``data_dir`` (it looks at the files), or that is marked ``own_bus`` (it changes the cluster as a
+    whole), gets a cluster of its own.
     """
     if "data_dir" in request.fixturenames or request.node.get_closest_marker("own_bus"):
         connected = own_bus(request.getfixturevalue("data_dir"))
@@ -238,7 +265,7 @@ def bus(request, ray_session, module_bus_state):
     topics_before, groups_before = module_bus_state.topics(), module_bus_state.groups()
     yield shared
     if ray_session.is_initialized():
-        module_bus_state.tidy(topics_before, groups_before)
+        module_bus_state.tidy(request.node.nodeid, topics_before, groups_before)
 
 
 @pytest.fixture(scope="session")
