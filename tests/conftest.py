@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 
 import pytest
 
@@ -122,70 +123,149 @@ def own_bus(data_dir: str):
     return logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
 
 
+class LeftoverGroupWarning(UserWarning):
+    """A test left a consumer group with live members on its module's shared cluster (``SharedBus.tidy``)."""
+
+
+class SharedBus:
+    """A module's shared logbus cluster (see ``bus``): started on first use, replaced if a test broke it.
+
+    Besides the topics and groups each test makes, which are deleted when it ends, the cluster holds
+    what the module makes once for all its tests (``kept``: a topic produced once, a Kafka gateway).
+    That lasts until the module ends, or until the cluster is replaced, and is then made again on the
+    new cluster for the next test that asks for it. Not thread-safe: fixtures use it from pytest's thread.
+    """
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self.bus = None  # the cluster now (a Bus), None until a test asks for it
+        self._kept: dict = {}  # key -> what ``kept`` made for it on this cluster
+        self._kept_topics: set[str] = set()  # the topics ``kept`` made: each test's tidy leaves them
+        self._stops: list = []  # what ``kept`` asked to run when the cluster closes, in the order made
+
+    def current(self):
+        """The cluster, started now if it is not yet, or again if a test ended its controller."""
+        import ray
+
+        if self.bus is not None:
+            try:
+                ray.get(self.bus.controller.ping.remote(), timeout=60)
+                return self.bus
+            except Exception:  # noqa: BLE001 (a test killed it for good: start another)
+                self.close()
+        self.bus = own_bus(str(self._tmp_path_factory.mktemp("shared-data")))
+        return self.bus
+
+    def topics(self) -> set[str]:
+        import ray
+
+        return set(ray.get(self.bus.controller.list_topics.remote(), timeout=60))
+
+    def groups(self) -> set[str]:
+        import ray
+
+        return {g[0] for g in ray.get(self.bus.controller.list_groups.remote(), timeout=60)}
+
+    def kept(self, key: str, make, stop=None):
+        """What ``make(bus)`` made for ``key`` on the current cluster, made now if this cluster has none yet.
+
+        The topics ``make`` creates are the module's: no test's tidy deletes them. ``stop(value)``, if
+        given, runs when the cluster is closed (the module's end, or a test broke it).
+        """
+        bus = self.current()
+        if key not in self._kept:
+            before = self.topics()
+            value = make(bus)
+            self._kept_topics |= self.topics() - before
+            self._kept[key] = value
+            if stop is not None:
+                self._stops.append(lambda: stop(value))
+        return self._kept[key]
+
+    def tidy(self, test: str, topics_before: set[str], groups_before: set[str]) -> None:
+        """Delete the topics and groups ``test`` made, so the next test starts as it did.
+
+        A cluster the test broke is closed instead: the next test gets a new one. So is a cluster where
+        the test left a group with live members (a consumer or a Kafka client it did not close, still
+        heartbeating or within its session timeout), which cannot be deleted: its consumer would go on
+        working on the cluster the next tests use. That is reported (a LeftoverGroupWarning in pytest's
+        warnings summary, naming the test and the groups), and the test does not fail for it.
+        """
+        import ray
+
+        from logbus.actors.remote import unwrap
+        from logbus.errors import GroupNotEmptyError, InvalidGroupIdError
+
+        left: list[str] = []
+        try:
+            for group in sorted(self.groups() - groups_before):
+                try:
+                    ray.get(self.bus.controller.delete_group.remote(group), timeout=60)
+                except Exception as error:  # noqa: BLE001 (sorted out below)
+                    cause = unwrap(error)
+                    if isinstance(cause, GroupNotEmptyError):
+                        left.append(group)
+                    elif not isinstance(cause, InvalidGroupIdError):  # gone meanwhile: nothing to delete
+                        raise
+            if not left:
+                for topic in self.topics() - topics_before - self._kept_topics:
+                    ray.get(self.bus.controller.delete_topic.remote(topic), timeout=120)
+                    self.bus.forget(topic)
+        except Exception:  # noqa: BLE001 (a cluster the test broke: the next test gets a new one)
+            self.close()
+            return
+        if left:
+            warnings.warn(LeftoverGroupWarning(
+                f"{test} left consumer group(s) {', '.join(left)} with live members on its module's shared logbus "
+                "cluster (a consumer or Kafka client not closed?): the next test gets a new cluster"))
+            self.close()
+
+    def close(self) -> None:
+        """Stop what ``kept`` made (last made, first stopped), then the cluster: its topics and controller."""
+        while self._stops:
+            try:
+                self._stops.pop()()
+            except Exception:  # noqa: BLE001 (best-effort, as close_bus: it may be gone with a broken cluster)
+                pass
+        self._kept.clear()
+        self._kept_topics.clear()
+        if self.bus is not None:
+            bus, self.bus = self.bus, None
+            close_bus(bus)
+
+
 @pytest.fixture(scope="module")
 def module_bus_state(ray_session, tmp_path_factory):
-    """The logbus cluster that a module's tests share (see ``bus``): [bus or None], started on first use."""
-    state: list = [None]
+    """The logbus cluster that a module's tests share (a :class:`SharedBus`; see ``bus``), started on first use."""
+    state = SharedBus(tmp_path_factory)
     yield state
-    if state[0] is not None and ray_session.is_initialized():
-        close_bus(state[0])
-
-
-def _shared_bus(state: list, tmp_path_factory):
-    """The module's shared cluster, started now if it is not yet, or again if a test ended its controller."""
-    import ray
-
-    bus = state[0]
-    if bus is not None:
-        try:
-            ray.get(bus.controller.ping.remote(), timeout=60)
-            return bus
-        except Exception:  # noqa: BLE001 (a test killed it for good: start another)
-            close_bus(bus)
-    state[0] = own_bus(str(tmp_path_factory.mktemp("shared-data")))
-    return state[0]
-
-
-def _tidy_shared_bus(bus, topics_before: set[str], groups_before: set[str]) -> None:
-    """Delete the topics and groups a test made on the shared cluster, so the next test starts as it did."""
-    import ray
-
-    try:
-        for group in {g[0] for g in ray.get(bus.controller.list_groups.remote(), timeout=60)} - groups_before:
-            try:
-                ray.get(bus.controller.delete_group.remote(group), timeout=60)
-            except Exception:  # noqa: BLE001 (a group with live members: it stays, harmlessly)
-                pass
-        for topic in set(ray.get(bus.controller.list_topics.remote(), timeout=60)) - topics_before:
-            ray.get(bus.controller.delete_topic.remote(topic), timeout=120)
-            bus.forget(topic)
-    except Exception:  # noqa: BLE001 (a cluster the test broke: the next test gets a new one)
-        close_bus(bus)
+    if ray_session.is_initialized():
+        state.close()
 
 
 @pytest.fixture
-def bus(request, ray_session, module_bus_state, tmp_path_factory):
+def bus(request, ray_session, module_bus_state):
     """A logbus cluster for one test.
 
     Tests of a module share one cluster (a controller and a node agent are a Ray worker process
     each to start, which every test paid): each test makes topics and groups of its own, and they
-    are deleted when it ends. A test that asks for ``data_dir`` (it looks at the files), or that is
-    marked ``own_bus`` (it changes the cluster as a whole), gets a cluster of its own.
+    are deleted when it ends (a group it leaves with live members is reported, and the next test gets
+    a new cluster: ``SharedBus.tidy``). What the module makes once for all its tests (a topic
+    produced once, a Kafka gateway) it makes with ``module_bus_state.kept``. A test that asks for
+    ``data_dir`` (it looks at the files), or that is marked ``own_bus`` (it changes the cluster as a
+    whole), gets a cluster of its own.
     """
-    import ray
-
     if "data_dir" in request.fixturenames or request.node.get_closest_marker("own_bus"):
         connected = own_bus(request.getfixturevalue("data_dir"))
         yield connected
         if ray_session.is_initialized():
             close_bus(connected)
         return
-    shared = _shared_bus(module_bus_state, tmp_path_factory)
-    topics_before = set(ray.get(shared.controller.list_topics.remote(), timeout=60))
-    groups_before = {g[0] for g in ray.get(shared.controller.list_groups.remote(), timeout=60)}
+    shared = module_bus_state.current()
+    topics_before, groups_before = module_bus_state.topics(), module_bus_state.groups()
     yield shared
     if ray_session.is_initialized():
-        _tidy_shared_bus(shared, topics_before, groups_before)
+        module_bus_state.tidy(request.node.nodeid, topics_before, groups_before)
 
 
 @pytest.fixture(scope="session")

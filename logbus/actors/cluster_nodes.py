@@ -8,11 +8,12 @@ interface: the metadata, the replica handles it keeps, background tasks, and
 the events a node's state starts (elections for its replicas' partitions,
 role changes sent again, a drain forgotten).
 
-The decisions are pure and tested without Ray: leases, epoch table
-versions, fences, pruning and what a heartbeat starts are
-``protocol/node_table.py``'s (:class:`NodeTable`, ``follow_up``), which Ray
-node each node is ``protocol/host_map.py``'s (:class:`HostMap`), and each
-node's epoch table comes from the metadata by :func:`epoch_tables` here.
+The decisions are pure and tested without Ray: leases, whose heartbeat
+renews one, epoch table versions, fences, pruning and what a heartbeat
+starts are ``protocol/node_table.py``'s (:class:`NodeTable`,
+``follow_up``), which Ray node each node is ``protocol/host_map.py``'s
+(:class:`HostMap`), and each node's epoch table comes from the metadata by
+:func:`epoch_tables` here.
 :class:`ClusterNodes` makes the Ray calls around them: it starts node
 agents, pushes epoch tables to them and stops them, checks a host's identity
 through an agent there, and kills the actors a node leaves behind when it
@@ -40,7 +41,7 @@ from logbus.clock import monotonic_ms
 from logbus.errors import InconsistentClusterIdError, NodeIdentityError, ReplicaNotAvailableError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.host_map import HostMap, Identity
-from logbus.protocol.node_table import Node, NodeTable, follow_up
+from logbus.protocol.node_table import HeartbeatAnswer, Node, NodeTable, follow_up
 
 logger = logging.getLogger(__name__)
 
@@ -209,18 +210,15 @@ class ClusterNodes:
 
     def renew(self, node_id: str, incarnation: str, down: list[str], version: list | None, ray_node_id: str | None = None) -> dict:
         """A node agent's heartbeat (see ``Controller.node_heartbeat``): its lease, the replicas it reports
-        down, the epoch table version it applied; the reply, with the node's epoch table if it is behind."""
+        down, the epoch table version it applied; the reply, with the node's epoch table if it is behind.
+        An agent on another Ray node than the node's renews nothing: it is told to stop (``stale``) or to
+        go on (``wait``), as ``NodeTable.heartbeat_answer`` decides."""
         host = self._host
         now = monotonic_ms()
         node = self.table.entry(node_id)
-        if not node.ready:
-            return {"wait": True}
-        if ray_node_id is not None and ray_node_id != node.ray_node_id:
-            # An agent on a Ray node the node left is stale: the host joined again elsewhere. One on a Ray
-            # node the node is not on yet waits: a host that joined again, whose agent (started for the
-            # host's check) heartbeats before the node is moved there. Told "stale", it stopped for good,
-            # and the node lost its lease right after the move.
-            return {"stale": True} if ray_node_id in node.past_ray_nodes else {"wait": True}
+        answer = self.table.heartbeat_answer(node, ray_node_id)
+        if answer is not HeartbeatAnswer.RENEW:
+            return {answer.value: True}  # "stale": the agent stops; "wait": it goes on, unrenewed
         renewal = self.table.renew(node, incarnation, down, version, now)
         if renewal.revived_after_ms is not None:
             logger.info("node %s: heard again after %d ms without a lease", node_id[:8], renewal.revived_after_ms)

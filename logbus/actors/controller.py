@@ -454,9 +454,11 @@ class Controller:
         The reply carries the node's epoch table whenever the agent is behind
         (a new agent, a restarted controller, a change not yet pushed); the
         agent applies it before it extends the node's lease. An agent on a
-        Ray node other than the one its node is mapped to is answered
-        ``stale`` (the host joined again elsewhere); one whose node is not
-        mapped yet (this controller is starting) is answered ``wait``.
+        Ray node its node left is answered ``stale`` (the host joined again
+        elsewhere); one whose node is not mapped yet (this controller is
+        starting), or not yet to the agent's Ray node (a host that joined
+        again, before its node is moved there), is answered ``wait``
+        (``NodeTable.heartbeat_answer``).
         """
         self._check_owner()
         self._calls["node_heartbeat"] += 1

@@ -13,6 +13,17 @@ agent reports down, its epoch table with the table's version and the
 version its agent last applied, and its outage (when its lease ran out,
 when it was heard again).
 
+Whose heartbeat renews (``heartbeat_answer``). A host's node moves between
+Ray nodes (a host that joined again is a new Ray node), and an agent may run
+on each. Only the agent on the Ray node the node is on now renews its lease.
+One on a Ray node the node left is answered ``stale``: it revokes its lease
+(its leaders stop) and heartbeats no more. Any other is answered ``wait``,
+and goes on heartbeating: the node is on no Ray node yet (its host is not
+checked yet, as while this controller starts), or not yet on that one (the
+agent started for a host's check heartbeats before the node is moved there;
+answered ``stale``, it stopped for good, and the node lost its lease right
+after the move).
+
 Leases. A node is alive while its agent's last heartbeat is at most
 ``LEASE_TIMEOUT_MS`` old (``protocol/liveness.py``, keyed by node id); a
 replica is alive while its node is and its agent does not report it down.
@@ -61,6 +72,7 @@ of a Ray node that left, as it did while the node stayed in the table.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -102,6 +114,14 @@ class Node:
     def ready(self) -> bool:
         """Whether its replicas can run now: it is on a Ray node, checked."""
         return self.ray_node_id is not None
+
+
+class HeartbeatAnswer(enum.Enum):
+    """How a node agent's heartbeat is answered (``NodeTable.heartbeat_answer``); the value is the reply's key."""
+
+    RENEW = "renew"  # the agent on the node's Ray node: its lease is renewed
+    WAIT = "wait"  # the node is on no Ray node, or not on the agent's yet: nothing renewed, the agent goes on
+    STALE = "stale"  # the agent on a Ray node the node left: it revokes its lease and stops
 
 
 @dataclass(frozen=True)
@@ -219,9 +239,19 @@ class NodeTable:
         """Once per control-loop tick (``Liveness.tick``: a stall is not counted against leases); returns how late it ran."""
         return self._liveness.tick(now_ms, interval_ms)
 
+    @staticmethod
+    def heartbeat_answer(node: Node, ray_node_id: str | None) -> HeartbeatAnswer:
+        """How to answer a heartbeat for ``node`` from an agent on ``ray_node_id`` (None: an agent that
+        does not name its Ray node, taken to be on the node's): the rule in the module docstring, "Whose heartbeat renews"."""
+        if not node.ready:
+            return HeartbeatAnswer.WAIT
+        if ray_node_id is None or ray_node_id == node.ray_node_id:
+            return HeartbeatAnswer.RENEW
+        return HeartbeatAnswer.STALE if ray_node_id in node.past_ray_nodes else HeartbeatAnswer.WAIT
+
     def renew(self, node: Node, incarnation: str, down: Iterable[str], version: list | None, now_ms: int) -> Renewal:
-        """A heartbeat from ``node``'s agent (on the Ray node the node is on): its lease, the replicas it
-        reports down, the epoch table version it applied."""
+        """A heartbeat from ``node``'s agent, answered ``RENEW`` (``heartbeat_answer``): its lease, the
+        replicas it reports down, the epoch table version it applied."""
         self._liveness.heard(node.node_id, now_ms)
         returned = node.incarnation != incarnation
         node.incarnation = incarnation

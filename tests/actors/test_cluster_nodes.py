@@ -1,9 +1,12 @@
-"""The nodes' epoch tables as the controller derives them from its metadata. No Ray is started.
+"""The nodes' epoch tables as the controller derives them from its metadata, and the replies to heartbeats.
+No Ray is started.
 
 Every replica the metadata names is in exactly one epoch table, its node's,
 with its partition's current leader epoch; a node hosting nothing has no
 table (so ``NodeTable.set_epochs`` empties it and its agent is retired); and
-the replica index names each replica's (topic, partition, replica id).
+the replica index names each replica's (topic, partition, replica id). A
+heartbeat is answered as ``NodeTable.heartbeat_answer`` decides, and only one
+answered ``renew`` renews the node's lease.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logbus.actors.cluster_nodes import epoch_tables
+from logbus.actors.cluster_nodes import ClusterNodes, epoch_tables
 from logbus.actors.lease_files import replica_file_name
 from logbus.protocol.cluster_metadata import ClusterMetadata
 from logbus.protocol.node_table import NodeTable
@@ -71,3 +74,32 @@ def test_every_replica_is_in_exactly_one_table_and_the_index_names_it(topics):
     assert sorted(placed) == sorted((name, e[3], e[4]) for name, e in expected.items())
     assert all(tables.values())  # no empty table: a node hosting nothing has none
 
+
+
+class Host:
+    """The controller's side of a heartbeat that renews (``NodeHost``): what it was asked to do."""
+
+    def __init__(self) -> None:
+        self.resent: list[str] = []
+
+    def resend_roles(self, node_id: str, now: int) -> None:
+        self.resent.append(node_id)
+
+    def spawn(self, coroutine, what: str) -> None:
+        coroutine.close()  # checking the replicas of a node hosting none: nothing to run
+
+
+def test_only_a_heartbeat_from_the_nodes_ray_node_renews_its_lease_and_the_others_are_told_why_not():
+    host = Host()
+    nodes = ClusterNodes(host, "controller-1", "controller")
+    node_id = "node-0123456789abcdef"
+    node = nodes.table.entry(node_id)
+    assert nodes.renew(node_id, "agent-1", [], None, "ray-old") == {"wait": True}  # on no Ray node yet
+    nodes.table.move(node, "ray-old", None, agent=None)
+    nodes.table.move(node, "ray-new", None, agent=None)  # the host joined again
+    assert nodes.renew(node_id, "agent-1", [], None, "ray-old") == {"stale": True}
+    assert nodes.renew(node_id, "agent-2", [], None, "ray-other") == {"wait": True}
+    assert node.incarnation is None and host.resent == []  # nothing renewed yet
+    reply = nodes.renew(node_id, "agent-3", [], None, "ray-new")
+    assert reply == {"version": node.version, "epochs": {}}
+    assert node.incarnation == "agent-3" and host.resent == [node_id]  # a new agent: its roles are sent again

@@ -20,7 +20,6 @@ import struct
 import subprocess
 import threading
 import time
-import uuid
 
 import pytest
 import ray
@@ -34,7 +33,7 @@ from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
-from tests.conftest import close_bus, start_ray, wait_for
+from tests.conftest import wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -44,39 +43,13 @@ PARTITIONS = 3
 KCAT = shutil.which("kcat")
 
 
-@pytest.fixture(scope="module")
-def gateway_bus(ray_session, tmp_path_factory):
-    """The logbus cluster of the module's gateway: tests with the ``gateway`` fixture share both (a gateway
-    and a controller are an actor each to start); each uses topics and groups of its own."""
-    start_ray()
-    shared = logbus.connect(data_dir=str(tmp_path_factory.mktemp("gateway-data")), namespace=f"gw-{uuid.uuid4().hex[:10]}")
-    gateway = shared.start_gateway(port=0)
-    yield shared, gateway
-    if ray.is_initialized():
-        gateway.stop()
-        close_bus(shared)
-
-
 @pytest.fixture
-def gateway(gateway_bus):
-    """The module's gateway."""
-    return gateway_bus[1]
-
-
-@pytest.fixture
-def bus(request, ray_session, tmp_path):
-    """With ``gateway``: the gateway's logbus cluster. Without: a cluster of the test's own (it starts
-    gateways of its own, with settings of its own, which one per node and cluster allows)."""
-    if "gateway" in request.fixturenames:
-        yield request.getfixturevalue("gateway_bus")[0]
-        return
-    start_ray()
-    data_dir = tmp_path / "data"
-    data_dir.mkdir()
-    own = logbus.connect(data_dir=str(data_dir), namespace=f"t-{uuid.uuid4().hex[:10]}")
-    yield own
-    if ray.is_initialized():
-        close_bus(own)
+def gateway(bus, module_bus_state):
+    """The module's gateway, on the module's shared cluster: started by the first test that asks for it,
+    stopped when the module ends. Tests that start gateways of their own (with settings of their own,
+    which one gateway per node and cluster allows) are marked ``own_bus``."""
+    assert bus is module_bus_state.bus, "the module's gateway serves the module's shared cluster, not a test's own"
+    return module_bus_state.kept("gateway", lambda shared: shared.start_gateway(port=0), stop=lambda started: started.stop())
 
 
 def value_of(i: int) -> bytes:
@@ -413,6 +386,7 @@ def test_kafka_admin_creates_describes_lists_and_deletes(bus, gateway, topic_nam
     wait_for(lambda: topic_name not in bus.admin.list_topics(), timeout_s=30, message="the topic gone")
 
 
+@pytest.mark.own_bus  # the command stops its cluster's gateway when it ends: the module's would go with it
 def test_the_gateway_command_serves_until_stopped(bus, topic_name, capsys):
     import confluent_kafka as ck
 
@@ -565,6 +539,7 @@ def api_versions_ok(raw: Raw) -> bool:
     return raw.call(kg.API_VERSIONS, 3, {"client_software_name": "t", "client_software_version": "1"}).error_code == kg.ErrorCode.none
 
 
+@pytest.mark.own_bus  # a gateway with settings of its own
 def test_connections_over_the_limit_are_closed_and_the_open_ones_keep_serving(bus):
     gw = bus.start_gateway(port=0, max_connections=2)
     opened = []
@@ -661,6 +636,7 @@ def test_a_replica_that_stops_reading_does_not_hold_up_the_gateways_other_connec
         to_other.close()
 
 
+@pytest.mark.own_bus  # a gateway with settings of its own
 def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte_limit(bus, topic_name):
     """Long-polling fetches from three connections ask for more room than the gateway has: the later
     ones wait unread, and every one is answered once a record comes and the earlier ones finish."""
@@ -695,6 +671,7 @@ def test_open_requests_of_all_connections_together_stay_within_the_gateways_byte
         gateway.stop()
 
 
+@pytest.mark.own_bus  # a gateway with settings of its own
 def test_one_connection_holds_at_most_half_the_gateways_room(bus, topic_name):
     """A connection whose long polls would fill the gateway's room holds half of it: its later requests
     wait unread, and another connection is served meanwhile."""
@@ -763,6 +740,11 @@ def test_a_client_that_goes_away_frees_its_connection_slot_at_once(bus, gateway,
         for raw in (first, second):
             if raw is not None:
                 raw.close()
+    # The second client went away while its join was held: its member stays in the group until its 60 s
+    # session runs out. It leaves now, as a client's LeaveGroup would, so that no live member is left
+    # behind on the module's cluster.
+    for member in ray.get(bus.controller.describe_group.remote("held"), timeout=60)["members"]:
+        ray.get(bus.controller.group_leave.remote("held", member["member_id"]), timeout=60)
 
 
 def test_produce_requests_read_before_the_client_closes_are_all_written(bus, gateway, topic_name):

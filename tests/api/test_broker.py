@@ -3,7 +3,6 @@
 import os
 import signal
 import time
-import uuid
 
 import pyarrow as pa
 import pytest
@@ -28,17 +27,7 @@ from logbus.errors import (
 )
 from tests.api.murmur2_reference import kafka_partition
 from tests.healing import assert_healed
-from tests.conftest import close_bus, start_ray, wait_for
-
-
-@pytest.fixture(scope="module")
-def idle_bus(ray_session, tmp_path_factory):
-    """One logbus cluster for the tests that only check arguments: they create nothing in it (and check so)."""
-    start_ray()
-    bus = logbus.connect(data_dir=str(tmp_path_factory.mktemp("idle-data")), namespace=f"idle-{uuid.uuid4().hex[:10]}")
-    yield bus
-    if ray.is_initialized():
-        close_bus(bus)
+from tests.conftest import wait_for
 
 
 def drain(consumer, expected, timeout_s=120):
@@ -189,8 +178,7 @@ def test_admin_lifecycle_and_errors(bus, topic_name):
 
 
 @pytest.mark.parametrize("name", ["../x", "", "..", "a/b", "x" * 250, "bad name"])
-def test_invalid_topic_names_change_nothing(idle_bus, name):
-    bus = idle_bus
+def test_invalid_topic_names_change_nothing(bus, name):
     before = sorted(os.listdir(bus.data_dir))
     with pytest.raises(InvalidTopicError):
         bus.admin.create_topic(name)
@@ -298,9 +286,9 @@ def test_producer_refuses_bad_input_with_named_errors_and_sends_nothing(bus, top
         (dict(local_channel=None), "local_channel"),
     ],
 )
-def test_producer_settings_are_checked(idle_bus, options, message):
+def test_producer_settings_are_checked(bus, options, message):
     with pytest.raises(InvalidConfigError, match=message):
-        logbus.Producer(idle_bus, **options)
+        logbus.Producer(bus, **options)
 
 
 def test_producer_needs_a_bus():

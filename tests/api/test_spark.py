@@ -27,32 +27,15 @@ from logbus.errors import (
     UnknownTopicError,
 )
 from tests.api.murmur2_reference import kafka_partition
-from tests.api.test_dataset import KEYS, PARTITIONS, RECORDS, produced_table
-from tests.conftest import close_bus, wait_for
+from tests.api.test_dataset import KEYS, PARTITIONS, RECORDS, produce_topic
+from tests.conftest import wait_for
 
 
-@pytest.fixture(scope="module")
-def module_bus(ray_session, tmp_path_factory):
-    bus = logbus.connect(data_dir=str(tmp_path_factory.mktemp("spark-data")), namespace=f"sp-{uuid.uuid4().hex[:10]}")
-    yield bus
-    if ray.is_initialized():
-        close_bus(bus)
-
-
-@pytest.fixture(scope="module")
-def topic(module_bus):
-    """A 4-partition topic of RECORDS keyed records; returns (name, produced table, records per partition)."""
-    name = f"sp-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(name, partitions=PARTITIONS)
-    table = produced_table(RECORDS, int(time.time() * 1000) - RECORDS)
-    producer = logbus.Producer(module_bus)
-    future = producer.send_table(name, table)
-    producer.flush(timeout_s=120)
-    counts = [0] * PARTITIONS
-    for batch in future.result():
-        counts[batch.partition] += batch.record_count
-    producer.close()
-    return name, table, counts
+@pytest.fixture
+def topic(bus, module_bus_state):
+    """The module's topic of RECORDS keyed records on its shared cluster, produced once: (name, produced
+    table, records per partition)."""
+    return module_bus_state.kept("topic", lambda shared: produce_topic(shared, "sp"))
 
 
 def drain(bus, topic: str, partitions: int, expected: int) -> pa.Table:
@@ -79,14 +62,14 @@ def content_hash(key: bytes, value: bytes, timestamp_ms: int) -> int:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("reader", ["ray-data-tasks", "driver"])
-def test_read_topic_into_spark(spark, module_bus, topic, reader, monkeypatch):
+def test_read_topic_into_spark(spark, bus, topic, reader, monkeypatch):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     name, produced, counts = topic
     # A range up to SMALL_READ_OFFSETS is read in the driver, a larger one by Ray Data tasks: both here.
     monkeypatch.setattr(logbus.spark, "SMALL_READ_OFFSETS", RECORDS if reader == "driver" else 0)
-    df = logbus.spark.read(spark, name, bus=module_bus)
+    df = logbus.spark.read(spark, name, bus=bus)
     assert df.schema == logbus.spark.kafka_schema()
 
     # One Spark job checks every record: per partition the offsets are 0..n-1 once each,
@@ -131,9 +114,9 @@ def test_read_topic_into_spark(spark, module_bus, topic, reader, monkeypatch):
 
 
 @pytest.mark.timeout(300)
-def test_spark_sql_aggregation_matches_python(spark, module_bus, topic):
+def test_spark_sql_aggregation_matches_python(spark, bus, topic):
     name, produced, _ = topic
-    logbus.spark.read(spark, name, bus=module_bus).createOrReplaceTempView("events")
+    logbus.spark.read(spark, name, bus=bus).createOrReplaceTempView("events")
     result = spark.sql(
         "SELECT CAST(key AS STRING) AS user, COUNT(*) AS n, SUM(LENGTH(value)) AS bytes, MAX(offset) AS last "
         "FROM events GROUP BY key"
@@ -148,13 +131,13 @@ def test_spark_sql_aggregation_matches_python(spark, module_bus, topic):
 
 
 @pytest.mark.timeout(300)
-def test_json_offsets_and_headers(spark, module_bus, topic):
+def test_json_offsets_and_headers(spark, bus, topic):
     from pyspark.sql import functions as F
 
     name, produced, counts = topic
     starting = '{"%s": {"0": 23, "1": -2, "3": %d}}' % (name, counts[3] - 7)
     ending = {name: {"0": 100, "2": 50, "3": -1}}
-    df = logbus.spark.read(spark, name, starting, ending, include_headers=True, bus=module_bus)
+    df = logbus.spark.read(spark, name, starting, ending, include_headers=True, bus=bus)
     assert df.schema == logbus.spark.kafka_schema(include_headers=True)
     found = {
         row["partition"]: (row["n"], row["low"], row["high"])
@@ -162,7 +145,7 @@ def test_json_offsets_and_headers(spark, module_bus, topic):
     }
     assert found == {0: (77, 23, 99), 1: (counts[1], 0, counts[1] - 1), 2: (50, 0, 49), 3: (7, counts[3] - 7, counts[3] - 1)}
 
-    empty = logbus.spark.read(spark, name, {name: {str(p): counts[p] for p in range(PARTITIONS)}}, bus=module_bus)
+    empty = logbus.spark.read(spark, name, {name: {str(p): counts[p] for p in range(PARTITIONS)}}, bus=bus)
     assert empty.schema == logbus.spark.kafka_schema() and empty.count() == 0
 
     sample = df.where("partition = 0").orderBy("offset").select("value", "headers").collect()
@@ -174,9 +157,9 @@ def test_json_offsets_and_headers(spark, module_bus, topic):
 
 
 @pytest.mark.timeout(300)
-def test_write_dataframe_to_topic(spark, module_bus):
+def test_write_dataframe_to_topic(spark, bus):
     target = f"sp-out-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(target, partitions=3)
+    bus.admin.create_topic(target, partitions=3)
     count = 20_000
     df = spark.range(count).selectExpr(
         "CAST(id % 500 AS STRING) AS key",
@@ -184,8 +167,8 @@ def test_write_dataframe_to_topic(spark, module_bus):
         "ARRAY(NAMED_STRUCT('key', 'id', 'value', CAST(CAST(id AS STRING) AS BINARY))) AS headers",
         "'ignored' AS topic",
     )
-    assert logbus.spark.write(df, target, bus=module_bus) == count
-    back = drain(module_bus, target, 3, count)
+    assert logbus.spark.write(df, target, bus=bus) == count
+    back = drain(bus, target, 3, count)
     assert back.num_rows == count
     assert sorted(back["value"].to_pylist()) == sorted(b"payload-%d" % i for i in range(count))
     for row in back.slice(0, 200).to_pylist():
@@ -196,10 +179,10 @@ def test_write_dataframe_to_topic(spark, module_bus):
 
     # An explicit partition column wins over the key.
     pinned = f"sp-pin-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(pinned, partitions=2)
+    bus.admin.create_topic(pinned, partitions=2)
     df = spark.range(1_000).selectExpr("CAST(id AS BINARY) AS value", "CAST(id % 2 AS INT) AS partition")
-    assert logbus.spark.write(df, pinned, bus=module_bus) == 1_000
-    back = drain(module_bus, pinned, 2, 1_000)
+    assert logbus.spark.write(df, pinned, bus=bus) == 1_000
+    back = drain(bus, pinned, 2, 1_000)
     assert Counter(back["partition"].to_pylist()) == {0: 500, 1: 500}
 
 
@@ -209,66 +192,66 @@ class _StoppedContext:
 
 
 @pytest.mark.timeout(300)
-def test_small_reads_of_only_a_marker_and_of_large_records(spark, module_bus, monkeypatch):
+def test_small_reads_of_only_a_marker_and_of_large_records(spark, bus, monkeypatch):
     name = f"sp-small-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(name, partitions=1)
-    with logbus.Producer(module_bus, transactional_id=f"tx-{name}") as producer:
+    bus.admin.create_topic(name, partitions=1)
+    with logbus.Producer(bus, transactional_id=f"tx-{name}") as producer:
         producer.init_transactions()
         producer.begin_transaction()
         producer.send(name, b"committed", key=b"k")
         producer.commit_transaction()
     # Offset 0 is the record, offset 1 its transaction's COMMIT marker: a range of only the marker is no row.
-    wait_for(lambda: module_bus.admin.describe_topic(name).partitions[0].high_watermark == 2, timeout_s=60, message="the marker")
-    only_marker = logbus.spark.read(spark, name, starting_offsets={name: {"0": 1}}, ending_offsets={name: {"0": 2}}, bus=module_bus)
+    wait_for(lambda: bus.admin.describe_topic(name).partitions[0].high_watermark == 2, timeout_s=60, message="the marker")
+    only_marker = logbus.spark.read(spark, name, starting_offsets={name: {"0": 1}}, ending_offsets={name: {"0": 2}}, bus=bus)
     assert only_marker.count() == 0
     # Records past the byte bound of a driver-side read are read by the tasks instead: the same rows.
     monkeypatch.setattr(logbus.spark, "SMALL_READ_BYTES", 1)
-    rows = logbus.spark.read(spark, name, bus=module_bus).collect()
+    rows = logbus.spark.read(spark, name, bus=bus).collect()
     assert [(bytes(r["key"]), bytes(r["value"]), r["offset"]) for r in rows] == [(b"k", b"committed", 0)]
 
 
 @pytest.mark.timeout(120)
-def test_bad_input_raises_clear_errors(spark, module_bus, topic):
+def test_bad_input_raises_clear_errors(spark, bus, topic):
     from pyspark.sql import DataFrame, SparkSession
 
     name, _, _ = topic
     with pytest.raises(IllegalStateError, match="not started"):
-        logbus.spark.read(None, name, bus=module_bus)
+        logbus.spark.read(None, name, bus=bus)
     stopped = object.__new__(SparkSession)  # what a session looks like after stop(): no JVM context
     stopped._sc = _StoppedContext()
     with pytest.raises(IllegalStateError, match="stopped"):
-        logbus.spark.read(stopped, name, bus=module_bus)
+        logbus.spark.read(stopped, name, bus=bus)
     with pytest.raises(UnknownTopicError):
-        logbus.spark.read(spark, "no-such-topic", bus=module_bus)
+        logbus.spark.read(spark, "no-such-topic", bus=bus)
     with pytest.raises(OffsetOutOfRangeError, match="before its start"):
-        logbus.spark.read(spark, name, {name: {"0": 50}}, {name: {"0": 10}}, bus=module_bus)
+        logbus.spark.read(spark, name, {name: {"0": 50}}, {name: {"0": 10}}, bus=bus)
     with pytest.raises(InvalidConfigError, match="latest"):
-        logbus.spark.read(spark, name, '{"%s": {"0": -1}}' % name, bus=module_bus)
+        logbus.spark.read(spark, name, '{"%s": {"0": -1}}' % name, bus=bus)
     with pytest.raises(InvalidConfigError, match="only"):
-        logbus.spark.read(spark, name, '{"other-topic": {"0": 1}}', bus=module_bus)
+        logbus.spark.read(spark, name, '{"other-topic": {"0": 1}}', bus=bus)
     with pytest.raises(InvalidConfigError):
-        logbus.spark.read(spark, name, "{not json", bus=module_bus)
+        logbus.spark.read(spark, name, "{not json", bus=bus)
     # A partition the topic does not have is the caller's mistake, not a retriable UnknownTopicError.
     with pytest.raises(InvalidPartitionError, match="partitions 0..3"):
-        logbus.spark.read(spark, name, '{"%s": {"%d": 0}}' % (name, PARTITIONS), bus=module_bus)
+        logbus.spark.read(spark, name, '{"%s": {"%d": 0}}' % (name, PARTITIONS), bus=bus)
     with pytest.raises(InvalidPartitionError, match="not a number"):
-        logbus.spark.read(spark, name, '{"%s": {"first": 0}}' % name, bus=module_bus)
+        logbus.spark.read(spark, name, '{"%s": {"first": 0}}' % name, bus=bus)
 
     target = f"sp-bad-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(target, partitions=1)
+    bus.admin.create_topic(target, partitions=1)
     with pytest.raises(InvalidRecordError, match="'value' column"):
-        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS payload"), target, bus=module_bus)
+        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS payload"), target, bus=bus)
     with pytest.raises(InvalidRecordError, match="string or binary"):
-        logbus.spark.write(spark.range(10).selectExpr("id AS value"), target, bus=module_bus)
+        logbus.spark.write(spark.range(10).selectExpr("id AS value"), target, bus=bus)
     with pytest.raises(UnknownTopicError):
-        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS value"), "no-such-topic", bus=module_bus)
+        logbus.spark.write(spark.range(10).selectExpr("CAST(id AS STRING) AS value"), "no-such-topic", bus=bus)
     with pytest.raises(InvalidRecordError, match="Spark DataFrame"):
-        logbus.spark.write(pa.table({"value": [b"x"]}), target, bus=module_bus)
+        logbus.spark.write(pa.table({"value": [b"x"]}), target, bus=bus)
     stopped_df = object.__new__(DataFrame)  # a DataFrame of the stopped session
     stopped_df._session = stopped
     with pytest.raises(IllegalStateError, match="stopped"):
-        logbus.spark.write(stopped_df, target, bus=module_bus)
-    assert logbus.api.dataset.read_dataset(target, bus=module_bus).count() == 0  # nothing was written
+        logbus.spark.write(stopped_df, target, bus=bus)
+    assert logbus.api.dataset.read_dataset(target, bus=bus).count() == 0  # nothing was written
 
 
 def test_bad_arguments_are_named_before_spark_or_ray_is_touched():
@@ -291,19 +274,19 @@ def test_bad_arguments_are_named_before_spark_or_ray_is_touched():
 
 
 @pytest.mark.timeout(300)
-def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(spark, module_bus):
+def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(spark, bus):
     """Spark's Kafka source codes: LogAppendTime is 1; the timestamps are the leader's append times."""
     from pyspark.sql import functions as F
 
     name = f"sp-lat-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(name, partitions=2, config={"message.timestamp.type": "LogAppendTime"})
+    bus.admin.create_topic(name, partitions=2, config={"message.timestamp.type": "LogAppendTime"})
     before_ms = time.time_ns() // 1_000_000
-    with logbus.Producer(module_bus, linger_ms=0) as producer:
+    with logbus.Producer(bus, linger_ms=0) as producer:
         for i in range(40):
             producer.send(name, b"v%d" % i, partition=i % 2, timestamp_ms=1_000 + i).result()  # create times long past
     after_ms = time.time_ns() // 1_000_000
     rows = (
-        logbus.spark.read(spark, name, bus=module_bus)
+        logbus.spark.read(spark, name, bus=bus)
         .select("partition", "offset", "timestampType", F.unix_millis("timestamp").alias("ms"))
         .collect()
     )
@@ -311,7 +294,7 @@ def test_log_append_time_topic_reads_as_timestamp_type_1_with_the_append_times(s
     assert {row["timestampType"] for row in rows} == {1}
     assert all(before_ms <= row["ms"] <= after_ms for row in rows), (before_ms, [row["ms"] for row in rows[:3]], after_ms)
     # The very append times the replicas stamped, as read_dataset gives them.
-    table = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(name, bus=module_bus).to_arrow_refs()))
+    table = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(name, bus=bus).to_arrow_refs()))
     appended = dict(zip(zip(table["partition"].to_pylist(), table["offset"].to_pylist()), table["timestamp"].to_pylist()))
     assert {(row["partition"], row["offset"]): row["ms"] for row in rows} == appended
 
@@ -332,7 +315,7 @@ def free_cpus() -> float:
 
 
 @pytest.mark.timeout(300)
-def test_read_write_and_stream_while_every_cpu_is_held(spark, module_bus):
+def test_read_write_and_stream_while_every_cpu_is_held(spark, bus):
     """With no CPU of Ray free (Spark's executor holds one, as init_spark(executor_cores=...) as large
     as Ray's CPU count holds them all; an actor holds the rest), read, write and stream still finish.
 
@@ -343,9 +326,9 @@ def test_read_write_and_stream_while_every_cpu_is_held(spark, module_bus):
     """
     records = 3_000
     events, copy = f"sp-cpu-{uuid.uuid4().hex[:8]}", f"sp-cpu-copy-{uuid.uuid4().hex[:8]}"
-    module_bus.admin.create_topic(events, partitions=3)
-    module_bus.admin.create_topic(copy, partitions=2)
-    with logbus.Producer(module_bus) as producer:
+    bus.admin.create_topic(events, partitions=3)
+    bus.admin.create_topic(copy, partitions=2)
+    with logbus.Producer(bus) as producer:
         for i in range(records):
             producer.send(events, b"%d" % i, key=b"k%d" % (i % 50))
     spare = wait_for(free_cpus, timeout_s=60, interval_s=0.2, message="CPUs that Spark's executor leaves free")
@@ -361,19 +344,19 @@ def test_read_write_and_stream_while_every_cpu_is_held(spark, module_bus):
     try:
         wait_for(every_cpu_held, timeout_s=60, interval_s=0.2, message="every CPU held")
 
-        df = logbus.spark.read(spark, events, bus=module_bus)
+        df = logbus.spark.read(spark, events, bus=bus)
         rows = df.select("partition", "offset", "value").collect()
         assert sorted(int(bytes(row["value"])) for row in rows) == list(range(records))
         assert len({(row["partition"], row["offset"]) for row in rows}) == records
 
-        assert logbus.spark.write(df.select("key", "value"), copy, bus=module_bus) == records
-        copied = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(copy, bus=module_bus, num_cpus=0).to_arrow_refs()))
+        assert logbus.spark.write(df.select("key", "value"), copy, bus=bus) == records
+        copied = pa.concat_tables(ray.get(logbus.api.dataset.read_dataset(copy, bus=bus, num_cpus=0).to_arrow_refs()))
         assert sorted(int(v) for v in copied["value"].to_pylist()) == list(range(records))
 
         batches = []
         stream = logbus.spark.stream(
             spark, events, f"sp-cpu-{uuid.uuid4().hex[:8]}", lambda batch, batch_id: batches.append(batch.count()),
-            max_offsets_per_trigger=records // 2, trigger_interval_s=0, bus=module_bus, until_caught_up=True,
+            max_offsets_per_trigger=records // 2, trigger_interval_s=0, bus=bus, until_caught_up=True,
             progress=lambda progress: None,
         )
         assert stream.await_termination(timeout_s=240)

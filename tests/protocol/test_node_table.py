@@ -1,5 +1,6 @@
-"""The controller's node table without Ray: leases on a fake clock, replicas down and up, epoch tables and
-fences, and the rule by which dead nodes leave the table (also under churn: the table stays bounded)."""
+"""The controller's node table without Ray: leases on a fake clock, whose heartbeat renews one, replicas down
+and up, epoch tables and fences, and the rule by which dead nodes leave the table (also under churn: the table
+stays bounded)."""
 
 import random
 
@@ -7,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from logbus.protocol import node_table
-from logbus.protocol.node_table import NODE_STEADY_MS, FollowUp, NodeTable, follow_up
+from logbus.protocol.node_table import NODE_STEADY_MS, FollowUp, HeartbeatAnswer, NodeTable, follow_up
 
 LEASE_MS = 800
 PRUNE_MS = 10 * LEASE_MS
@@ -106,6 +107,55 @@ def test_a_stalled_tick_is_not_counted_against_a_lease():
     heard(nodes, "ray-a", 50)
     nodes.tick(2_000, 100)  # 1.9 s late: the controller stalled
     assert nodes.alive("ray-a", 2_000)
+
+
+# --- whose heartbeat renews ---------------------------------------------------------------------------
+
+HOST = "node-0123456789abcdef"  # a host's node: it is on whichever Ray node carries its label
+
+
+def test_a_host_that_joined_again_waits_until_it_is_moved_then_its_old_agent_is_stale():
+    nodes = table()
+    host = nodes.entry(HOST)
+    nodes.move(host, "ray-old", None, agent="old-agent")
+    assert nodes.heartbeat_answer(host, "ray-old") is HeartbeatAnswer.RENEW
+    # The host joined again as Ray node "ray-new": the agent started there for its check heartbeats
+    # before the node is moved, and must go on (told "stale", it would stop for good).
+    assert nodes.heartbeat_answer(host, "ray-new") is HeartbeatAnswer.WAIT
+    nodes.move(host, "ray-new", None, agent="new-agent")
+    assert nodes.heartbeat_answer(host, "ray-new") is HeartbeatAnswer.RENEW
+    assert nodes.heartbeat_answer(host, "ray-old") is HeartbeatAnswer.STALE  # the Ray node it left
+    assert nodes.heartbeat_answer(host, "ray-other") is HeartbeatAnswer.WAIT  # never its Ray node
+
+
+def test_a_node_on_no_ray_node_yet_waits_and_an_agent_that_names_no_ray_node_renews():
+    nodes = table()
+    host = nodes.entry(HOST)
+    assert not host.ready
+    assert {nodes.heartbeat_answer(host, ray_node) for ray_node in ("ray-a", None)} == {HeartbeatAnswer.WAIT}
+    named = nodes.entry("ray-a")  # a node named by its Ray node: on it for good
+    assert nodes.heartbeat_answer(named, "ray-a") is HeartbeatAnswer.RENEW
+    assert nodes.heartbeat_answer(named, None) is HeartbeatAnswer.RENEW
+    assert nodes.heartbeat_answer(named, "ray-b") is HeartbeatAnswer.WAIT
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.sampled_from(["ray-a", "ray-b", "ray-c", "ray-d"]), unique=True, max_size=4),  # the Ray nodes it moved to, in turn
+    st.sampled_from(["ray-a", "ray-b", "ray-c", "ray-d", "ray-e"]),  # the heartbeat's
+)
+def test_only_the_current_ray_node_renews_and_only_a_ray_node_left_is_stale(moves, heard_from):
+    nodes = table()
+    host = nodes.entry(HOST)
+    for ray_node in moves:
+        nodes.move(host, ray_node, None, agent=None)
+    answer = nodes.heartbeat_answer(host, heard_from)
+    if moves and heard_from == moves[-1]:
+        assert answer is HeartbeatAnswer.RENEW
+    elif heard_from in moves:
+        assert answer is HeartbeatAnswer.STALE
+    else:
+        assert answer is HeartbeatAnswer.WAIT  # on no Ray node yet, or not yet on this one
 
 
 # --- replicas down and up -------------------------------------------------------------------------

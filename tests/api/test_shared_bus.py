@@ -1,0 +1,56 @@
+"""The cluster a module's tests share (``SharedBus`` in tests/conftest.py), tidied after a test.
+
+A group the test's consumer left (its offsets committed) is deleted quietly and the cluster kept; a
+group still holding a live member cannot be deleted, so the cluster is replaced for the next test and
+a LeftoverGroupWarning names the test and the group.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import logbus
+from tests.conftest import LeftoverGroupWarning, SharedBus, wait_for
+
+
+def joined(bus, topic: str, group: str) -> logbus.Consumer:
+    """A consumer of ``topic`` in ``group``, once it has read the topic's record (so it is a member with an assignment)."""
+    consumer = logbus.Consumer(bus, topic, group_id=group, enable_auto_commit=False)
+    wait_for(lambda: any(consumer.poll(timeout_ms=200).values()), timeout_s=60, message=f"a record read in group {group}")
+    return consumer
+
+
+def test_a_closed_consumers_group_is_deleted_and_a_live_ones_replaces_the_cluster_with_a_warning(ray_session, tmp_path_factory):
+    state = SharedBus(tmp_path_factory)
+    try:
+        bus = state.current()
+        topics_before, groups_before = state.topics(), state.groups()
+        bus.admin.create_topic("tidied", partitions=1)
+        with logbus.Producer(bus) as producer:
+            producer.send("tidied", b"record").result(timeout=60)
+        closed = joined(bus, "tidied", "closed-group")
+        closed.commit()
+        closed.close()
+        assert "closed-group" in state.groups()  # its committed offsets keep it listed
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", LeftoverGroupWarning)
+            state.tidy("first-test", topics_before, groups_before)
+        assert state.bus is bus and state.topics() == topics_before and state.groups() == groups_before
+
+        bus.admin.create_topic("left", partitions=1)
+        with logbus.Producer(bus) as producer:
+            producer.send("left", b"record").result(timeout=60)
+        live = joined(bus, "left", "live-group")
+        try:
+            with pytest.warns(LeftoverGroupWarning, match=r"second-test left consumer group\(s\) live-group with live members"):
+                state.tidy("second-test", topics_before, groups_before)
+            assert state.bus is None  # closed: the next test gets a new cluster
+        finally:
+            live.close()
+        fresh = state.current()
+        assert fresh.namespace != bus.namespace
+        assert state.topics() == set() and state.groups() == set()
+    finally:
+        state.close()
