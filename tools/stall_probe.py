@@ -29,14 +29,18 @@ SCENARIOS = {
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("scenario", help=f"one of {sorted(SCENARIOS)}, or seed:N:SECONDS for fault_run's plan of seed N")
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--tail", type=float, default=40.0)
     args = parser.parse_args()
-    plan = [fr.Fault(kind, targets, start, hold) for kind, targets, start, hold in SCENARIOS[args.scenario]]
+    if args.scenario.startswith("seed:"):
+        _, seed, seconds = args.scenario.split(":")
+        plan = [f for f in fr.plan_faults(int(seed), 300.0, ["n1", "n2", "n3"]) if f.start_s < float(seconds)]
+    else:
+        plan = [fr.Fault(kind, targets, start, hold) for kind, targets, start, hold in SCENARIOS[args.scenario]]
     duration = plan[-1].start_s + plan[-1].hold_s + args.tail
     fr.plan_faults = lambda seed, duration_s, hosts: plan
-    directory = Path(tempfile.mkdtemp(prefix=f"stall-{args.scenario}-"))
+    directory = Path(tempfile.mkdtemp(prefix="stall-"))
     cluster = NetnsCluster(nodes=3, keep_directory=args.keep)
     leaders_before = {}
     inject = fr.FaultRun._inject
