@@ -19,6 +19,12 @@ agents, pushes epoch tables to them and stops them, checks a host's identity
 through an agent there, and kills the actors a node leaves behind when it
 moves to another Ray node.
 
+A node whose lease runs out hosts followers too: their leaders elsewhere
+would wait for them in every acks=all write until replica.lag.time.max.ms
+took them out of the ISR. The leaders are told at once instead
+(``followers_gone``; which ones, :func:`followers_to_drop`), as Kafka's
+controller takes a fenced broker out of every ISR.
+
 Every method runs on the controller's event loop (nothing here is
 thread-safe). The controller reads the table and the host map too: fences,
 elections, placement, and what clients are told of the nodes.
@@ -48,6 +54,7 @@ logger = logging.getLogger(__name__)
 AGENT_CALL_TIMEOUT_S = 60.0  # an agent that does not answer set_epochs or shut_down in this long is away (or gone)
 REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed elsewhere are tried again this often
 NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
+FOLLOWERS_GONE_TIMEOUT_S = 5.0  # a leader told that followers are gone answers within this, or drops them by lag time
 IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
 
 
@@ -64,6 +71,28 @@ def epoch_tables(topics: Iterable[TopicState]) -> tuple[dict[str, tuple[str, int
                 by_name[name] = (topic.name, p, r)
                 tables.setdefault(state.nodes[str(r)], {})[name] = state.leader_epoch
     return by_name, tables
+
+
+def followers_to_drop(names: Iterable[str], by_name: dict[str, tuple[str, int, int]], metadata: ClusterMetadata,
+                      leader_alive) -> dict[tuple[str, int], tuple[int, list[int]]]:
+    """The ISR members among ``names`` (replica file names of nodes whose lease just ran out) that follow a
+    leader still alive (``leader_alive(topic, partition, leader)``), by partition: (topic, partition) ->
+    (its leader epoch, those followers). Their leaders are told to stop waiting for them."""
+    found: dict[tuple[str, int], tuple[int, list[int]]] = {}
+    for name in names:
+        if name not in by_name:
+            continue
+        topic_name, partition, replica_id = by_name[name]
+        topic = metadata.topics.get(topic_name)
+        if topic is None or partition >= len(topic.partitions):
+            continue
+        state = topic.partitions[partition]
+        if state.leader is None or state.leader == replica_id or replica_id not in state.isr:
+            continue
+        if not leader_alive(topic, partition, state.leader):
+            continue
+        found.setdefault((topic_name, partition), (state.leader_epoch, []))[1].append(replica_id)
+    return found
 
 
 class NodeHost(Protocol):
@@ -187,8 +216,41 @@ class ClusterNodes:
         for node, again in expired:  # once per outage: a node heard briefly in between is the same outage
             (logger.debug if again else logger.warning)(
                 "node %s: lease expired%s; its leaders are deposed", node.node_id[:8], " again" if again else "")
+        if expired:
+            self._drop_followers([name for node, _ in expired for name in node.epochs], now)
         self._prune(now)
         return names
+
+    def _drop_followers(self, names: list[str], now: int) -> None:
+        """The replicas ``names`` of nodes whose lease just ran out: leaders elsewhere stop waiting for those
+        in their ISR at once (``ReplicaState.followers_gone``), rather than after replica.lag.time.max.ms.
+        Work per replica of the nodes that died, once per outage; a leader that does not answer is dropping
+        them by lag time anyway."""
+        host = self._host
+
+        def leader_alive(topic: TopicState, partition: int, leader: int) -> bool:
+            node_id = topic.partitions[partition].nodes.get(str(leader))
+            return self.table.replica_alive(node_id, replica_file_name(topic.topic_id, partition, leader), now)
+
+        drops = followers_to_drop(names, self.by_name, host.metadata, leader_alive)
+        calls = []
+        for (topic_name, partition), (epoch, followers) in drops.items():
+            topic = host.metadata.topics[topic_name]
+            try:
+                handle = host.replica_handle(topic, partition, topic.partitions[partition].leader)
+            except ReplicaNotAvailableError:
+                continue
+            calls.append(asyncio.wait_for(handle.followers_gone.remote(epoch, followers), FOLLOWERS_GONE_TIMEOUT_S))
+        if calls:
+            host.spawn(self._tell_leaders(calls), "telling leaders that followers are gone")
+
+    @staticmethod
+    async def _tell_leaders(calls: list) -> None:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            logger.info("%d of %d leaders were not told that followers are gone (%r); they drop them by lag time",
+                        len(failed), len(results), failed[0])
 
     def _prune(self, now: int) -> None:
         """Each tick: the nodes that left for good leave the table (``NodeTable.prune``: dead for ten

@@ -22,7 +22,20 @@ its length as 4 bytes, big-endian::
 Replies come back in order. The agent keeps actor calls as the fallback:
 while the link is down (not yet open, the controller restarting, a silent
 peer) it heartbeats through Ray as before and reopens the link in the
-background, at most once a second.
+background (:class:`ReopenPolicy`).
+
+Reopening after a cut network. A link that went silent while the network
+between the agent and the controller was cut is reopened to the address it
+had, without asking the controller again (that is an actor call, which waits
+for the network as long as the link did), with a short connect timeout, and
+tried again every ``RECONNECT_MS`` while the cut lasts: a connection opened
+after the heal is up at once, whereas one whose first packets were sent
+during the cut waits for the kernel's SYN retransmits (1, 2, 4 s...), and
+the node's lease lapses again meanwhile. After ``RECONNECT_TRIES`` tries in a
+row, or a refused connection (the controller is not there any more), the
+agent asks the controller for its address again, with a doubling backoff
+from ``RETRY_MS`` up to ``RETRY_MAX_MS`` (where the port cannot be reached at
+all, heartbeats stay actor calls).
 """
 
 from __future__ import annotations
@@ -44,6 +57,55 @@ LENGTH = struct.Struct(">I")
 MAX_FRAME_BYTES = 64 << 20  # a node's epoch table: about 40 bytes per replica on the node
 WRITE_BUFFER_HIGH_BYTES = 1 << 20  # the controller waits for a slow agent's socket above this
 KEEPALIVE_S = (10, 5, 3)  # idle, interval, probes: a peer whose host vanished is noticed within 25 s
+
+RETRY_MS = 1_000  # asking the controller for its address again after a failure: no sooner (doubling each time)
+RETRY_MAX_MS = 60_000  # ... up to this
+RECONNECT_MS = 250  # reconnecting to an address that worked before: this often while the network is cut
+RECONNECT_TRIES = 40  # ... this many times in a row (10-30 s), then the address is asked again
+CONNECT_TIMEOUT_S = 0.5  # a connection to an address that worked before opens within this, or is tried again
+
+
+class ReopenPolicy:
+    """When the agent tries to open its heartbeat link again, and whether it asks for the address first.
+
+    Pure state with an explicit clock; the agent reports each try's outcome (see the module docstring).
+    """
+
+    def __init__(self) -> None:
+        self.address: dict | None = None  # the controller's address and token, once it gave them
+        self.proven = False  # a link to ``address`` opened before
+        self.failures = 0  # tries in a row that failed
+        self._retry_ms = RETRY_MS
+        self._next_ms = 0
+        self.slowest = False  # the last failure set the slowest pace (RETRY_MAX_MS) for the first time
+
+    def due(self, now_ms: int) -> bool:
+        return now_ms >= self._next_ms
+
+    def connect_timeout_s(self, default_s: float) -> float:
+        """How long the next try's connection may take: short to an address that worked before."""
+        return CONNECT_TIMEOUT_S if self.proven else default_s
+
+    def asked(self, address: dict) -> None:
+        """The controller gave its address (an actor call)."""
+        if address != self.address:
+            self.address, self.proven = address, False
+
+    def opened(self) -> None:
+        self.proven, self.failures, self._retry_ms = True, 0, RETRY_MS
+
+    def failed(self, now_ms: int, refused: bool) -> int:
+        """A try failed (``refused``: the connection was refused); returns the delay before the next, in ms."""
+        self.failures += 1
+        self.slowest = False
+        if self.proven and not refused and self.failures < RECONNECT_TRIES:
+            delay = RECONNECT_MS  # a cut network: try the same address again soon
+        else:
+            self.address, self.proven = None, False  # ask the controller where it is now
+            delay, self._retry_ms = self._retry_ms, min(2 * self._retry_ms, RETRY_MAX_MS)
+            self.slowest = delay < RETRY_MAX_MS == self._retry_ms
+        self._next_ms = now_ms + delay
+        return delay
 
 
 

@@ -55,7 +55,7 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from logbus.actors.heartbeat_link import HeartbeatLink
+from logbus.actors.heartbeat_link import HeartbeatLink, ReopenPolicy
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
 from logbus.actors.logs import configure_logging
 from logbus.actors.placement import host_identity
@@ -66,9 +66,7 @@ from logbus.protocol.liveness import HEARTBEAT_INTERVAL_MS, LEASE_MS, LEASE_TIME
 logger = logging.getLogger(__name__)
 
 HEARTBEATS_IN_FLIGHT_MAX = 5
-LINK_RETRY_MS = 1_000  # a heartbeat link that failed to open is tried again no sooner (doubling each time)
-LINK_RETRY_MAX_MS = 60_000  # ... up to this: where the port cannot be reached, heartbeats stay actor calls
-LINK_OPEN_TIMEOUT_S = 5.0
+LINK_OPEN_TIMEOUT_S = 5.0  # asking the controller for its address, and a first connection to it
 LINK_SILENT_MS = 2 * LEASE_TIMEOUT_MS  # a link with a heartbeat unanswered this long is dropped and reopened
 REPLICA_FILE_PREFIX = "r-"
 
@@ -124,8 +122,7 @@ class NodeAgent:
         self._controller_handle = None
         self._link: HeartbeatLink | None = None  # the heartbeat's socket to the controller (heartbeat_link.py)
         self._link_task: asyncio.Task | None = None
-        self._link_tried_ms = -LINK_RETRY_MS
-        self._link_retry_ms = LINK_RETRY_MS
+        self._reopen = ReopenPolicy()  # when the link is tried again, and to which address
         self._links_dropped = 0  # closed, or silent for LINK_SILENT_MS
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
@@ -403,24 +400,27 @@ class NodeAgent:
             link.close()
             self._link = None
             self._links_dropped += 1
-        if self._link_task is None and now_ms - self._link_tried_ms >= self._link_retry_ms:
-            self._link_tried_ms = now_ms
+        if self._link_task is None and self._reopen.due(now_ms):
             self._link_task = asyncio.get_running_loop().create_task(self._open_link())
         return None
 
     async def _open_link(self) -> None:
+        """Open the heartbeat link: to the address it had if that worked before (a cut network healing),
+        else to the one the controller gives now (``ReopenPolicy``)."""
+        reopen = self._reopen
         try:
-            controller = await self._controller()
-            address = await asyncio.wait_for(controller.heartbeat_address.remote(), LINK_OPEN_TIMEOUT_S)
-            self._link = await HeartbeatLink.open(address, LINK_OPEN_TIMEOUT_S)
-            self._link_retry_ms = LINK_RETRY_MS
+            if reopen.address is None:
+                controller = await self._controller()
+                reopen.asked(await asyncio.wait_for(controller.heartbeat_address.remote(), LINK_OPEN_TIMEOUT_S))
+            self._link = await HeartbeatLink.open(reopen.address, reopen.connect_timeout_s(LINK_OPEN_TIMEOUT_S))
+            reopen.opened()
         except Exception as error:  # noqa: BLE001 (heartbeats go through Ray until a later try succeeds)
-            retry_ms = min(2 * self._link_retry_ms, LINK_RETRY_MAX_MS)
+            quiet = reopen.proven
+            delay_ms = reopen.failed(monotonic_ms(), refused=isinstance(error, ConnectionRefusedError))
             # Said loudly once: tries keep failing (a firewall between nodes?), and heartbeats cost more.
-            log = logger.warning if retry_ms == LINK_RETRY_MAX_MS != self._link_retry_ms else logger.info
-            log("node %s: no heartbeat link to the controller (%s: %s); heartbeats are actor calls meanwhile, next try in %d s",
-                self.node_id[:8], type(error).__name__, error, retry_ms // 1000)
-            self._link_retry_ms = retry_ms
+            log = logger.warning if reopen.slowest else logger.debug if quiet and reopen.failures > 1 else logger.info
+            log("node %s: no heartbeat link to the controller (%s: %s); heartbeats are actor calls meanwhile, next try in %.2f s",
+                self.node_id[:8], type(error).__name__, error, delay_ms / 1000)
         finally:
             self._link_task = None
 

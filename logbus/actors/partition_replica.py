@@ -561,6 +561,11 @@ class PartitionReplica:
         self._run(actions)
         return accepted
 
+    async def followers_gone(self, epoch: int, followers: list[int]) -> None:
+        """The controller found these followers' node dead: as leader of ``epoch``, stop waiting for them
+        (they leave the ISR at once; ``ReplicaState.followers_gone``)."""
+        self._run(self.state.followers_gone(epoch, list(followers), self.log, monotonic_ms()))
+
     async def set_throttle(self, bytes_per_s: int | None) -> None:
         """Limit how fast this replica copies from its leader (a reassignment's new replica); None: no limit."""
         self._fetcher.throttle_bytes_per_s = int(bytes_per_s) if bytes_per_s else None

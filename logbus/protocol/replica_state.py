@@ -748,6 +748,28 @@ class ReplicaState:
         actions.append(DisarmTimer(ISR_TIMER) if due is None else ArmTimer(ISR_TIMER, due - now_ms))
         return actions
 
+    def followers_gone(self, epoch: int, followers: list[int], log: LogView, now_ms: int) -> list:
+        """As leader of ``epoch``: the controller found the node of these followers dead (its lease ran out).
+
+        They count as out of sync from now, as if silent for ``replica_lag_time_max_ms``: the next
+        proposal leaves them out of the ISR (Kafka's controller takes a fenced broker out of every
+        ISR), so acks=all writes wait for them no longer than the controller takes to notice. A fetch
+        waiting here from one of them no longer counts it in sync. One that fetches again catches up
+        and comes back into the ISR as any follower does. Another epoch's notice is ignored.
+        """
+        state = self.leader
+        if self.role != LEADER or state is None or epoch != self.leader_epoch:
+            return []
+        stale_ms = now_ms - log.config.replica_lag_time_max_ms - 1
+        for follower in followers:
+            if follower == self.replica_id or follower not in state.replicas:
+                continue
+            progress = state.followers.setdefault(follower, FollowerProgress())
+            progress.last_caught_up_ms = min(progress.last_caught_up_ms, stale_ms)
+            progress.last_fetch_ms = min(progress.last_fetch_ms, stale_ms)  # not back in before it fetches again
+            self.parked.pop(follower, None)
+        return self.check_isr(log, now_ms)
+
     def isr_answered(self, leadership: int, accepted: list[int] | None, log: LogView, now_ms: int) -> list:
         """The controller answered a :class:`ProposeIsr`: ``accepted`` is the ISR now in force, None that it
         refused (this leader's epoch is not the current one)."""

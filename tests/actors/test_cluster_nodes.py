@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from logbus.actors.cluster_nodes import ClusterNodes, epoch_tables
+from logbus.actors.cluster_nodes import ClusterNodes, epoch_tables, followers_to_drop
 from logbus.actors.lease_files import replica_file_name
 from logbus.protocol.cluster_metadata import ClusterMetadata
 from logbus.protocol.node_table import NodeTable
@@ -103,3 +103,27 @@ def test_only_a_heartbeat_from_the_nodes_ray_node_renews_its_lease_and_the_other
     reply = nodes.renew(node_id, "agent-3", [], None, "ray-new")
     assert reply == {"version": node.version, "epochs": {}}
     assert node.incarnation == "agent-3" and host.resent == [node_id]  # a new agent: its roles are sent again
+
+
+def test_the_followers_of_a_dead_node_in_live_leaders_isrs_are_named_by_partition_with_its_leader_epoch():
+    metadata = metadata_with([(4, 3)])
+    topic = metadata.topic("t0")
+    dead = topic.partitions[0].nodes[str(topic.partitions[0].leader)]  # leads partition 0, follows others
+    by_name, tables = epoch_tables(metadata.topics.values())
+    on_dead = set(tables[dead])
+
+    def leader_alive(t, p, leader):
+        return t.partitions[p].nodes[str(leader)] != dead
+
+    found = followers_to_drop(on_dead, by_name, metadata, leader_alive)
+    expected = {}
+    for p, state in enumerate(topic.partitions):
+        mine = [r for r in state.replicas if state.nodes[str(r)] == dead]
+        if mine and state.nodes[str(state.leader)] != dead:
+            expected[("t0", p)] = (state.leader_epoch, mine)
+    assert found == expected and ("t0", 0) not in found  # its own leaderships are an election's business
+    # A follower already out of the ISR is not named; nor are replicas the index does not know.
+    some = next(iter(found))
+    state = topic.partitions[some[1]]
+    state.isr = [r for r in state.isr if r not in found[some][1]]
+    assert some not in followers_to_drop(on_dead | {"unknown-replica"}, by_name, metadata, leader_alive)

@@ -7,7 +7,21 @@ import struct
 
 import pytest
 
-from logbus.actors.heartbeat_link import MAX_FRAME_BYTES, HeartbeatLink, HeartbeatServer, encode, read_frame
+from hypothesis import given
+from hypothesis import strategies as st
+
+from logbus.actors.heartbeat_link import (
+    MAX_FRAME_BYTES,
+    RECONNECT_MS,
+    RECONNECT_TRIES,
+    RETRY_MAX_MS,
+    RETRY_MS,
+    HeartbeatLink,
+    HeartbeatServer,
+    ReopenPolicy,
+    encode,
+    read_frame,
+)
 from logbus.errors import HeartbeatLinkClosedError, HeartbeatRefusedError
 
 
@@ -180,3 +194,51 @@ def test_the_controller_and_agents_log_lines_carry_their_time():
         logger.handlers[:] = before[0]
         logger.setLevel(before[1])
         logger.propagate = before[2]
+
+
+ADDRESS = {"host": "10.0.0.1", "port": 4321, "token": "t"}
+
+
+def test_a_link_that_worked_is_reopened_to_the_same_address_soon_and_quickly_while_the_network_is_cut():
+    reopen = ReopenPolicy()
+    assert reopen.due(0) and reopen.address is None  # first: ask the controller
+    reopen.asked(ADDRESS)
+    assert reopen.connect_timeout_s(5.0) == 5.0  # never connected: the first connection may take long
+    reopen.opened()
+    # The link went silent (a cut): tried again at the same address, with a short timeout, every RECONNECT_MS.
+    now = 10_000
+    for _ in range(RECONNECT_TRIES - 1):
+        assert reopen.failed(now, refused=False) == RECONNECT_MS
+        assert reopen.address == ADDRESS and reopen.connect_timeout_s(5.0) < 1.0
+        assert not reopen.due(now + RECONNECT_MS - 1) and reopen.due(now + RECONNECT_MS)
+        now += RECONNECT_MS
+    # So many in a row: the controller may be elsewhere now; ask it again, backing off.
+    assert reopen.failed(now, refused=False) == RETRY_MS
+    assert reopen.address is None
+    reopen.asked(ADDRESS)
+    assert reopen.connect_timeout_s(5.0) == 5.0
+
+
+def test_a_refused_connection_asks_for_the_address_again_and_a_success_resets_the_pace():
+    reopen = ReopenPolicy()
+    reopen.asked(ADDRESS)
+    reopen.opened()
+    assert reopen.failed(0, refused=True) == RETRY_MS  # the controller's port is closed: it restarted
+    assert reopen.address is None
+    reopen.asked({**ADDRESS, "port": 5555})
+    reopen.opened()
+    assert reopen.failed(0, refused=False) == RECONNECT_MS
+
+
+@given(st.lists(st.booleans(), min_size=1, max_size=300))
+def test_without_a_link_that_ever_worked_tries_back_off_to_the_slowest_pace_and_stay_there(refusals):
+    reopen = ReopenPolicy()
+    delays, loud = [], 0
+    for refused in refusals:
+        reopen.asked(ADDRESS)
+        delays.append(reopen.failed(0, refused))
+        loud += reopen.slowest
+        assert reopen.address is None
+    assert delays == sorted(delays) and delays[0] == RETRY_MS and max(delays) <= RETRY_MAX_MS
+    to_slowest = next(k for k in range(1, 64) if RETRY_MS * 2**k >= RETRY_MAX_MS)  # failures until it is reached
+    assert loud == (1 if len(refusals) >= to_slowest else 0)  # said loudly once, when reached

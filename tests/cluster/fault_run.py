@@ -56,6 +56,7 @@ FLAP_S = (6.0, 10.0)  # how long a flap goes on
 FLAP_TOGGLE_S = (1.0, 3.0)
 CALM_S = (2.0, 5.0)  # between two faults
 FULL_ISR_TIMEOUT_S = 240.0
+NOTE_LEADERS_BEFORE_S = 1.0  # the leaders are asked this long before each fault begins
 STOP_TIMEOUT_S = 300.0
 
 
@@ -147,6 +148,7 @@ class FaultRun:
         self.errors: list[str] = []
         self.applied: list[dict] = []
         self.last_describe: dict = {}
+        self.workload: Workload | None = None
         self._started = time.monotonic()
 
     def _say(self, text: str) -> None:
@@ -158,6 +160,7 @@ class FaultRun:
         history_path = str(self.directory / "history.jsonl")
         workload = Workload(self.cluster, data_dir, f"fr-{self.seed}-{uuid.uuid4().hex[:6]}", history_path,
                             replica_replacement_ms=REPLICA_REPLACEMENT_MS)
+        self.workload = workload
         try:
             workload.call("create_topic", topic=TOPIC, partitions=PARTITIONS, replication_factor=REPLICATION_FACTOR,
                           config={"min.insync.replicas": str(MIN_INSYNC_REPLICAS)})
@@ -197,11 +200,21 @@ class FaultRun:
                 events += replica_events(TOPIC, partition["partition"], replica, logs[replica])
             replicas[str(partition["partition"])] = compare_replicas(logs, bound=high_watermark)
         report = check(events, complete_consumers=["live", "final"] if final is not None else ["live"])
-        stalls = ack_stalls(events, self.applied)
+        stalls = ack_stalls(events, self.applied, self._replica_hosts(described))
         for partition in replicas.values():  # byte values are not JSON: show them as text
             partition["disagree"] = {o: {_text(v): r for v, r in values.items()} for o, values in partition["disagree"].items()}
         return FaultRunResult(self.seed, self.duration_s, self.applied, counts, report.as_dict(), replicas, full_isr,
                               full_isr_after_s, described, offline, final is not None, self.errors + counts.get("errors", []), stalls)
+
+    def _replica_hosts(self, described: dict) -> dict[int, str]:
+        """Replica id -> the host (role) it is on, from the last description (a host keeps its replicas)."""
+        roles = {str(self.cluster.node_id(role)): role for role in self.cluster.nodes}
+        hosts = {}
+        for statuses in described.get("statuses", []):
+            for status in statuses:
+                if status.get("node") in roles:
+                    hosts[status["replica_id"]] = roles[status["node"]]
+        return hosts
 
     def _replica_directory(self, data_dir: str, partition: int, replica: int, status: dict) -> str:
         """Where a replica keeps its log: as the controller says, else in the data directory of its node's host
@@ -228,6 +241,9 @@ class FaultRun:
     def _inject(self, faults: list[Fault]) -> None:
         start = time.monotonic()
         for fault in faults:
+            if self.workload is not None:  # who leads what as the fault begins (ack_stalls' split by role)
+                time.sleep(max(0.0, start + fault.start_s - NOTE_LEADERS_BEFORE_S - time.monotonic()))
+                self._step(self.workload, "note_leaders", None, topic=TOPIC, reply_timeout_s=30)
             time.sleep(max(0.0, start + fault.start_s - time.monotonic()))
             began = time.monotonic() - start
             self._say(f"{fault.kind} {','.join(fault.targets)} for {fault.hold_s:.1f} s")
@@ -295,26 +311,55 @@ class FaultRun:
             time.sleep(2.0)
 
 
-def ack_stalls(events: list[dict], faults: list[dict]) -> dict:
+def ack_stalls(events: list[dict], faults: list[dict], replica_hosts: dict[int, str] | None = None) -> dict:
     """How long acks=all writes waited through each fault: per fault kind, the longest time from a send
     to its acknowledgement among the records sent while a fault of that kind was on (the history's and
     the faults' times are both this machine's monotonic clock), with the fault it happened in. A cut
     host leads some partitions and follows others: a send to a partition it led waits for a new
-    leader; one to a partition it followed waits until the leader drops it from the ISR
-    (replica.lag.time.max.ms)."""
+    leader; one to a partition it followed waits until the leader drops it from the ISR.
+
+    With the run's ``leaders`` notes (one asked just before each fault began) and ``replica_hosts`` (replica id
+    -> host), each kind's figure is also split by the partition's role on the fault's targets when the
+    fault began (``by_role``): ``leader`` (a target led it), ``follower`` (a target followed it),
+    ``none`` (no target hosts a replica: the controller's host) or ``unknown`` (no note asked within
+    ``2 * NOTE_LEADERS_BEFORE_S`` before the fault began was answered before it began)."""
     sent = {e["value"]: e["t"] for e in events if e["kind"] == "send"}
     acks = sorted((sent[e["value"]], e["t"] - sent[e["value"]], e.get("partition")) for e in events
                   if e["kind"] == "ack" and e.get("value") in sent)
+    notes = sorted(((e["t"], e["asked"], e["leaders"]) for e in events if e["kind"] == "leaders"), key=lambda n: n[0])
     worst: dict[str, dict] = {}
     for fault in faults:
         waits = [(wait, partition) for t, wait, partition in acks if fault["began_t"] <= t <= fault["ended_t"]]
         if not waits:
             continue
         wait, partition = max(waits)
-        if wait > worst.get(fault["kind"], {}).get("worst_ack_s", -1.0):
-            worst[fault["kind"]] = {"worst_ack_s": round(wait, 2), "partition": partition, "targets": fault["targets"],
-                                    "began_s": fault["began_s"], "records_sent": len(waits)}
+        kind = worst.setdefault(fault["kind"], {"worst_ack_s": -1.0})
+        if wait > kind["worst_ack_s"]:
+            kind.update({"worst_ack_s": round(wait, 2), "partition": partition, "targets": fault["targets"],
+                         "began_s": fault["began_s"], "records_sent": len(waits)})
+        if replica_hosts is None:
+            continue
+        leaders = next((ls for t, asked, ls in reversed(notes)
+                        if t <= fault["began_t"] and asked >= fault["began_t"] - 2 * NOTE_LEADERS_BEFORE_S), None)
+        for wait, partition in waits:
+            role = _role(fault["targets"], partition, leaders, replica_hosts)
+            by_role = kind.setdefault("by_role", {})
+            if wait > by_role.get(role, {}).get("worst_ack_s", -1.0):
+                by_role[role] = {"worst_ack_s": round(wait, 2), "partition": partition, "targets": fault["targets"],
+                                 "began_s": fault["began_s"]}
     return worst
+
+
+def _role(targets, partition, leaders: dict | None, replica_hosts: dict[int, str]) -> str:
+    """The role of a fault's targets in ``partition`` as the fault began (see ``ack_stalls``)."""
+    if not set(targets) & set(replica_hosts.values()):
+        return "none"
+    if leaders is None or partition is None:
+        return "unknown"
+    leader = leaders.get(str(partition))
+    if leader is not None and replica_hosts.get(leader) in targets:
+        return "leader"
+    return "follower"
 
 
 def _text(value) -> str:

@@ -16,6 +16,9 @@ Events, by ``kind`` (``topic`` may be left out where there is one topic):
   ``partition``, ``offset``.
 - ``replica``: replica ``replica`` holds ``value`` at ``partition``,
   ``offset`` in its files after the run (:func:`replica_events`).
+- ``leaders``: the controller said, when asked at ``asked``, that
+  ``leaders`` (partition -> replica id or None) lead (information for the
+  fault run's stall figures; the checker passes over it).
 
 :func:`check` reports:
 
@@ -181,6 +184,8 @@ def check(events: Iterable[dict], complete_consumers: Iterable[str] = (), idempo
             at[position][value].append("ack")
         elif kind == "fail":
             outcome.setdefault(event["value"], "fail")  # an ack that came first stands
+        elif kind == "leaders":
+            continue
         elif kind == "seek":
             last_offset.pop((event["consumer"], event.get("topic", ""), int(event["partition"])), None)
         elif kind in ("poll", "process", "replica"):

@@ -201,3 +201,24 @@ def test_ack_stalls_are_the_longest_waits_of_records_sent_during_each_kind_of_fa
         "cut": {"worst_ack_s": 4.5, "partition": 2, "targets": ("n1",), "began_s": 4.0, "records_sent": 2},
         "pause": {"worst_ack_s": 0.1, "partition": 0, "targets": ("head",), "began_s": 19.0, "records_sent": 1},
     }
+
+
+def test_ack_stalls_split_by_the_role_the_faults_targets_had_in_each_partition_as_it_began():
+    from tests.cluster.fault_run import ack_stalls
+
+    hosts = {0: "n1", 1: "n2", 2: "n3"}
+    events = [{"kind": "send", "value": v, "t": t} for v, t in (("a", 5.0), ("b", 5.5), ("c", 6.0), ("d", 20.0), ("e", 41.0))]
+    events += [{"kind": "ack", "value": v, "t": t, "partition": p}
+               for v, t, p in (("a", 5.4, 0), ("b", 9.5, 1), ("c", 6.2, 2), ("d", 23.0, 1), ("e", 41.5, 0))]
+    # Asked just before the first cut (answered before it began); before the second, answered too late.
+    events += [{"kind": "leaders", "t": 3.9, "asked": 3.0, "leaders": {"0": 0, "1": 1, "2": None}},
+               {"kind": "leaders", "t": 40.5, "asked": 39.0, "leaders": {"0": 1, "1": 1, "2": 1}}]
+    faults = [{"kind": "cut", "targets": ("n2",), "began_s": 4.0, "began_t": 4.0, "ended_t": 8.0},
+              {"kind": "pause", "targets": ("head",), "began_s": 19.0, "began_t": 19.0, "ended_t": 21.0},
+              {"kind": "cut", "targets": ("n1",), "began_s": 40.0, "began_t": 40.0, "ended_t": 42.0}]
+    stalls = ack_stalls(events, faults, hosts)
+    assert stalls["cut"]["worst_ack_s"] == 4.0 and stalls["cut"]["partition"] == 1
+    # n2 led partition 1 (4.0 s) and followed 0 and 2 (0.4 s at most); the second cut's note came after it began.
+    assert {role: figure["worst_ack_s"] for role, figure in stalls["cut"]["by_role"].items()} == {
+        "leader": 4.0, "follower": 0.4, "unknown": 0.5}
+    assert stalls["pause"]["by_role"] == {"none": {"worst_ack_s": 3.0, "partition": 1, "targets": ("head",), "began_s": 19.0}}

@@ -15,6 +15,9 @@ Every send, acknowledgement, failure and poll goes into a history file
   and every replica's own status (role, offsets, size, bytes fetched as a
   follower, its logbus node, its Ray node, its directory).
 - ``nodes``: the controller's nodes (``Admin.nodes()``), refused hosts too.
+- ``note_leaders``: ``topic``: in the background, ask which replica leads
+  each partition, and record the answer in the history (``leaders``);
+  replies at once, so a controller away does not hold up the caller.
 - ``produce``: ``topic``, ``count``, ``prefix``: send and wait for every outcome.
 - ``read_all``: ``topic``, ``consumer``: a fresh consumer reads every
   partition from its start to the high watermark as of now.
@@ -83,6 +86,19 @@ class Driver:
                                                   "high_watermark", "isr", "size_bytes", "fetched_bytes", "node", "node_id",
                                                   "directory", "error")} for s in partition] for partition in statuses],
         }
+
+    def note_leaders(self, topic: str) -> dict:
+        def ask() -> None:
+            asked = time.monotonic()
+            try:
+                described = self.bus.admin.describe_topic(topic)
+            except Exception:  # noqa: BLE001 (the controller is away: no note)
+                return
+            self.history.record("leaders", topic=topic, asked=round(asked, 6),
+                                leaders={str(p.partition): p.leader for p in described.partitions})
+
+        threading.Thread(target=ask, name="note-leaders", daemon=True).start()
+        return {"asking": True}
 
     def nodes(self) -> dict:
         return {"nodes": self.bus.admin.nodes()}

@@ -313,6 +313,27 @@ def test_an_append_with_a_parked_follower_renews_it_first(open_log):
     assert state.leader.followers[1].last_caught_up_ms == 900
 
 
+def test_followers_whose_node_died_leave_the_isr_at_once_and_come_back_only_by_fetching(open_log):
+    log = open_log()
+    append(log, 0, 4)
+    state = ReplicaState(0, -1, partition_name="t-0")
+    run(log, state.become_leader(1, [0, 1, 2], [0, 1, 2], log, 0)[1])
+    for follower in (1, 2):
+        run(log, state.on_replica_fetch(follower, 1, 4, log, now_ms=100))
+    state.park(2, 4, now_ms=100)  # a fetch of follower 2 waits at the end when its node dies
+    assert ProposeIsr not in kinds(state.check_isr(log, now_ms=200))
+    # Another epoch's notice changes nothing; this one's drops 2 well within the lag time.
+    assert state.followers_gone(0, [2], log, now_ms=300) == []
+    actions = state.followers_gone(1, [2, 0, 7], log, now_ms=300)  # the leader itself and non-replicas are passed over
+    assert ProposeIsr(state.leadership, 1, (0, 1)) in actions and 2 not in state.parked
+    run(log, state.isr_answered(state.leadership, [0, 1], log, now_ms=310))
+    assert state.leader.isr == {0, 1}
+    # Not back by itself (it fetched recently, and is at the high watermark)...
+    assert ProposeIsr not in kinds(state.check_isr(log, now_ms=400))
+    # ...but by fetching again at the end, as any follower that returns.
+    assert ProposeIsr(state.leadership, 1, (0, 1, 2)) in run(log, state.on_replica_fetch(2, 1, 4, log, now_ms=500))
+
+
 def test_isr_answers_for_an_earlier_leadership_are_ignored(open_log):
     log = open_log()
     state = ReplicaState(0, -1, partition_name="t-0")

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Probe: a fixed fault plan on a namespace cluster, then the acks=all wait per partition, second by second.
+
+    .venv/bin/python tools/stall_probe.py SCENARIO [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tests.cluster.fault_run as fr  # noqa: E402
+from tests.cluster.history import load  # noqa: E402
+from tests.cluster.netns import HEAD, NetnsCluster  # noqa: E402
+
+SCENARIOS = {
+    "kill_then_controller": [("kill", ("n2",), 5.0, 4.0), ("cut_controller", (HEAD,), 14.0, 4.0)],
+    "controller": [("cut_controller", (HEAD,), 5.0, 4.0)],
+    "host": [("cut", ("n1",), 5.0, 5.0), ("cut", ("n2",), 25.0, 5.0)],
+    "controller_then_host": [("cut_controller", (HEAD,), 5.0, 4.0), ("cut", ("n2",), 12.0, 4.0)],
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", help=f"one of {sorted(SCENARIOS)}, or seed:N:SECONDS for fault_run's plan of seed N")
+    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--tail", type=float, default=40.0)
+    args = parser.parse_args()
+    if args.scenario.startswith("seed:"):
+        _, seed, seconds = args.scenario.split(":")
+        plan = [f for f in fr.plan_faults(int(seed), 300.0, ["n1", "n2", "n3"]) if f.start_s < float(seconds)]
+    else:
+        plan = [fr.Fault(kind, targets, start, hold) for kind, targets, start, hold in SCENARIOS[args.scenario]]
+    duration = plan[-1].start_s + plan[-1].hold_s + args.tail
+    fr.plan_faults = lambda seed, duration_s, hosts: plan
+    directory = Path(tempfile.mkdtemp(prefix="stall-"))
+    cluster = NetnsCluster(nodes=3, keep_directory=args.keep)
+    leaders_before = {}
+    inject = fr.FaultRun._inject
+
+    def _inject(self, faults):
+        for part in self.last_describe.get("partitions", []):
+            leaders_before[part["partition"]] = (part["leader"], part.get("leader_epoch"))
+        statuses = self.last_describe.get("statuses", [])
+        for index, part in enumerate(self.last_describe.get("partitions", [])):
+            for status in statuses[index] if index < len(statuses) else []:
+                if status.get("replica_id") == part["leader"]:
+                    leaders_before[part["partition"]] += (status.get("node"),)
+        return inject(self, faults)
+
+    fr.FaultRun._inject = _inject
+    with cluster:
+        run = fr.FaultRun(cluster, 1, duration, directory)
+        result = run.run()
+        hosts = {role: str(cluster.node_id(role)) for role in cluster.nodes}
+    events = load(str(directory / "history.jsonl"))
+    sent = {e["value"]: e["t"] for e in events if e["kind"] == "send"}
+    start = min(f["began_t"] - f["began_s"] for f in result.faults)
+    per = defaultdict(lambda: defaultdict(float))
+    for e in events:
+        if e["kind"] == "ack" and e.get("value") in sent:
+            second = int(sent[e["value"]] - start)
+            per[e["partition"]][second] = max(per[e["partition"]][second], e["t"] - sent[e["value"]])
+    print(json.dumps({"ok": result.ok, "violations": result.violations(), "full_isr_after_s": result.full_isr_after_s,
+                      "faults": [(f["kind"], f["targets"], f["began_s"], f["ended_s"]) for f in result.faults],
+                      "stalls": result.stalls, "errors": result.errors[:10],
+                      "leaders_before": leaders_before, "hosts": hosts, "kept": str(cluster.directory) if args.keep else None, "run": str(directory)}, default=str))
+    for partition in sorted(per):
+        row = " ".join(f"{s}:{w:.1f}" for s, w in sorted(per[partition].items()) if w > 0.5)
+        print(f"partition {partition} (send second: worst wait s, waits > 0.5 s): {row}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
