@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import urllib.error
 import urllib.request
 
 import ray
@@ -13,13 +14,19 @@ from tests.conftest import wait_for
 
 
 def scrape() -> dict[str, list[tuple[dict, float]]]:
-    """Every sample of every node's endpoint: name -> [(labels, value)]."""
+    """Every sample of every node's endpoint: name -> [(labels, value)]. A node Ray still lists as alive
+    whose endpoint refuses connections was just removed (Ray notices a few seconds later): skipped."""
     samples: dict[str, list[tuple[dict, float]]] = {}
     line_re = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? ([0-9.eE+-]+|NaN|\+Inf)$")
     for node in ray.nodes():
         if not node.get("Alive"):
             continue
-        text = urllib.request.urlopen(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=10).read().decode()
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{node['MetricsExportPort']}/metrics", timeout=10).read().decode()
+        except urllib.error.URLError as error:
+            if isinstance(error.reason, ConnectionRefusedError):
+                continue
+            raise
         for line in text.splitlines():
             found = line_re.match(line)
             if found and found.group(1).startswith("ray_logbus_"):
