@@ -1,7 +1,19 @@
 #!/usr/bin/env python
-"""Probe: a fixed fault plan on a namespace cluster, then the acks=all wait per partition, second by second.
+"""Where acks=all writes wait: a fixed fault plan on a namespace cluster, then each partition's wait, second by second.
 
-    .venv/bin/python tools/stall_probe.py SCENARIO [--keep]
+    .venv/bin/python tools/stall_probe.py SCENARIO [--keep] [--tail SECONDS]
+
+SCENARIO is one of the plans below (a kill then a controller cut, a
+controller cut, host cuts, a controller cut then a host cut), or
+``seed:N:SECONDS``: the faults tests/cluster/fault_run.py plans for seed N
+that begin within SECONDS. The run is a fault run (fault_run.py: the same
+cluster, workload and checks) that ends ``--tail`` seconds after the last
+fault. It prints one JSON line (whether the run kept every invariant, the
+faults with their times, the stalls by fault kind, the leaders before the
+faults) and then, per partition, ``second:wait`` for each second of sending
+(counted from the first fault's plan time) whose worst acknowledgement
+wait was over 0.5 s. ``--keep`` keeps the cluster's directory (every Ray
+node's logs) and says where. Needs root and the machine to itself.
 """
 
 from __future__ import annotations
