@@ -51,27 +51,10 @@ def main() -> int:
     else:
         plan = [fr.Fault(kind, targets, start, hold) for kind, targets, start, hold in SCENARIOS[args.scenario]]
     duration = plan[-1].start_s + plan[-1].hold_s + args.tail
-    fr.plan_faults = lambda seed, duration_s, hosts: plan
     directory = Path(tempfile.mkdtemp(prefix="stall-"))
     cluster = NetnsCluster(nodes=3, keep_directory=args.keep)
-    leaders_before = {}
-    inject = fr.FaultRun._inject
-
-    def _inject(self, faults):
-        for part in self.last_describe.get("partitions", []):
-            leaders_before[part["partition"]] = (part["leader"], part.get("leader_epoch"))
-        statuses = self.last_describe.get("statuses", [])
-        for index, part in enumerate(self.last_describe.get("partitions", [])):
-            for status in statuses[index] if index < len(statuses) else []:
-                if status.get("replica_id") == part["leader"]:
-                    leaders_before[part["partition"]] += (status.get("node"),)
-        return inject(self, faults)
-
-    fr.FaultRun._inject = _inject
     with cluster:
-        run = fr.FaultRun(cluster, 1, duration, directory)
-        result = run.run()
-        hosts = {role: str(cluster.node_id(role)) for role in cluster.nodes}
+        result = fr.FaultRun(cluster, 1, duration, directory, plan=plan).run()
     events = load(str(directory / "history.jsonl"))
     sent = {e["value"]: e["t"] for e in events if e["kind"] == "send"}
     start = min(f["began_t"] - f["began_s"] for f in result.faults)
@@ -83,7 +66,7 @@ def main() -> int:
     print(json.dumps({"ok": result.ok, "violations": result.violations(), "full_isr_after_s": result.full_isr_after_s,
                       "faults": [(f["kind"], f["targets"], f["began_s"], f["ended_s"]) for f in result.faults],
                       "stalls": result.stalls, "errors": result.errors[:10],
-                      "leaders_before": leaders_before, "hosts": hosts, "kept": str(cluster.directory) if args.keep else None, "run": str(directory)}, default=str))
+                      "kept": str(cluster.directory) if args.keep else None, "run": str(directory)}, default=str))
     for partition in sorted(per):
         row = " ".join(f"{s}:{w:.1f}" for s, w in sorted(per[partition].items()) if w > 0.5)
         print(f"partition {partition} (send second: worst wait s, waits > 0.5 s): {row}")

@@ -138,8 +138,10 @@ def _full_isr(described: dict) -> bool:
 class FaultRun:
     """One run on ``cluster`` (see the module docstring); ``log`` gets a line per step."""
 
-    def __init__(self, cluster: NetnsCluster, seed: int, duration_s: float, directory: Path, rate: float = 100.0, log=None) -> None:
+    def __init__(self, cluster: NetnsCluster, seed: int, duration_s: float, directory: Path, rate: float = 100.0, log=None,
+                 plan: list[Fault] | None = None) -> None:
         self.cluster = cluster
+        self.plan = plan  # the faults to apply; None: plan_faults' for the seed
         self.seed = seed
         self.duration_s = duration_s
         self.directory = Path(directory)
@@ -167,7 +169,7 @@ class FaultRun:
             self._wait_full_isr(workload, 120.0)
             workload.call("start", topic=TOPIC, rate=self.rate)
             self._say(f"producing at {self.rate:.0f} records/s; faults for {self.duration_s:.0f} s")
-            self._inject(plan_faults(self.seed, self.duration_s, self.cluster.nodes))
+            self._inject(self.plan if self.plan is not None else plan_faults(self.seed, self.duration_s, self.cluster.nodes))
             self._heal_everything()
             healed_at = time.monotonic()
             full_isr = self._wait_full_isr(workload, FULL_ISR_TIMEOUT_S)
