@@ -123,6 +123,26 @@ def own_bus(data_dir: str):
     return logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
 
 
+def leave_group(bus, group: str) -> None:
+    """Make every member of ``group`` leave, as their clients' LeaveGroup would: for a test whose clients
+    are gone but whose members stay by design (a static member, which does not leave on close; a raw
+    protocol client's member, until its session times out), so that the module's shared cluster can
+    delete the group when the test ends (``SharedBus.tidy``)."""
+    import ray
+
+    from logbus.actors.remote import unwrap
+    from logbus.errors import InvalidGroupIdError
+
+    try:
+        described = ray.get(bus.controller.describe_group.remote(group), timeout=60)
+    except Exception as error:  # noqa: BLE001 (no such group: nothing to leave)
+        if isinstance(unwrap(error), InvalidGroupIdError):
+            return
+        raise
+    for member in described["members"]:
+        ray.get(bus.controller.group_leave.remote(group, member["member_id"], member["group_instance_id"]), timeout=60)
+
+
 class LeftoverGroupWarning(UserWarning):
     """A test left a consumer group with live members on its module's shared cluster (``SharedBus.tidy``)."""
 

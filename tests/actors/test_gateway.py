@@ -33,7 +33,7 @@ from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
-from tests.conftest import wait_for
+from tests.conftest import leave_group, wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -743,8 +743,7 @@ def test_a_client_that_goes_away_frees_its_connection_slot_at_once(bus, gateway,
     # The second client went away while its join was held: its member stays in the group until its 60 s
     # session runs out. It leaves now, as a client's LeaveGroup would, so that no live member is left
     # behind on the module's cluster.
-    for member in ray.get(bus.controller.describe_group.remote("held"), timeout=60)["members"]:
-        ray.get(bus.controller.group_leave.remote("held", member["member_id"]), timeout=60)
+    leave_group(bus, "held")
 
 
 def test_produce_requests_read_before_the_client_closes_are_all_written(bus, gateway, topic_name):

@@ -30,7 +30,7 @@ from logbus.actors.gateway import start_gateways
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC, offset_commit_key
 from tests.actors.test_gateway import Raw
-from tests.conftest import wait_for
+from tests.conftest import leave_group, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -416,6 +416,7 @@ def test_a_static_member_that_restarts_takes_its_place_without_a_rebalance(bus, 
         for m in (a, b, restarted):
             if m is not None and m.is_alive():
                 m.join(60)
+        leave_group(bus, group)  # static members stay after their consumers close
 
 
 def test_kip_848_consumers_are_assigned_by_the_coordinator(bus, gateway, topic_name):
@@ -588,6 +589,7 @@ def test_join_group_with_no_protocol_in_common_is_answered_inconsistent_group_pr
     finally:
         first.close()
         other.close()
+        leave_group(bus, group)  # the first raw client's member stays until its session times out
 
 
 def test_a_subscription_whose_version_is_newer_than_its_layout_is_read_when_the_coordinator_assigns(bus, gateway, topic_name):
@@ -624,6 +626,7 @@ def test_a_subscription_whose_version_is_newer_than_its_layout_is_read_when_the_
     finally:
         native.close()
         raw.close()
+        leave_group(bus, group)  # the raw client's member stays until its session times out
 
 
 def test_a_group_with_a_logbus_consumer_is_assigned_by_the_coordinator_and_without_one_by_a_kafka_leader(bus, gateway, topic_name):
