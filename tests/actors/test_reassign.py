@@ -96,13 +96,15 @@ def test_a_partition_moves_to_another_node_under_load_within_its_throttle(cluste
     rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2, "segment.bytes": 1 << 20})
     wait_isr(rbus, topic, 3)
     with logbus.Producer(rbus, acks="all") as producer:
-        for i in range(1_000):  # about 1 MB to copy: more than one throttled slice
+        for i in range(4_000):  # about 4 MB to copy: at least 3.8 s under the throttle, however fast the machine
             producer.send(topic, VALUE + b"%d" % i)
     before, described = nodes_of(rbus, topic)
     spare = next(n for n in node_ids if n not in before)
     target = before[1:] + [spare]
     old_ids = [r for r, n in zip(described.replicas, before) if n not in target]
-    throttle = 4_000_000  # bytes/s: a slice of 0.8 MB a fetch (THROTTLE_SLICE_S), and room to catch up with the load
+    # Bytes/s: a slice of 0.2 MB a fetch (THROTTLE_SLICE_MS), room to catch up with the load, and a copy slow
+    # enough that the move is still listed when the next two calls arrive (at 4 MB/s it once finished between them).
+    throttle = 1_000_000
     workload = Workload(rbus, topic)
     try:
         wait_for(lambda: workload.acknowledged_count() > 200, timeout_s=60, message="load")
