@@ -88,6 +88,9 @@ LONG_POLL_MAX_MS = 30_000  # bound on how long a heartbeat or join call may wait
 LONG_POLLS_MAX = 500  # calls waiting at once (the controller's max_concurrency is larger, see controller.py)
 JOIN_RECHECK_MS = 1_000  # a held join re-runs the join this often even without a change (a safety net)
 GROUP_TICK_S = 0.1  # sessions and rebalance timeouts are checked this often
+# The timer ticks while any group has members: a gap of this long between two coordinator calls means the
+# controller's process stalled, and the stall is not counted against sessions (as for node leases).
+GROUP_STALL_MS = 1_000
 OFFSETS_CALL_TIMEOUT_S = 10.0
 CONSUMER_SESSION_TIMEOUT_MS = 45_000  # Kafka's group.consumer.session.timeout.ms (KIP-848 members)
 
@@ -117,9 +120,10 @@ class GroupService:
         counts = host.partition_counts()
         try:
             with open(self._writer.path) as file:
-                self.coordinator = GroupCoordinator.from_json(file.read(), now_ms=monotonic_ms(), topic_partition_counts=counts)
+                self.coordinator = GroupCoordinator.from_json(file.read(), now_ms=monotonic_ms(), topic_partition_counts=counts,
+                                                              stall_ms=GROUP_STALL_MS)
         except (FileNotFoundError, ValueError):
-            self.coordinator = GroupCoordinator(topic_partition_counts=counts)
+            self.coordinator = GroupCoordinator(topic_partition_counts=counts, stall_ms=GROUP_STALL_MS)
         self._version_queued = self.coordinator.state_version  # of the coordinator state last queued for writing
         self.offsets = CommittedOffsets(host)
         # Long polls.

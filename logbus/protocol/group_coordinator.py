@@ -598,6 +598,7 @@ class GroupCoordinator:
         groups_max: int = GROUPS_MAX,
         join_retry_backoff_ms: int = DEFAULT_JOIN_RETRY_BACKOFF_MS,
         new_member_id: Callable[[str], str] = _random_member_id,
+        stall_ms: int | None = None,
     ) -> None:
         """
         Args:
@@ -606,6 +607,11 @@ class GroupCoordinator:
                 before forming its first generation (Kafka's group.initial.rebalance.delay.ms).
             new_member_id: builds a member id from a client id or group instance id; ids must
                 be unique for the life of the cluster (the default appends a UUID).
+            stall_ms: for a caller that calls :meth:`tick` more often than this while any group
+                has members: a longer gap between two calls means the caller's process stalled
+                (the members' heartbeats may be queued behind it), and the gap is not counted
+                against any session, pending member id or rebalance timeout. None: no such
+                compensation (every gap counts).
         """
         self._topic_partition_counts: dict[str, int] = _checked_counts(topic_partition_counts or {})
         self._initial_rebalance_delay_ms = _check_ms("initial_rebalance_delay_ms", initial_rebalance_delay_ms, 0, REBALANCE_TIMEOUT_MS_MAX)
@@ -618,6 +624,8 @@ class GroupCoordinator:
         self._groups: dict[str, _Group] = {}
         self._removals: deque[MemberRemoved] = deque(maxlen=REMOVALS_KEPT_MAX)
         self._state_version = 0
+        self._stall_ms = None if stall_ms is None else _check_ms("stall_ms", stall_ms, 1, REBALANCE_TIMEOUT_MS_MAX)
+        self._last_now_ms: int | None = None  # the latest ``now_ms`` any call brought
 
     @property
     def state_version(self) -> int:
@@ -682,7 +690,7 @@ class GroupCoordinator:
             IllegalStateError: the group or the coordinator is full.
         """
         validate_group_id(group_id)
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         member_id = _check_name("member_id", member_id, allow_empty=True)
         request = self._join_request(
             group_instance_id, client_id, topics, pattern, owned, protocols,
@@ -773,7 +781,7 @@ class GroupCoordinator:
             InvalidConfigError: an assignment over ASSIGNMENT_BYTES_MAX.
         """
         validate_group_id(group_id)
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         generation = _check_generation(generation)
         group = self._existing_group(group_id, member_id)
         self._expire(group, now_ms)
@@ -851,7 +859,7 @@ class GroupCoordinator:
             FencedInstanceIdError: fenced (see ``join``).
         """
         validate_group_id(group_id)
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         generation = _check_generation(generation)
         poll_idle_ms = _check_ms("poll_idle_ms", poll_idle_ms, 0, 2**62)
         group = self._existing_group(group_id, member_id)
@@ -887,7 +895,7 @@ class GroupCoordinator:
         instance's current member (FencedInstanceIdError otherwise).
         """
         validate_group_id(group_id)
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         group = self._groups.get(group_id)
         if group is None:
             return False
@@ -910,7 +918,7 @@ class GroupCoordinator:
         Returns every member removal since the previous tick (including removals
         that other calls made), for the controller to log.
         """
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         for group in list(self._groups.values()):
             self._expire(group, now_ms)
         removals = list(self._removals)
@@ -924,7 +932,7 @@ class GroupCoordinator:
         pattern) appears, disappears or changes its partition count. Returns
         the ids of the groups that started a rebalance.
         """
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         self._topic_partition_counts = _checked_counts(topic_partition_counts)
         started = []
         for group in list(self._groups.values()):
@@ -970,7 +978,7 @@ class GroupCoordinator:
             InvalidGroupIdError, InvalidTopicError, InvalidPartitionError, InvalidConfigError, InvalidRecordError: bad arguments.
         """
         validate_group_id(group_id)
-        now_ms = _check_now(now_ms)
+        now_ms = self._clock(now_ms)
         generation = _check_generation(generation)
         checked = _checked_offsets(offsets)
         group = self._groups.get(group_id)
@@ -1486,6 +1494,28 @@ class GroupCoordinator:
             self._maybe_complete_join(group, now_ms)
         else:
             self._prepare_rebalance(group, now_ms)
+
+    def _clock(self, now_ms: object) -> int:
+        """``now_ms`` checked; a gap longer than ``stall_ms`` since the previous call is credited (see ``__init__``)."""
+        now_ms = _check_now(now_ms)
+        last = self._last_now_ms
+        if last is None or now_ms > last:
+            self._last_now_ms = now_ms
+            if last is not None and self._stall_ms is not None and now_ms - last > self._stall_ms:
+                self._credit_stall(now_ms - last)
+        return now_ms
+
+    def _credit_stall(self, stalled_ms: int) -> None:
+        """Move every running timer ``stalled_ms`` later, as if this process had not stalled."""
+        for group in self._groups.values():
+            for member in group.members.values():
+                member.last_heartbeat_ms += stalled_ms
+            for member_id in group.pending_member_ids:
+                group.pending_member_ids[member_id] += stalled_ms
+            if group.rebalance_deadline_ms is not None:
+                group.rebalance_deadline_ms += stalled_ms
+            if group.join_not_before_ms is not None:
+                group.join_not_before_ms += stalled_ms
 
     def _expire(self, group: _Group, now_ms: int) -> None:
         """Apply every timeout of one group that has passed by ``now_ms``."""

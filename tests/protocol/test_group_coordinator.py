@@ -261,6 +261,74 @@ def test_session_timeout_removes_a_member_and_rebalances():
         gc.heartbeat("g", b.member_id, 2, poll_idle_ms=0, now_ms=SESSION_MS + 3)
 
 
+def test_a_stall_of_the_coordinators_process_is_not_counted_against_sessions():
+    # The caller ticks every 100 ms while groups have members; a longer gap is its process stalling, with
+    # the members' heartbeats queued behind the stall.
+    gc = make_coordinator(stall_ms=1_000)
+    a, b = stable_pair(gc)
+    for now in range(100, 1_001, 100):
+        assert gc.tick(now) == []
+    # 10 s without a call: the first heartbeat processed after the stall (a's) finds both members in.
+    after = 1_000 + 10_000
+    assert gc.heartbeat("g", a.member_id, 2, poll_idle_ms=0, now_ms=after) == HeartbeatResult(False, ())
+    assert gc.heartbeat("g", b.member_id, 2, poll_idle_ms=0, now_ms=after + 10) == HeartbeatResult(False, ())
+    assert gc.tick(after + 100) == []
+    # Time after the stall counts again: b heard last at after + 10 goes a session later.
+    for now in range(after + 200, after + SESSION_MS + 11, 100):
+        gc.heartbeat("g", a.member_id, 2, poll_idle_ms=0, now_ms=now)
+        assert gc.tick(now) == []
+    removed = gc.tick(after + SESSION_MS + 100)
+    assert [(r.member_id, r.reason) for r in removed] == [(b.member_id, "session timeout")]
+
+
+def test_without_stall_compensation_every_gap_counts():
+    gc = make_coordinator()
+    a, b = stable_pair(gc)
+    with pytest.raises(UnknownMemberIdError):
+        gc.heartbeat("g", a.member_id, 2, poll_idle_ms=0, now_ms=SESSION_MS + 1)
+    assert {r.member_id for r in gc.tick(SESSION_MS + 2)} == {a.member_id, b.member_id}
+
+
+def test_a_stall_moves_issued_member_ids_and_rebalance_timeouts_too():
+    gc = make_coordinator(stall_ms=1_000)
+    pending = gc.join("g", topics=["t"], now_ms=0, **TIMEOUTS)
+    # 5 s with no call, past the issued id's expiry (SESSION_MS): the id is still good after the stall.
+    assert rejoin(gc, pending.member_id, 5_000).generation == 1
+
+    gc = make_coordinator(stall_ms=1_000)
+    a, b = stable_pair(gc)
+    c = join_new(gc, 1_000)  # c starts a rebalance at t=1000; b never rejoins
+    now = 1_000
+    while now < 1_000 + REBALANCE_MS - 500:
+        now += 500
+        assert gc.heartbeat("g", b.member_id, 2, poll_idle_ms=0, now_ms=now).rejoin
+        assert isinstance(rejoin(gc, a.member_id, now), JoinPending)
+        assert isinstance(rejoin(gc, c.member_id, now), JoinPending)
+    # A 10 s stall past the rebalance deadline: the members are heard first, and b is still waited for.
+    now += 10_000
+    assert gc.heartbeat("g", b.member_id, 2, poll_idle_ms=0, now_ms=now).rejoin
+    assert isinstance(rejoin(gc, a.member_id, now), JoinPending)
+    assert b.member_id in {m.member_id for m in gc.describe("g").members}
+    # The rest of the rebalance timeout, counted after the stall, evicts it.
+    result = rejoin(gc, a.member_id, now + 1_000)
+    assert result.generation == 3
+    assert b.member_id not in {m.member_id for m in gc.describe("g").members}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=30_000), min_size=1, max_size=20))
+def test_gaps_longer_than_the_stall_threshold_never_expire_a_member_heard_just_before(gaps):
+    gc = make_coordinator(stall_ms=1_000)
+    a, _ = stable_pair(gc)
+    now = 0
+    for gap in gaps:
+        now += gap
+        # a is heard on every call: only a gap of at most stall_ms between calls counts, which is below its session.
+        result = gc.heartbeat("g", a.member_id, gc.describe("g").generation, poll_idle_ms=0, now_ms=now)
+        assert isinstance(result, HeartbeatResult)
+        assert a.member_id in [m.member_id for m in gc.describe("g").members]
+
+
 def test_max_poll_interval_removes_a_member():
     gc = make_coordinator()
     a, b = stable_pair(gc)
