@@ -123,6 +123,24 @@ def own_bus(data_dir: str):
     return logbus.connect(data_dir=data_dir, namespace=f"t-{uuid.uuid4().hex[:10]}")
 
 
+def kafka_python_consumer(topics, **config):
+    """A kafka-python KafkaConsumer subscribed to ``topics``, which knows their partitions before its group's first join.
+
+    kafka-python 3.0.12 can lose a rejoin its own metadata starts. A member whose first assignment was made before it
+    knew a topic's partitions rejoins when they arrive; if a poll's time runs out while that join is in flight and
+    the member (as leader) has already assigned, the next polls no longer see a rejoin to wait for, and the
+    assignment is never taken: the member reads nothing, stops heartbeating, and is dropped by its coordinator,
+    whatever the broker. Learning the partitions first (as ``partitions_for_topic`` does) leaves no such rejoin.
+    """
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(**config)
+    consumer.subscribe(topics=list(topics))
+    for topic in topics:
+        consumer.partitions_for_topic(topic)
+    return consumer
+
+
 def leave_group(bus, group: str) -> None:
     """Make every member of ``group`` leave, as their clients' LeaveGroup would: for a test whose clients
     are gone but whose members stay by design (a static member, which does not leave on close; a raw

@@ -33,7 +33,7 @@ from logbus.errors import IllegalStateError, InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from logbus.storage import record_batch as rb
 from tests.api.test_compaction import consume
-from tests.conftest import leave_group, wait_for
+from tests.conftest import kafka_python_consumer, leave_group, wait_for
 from tests.protocol.test_kafka_records import kafka_batch
 
 pytestmark = pytest.mark.timeout(600)
@@ -148,7 +148,7 @@ def test_confluent_kafka_produces_and_consumes_in_a_group(bus, gateway, topic_na
 
 
 def test_kafka_python_produces_and_consumes_in_a_group(bus, gateway, topic_name):
-    from kafka import KafkaConsumer, KafkaProducer
+    from kafka import KafkaProducer
 
     bus.admin.create_topic(topic_name, partitions=PARTITIONS)
     producer = KafkaProducer(bootstrap_servers=gateway.bootstrap_servers, acks="all", enable_idempotence=True, linger_ms=5,
@@ -160,8 +160,8 @@ def test_kafka_python_produces_and_consumes_in_a_group(bus, gateway, topic_name)
     producer.close()
 
     group = "kafka-python-group"
-    consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id=group, auto_offset_reset="earliest",
-                             enable_auto_commit=False)
+    consumer = kafka_python_consumer([topic_name], bootstrap_servers=gateway.bootstrap_servers, group_id=group, auto_offset_reset="earliest",
+                                     enable_auto_commit=False)
     seen: dict = {}
     deadline = time.monotonic() + 180
     while len(seen) < N and time.monotonic() < deadline:

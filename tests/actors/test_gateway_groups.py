@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 import signal
 import socket
@@ -30,13 +31,20 @@ from logbus.actors.gateway import start_gateways
 from logbus.protocol import kafka_gateway as kg
 from logbus.protocol.group_coordinator import OFFSETS_TOPIC, offset_commit_key
 from tests.actors.test_gateway import Raw
-from tests.conftest import leave_group, wait_for
+from tests.conftest import kafka_python_consumer, leave_group, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
 PROTOCOL = "logbus-test-tagged"  # an assignor logbus does not have
 RECORDS = 3000
 PARTITIONS = 6
+
+
+@pytest.fixture(autouse=True)
+def kafka_client_steps(caplog):
+    """kafka-python's group and metadata steps at DEBUG, shown in a failing test's report (only there)."""
+    caplog.set_level(logging.DEBUG, logger="kafka.coordinator")
+    caplog.set_level(logging.DEBUG, logger="kafka.cluster")
 
 
 @pytest.fixture
@@ -92,15 +100,13 @@ class KafkaPythonMember(threading.Thread):
     """A kafka-python consumer in its own thread: polls, records what it reads, commits after each batch."""
 
     def __init__(self, servers: str, topic: str, group: str, tag: bytes, also=(), **options) -> None:
-        from kafka import KafkaConsumer
-
         super().__init__(daemon=True)
         self.tag = tag
         self.assignor, self.received = kafka_python_assignor(tag)
         # Its own assignor first, then ``also`` (as clients' defaults list range, say).
-        self.consumer = KafkaConsumer(topic, bootstrap_servers=servers, group_id=group, client_id=tag.decode(), enable_auto_commit=False,
-                                      auto_offset_reset="earliest", session_timeout_ms=10_000, heartbeat_interval_ms=300,
-                                      partition_assignment_strategy=[self.assignor, *also], **options)
+        self.consumer = kafka_python_consumer([topic], bootstrap_servers=servers, group_id=group, client_id=tag.decode(), enable_auto_commit=False,
+                                              auto_offset_reset="earliest", session_timeout_ms=10_000, heartbeat_interval_ms=300,
+                                              partition_assignment_strategy=[self.assignor, *also], **options)
         self.seen: list = []
         self.errors: list = []
         self.stop = threading.Event()
@@ -128,7 +134,10 @@ def keys_read(members) -> collections.Counter:
 
 def check_generation(members, protocol_leader_tags=None):
     """Every member's latest assignment is of one generation, disjoint, covering every partition, with the
-    user data its leader wrote for it."""
+    user data its leader wrote for it. A member whose client failed fails the test at once, with its error."""
+    for m in members:
+        if getattr(m, "errors", None):
+            raise AssertionError(f"member {m.tag!r} stopped on {m.errors[0]!r} after the assignments {m.received}") from m.errors[0]
     lasts = [m.last() for m in members]
     if any(last is None for last in lasts) or len({g for g, _, _ in lasts}) != 1:
         return False
@@ -681,8 +690,8 @@ def test_topics_a_kafka_client_asks_for_are_created_with_the_gateways_settings(b
         asking.call(kg.METADATA, 12, {"topics": [{"name": topic_name, "topic_id": None}], "allow_auto_topic_creation": True,
                                       "include_topic_authorized_operations": False})
         asking.close()
-        consumer = KafkaConsumer(topic_name, bootstrap_servers=gateway.bootstrap_servers, group_id=f"{topic_name}-auto",
-                                 auto_offset_reset="earliest")
+        consumer = kafka_python_consumer([topic_name], bootstrap_servers=gateway.bootstrap_servers, group_id=f"{topic_name}-auto",
+                                         auto_offset_reset="earliest")
         try:
             wait_for(lambda: consumer.poll(timeout_ms=200) is not None and len(consumer.assignment()) == 3, timeout_s=120,
                      message="assigned")

@@ -25,7 +25,7 @@ from logbus.errors import InvalidConfigError
 from logbus.protocol import kafka_gateway as kg
 from tests.actors.test_gateway import Raw, logbus_view
 from tests.certificates import Authority
-from tests.conftest import wait_for
+from tests.conftest import kafka_python_consumer, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,8 +109,8 @@ def test_confluent_kafka_and_kafka_python_produce_and_consume_over_tls(bus, auth
             if message is not None and message.error() is None:
                 seen[message.offset()] = message.key()
         consumer.close()
-        kc = kafka.KafkaConsumer(topic_name, bootstrap_servers=servers, security_protocol="SSL", ssl_cafile=authority.cafile,
-                                 auto_offset_reset="earliest", consumer_timeout_ms=20_000, group_id="tls-kp")
+        kc = kafka_python_consumer([topic_name], bootstrap_servers=servers, security_protocol="SSL", ssl_cafile=authority.cafile,
+                                   auto_offset_reset="earliest", consumer_timeout_ms=20_000, group_id="tls-kp")
         kafka_python_seen = {}
         for message in kc:
             kafka_python_seen[message.offset] = message.key
@@ -259,7 +259,7 @@ def test_confluent_kafka_and_kafka_python_authenticate_with_sasl_ssl_produce_and
         if message is not None and message.error() is None:
             seen[message.offset()] = message.key()
     consumer.close()
-    kc = kafka.KafkaConsumer(topic_name, auto_offset_reset="earliest", consumer_timeout_ms=20_000, group_id=f"sasl-kp-{mechanism}", **kafka_sasl)
+    kc = kafka_python_consumer([topic_name], auto_offset_reset="earliest", consumer_timeout_ms=20_000, group_id=f"sasl-kp-{mechanism}", **kafka_sasl)
     kafka_python_seen = {}
     for message in kc:
         kafka_python_seen[message.offset] = message.key

@@ -12,6 +12,7 @@ import logbus
 from logbus import TopicPartition
 from logbus.protocol import kafka_gateway as kg
 from tests.actors.test_gateway import Raw
+from tests.conftest import kafka_python_consumer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -170,8 +171,8 @@ def test_kafka_pythons_consume_transform_produce_loop_commits_each_input_once(bu
         for i in range(INPUTS):
             producer.send(source, b"%d" % i, partition=i % 2)
     servers = gateway.bootstrap_servers
-    consumer = kafka.KafkaConsumer(source, bootstrap_servers=servers, group_id=group, auto_offset_reset="earliest",
-                                   enable_auto_commit=False, isolation_level="read_committed")
+    consumer = kafka_python_consumer([source], bootstrap_servers=servers, group_id=group, auto_offset_reset="earliest",
+                                     enable_auto_commit=False, isolation_level="read_committed")
     producer = kafka.KafkaProducer(bootstrap_servers=servers, transactional_id=f"{topic_name}-txn", linger_ms=5)
     try:
         producer.init_transactions()
