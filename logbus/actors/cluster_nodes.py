@@ -181,15 +181,7 @@ class ClusterNodes:
         for node in self.table.nodes():
             if node.epochs or node.agent is None:
                 continue
-            agent, node.agent = node.agent, None
-            try:
-                await asyncio.wait_for(agent.shut_down.remote(), AGENT_CALL_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
-            try:
-                ray.kill(agent, no_restart=True)
-            except Exception:  # noqa: BLE001 (already gone)
-                pass
+            await self._stop_agent(node)
             self.table.agent_stopped(node)
             logger.info("node %s hosts no replicas: its agent stopped", node.node_id[:8])
 
@@ -197,15 +189,20 @@ class ClusterNodes:
         """Stop every node's agent (the cluster is being destroyed)."""
         for node in self.table.nodes():
             if node.agent is not None:
-                try:
-                    await asyncio.wait_for(node.agent.shut_down.remote(), AGENT_CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                try:
-                    ray.kill(node.agent, no_restart=True)
-                except Exception:  # noqa: BLE001 (already gone)
-                    pass
-                node.agent = None
+                await self._stop_agent(node)
+
+    @staticmethod
+    async def _stop_agent(node: Node) -> None:
+        """Ask the node's agent to shut down (it stops heartbeating and removes the node's files), then end its actor."""
+        agent, node.agent = node.agent, None
+        try:
+            await asyncio.wait_for(agent.shut_down.remote(), AGENT_CALL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 (already gone)
+            pass
+        try:
+            ray.kill(agent, no_restart=True)
+        except Exception:  # noqa: BLE001 (already gone)
+            pass
 
     def check_leases(self, now: int, tick_interval_ms: int) -> set[str]:
         """Each tick: which nodes' leases ran out, which dead nodes leave the table (work per node, not per
