@@ -679,8 +679,6 @@ def test_a_group_with_a_logbus_consumer_is_assigned_by_the_coordinator_and_witho
 def test_topics_a_kafka_client_asks_for_are_created_with_the_gateways_settings(bus, topic_name):
     import confluent_kafka as ck
 
-    from kafka import KafkaConsumer
-
     gateway = start_gateways(bus.namespace, bus.controller, port=0, config={"num.partitions": 3})
     try:
         # A Metadata request naming a topic that does not exist creates it (Kafka clients allow auto-creation by
