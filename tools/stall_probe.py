@@ -9,8 +9,9 @@ controller cut, host cuts, a controller cut then a host cut), or
 that begin within SECONDS. The run is a fault run (fault_run.py: the same
 cluster, workload and checks) that ends ``--tail`` seconds after the last
 fault. It prints one JSON line (whether the run kept every invariant, the
-faults with their times, the stalls by fault kind, the leaders before the
-faults) and then, per partition, ``second:wait`` for each second of sending
+faults with their times, the stalls by fault kind and, within a kind, by
+what the cut hosts were to the partition: leader, follower or neither) and
+then, per partition, ``second:wait`` for each second of sending
 (counted from the first fault's plan time) whose worst acknowledgement
 wait was over 0.5 s. ``--keep`` keeps the cluster's directory (every Ray
 node's logs) and says where. Needs root and the machine to itself.

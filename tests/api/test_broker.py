@@ -220,9 +220,12 @@ def test_bad_inputs_get_named_errors(bus, topic_name):
         consumer.poll()
     # Nothing refused was written. (On a loaded machine the node's lease can lapse and the partition be
     # leaderless for a moment, its end offset unknown: read it from its leader.)
-    partition = wait_for(lambda: (lambda p: p if p.leader is not None else None)(bus.admin.describe_topic(topic_name).partitions[0]),
-                         timeout_s=60, message="the partition's leader")
-    assert partition.log_end_offset == 0
+
+    def led():
+        partition = bus.admin.describe_topic(topic_name).partitions[0]
+        return partition if partition.leader is not None else None
+
+    assert wait_for(led, timeout_s=60, message="the partition's leader").log_end_offset == 0
 
 
 def test_producer_refuses_bad_input_with_named_errors_and_sends_nothing(bus, topic_name):
