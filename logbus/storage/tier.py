@@ -1,0 +1,519 @@
+"""A partition's remote tier: its closed segments as Parquet files, listed by a versioned manifest.
+
+Kafka's tiered storage (KIP-405) moves closed segments to object storage in
+its own format; logbus writes them as Parquet, so the history of a topic is a
+table that Spark, Ray Data, DuckDB or pyarrow read with their own readers, and
+consumers read it back through logbus as if it had never left the replicas.
+
+Layout, under a pyarrow filesystem URI (``file://`` by default, or ``s3://``,
+``gs://``, ``hdfs://``: whatever ``pyarrow.fs.FileSystem.from_uri`` opens)::
+
+    <root>/<topic>-<topic id>/<partition>/data/<first>-<next>-e<epoch>-<nonce>.parquet
+    <root>/<topic>-<topic id>/<partition>/manifest-<version>.json
+
+A data file holds the committed records of offsets ``[first, next)`` of one
+segment, one row a record, with the columns of :data:`TIER_SCHEMA`
+(``partition, offset, timestamp, timestamp_type, key, value, headers``),
+sorted by offset, in row groups of at most :data:`ROW_GROUP_ROWS` rows (their
+offset and timestamp statistics let a reader skip what it does not need).
+Records of aborted transactions and transaction markers are not copied: their
+offsets are gaps, which readers pass as they pass a compacted topic's.
+
+The manifest is the only truth about what is in the tier: a data file that it
+does not list is not part of the partition (an upload that crashed, or lost a
+race), and readers never list data files. Each version is a new file, written
+whole before it is visible:
+
+- on a local filesystem, written to a temporary name, synced, then linked to
+  its final name, which fails if that version exists already: two uploaders
+  (an old leader that has not yet heard it was deposed, and the new one)
+  cannot both commit version ``n``; the loser reads the winner's and stops if
+  its leader epoch is higher;
+- on an object store, a single PUT (visible only once complete). pyarrow
+  offers no conditional PUT, so there the epoch check before each commit is
+  the fence, and two leaders uploading in the same instant can overwrite each
+  other's version: the overwritten upload's data file is then unlisted, and
+  its records are still on the replicas (local segments are deleted only
+  once a manifest read back lists them).
+
+A manifest records the leader epoch that wrote it; an uploader whose epoch
+is lower than the manifest's is refused (:class:`TierFencedError`). The
+manifest's ``log_start_offset`` is the first offset the tier still serves
+(retention of the whole log raises it, then deletes the files wholly below
+it). Older manifest versions are deleted after a commit, keeping the last
+:data:`MANIFEST_VERSIONS_KEPT`.
+
+This module imports no Ray. A :class:`RemoteTier` is not thread-safe; its owner
+(a replica) runs one upload or retention pass at a time, in a worker thread,
+while reads go on (they use only the manifest snapshot they were given).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import posixpath
+import secrets
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError
+from logbus.storage import batch_header as bh
+from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_record_batch, slice_visible_batches
+
+TIER_SCHEMA = pa.schema(
+    [
+        pa.field("partition", pa.int32(), nullable=False),
+        pa.field("offset", pa.int64(), nullable=False),
+        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+        pa.field("timestamp_type", pa.int32(), nullable=False),  # 0 CreateTime, 1 LogAppendTime (Kafka's)
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary()),
+        pa.field("headers", HEADERS_TYPE),
+    ]
+)
+ROW_GROUP_ROWS = 128 * 1024
+ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024  # a row group is written once it holds this much, whatever its rows
+READ_CHUNK_BYTES = 8 * 1024 * 1024  # how much of a segment an upload decodes at a time
+MANIFEST_VERSIONS_KEPT = 3
+FRAME_MAX_RECORDS = 4096  # records per batch a tier read rebuilds
+MANIFEST_PREFIX = "manifest-"
+DATA_DIR = "data"
+
+
+class TierFencedError(StorageError):
+    """The tier's manifest was written by a later leader epoch than the uploader's."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierFile:
+    """One data file the manifest lists: the offsets it covers and what it holds."""
+
+    name: str
+    base_offset: int
+    next_offset: int  # exclusive: the file covers [base_offset, next_offset), gaps included
+    records: int
+    size_bytes: int
+    min_timestamp_ms: int
+    max_timestamp_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierManifest:
+    """One version of a partition's manifest."""
+
+    version: int = 0
+    leader_epoch: int = -1
+    log_start_offset: int = 0
+    files: tuple[TierFile, ...] = field(default_factory=tuple)
+
+    @property
+    def end_offset(self) -> int:
+        """The offset after the last one uploaded (the log start when nothing is)."""
+        return self.files[-1].next_offset if self.files else self.log_start_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+    def file_for(self, offset: int) -> int | None:
+        """Index of the listed file that covers ``offset``, or None."""
+        i = bisect.bisect_right([f.base_offset for f in self.files], offset) - 1
+        if i >= 0 and offset < self.files[i].next_offset:
+            return i
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "files": [asdict(f) for f in self.files]}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "TierManifest":
+        raw = json.loads(text)
+        return cls(
+            version=int(raw["version"]), leader_epoch=int(raw["leader_epoch"]),
+            log_start_offset=int(raw["log_start_offset"]), files=tuple(TierFile(**f) for f in raw["files"]),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TierRead:
+    """Records read back from the tier, as framed batches: the same shape as a log read
+    (``data`` holds every record of ``[first_offset, next_offset)`` the tier has; offsets in
+    between that it has not are gaps)."""
+
+    data: bytes
+    first_offset: int
+    next_offset: int
+
+
+def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, root path) for a tier URI; InvalidConfigError naming the URI when pyarrow cannot open it."""
+    if not isinstance(uri, str) or not uri:
+        raise InvalidConfigError(f"remote.storage.uri must be a filesystem URI (file://, s3://, ...), not {uri!r}")
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as error:
+        raise InvalidConfigError(f"remote.storage.uri {uri!r} cannot be opened: {error}") from None
+
+
+class RemoteTier:
+    """The remote tier of one partition (see the module docstring)."""
+
+    def __init__(self, uri: str, topic: str, topic_id: str, partition: int) -> None:
+        self.uri = uri
+        self.partition = partition
+        self.fs, root = open_filesystem(uri)
+        self.directory = posixpath.join(root, f"{topic}-{topic_id}" if topic_id else topic, str(partition))
+        self._local = isinstance(self.fs, pafs.LocalFileSystem)
+        self._cached: tuple[tuple[str, int], pa.Table] | None = None  # ((file, row group), rows): the last read
+        try:
+            self.fs.create_dir(posixpath.join(self.directory, DATA_DIR), recursive=True)
+        except OSError as error:
+            raise StorageError(f"cannot create the remote tier {self.directory} at {uri}: {error}") from error
+        self.manifest = self.read_manifest()
+
+    # --- the manifest ---------------------------------------------------------------------------
+
+    def _manifest_path(self, version: int) -> str:
+        return posixpath.join(self.directory, f"{MANIFEST_PREFIX}{version:012d}.json")
+
+    def _versions(self) -> list[int]:
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.directory))
+        except OSError as error:
+            raise StorageError(f"cannot list the remote tier {self.directory}: {error}") from error
+        versions = []
+        for info in infos:
+            name = posixpath.basename(info.path)
+            if name.startswith(MANIFEST_PREFIX) and name.endswith(".json") and name[len(MANIFEST_PREFIX):-5].isdigit():
+                versions.append(int(name[len(MANIFEST_PREFIX):-5]))
+        return sorted(versions)
+
+    def read_manifest(self) -> TierManifest:
+        """The newest manifest on the filesystem (an empty one before the first upload); also kept as ``manifest``."""
+        versions = self._versions()
+        if not versions:
+            self.manifest = TierManifest()
+            return self.manifest
+        path = self._manifest_path(versions[-1])
+        try:
+            with self.fs.open_input_stream(path) as stream:
+                manifest = TierManifest.from_json(stream.read().decode())
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise StorageError(f"the remote tier's manifest {path} is unreadable: {error}") from error
+        self.manifest = manifest
+        return manifest
+
+    def _commit(self, manifest: TierManifest) -> bool:
+        """Write ``manifest`` as its version; False when that version exists already (another writer won)."""
+        path = self._manifest_path(manifest.version)
+        data = manifest.to_json().encode()
+        try:
+            if self._local:
+                temporary = f"{path}.{secrets.token_hex(4)}.tmp"
+                with open(temporary, "wb") as file:
+                    file.write(data)
+                    file.flush()
+                    os.fsync(file.fileno())
+                try:
+                    os.link(temporary, path)
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(temporary)
+                fd = os.open(self.directory, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
+                    return False
+                with self.fs.open_output_stream(path) as stream:
+                    stream.write(data)
+        except OSError as error:
+            raise StorageError(f"cannot write the remote tier's manifest {path}: {error}") from error
+        self.manifest = manifest
+        for old in self._versions()[:-MANIFEST_VERSIONS_KEPT]:
+            self._delete_quietly(self._manifest_path(old))
+        return True
+
+    def _update(self, leader_epoch: int, change) -> TierManifest:
+        """Commit ``change(latest manifest)`` (a new manifest, or None for no change) as the next version,
+        fenced by ``leader_epoch``; re-read and retry when another writer committed first."""
+        for _ in range(8):
+            latest = self.read_manifest()
+            if latest.leader_epoch > leader_epoch:
+                raise TierFencedError(
+                    f"remote tier {self.directory}: leader epoch {leader_epoch} is older than the manifest's {latest.leader_epoch}"
+                )
+            new = change(latest)
+            if new is None:
+                return latest
+            new = TierManifest(latest.version + 1, leader_epoch, new.log_start_offset, new.files)
+            if self._commit(new):
+                return new
+        raise StorageError(f"remote tier {self.directory}: the manifest kept changing under this writer")
+
+    # --- upload -----------------------------------------------------------------------------------
+
+    def upload(self, log, segment_index: int, leader_epoch: int) -> TierFile | None:
+        """Copy the committed records of the log's closed segment ``segment_index`` that the tier does
+        not hold yet into one data file, and list it. None when there was nothing to copy.
+
+        The caller makes sure the segment is closed and wholly below the high watermark and the
+        last stable offset. Raises TierFencedError when a later leader wrote the manifest.
+        """
+        segment = log.segments[segment_index]
+        if segment is log.active_segment:
+            raise StorageError("the active segment is never uploaded")
+        manifest = self.read_manifest()
+        start = max(manifest.end_offset, segment.base_offset)
+        end = segment.next_offset
+        if manifest.leader_epoch > leader_epoch:
+            raise TierFencedError(
+                f"remote tier {self.directory}: leader epoch {leader_epoch} is older than the manifest's {manifest.leader_epoch}"
+            )
+        if end <= start:
+            return None
+        if manifest.files and start != manifest.end_offset:
+            raise StorageError(
+                f"remote tier {self.directory}: the tier ends at {manifest.end_offset} but the segment starts at "
+                f"{segment.base_offset}: the offsets between are on no replica's disk"
+            )
+        name = f"{start:020d}-{end:020d}-e{leader_epoch}-{secrets.token_hex(4)}.parquet"
+        path = posixpath.join(self.directory, DATA_DIR, name)
+        written = self._write_file(log, path, start, end)
+        if written is None:  # only aborted records and markers: the range is listed as a gap, with no file
+            name, records, size, low, high = "", 0, 0, 0, 0
+        else:
+            records, size, low, high = written
+        entry = TierFile(name, start, end, records, size, low, high)
+
+        def append(latest: TierManifest) -> TierManifest | None:
+            if latest.files and latest.end_offset != start or start < latest.log_start_offset:
+                return None  # another leader uploaded these offsets first, or retention passed them
+            files = latest.files
+            return TierManifest(0, 0, latest.log_start_offset if files else start, files + (entry,))
+
+        committed = self._update(leader_epoch, append)
+        if entry not in committed.files:
+            if entry.name:
+                self._delete_quietly(path)
+            return None
+        return entry
+
+    def _write_file(self, log, path: str, start: int, end: int) -> tuple[int, int, int, int] | None:
+        """Write the committed records of ``[start, end)`` to ``path`` (complete before visible);
+        (records, bytes, min timestamp, max timestamp), or None when the range holds none."""
+        temporary = f"{path}.tmp" if self._local else path
+        writer = None
+        pending: list[pa.Table] = []
+        pending_rows = pending_bytes = records = 0
+        low = high = None
+
+        def write_pending() -> None:
+            nonlocal writer, pending, pending_rows, pending_bytes
+            if not pending:
+                return
+            if writer is None:
+                writer = pq.ParquetWriter(self.fs.open_output_stream(temporary), TIER_SCHEMA, compression="zstd")
+            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
+            pending, pending_rows, pending_bytes = [], 0, 0
+
+        try:
+            offset = start
+            while offset < end:
+                read = log.read(offset, READ_CHUNK_BYTES, max_offset=end)
+                if read is None:
+                    break
+                aborted = log.aborted_transactions(read.first_offset, read.next_offset)
+                kept, _ = slice_visible_batches(read.data, offset, end, read_committed=True, aborted=aborted)
+                for header, first, batch in kept:
+                    table = _tier_rows(self.partition, header, first, batch)
+                    pending.append(table)
+                    pending_rows += table.num_rows
+                    pending_bytes += table.nbytes
+                    records += table.num_rows
+                    stamps = table.column("timestamp").cast(pa.int64())
+                    lo, hi = pc.min(stamps).as_py() // 1000, pc.max(stamps).as_py() // 1000
+                    low = lo if low is None else min(low, lo)
+                    high = hi if high is None else max(high, hi)
+                    if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_MAX_BYTES:
+                        write_pending()
+                offset = read.next_offset
+            write_pending()
+            if writer is None:
+                return None
+            writer.close()
+            writer = None
+            if self._local:
+                os.replace(temporary, path)
+            size = self.fs.get_file_info(path).size
+        except (OSError, pa.ArrowException) as error:
+            if writer is not None:
+                try:
+                    writer.close()
+                except (OSError, pa.ArrowException):
+                    pass
+            self._delete_quietly(temporary)
+            raise StorageError(f"cannot write {path} to the remote tier: {error}") from error
+        return records, size, low, high
+
+    # --- retention --------------------------------------------------------------------------------
+
+    def delete_before(self, offset: int, leader_epoch: int) -> int:
+        """Raise the tier's log start to ``offset`` (retention or delete_records of the whole log), then
+        delete the files wholly below it; how many went."""
+        removed: list[TierFile] = []
+
+        def trim(latest: TierManifest) -> TierManifest | None:
+            removed.clear()
+            if offset <= latest.log_start_offset:
+                return None
+            removed.extend(f for f in latest.files if f.next_offset <= offset)
+            return TierManifest(0, 0, offset, tuple(f for f in latest.files if f.next_offset > offset))
+
+        self._update(leader_epoch, trim)
+        for f in removed:
+            if f.name:
+                self._delete_quietly(posixpath.join(self.directory, DATA_DIR, f.name))
+        return len(removed)
+
+    def retention_offset(self, now_ms: int, retention_ms: int, retention_bytes: int, local_bytes: int) -> int | None:
+        """The offset below which retention of the whole log (remote and local) deletes remote files, or None."""
+        files = self.manifest.files
+        keep_from = 0
+        if retention_ms >= 0:
+            while keep_from < len(files) and now_ms - files[keep_from].max_timestamp_ms > retention_ms:
+                keep_from += 1
+        if retention_bytes >= 0:
+            total = local_bytes + sum(f.size_bytes for f in files[keep_from:])
+            while keep_from < len(files) and total > retention_bytes:
+                total -= files[keep_from].size_bytes
+                keep_from += 1
+        if keep_from == 0:
+            return None
+        return files[keep_from - 1].next_offset
+
+    def delete_all(self) -> None:
+        """Delete the partition's whole tier (its topic was deleted)."""
+        try:
+            self.fs.delete_dir(self.directory)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise StorageError(f"cannot delete the remote tier {self.directory}: {error}") from error
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    def read(self, offset: int, max_bytes: int, manifest: TierManifest | None = None) -> TierRead:
+        """Framed batches of the records from ``offset`` on, from the file that holds it (at least one
+        batch, then up to ``max_bytes``). OffsetOutOfRangeError when no listed file covers ``offset``."""
+        manifest = manifest or self.manifest
+        if offset < manifest.log_start_offset:
+            raise OffsetOutOfRangeError(f"offset {offset} is below the remote tier's log start {manifest.log_start_offset}")
+        i = manifest.file_for(offset)
+        if i is None:
+            raise OffsetOutOfRangeError(f"offset {offset} is not in the remote tier [{manifest.log_start_offset}, {manifest.end_offset})")
+        entry = manifest.files[i]
+        if not entry.name:
+            return TierRead(b"", offset, entry.next_offset)
+        path = posixpath.join(self.directory, DATA_DIR, entry.name)
+        try:
+            parquet = pq.ParquetFile(self.fs.open_input_file(path))
+            frames: list[bytes] = []
+            size = 0
+            next_offset = entry.next_offset
+            for group in range(parquet.num_row_groups):
+                stats = parquet.metadata.row_group(group).column(1).statistics
+                if stats is not None and stats.has_min_max and stats.max < offset:
+                    continue
+                rows = self._row_group(parquet, entry.name, group)
+                offsets = rows.column("offset").to_numpy()
+                begin = int(np.searchsorted(offsets, offset))
+                for frame, frame_next in _frames(rows.slice(begin)):
+                    frames.append(frame)
+                    size += len(frame)
+                    if size >= max_bytes:
+                        next_offset = frame_next
+                        break
+                if size >= max_bytes:
+                    break
+        except (OSError, pa.ArrowException) as error:
+            raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
+        return TierRead(b"".join(frames), offset, next_offset)
+
+    def _row_group(self, parquet: pq.ParquetFile, name: str, group: int) -> pa.Table:
+        key = (name, group)
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        rows = parquet.read_row_group(group)
+        self._cached = (key, rows)  # one row group kept: a reader replaying history asks for the next records next
+        return rows
+
+    def _delete_quietly(self, path: str) -> None:
+        try:
+            self.fs.delete_file(path)
+        except OSError:
+            pass  # absent already, or the store refuses: an unlisted file is never read
+
+
+def _tier_rows(partition: int, header: bh.BatchHeader, first: int, batch: pa.RecordBatch) -> pa.Table:
+    """One batch's records as tier rows (the timestamp readers see: a LogAppendTime batch's own)."""
+    count = batch.num_rows
+    log_append = header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME
+    if log_append:
+        stamps = pa.array(np.full(count, header.max_timestamp_ms, dtype=np.int64))
+    else:
+        stamps = batch.column(2)
+    return pa.Table.from_arrays(
+        [
+            pa.array(np.full(count, partition, dtype=np.int32)),
+            pa.array(np.arange(first, first + count, dtype=np.int64)),
+            pc.multiply(stamps.cast(pa.int64()), 1000).cast(pa.timestamp("us", tz="UTC")),
+            pa.array(np.full(count, 1 if log_append else 0, dtype=np.int32)),
+            batch.column(0),
+            batch.column(1),
+            batch.column(3),
+        ],
+        schema=TIER_SCHEMA,
+    )
+
+
+def _frames(rows: pa.Table):
+    """Framed batches of tier rows: one per run of consecutive offsets with one timestamp type, at most
+    FRAME_MAX_RECORDS each; yields (frame, offset after it)."""
+    if rows.num_rows == 0:
+        return
+    offsets = rows.column("offset").to_numpy()
+    types = rows.column("timestamp_type").to_numpy()
+    breaks = np.flatnonzero((np.diff(offsets) != 1) | (np.diff(types) != 0)) + 1
+    starts = np.concatenate(([0], breaks))
+    stops = np.concatenate((breaks, [len(offsets)]))
+    stamps_ms = pc.divide(rows.column("timestamp").cast(pa.int64()), 1000)
+    for run_start, run_stop in zip(starts.tolist(), stops.tolist()):
+        for begin in range(run_start, run_stop, FRAME_MAX_RECORDS):
+            end = min(begin + FRAME_MAX_RECORDS, run_stop)
+            length = end - begin
+            records = pa.RecordBatch.from_arrays(
+                [
+                    rows.column("key").slice(begin, length).combine_chunks(),
+                    rows.column("value").slice(begin, length).combine_chunks(),
+                    stamps_ms.slice(begin, length).combine_chunks(),
+                    rows.column("headers").slice(begin, length).combine_chunks(),
+                ],
+                schema=SCHEMA,
+            )
+            frame = frame_record_batch(
+                records,
+                base_offset=int(offsets[begin]),
+                timestamp_type=bh.TIMESTAMP_LOG_APPEND_TIME if types[begin] else bh.TIMESTAMP_CREATE_TIME,
+            )
+            yield frame, int(offsets[end - 1]) + 1

@@ -1,0 +1,169 @@
+"""The remote tier (storage/tier.py): closed segments copied as Parquet, read back as the same records."""
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings, HealthCheck
+from hypothesis import strategies as st
+
+from logbus.errors import OffsetOutOfRangeError
+from logbus.storage import LogConfig, PartitionLog, encode_batch
+from logbus.storage.record_batch import TIMESTAMP_LOG_APPEND_TIME, slice_visible_batches
+from logbus.storage.tier import TIER_SCHEMA, RemoteTier, TierFencedError
+
+
+def records_of(data, start=0):
+    """(offset, key, value, timestamp, headers) of every visible record in framed batches."""
+    kept, _ = slice_visible_batches(data, start)
+    out = []
+    for header, first, batch in kept:
+        rows = batch.to_pylist()
+        for i, row in enumerate(rows):
+            stamp = header.max_timestamp_ms if header.timestamp_type == TIMESTAMP_LOG_APPEND_TIME else row["timestamp"]
+            out.append((first + i, row["key"], row["value"], stamp, sorted(row["headers"] or [])))
+    return out
+
+
+def read_log(log, start=0):
+    out, offset = [], start
+    while offset < log.log_end_offset:
+        read = log.read(offset, 1 << 20)
+        if read is None:
+            break
+        out += records_of(read.data, offset)
+        offset = read.next_offset
+    return out
+
+
+def read_tier(tier, start):
+    out, offset = [], start
+    while offset < tier.manifest.end_offset:
+        read = tier.read(offset, 1000)
+        out += records_of(read.data, offset)
+        assert read.next_offset > offset
+        offset = read.next_offset
+    return out
+
+
+def fill(log, batches=30, per_batch=7):
+    for b in range(batches):
+        values = [f"v{b}-{i}".encode() for i in range(per_batch)]
+        keys = [f"k{i}".encode() if i % 2 else None for i in range(per_batch)]
+        headers = [{"h": f"{b}".encode()} if i % 3 == 0 else None for i in range(per_batch)]
+        log.append(encode_batch(values, keys, [1_000_000 + b * 10 + i for i in range(per_batch)], headers), leader_epoch=1)
+
+
+@pytest.fixture
+def log(tmp_path):
+    log = PartitionLog(str(tmp_path / "log"), LogConfig.from_dict({"segment.bytes": 4096}))
+    yield log
+    log.close()
+
+
+def upload_closed(tier, log, epoch=1):
+    for i in range(len(log.segments) - 1):
+        tier.upload(log, i, epoch)
+
+
+def test_uploaded_segments_read_back_as_the_same_records(tmp_path, log):
+    fill(log)
+    assert len(log.segments) > 3
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log)
+    manifest = tier.read_manifest()
+    assert manifest.end_offset == log.active_segment.base_offset
+    assert [f.base_offset for f in manifest.files] == [s.base_offset for s in log.segments[:-1]]
+    assert read_tier(tier, 0) == read_log(log)[: manifest.end_offset]
+    # Mid-file starts read the same suffix.
+    assert read_tier(tier, 45) == read_log(log, 45)[: manifest.end_offset - 45]
+    # The files are plain Parquet with the tier's columns, sorted by offset.
+    table = pq.read_table(os.path.join(tier.directory, "data", manifest.files[0].name))
+    assert table.schema.equals(TIER_SCHEMA)
+    assert table.column("offset").to_pylist() == list(range(manifest.files[0].base_offset, manifest.files[0].next_offset))
+
+
+def test_uploading_again_copies_nothing_and_a_later_epoch_fences_the_older(tmp_path, log):
+    fill(log)
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log, epoch=1)
+    version = tier.manifest.version
+    assert tier.upload(log, 0, 1) is None and tier.read_manifest().version == version
+    # A new leader (epoch 2) takes over the tier; the deposed one can no longer write it.
+    newer = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    newer.delete_before(1, leader_epoch=2)
+    with pytest.raises(TierFencedError):
+        tier.upload(log, len(log.segments) - 2, 1)
+    with pytest.raises(TierFencedError):
+        tier.delete_before(100, leader_epoch=1)
+
+
+def test_a_manifest_version_is_written_once_and_a_second_uploader_copies_nothing(tmp_path, log):
+    fill(log)
+    first = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    second = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    assert first.upload(log, 0, 1) is not None
+    # Version 1 exists: a writer that read version 0 cannot commit its own version 1 over it.
+    listed = first.read_manifest()
+    stale = type(listed)(listed.version, listed.leader_epoch, listed.log_start_offset, ())
+    assert second._commit(stale) is False
+    assert RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0).read_manifest() == listed
+    # The second uploader re-reads before copying: segment 0 is listed, so it copies nothing.
+    assert second.upload(log, 0, 1) is None
+    assert second.upload(log, 1, 1) is not None
+    names = [f.name for f in second.read_manifest().files]
+    assert len(names) == 2 and sorted(os.listdir(os.path.join(first.directory, "data"))) == sorted(names)
+
+
+def test_retention_of_the_whole_log_trims_the_tier(tmp_path, log):
+    fill(log)
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log)
+    files = tier.manifest.files
+    cut = tier.retention_offset(now_ms=1_000_000 + 10_000, retention_ms=10_000 - 45, retention_bytes=-1, local_bytes=0)
+    assert cut is not None and cut in [f.next_offset for f in files]
+    assert tier.delete_before(cut, 1) >= 1
+    assert tier.manifest.log_start_offset == cut
+    with pytest.raises(OffsetOutOfRangeError):
+        tier.read(0, 100)
+    assert read_tier(tier, cut) == read_log(log, cut)[: tier.manifest.end_offset - cut]
+    names = {f.name for f in tier.manifest.files}
+    assert set(os.listdir(os.path.join(tier.directory, "data"))) == names
+
+
+def test_aborted_records_and_markers_become_gaps(tmp_path, log):
+    log.append(encode_batch([b"plain"]), leader_epoch=1)
+    log.append(encode_batch([b"doomed"], producer_id=9, producer_epoch=0, base_sequence=0, transactional=True), leader_epoch=1)
+    log.append_marker(9, 0, False, 0, leader_epoch=1)
+    log.append(encode_batch([b"kept"], producer_id=9, producer_epoch=0, base_sequence=1, transactional=True), leader_epoch=1)
+    log.append_marker(9, 0, True, 0, leader_epoch=1)
+    log.roll()
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    tier.upload(log, 0, 1)
+    assert [(o, v) for o, _, v, _, _ in read_tier(tier, 0)] == [(0, b"plain"), (3, b"kept")]
+    assert tier.manifest.end_offset == 5
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=25),
+    log_append=st.lists(st.booleans(), min_size=25, max_size=25),
+    start=st.integers(min_value=0, max_value=400),
+)
+def test_any_uploaded_prefix_reads_back_record_for_record(tmp_path_factory, sizes, log_append, start):
+    directory = tmp_path_factory.mktemp("prop")
+    log = PartitionLog(str(directory / "log"), LogConfig.from_dict({"segment.bytes": 2048}))
+    try:
+        for b, n in enumerate(sizes):
+            data = encode_batch([os.urandom(b % 5) for _ in range(n)], timestamps_ms=[5_000 + b] * n,
+                                timestamp_type=TIMESTAMP_LOG_APPEND_TIME if log_append[b] else 0)
+            log.append(data, leader_epoch=1)
+        log.roll()
+        tier = RemoteTier(f"file://{directory}/remote", "t", "x", 3)
+        upload_closed(tier, log)
+        end = tier.manifest.end_offset
+        assert end == log.log_end_offset
+        start = min(start, end - 1)
+        assert read_tier(tier, start) == read_log(log, start)
+    finally:
+        log.close()
