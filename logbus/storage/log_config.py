@@ -76,6 +76,21 @@ What the cleaner honours:
   timestamp readers see for it), so a consumer reading the log from the start
   sees it and forgets the key; a cleaning after that removes it.
 
+Remote tier
+-----------
+
+``remote.storage.enable`` (default false; KIP-405's name) copies each closed
+segment, once wholly below the high watermark and the last stable offset, to
+the topic's remote tier as a Parquet file (``storage/tier.py``), at
+``remote.storage.uri`` (logbus's own key: a pyarrow filesystem URI; empty
+means the cluster's default, ``<data dir>/remote``). Then
+``local.retention.ms`` / ``local.retention.bytes`` (-2, the default: the same
+as ``retention.ms`` / ``retention.bytes``) bound what stays on the replicas'
+disks, and only segments already in the tier leave them by that rule;
+``retention.ms`` / ``retention.bytes`` bound the whole log, tier included.
+Consumers read offsets below the local log start from the tier. A compacted
+topic cannot be tiered (as in Kafka).
+
 Producer ids
 ------------
 
@@ -134,6 +149,10 @@ class LogConfig:
     min_cleanable_dirty_ratio: float = 0.5
     min_compaction_lag_ms: int = 0
     producer_id_expiration_ms: int = DAY_MS  # a producer's state goes once its last write is this old
+    remote_storage_enable: bool = False  # closed segments are copied to the remote tier (storage/tier.py)
+    local_retention_ms: int = -2  # with the tier: how long uploaded segments stay on disk too (-2: retention.ms)
+    local_retention_bytes: int = -2  # with the tier: how much of the log stays on disk (-2: retention.bytes)
+    remote_storage_uri: str = ""  # where the tier is ("": the cluster's default, under its data directory)
 
     # dotted Kafka name -> (attribute, type, lowest legal value, highest legal value). The highest
     # is the range of Kafka's type for the key (int or long): values must fit the int32 / int64
@@ -157,6 +176,10 @@ class LogConfig:
         "min.cleanable.dirty.ratio": ("min_cleanable_dirty_ratio", float, 0, 1),
         "min.compaction.lag.ms": ("min_compaction_lag_ms", int, 0, LONG_MAX),
         "producer.id.expiration.ms": ("producer_id_expiration_ms", int, 1, INT_MAX),  # an int in Kafka too
+        "remote.storage.enable": ("remote_storage_enable", bool, None, None),
+        "local.retention.ms": ("local_retention_ms", int, -2, LONG_MAX),
+        "local.retention.bytes": ("local_retention_bytes", int, -2, LONG_MAX),
+        "remote.storage.uri": ("remote_storage_uri", str, None, None),  # logbus's own key
     }
 
     @classmethod
@@ -184,7 +207,18 @@ class LogConfig:
             raise InvalidConfigError(f"message.timestamp.type must be one of {TIMESTAMP_TYPES}, not {timestamp_type!r}")
         if "cleanup_policy" in changes:
             changes["cleanup_policy"] = _cleanup_policy(changes["cleanup_policy"])
-        return dataclasses.replace(base, **changes)
+        merged = dataclasses.replace(base, **changes)
+        if merged.remote_storage_enable and merged.compact:
+            raise InvalidConfigError("remote.storage.enable is for cleanup.policy delete only (Kafka's rule): a compacted topic is not tiered")
+        return merged
+
+    @property
+    def local_retention(self) -> tuple[int, int]:
+        """(ms, bytes) that bound what stays on local disk once uploaded to the tier (-2 resolved to
+        retention.ms / retention.bytes)."""
+        ms = self.retention_ms if self.local_retention_ms == -2 else self.local_retention_ms
+        size = self.retention_bytes if self.local_retention_bytes == -2 else self.local_retention_bytes
+        return ms, size
 
     @property
     def compact(self) -> bool:

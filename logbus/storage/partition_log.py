@@ -242,6 +242,9 @@ class PartitionLog:
         self._break_next_append = False
         self.epochs = LeaderEpochCache(directory)
         self.producer_state = ProducerStateTable()
+        # With a remote tier (remote.storage.enable): the offset below which the tier holds every
+        # record, set by the owner after each upload; local retention deletes only segments below it.
+        self.tiered_offset: int | None = None
         self.recovery = self._load()
         self._last_flush_ms = self.clock_ms()
 
@@ -1171,15 +1174,44 @@ class PartitionLog:
                 total -= self.segments[0].size_bytes
                 self._delete_oldest()
                 deleted += 1
+        if config.remote_storage_enable:
+            deleted += self._enforce_local_retention(now)
         if deleted:
             self._check_segments("retention")
+        return deleted
+
+    def _uploaded(self, segment: LogSegment) -> bool:
+        return self.tiered_offset is not None and segment.next_offset <= self.tiered_offset
+
+    def _enforce_local_retention(self, now: int) -> int:
+        """With a remote tier: delete the oldest segments the tier holds past local.retention.ms / .bytes."""
+        local_ms, local_bytes = self.config.local_retention
+        deleted = 0
+        if local_ms >= 0:
+            while len(self.segments) > 1 and self._uploaded(self.segments[0]) and now - self.segments[0].max_timestamp_ms > local_ms:
+                self._delete_oldest()
+                deleted += 1
+        if local_bytes >= 0:
+            total = self.size_bytes
+            while len(self.segments) > 1 and self._uploaded(self.segments[0]) and total - self.segments[0].size_bytes >= local_bytes:
+                total -= self.segments[0].size_bytes
+                self._delete_oldest()
+                deleted += 1
         return deleted
 
     def next_retention_ms(self) -> int | None:
         """The clock time (ms) at which :meth:`enforce_retention` will next have something to delete
         by ``retention.ms``, or None (time retention off, or nothing written). Owners arm one timer
         for it instead of checking periodically."""
-        if self._closed or self.config.retention_ms < 0 or not self.config.delete:
+        if self._closed or not self.config.delete:
+            return None
+        local_ms = self.config.local_retention[0]
+        if self.config.remote_storage_enable and local_ms >= 0 and len(self.segments) > 1 and self._uploaded(self.segments[0]):
+            due = self.segments[0].max_timestamp_ms + local_ms + 1
+            if self.config.retention_ms >= 0:
+                due = min(due, self.segments[0].max_timestamp_ms + self.config.retention_ms + 1)
+            return due
+        if self.config.retention_ms < 0:
             return None
         if len(self.segments) > 1:
             return self.segments[0].max_timestamp_ms + self.config.retention_ms + 1

@@ -66,6 +66,7 @@ import pyarrow.parquet as pq
 from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError
 from logbus.storage import batch_header as bh
 from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_record_batch, slice_visible_batches
+from logbus.storage.txn_index import AbortedTxn
 
 TIER_SCHEMA = pa.schema(
     [
@@ -150,6 +151,28 @@ class TierRead:
     data: bytes
     first_offset: int
     next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCopy:
+    """What an upload needs of one closed segment, taken on the log's owner's thread so that the
+    upload can run on another: its file (read through a mapping of its own, which a deletion of the
+    segment meanwhile does not end), its offsets and the aborted transactions that touch them."""
+
+    path: str
+    base_offset: int
+    next_offset: int
+    size_bytes: int
+    aborted: tuple[AbortedTxn, ...]
+
+
+def segment_copy(log, index: int) -> SegmentCopy:
+    """A :class:`SegmentCopy` of the log's closed segment ``index`` (call on the log's owner's thread)."""
+    segment = log.segments[index]
+    if segment is log.active_segment:
+        raise StorageError("the active segment is never uploaded")
+    aborted = tuple(log.aborted_txns(segment.base_offset, segment.next_offset))
+    return SegmentCopy(segment.log_path, segment.base_offset, segment.next_offset, segment.size_bytes, aborted)
 
 
 def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
@@ -263,16 +286,13 @@ class RemoteTier:
 
     # --- upload -----------------------------------------------------------------------------------
 
-    def upload(self, log, segment_index: int, leader_epoch: int) -> TierFile | None:
-        """Copy the committed records of the log's closed segment ``segment_index`` that the tier does
-        not hold yet into one data file, and list it. None when there was nothing to copy.
+    def upload(self, segment: SegmentCopy, leader_epoch: int) -> TierFile | None:
+        """Copy the committed records of a closed segment that the tier does not hold yet into one data
+        file, and list it. None when there was nothing to copy, or another uploader listed them first.
 
-        The caller makes sure the segment is closed and wholly below the high watermark and the
-        last stable offset. Raises TierFencedError when a later leader wrote the manifest.
+        The caller makes sure the segment is wholly below the high watermark and the last stable
+        offset. Raises TierFencedError when a later leader wrote the manifest.
         """
-        segment = log.segments[segment_index]
-        if segment is log.active_segment:
-            raise StorageError("the active segment is never uploaded")
         manifest = self.read_manifest()
         start = max(manifest.end_offset, segment.base_offset)
         end = segment.next_offset
@@ -289,7 +309,7 @@ class RemoteTier:
             )
         name = f"{start:020d}-{end:020d}-e{leader_epoch}-{secrets.token_hex(4)}.parquet"
         path = posixpath.join(self.directory, DATA_DIR, name)
-        written = self._write_file(log, path, start, end)
+        written = self._write_file(segment, path, start, end)
         if written is None:  # only aborted records and markers: the range is listed as a gap, with no file
             name, records, size, low, high = "", 0, 0, 0, 0
         else:
@@ -309,7 +329,7 @@ class RemoteTier:
             return None
         return entry
 
-    def _write_file(self, log, path: str, start: int, end: int) -> tuple[int, int, int, int] | None:
+    def _write_file(self, segment: SegmentCopy, path: str, start: int, end: int) -> tuple[int, int, int, int] | None:
         """Write the committed records of ``[start, end)`` to ``path`` (complete before visible);
         (records, bytes, min timestamp, max timestamp), or None when the range holds none."""
         temporary = f"{path}.tmp" if self._local else path
@@ -328,26 +348,24 @@ class RemoteTier:
             pending, pending_rows, pending_bytes = [], 0, 0
 
         try:
-            offset = start
-            while offset < end:
-                read = log.read(offset, READ_CHUNK_BYTES, max_offset=end)
-                if read is None:
-                    break
-                aborted = log.aborted_transactions(read.first_offset, read.next_offset)
-                kept, _ = slice_visible_batches(read.data, offset, end, read_committed=True, aborted=aborted)
-                for header, first, batch in kept:
-                    table = _tier_rows(self.partition, header, first, batch)
-                    pending.append(table)
-                    pending_rows += table.num_rows
-                    pending_bytes += table.nbytes
-                    records += table.num_rows
-                    stamps = table.column("timestamp").cast(pa.int64())
-                    lo, hi = pc.min(stamps).as_py() // 1000, pc.max(stamps).as_py() // 1000
-                    low = lo if low is None else min(low, lo)
-                    high = hi if high is None else max(high, hi)
-                    if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_MAX_BYTES:
-                        write_pending()
-                offset = read.next_offset
+            with open(segment.path, "rb") as file:
+                for chunk_start, chunk_end, chunk in _chunks(file, segment.size_bytes, READ_CHUNK_BYTES):
+                    if chunk_end <= start or chunk_start >= end:
+                        continue
+                    aborted = [(a.producer_id, a.first_offset) for a in segment.aborted if a.first_offset < chunk_end and a.last_offset >= chunk_start]
+                    kept, _ = slice_visible_batches(chunk, start, end, read_committed=True, aborted=aborted)
+                    for header, first, batch in kept:
+                        table = _tier_rows(self.partition, header, first, batch)
+                        pending.append(table)
+                        pending_rows += table.num_rows
+                        pending_bytes += table.nbytes
+                        records += table.num_rows
+                        stamps = table.column("timestamp").cast(pa.int64())
+                        lo, hi = pc.min(stamps).as_py() // 1000, pc.max(stamps).as_py() // 1000
+                        low = lo if low is None else min(low, lo)
+                        high = hi if high is None else max(high, hi)
+                        if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_MAX_BYTES:
+                            write_pending()
             write_pending()
             if writer is None:
                 return None
@@ -463,6 +481,34 @@ class RemoteTier:
             self.fs.delete_file(path)
         except OSError:
             pass  # absent already, or the store refuses: an unlisted file is never read
+
+
+def _chunks(file, size_bytes: int, chunk_bytes: int):
+    """The segment file's batches in runs of about ``chunk_bytes`` (a larger batch alone): (first offset,
+    offset after, bytes of whole batches). Only the first ``size_bytes`` are read: what the log holds."""
+    buffer = b""
+    remaining = size_bytes
+    while remaining > 0 or buffer:
+        data = file.read(min(chunk_bytes, remaining)) if remaining > 0 else b""
+        if remaining > 0 and not data:
+            raise StorageError(f"segment {file.name} ended {remaining} bytes early")
+        remaining -= len(data)
+        buffer = buffer + data if buffer else data
+        first = next_offset = None
+        end = 0
+        while len(buffer) - end >= bh.HEADER_SIZE:
+            header = bh.read_header(buffer, end)
+            if end + header.size_bytes > len(buffer):
+                break
+            first = header.base_offset if first is None else first
+            next_offset = header.next_offset
+            end += header.size_bytes
+        if end == 0:
+            if remaining <= 0:
+                raise StorageError(f"segment {file.name} ends inside a batch")
+            continue  # one batch larger than a chunk: read on
+        yield first, next_offset, buffer[:end]
+        buffer = buffer[end:]
 
 
 def _tier_rows(partition: int, header: bh.BatchHeader, first: int, batch: pa.RecordBatch) -> pa.Table:

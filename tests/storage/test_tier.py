@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings, HealthCheck
 from hypothesis import strategies as st
 
-from logbus.errors import OffsetOutOfRangeError
+from logbus.errors import OffsetOutOfRangeError, StorageError
 from logbus.storage import LogConfig, PartitionLog, encode_batch
 from logbus.storage.record_batch import TIMESTAMP_LOG_APPEND_TIME, slice_visible_batches
-from logbus.storage.tier import TIER_SCHEMA, RemoteTier, TierFencedError
+from logbus.storage.tier import TIER_SCHEMA, RemoteTier, TierFencedError, segment_copy
 
 
 def records_of(data, start=0):
@@ -63,7 +63,7 @@ def log(tmp_path):
 
 def upload_closed(tier, log, epoch=1):
     for i in range(len(log.segments) - 1):
-        tier.upload(log, i, epoch)
+        tier.upload(segment_copy(log, i), epoch)
 
 
 def test_uploaded_segments_read_back_as_the_same_records(tmp_path, log):
@@ -88,12 +88,12 @@ def test_uploading_again_copies_nothing_and_a_later_epoch_fences_the_older(tmp_p
     tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
     upload_closed(tier, log, epoch=1)
     version = tier.manifest.version
-    assert tier.upload(log, 0, 1) is None and tier.read_manifest().version == version
+    assert tier.upload(segment_copy(log, 0), 1) is None and tier.read_manifest().version == version
     # A new leader (epoch 2) takes over the tier; the deposed one can no longer write it.
     newer = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
     newer.delete_before(1, leader_epoch=2)
     with pytest.raises(TierFencedError):
-        tier.upload(log, len(log.segments) - 2, 1)
+        tier.upload(segment_copy(log, len(log.segments) - 2), 1)
     with pytest.raises(TierFencedError):
         tier.delete_before(100, leader_epoch=1)
 
@@ -102,15 +102,15 @@ def test_a_manifest_version_is_written_once_and_a_second_uploader_copies_nothing
     fill(log)
     first = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
     second = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
-    assert first.upload(log, 0, 1) is not None
+    assert first.upload(segment_copy(log, 0), 1) is not None
     # Version 1 exists: a writer that read version 0 cannot commit its own version 1 over it.
     listed = first.read_manifest()
     stale = type(listed)(listed.version, listed.leader_epoch, listed.log_start_offset, ())
     assert second._commit(stale) is False
     assert RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0).read_manifest() == listed
     # The second uploader re-reads before copying: segment 0 is listed, so it copies nothing.
-    assert second.upload(log, 0, 1) is None
-    assert second.upload(log, 1, 1) is not None
+    assert second.upload(segment_copy(log, 0), 1) is None
+    assert second.upload(segment_copy(log, 1), 1) is not None
     names = [f.name for f in second.read_manifest().files]
     assert len(names) == 2 and sorted(os.listdir(os.path.join(first.directory, "data"))) == sorted(names)
 
@@ -139,7 +139,7 @@ def test_aborted_records_and_markers_become_gaps(tmp_path, log):
     log.append_marker(9, 0, True, 0, leader_epoch=1)
     log.roll()
     tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
-    tier.upload(log, 0, 1)
+    tier.upload(segment_copy(log, 0), 1)
     assert [(o, v) for o, _, v, _, _ in read_tier(tier, 0)] == [(0, b"plain"), (3, b"kept")]
     assert tier.manifest.end_offset == 5
 
@@ -167,3 +167,43 @@ def test_any_uploaded_prefix_reads_back_record_for_record(tmp_path_factory, size
         assert read_tier(tier, start) == read_log(log, start)
     finally:
         log.close()
+
+
+def test_local_retention_deletes_only_what_the_tier_holds(tmp_path):
+    log = PartitionLog(
+        str(tmp_path / "log"),
+        LogConfig.from_dict({"segment.bytes": 4096, "retention.ms": -1, "remote.storage.enable": True, "local.retention.bytes": 0}),
+    )
+    try:
+        fill(log)
+        segments = len(log.segments)
+        assert log.enforce_retention() == 0  # nothing uploaded: everything stays
+        tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+        for i in range(2):
+            tier.upload(segment_copy(log, i), 1)
+        log.tiered_offset = tier.manifest.end_offset
+        assert log.enforce_retention() == 2
+        assert len(log.segments) == segments - 2
+        assert log.log_start_offset == tier.manifest.end_offset
+        # What left the disk is read from the tier, the rest from the log: together the whole log.
+        assert [r[0] for r in read_tier(tier, 0) + read_log(log, log.log_start_offset)] == list(range(log.log_end_offset))
+    finally:
+        log.close()
+
+
+def test_an_upload_of_a_segment_deleted_meanwhile_fails_clearly_and_lists_nothing(tmp_path, log):
+    fill(log)
+    copy = segment_copy(log, 0)
+    log.delete_records(log.segments[1].base_offset)  # retention or delete_records took it first
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    with pytest.raises(StorageError, match="cannot write"):
+        tier.upload(copy, 1)
+    assert tier.read_manifest().files == ()
+    assert os.listdir(os.path.join(tier.directory, "data")) == []
+
+
+def test_a_compacted_topic_cannot_be_tiered():
+    from logbus.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="compact"):
+        LogConfig.from_dict({"cleanup.policy": "compact", "remote.storage.enable": True})
