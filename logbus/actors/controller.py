@@ -686,11 +686,14 @@ class Controller:
         except Exception as error:  # noqa: BLE001 (a bug: deliveries themselves never raise)
             logger.exception("announcing %s-%d failed: %r", topic.name, partition, error)
 
-    async def retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float = REPLICA_CALL_TIMEOUT_S) -> None:
+    async def retire_replicas(
+        self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float = REPLICA_CALL_TIMEOUT_S,
+        topic_deleted: bool = False,
+    ) -> None:
         """The one path by which replicas end, for a deleted topic or a finished move: each
         (topic, partition, replica id, node id) loses its pending role deliveries, its actor deletes
-        its files (bounded wait) and is killed, and its node's agent forgets it; then agents left with
-        nothing to run stop."""
+        its files (bounded wait; with ``topic_deleted``, its partition's remote tier too) and is
+        killed, and its node's agent forgets it; then agents left with nothing to run stop."""
         handles, gone = [], {}
         self._deliveries.forget((topic.name, partition, r) for topic, partition, r, _ in replicas)
         for topic, partition, r, node_id in replicas:
@@ -698,7 +701,7 @@ class Controller:
             if handle is not None:
                 handles.append(handle)
             gone.setdefault(node_id, []).append(replica_file_name(topic.topic_id, partition, r))
-        results = await asyncio.gather(*(asyncio.wait_for(h.delete.remote(), delete_timeout_s) for h in handles), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(h.delete.remote(topic_deleted), delete_timeout_s) for h in handles), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 logger.warning("a replica did not delete its files (%r); they stay on its node's disk", result)

@@ -109,6 +109,7 @@ from logbus.actors.invariant_exit import exit_on_violation
 from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write, node_directory, replica_file_name
 from logbus.actors.node_agent import agent_actor_name
 from logbus.actors.replica_fetcher import ReplicaFetcher
+from logbus.actors.tiering import TierSchedule
 from logbus.actors.timers import Timers
 from logbus.clock import monotonic_ms, wall_ms
 from logbus.errors import (
@@ -228,6 +229,12 @@ class PartitionReplica:
             self.log, self._timers, lambda: self.high_watermark, self._packaging.forget, self._log_shrank, self._label,
             active=lambda: not self._deleted,
         )
+        self._tiering = TierSchedule(
+            self.log, self._timers, topic, topic_id, partition, directory,
+            leading=lambda: self.role == LEADER, epoch=lambda: self.leader_epoch,
+            upload_bound=lambda: self.last_stable_offset, uploaded=self._retention_due, label=self._label,
+            active=lambda: not self._deleted,
+        )
         self._fetcher = ReplicaFetcher(
             self.state, self.log, self._label, self._run, self._check_fence, self._after_follower_append,
             active=lambda: not self._deleted,
@@ -315,10 +322,12 @@ class PartitionReplica:
                     self._packaging.forget()  # a read shared under another leadership may predate a truncation
                     self._sessions.clear()  # so may a session's position
                     self._parking.leadership_changed()  # acks=all waiters on a deposed leader give up
+                    self._tiering.leadership_changed()  # a new leader uploads what the tier lacks
                 case HighWatermarkMoved():
                     if self.role == LEADER:
                         self._parking.high_watermark_moved()  # and consumers long-polling at the old one proceed
                     self._cleaning.high_watermark_moved()
+                    self._tiering.bound_moved()
                 case StopFollowing():
                     self._fetcher.stop()
                 case StartFollowing(epoch=epoch):
@@ -369,6 +378,7 @@ class PartitionReplica:
         self._channel_started = loop.create_task(self._channel.start())
         self._arm_retention()
         self._cleaning.arm()
+        self._tiering.start()
 
     async def _controller(self):
         """The controller's handle, looked up off the event loop (the lookup is a blocking GCS call)."""
@@ -523,13 +533,20 @@ class PartitionReplica:
                 self._retention_due()  # size-bounded topics: check when a segment rolls
             if config.compact:
                 self._cleaning.arm()  # a closed segment more: dirty bytes
+            self._tiering.segment_rolled()  # a closed segment more to upload
+        self._tiering.bound_moved()  # a transaction marker may have moved the last stable offset
         if config.flush_policy == "interval" and "flush" not in self._timers:
             self._timers.arm("flush", config.flush_ms / 1000, self._flush_due)
 
     def _after_follower_append(self, unstable_before: int | None) -> None:
         """A follower compacts its own copy: a rolled segment may make a cleaning due, and so may a
         marker that ended the transaction holding cleanings back (``unstable_before``: the log's first
-        unstable offset before the append)."""
+        unstable offset before the append). In a tiered topic a rolled segment makes the follower look
+        at how far the tier reaches (its local retention deletes what the tier holds)."""
+        if self.log.config.remote_storage_enable and len(self.log.segments) != self._segments_seen:
+            self._segments_seen = len(self.log.segments)
+            self._tiering.segment_rolled()
+            return
         if not self.log.config.compact:
             return
         if unstable_before is not None and self.log.first_unstable_offset() != unstable_before:
@@ -712,7 +729,7 @@ class PartitionReplica:
             await self._wait_committed(state, end_offset, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         return results
 
-    async def _read(self, request: FetchRequest, limit, max_bytes_cap: int) -> ReadResult | None:
+    async def _read(self, request: FetchRequest, limit, max_bytes_cap: int, consumer: bool = True) -> ReadResult | None:
         """Whole batches from ``request.offset`` below ``limit()``, waiting up to ``max_wait_ms`` for some.
 
         None if nothing arrived in time. In a fetch ``session``, the read starts
@@ -724,6 +741,8 @@ class PartitionReplica:
         max_bytes = min(max(1, int(request.max_bytes)), max_bytes_cap)
         offset, session = int(request.offset), request.session
         epoch = self.leader_epoch
+        if consumer and self._tiering.in_tier(offset):  # below the local log start: the remote tier has it
+            return await self._tiering.read(offset, max_bytes, limit())
 
         def check() -> None:
             if self.leader_epoch != epoch or self.role != LEADER:
@@ -740,7 +759,8 @@ class PartitionReplica:
     ) -> tuple[FetchResponse, object]:
         """Read, then package for the transport: (FetchResponse, data or None)."""
         started_ms = monotonic_ms()
-        result = await self._read(request, limit, wire.CHANNEL_FETCH_MAX_BYTES if channel else FETCH_MAX_BYTES_MAX)
+        result = await self._read(request, limit, wire.CHANNEL_FETCH_MAX_BYTES if channel else FETCH_MAX_BYTES_MAX, consumer)
+        log_start = self._tiering.log_start_offset() if consumer else self.log.log_start_offset
         if consumer:
             metrics.latency("fetch", monotonic_ms() - started_ms)
         if result is None:
@@ -748,7 +768,7 @@ class PartitionReplica:
                 self._fetch_waits_expired += 1
             offset = int(request.offset)
             return FetchResponse(
-                offset, offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch, self.state.reply_stable_offset(self.log)
+                offset, offset, self.high_watermark, log_start, self.leader_epoch, self.state.reply_stable_offset(self.log)
             ), None
         if consumer:
             metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
@@ -759,7 +779,7 @@ class PartitionReplica:
         if consumer and request.isolation_level == READ_COMMITTED:
             aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset))
         meta = FetchResponse(
-            result.first_offset, result.next_offset, self.high_watermark, self.log.log_start_offset, self.leader_epoch,
+            result.first_offset, result.next_offset, self.high_watermark, log_start, self.leader_epoch,
             self.state.reply_stable_offset(self.log), aborted,
         )
         return meta, data
@@ -854,16 +874,17 @@ class PartitionReplica:
         # (The log start may already be past this high watermark: retention is not bounded by it, and a
         # restarted leader's high watermark starts low. A call below the log start changes nothing.)
         _check(start == max(before, offset), f"{self._label}: delete_records({offset}) left the log start at {start}, not {max(before, offset)}")
+        await self._tiering.delete_records(offset)  # a tiered topic: the tier's log start moves too
         self._packaging.forget()
         self._log_shrank()
         self._arm_retention()
-        return start
+        return self._tiering.log_start_offset()  # the local log's, or (tiered) the tier's where it reaches further back
 
     async def offsets(self, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
         """(log start offset, high watermark, log end offset); with ``isolation_level`` READ_COMMITTED,
         the last stable offset instead of the high watermark (ListOffsets' latest for such readers)."""
         self._started()
-        return self.log.log_start_offset, self._read_limit(isolation_level), self.log.log_end_offset
+        return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
@@ -883,14 +904,18 @@ class PartitionReplica:
         self._started()
         self._arm_retention()
         self._cleaning.arm()
+        self._tiering.start()  # a topic just tiered uploads its closed segments
 
-    async def delete(self) -> None:
+    async def delete(self, topic_deleted: bool = False) -> None:
         """Close and remove this replica's files; the actor is killed by the controller afterwards.
 
         A replica removed by a reassignment may still think it leads (the
         controller elected the new leader elsewhere and told only the replicas
         that stay). It steps down first, so fetches and acks="all" produces
         waiting here end with NotLeaderError before the log closes under them.
+
+        ``topic_deleted``: the whole topic goes, so this partition's remote tier goes too (every
+        replica deletes it; the first does the work). A replica removed by a move leaves it.
         """
         if self._removing:
             return  # asked again: the first call did the work
@@ -900,6 +925,12 @@ class PartitionReplica:
         self._parking.high_watermark_moved()  # every parked fetch and commit wait looks again, and ends
         self._timers.cancel_all()
         await self._cleaning.stop()  # before the files go
+        await self._tiering.stop()
+        if topic_deleted and self._tiering.enabled:
+            try:
+                await asyncio.to_thread(self._tiering.delete_all)
+            except LogbusError as error:
+                logger.warning("replica %s: the deleted topic's remote tier stays: %s", self._label, error)
         if self._fence is not None:
             self._fence.remove()
         await self._channel.close()
@@ -939,6 +970,7 @@ class PartitionReplica:
             "size_bytes": self.log.size_bytes,
             "fetched_bytes": self._fetcher.fetched_bytes,  # copied from leaders since this process started
             "segments": len(self.log.segments),
+            "tier": self._tiering.status(),  # a tiered topic's remote tier as this replica last saw it, else None
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).
             "fetches_waiting": len(self._parking),
             # Consumers' long polls that waited here until their max_wait_ms ran out, with no data.

@@ -45,7 +45,9 @@ class TopicAdminHost(MetadataHost):
     def leader_handle(self, topic: str, partition: int):
         """A partition's leader's handle; UnknownTopicError, or LeaderNotAvailableError while it has none."""
 
-    async def retire_replicas(self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float) -> None:
+    async def retire_replicas(
+        self, replicas: list[tuple[TopicState, int, int, str]], delete_timeout_s: float, topic_deleted: bool = False
+    ) -> None:
         """End replicas (topic, partition, replica id, node id): their files (within ``delete_timeout_s``), actors, fence entries."""
 
     async def reserve_nodes(self, what: str, partitions: int, replication_factor: int, timeout_s: float) -> SlotReservation:
@@ -118,6 +120,7 @@ class TopicAdmin:
         await host.retire_replicas(
             [(topic, p, r, state.nodes[str(r)]) for p, state in enumerate(topic.partitions) for r in state.replicas],
             delete_timeout_s=TOPIC_DELETE_TIMEOUT_S,
+            topic_deleted=True,
         )
 
     def list_topics(self, include_internal: bool = False) -> list[str]:

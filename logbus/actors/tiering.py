@@ -1,0 +1,267 @@
+"""A replica's part in its partition's remote tier (``storage/tier.py``): uploads, the tier's retention, reads.
+
+Topics with ``remote.storage.enable``. The leader copies each closed segment
+to the tier once the segment lies wholly below the high watermark and the last
+stable offset; then the log's local retention (``local.retention.*``) may
+delete it (``PartitionLog.tiered_offset``). No polling: an upload pass starts
+when a segment rolls, when this replica becomes leader, and when the high
+watermark or last stable offset moves while a closed segment waits for it; a
+pass uploads every segment that is ready, one at a time, in a worker thread
+(the segment is read through its own file handle, so retention meanwhile does
+not disturb it), then applies retention of the whole log (``retention.ms`` /
+``retention.bytes``, counting local and remote bytes) to the tier. A pass that
+fails is tried again after UPLOAD_FAILED_RETRY_S, twice as late each time in a
+row, up to UPLOAD_FAILED_RETRY_MAX_S.
+
+Followers learn what the tier holds by reading its manifest when one of their
+segments rolls, so their local retention deletes what the tier has too.
+
+Consumers' fetches below the local log start read the tier (in a thread), and
+the log start consumers see (ListOffsets' earliest, a fetch reply's) is the
+tier's. Followers' fetches never do: a follower starts at the leader's local
+log start, as in Kafka.
+
+Not thread-safe; the replica's event loop owns it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+
+from logbus.actors.timers import Timers
+from logbus.clock import wall_ms
+from logbus.errors import LogbusError
+from logbus.storage.partition_log import PartitionLog, ReadResult
+from logbus.storage.tier import RemoteTier, TierFencedError, segment_copy
+
+logger = logging.getLogger(__name__)
+
+UPLOAD_TIMER = "tier"
+UPLOAD_FAILED_RETRY_S = 5.0
+UPLOAD_FAILED_RETRY_MAX_S = 300.0
+REMOTE_DIR = "remote"  # the default tier's folder under the cluster's data directory
+
+
+def default_tier_uri(replica_directory: str) -> str:
+    """The tier a topic gets without remote.storage.uri: ``<data dir>/remote`` of the node holding the
+    replica (a replica's directory is ``<data dir>/replica-<id>/<topic>-<partition>``)."""
+    data_dir = os.path.dirname(os.path.dirname(os.path.abspath(replica_directory)))
+    return "file://" + os.path.join(data_dir, REMOTE_DIR)
+
+
+class TierSchedule:
+    """One replica's uploads, tier retention and tier reads (see the module docstring).
+
+    ``leading()`` says whether this replica leads, ``epoch()`` its leader epoch,
+    ``upload_bound()`` the offset below which a segment may be uploaded (the
+    smaller of the high watermark and the last stable offset), and
+    ``uploaded()`` is called after the tier grew (local retention may delete
+    more now). Nothing starts once ``active()`` says False.
+    """
+
+    def __init__(
+        self,
+        log: PartitionLog,
+        timers: Timers,
+        topic: str,
+        topic_id: str,
+        partition: int,
+        replica_directory: str,
+        leading: Callable[[], bool],
+        epoch: Callable[[], int],
+        upload_bound: Callable[[], int],
+        uploaded: Callable[[], None],
+        label: str,
+        active: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.log = log
+        self._timers = timers
+        self._topic, self._topic_id, self._partition = topic, topic_id, partition
+        self._replica_directory = replica_directory
+        self._leading, self._epoch, self._bound = leading, epoch, upload_bound
+        self._uploaded = uploaded
+        self._label = label
+        self._active = active
+        self.tier: RemoteTier | None = None
+        self._uri: str | None = None
+        self._pass: asyncio.Task | None = None
+        self._again = False  # something asked for a pass while one ran
+        self._waiting_for = None  # the offset a ready segment waits for the bound to reach
+        self._failures = 0
+        self.fenced = False  # a later leader wrote the tier: this replica uploads nothing more while leading
+        self.uploads = 0  # files this replica uploaded (status)
+
+    @property
+    def enabled(self) -> bool:
+        return self.log.config.remote_storage_enable
+
+    def _open(self) -> RemoteTier | None:
+        """The tier, opened (or reopened after a change of remote.storage.uri); None when not tiered."""
+        if not self.enabled:
+            return None
+        uri = self.log.config.remote_storage_uri or default_tier_uri(self._replica_directory)
+        if self.tier is None or uri != self._uri:
+            self.tier = RemoteTier(uri, self._topic, self._topic_id, self._partition)
+            self._uri = uri
+            self.log.tiered_offset = self.tier.manifest.end_offset if self.tier.manifest.files else None
+        return self.tier
+
+    # --- what starts a pass -------------------------------------------------------------------------
+
+    def segment_rolled(self) -> None:
+        if self.enabled:
+            self.start()
+
+    def leadership_changed(self) -> None:
+        self.fenced = False
+        self._waiting_for = None
+        if self.enabled and self._leading():
+            self.start()
+
+    def bound_moved(self) -> None:
+        if self._waiting_for is not None and self._bound() >= self._waiting_for:
+            self._waiting_for = None
+            self.start()
+
+    def start(self) -> None:
+        """Run a pass now, or right after the one under way."""
+        if not self._active() or not self.enabled:
+            return
+        if self._pass is not None and not self._pass.done():
+            self._again = True
+            return
+        self._pass = asyncio.get_running_loop().create_task(self._run_pass())
+
+    async def stop(self) -> None:
+        """Wait for a pass under way to end (before the replica's files go)."""
+        self._timers.disarm(UPLOAD_TIMER)
+        if self._pass is not None and not self._pass.done():
+            try:
+                await self._pass
+            except Exception:  # noqa: BLE001 (logged by the pass)
+                pass
+
+    # --- a pass -------------------------------------------------------------------------------------
+
+    async def _run_pass(self) -> None:
+        while True:
+            self._again = False
+            try:
+                if self._leading() and not self.fenced:
+                    await self._upload_ready()
+                    await self._apply_retention()
+                else:
+                    await self._follow_manifest()
+                self._failures = 0
+            except TierFencedError as error:
+                logger.info("replica %s: %s; uploads stop until this replica leads again", self._label, error)
+                self.fenced = True
+            except LogbusError as error:
+                self._failures += 1
+                delay = min(UPLOAD_FAILED_RETRY_S * 2 ** (self._failures - 1), UPLOAD_FAILED_RETRY_MAX_S)
+                logger.warning("replica %s: remote tier: %s; trying again in %.0f s", self._label, error, delay)
+                self._timers.arm(UPLOAD_TIMER, delay, self.start)
+                return
+            if not self._again or not self._active():
+                return
+
+    async def _upload_ready(self) -> None:
+        """Upload every closed segment wholly below the bound that the tier does not hold yet."""
+        tier = await asyncio.to_thread(self._open)
+        if tier is None:
+            return
+        while self._active() and self._leading():
+            end = tier.manifest.end_offset
+            if tier.manifest.files and self.log.log_start_offset > end:
+                # Retention of the whole log deleted local segments before they were uploaded: the
+                # offsets between are gone on every replica; the tier starts again past them.
+                await asyncio.to_thread(tier.delete_before, self.log.log_start_offset, self._epoch())
+                continue
+            index = next((i for i, s in enumerate(self.log.segments[:-1]) if s.next_offset > end), None)
+            if index is None:
+                return
+            segment = self.log.segments[index]
+            if segment.next_offset > self._bound():
+                self._waiting_for = segment.next_offset  # bound_moved() starts the next pass
+                return
+            copy = segment_copy(self.log, index)
+            entry = await asyncio.to_thread(tier.upload, copy, self._epoch())
+            if entry is not None:
+                self.uploads += 1
+            if tier.manifest.end_offset <= end:
+                return  # nothing moved (another uploader's race): the next roll tries again
+            self.log.tiered_offset = tier.manifest.end_offset
+            self._uploaded()
+
+    async def _apply_retention(self) -> None:
+        tier = self.tier
+        if tier is None or not tier.manifest.files:
+            return
+        config = self.log.config
+        if not config.delete:
+            return
+        cut = tier.retention_offset(wall_ms(), config.retention_ms, config.retention_bytes, self.log.size_bytes)
+        if cut is not None:
+            await asyncio.to_thread(tier.delete_before, cut, self._epoch())
+
+    async def _follow_manifest(self) -> None:
+        """A follower: learn how far the tier reaches, so local retention may delete what it holds."""
+        tier = await asyncio.to_thread(self._open)
+        if tier is None:
+            return
+        await asyncio.to_thread(tier.read_manifest)
+        if tier.manifest.files and tier.manifest.end_offset != self.log.tiered_offset:
+            self.log.tiered_offset = tier.manifest.end_offset
+            self._uploaded()
+
+    # --- what consumers see -------------------------------------------------------------------------
+
+    def log_start_offset(self) -> int:
+        """The first offset consumers can read: the tier's log start when the tier reaches the local log."""
+        tier = self.tier
+        if tier is not None and self.enabled and tier.manifest.files and tier.manifest.end_offset >= self.log.log_start_offset:
+            return min(tier.manifest.log_start_offset, self.log.log_start_offset)
+        return self.log.log_start_offset
+
+    def in_tier(self, offset: int) -> bool:
+        """Whether a consumer's read at ``offset`` is served by the tier (it is below the local log start)."""
+        return offset < self.log.log_start_offset and self.log_start_offset() <= offset
+
+    async def read(self, offset: int, max_bytes: int, max_offset: int | None) -> ReadResult | None:
+        """Records from ``offset`` read back from the tier, as a log read returns them (what the tier
+        holds was below the high watermark and the last stable offset when it was uploaded)."""
+        if max_offset is not None and offset >= max_offset:
+            return None
+        tier = self.tier
+        found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
+        return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
+
+    async def delete_records(self, offset: int) -> None:
+        """Kafka's DeleteRecords below the local log start: the tier's log start moves there."""
+        if self.tier is not None and self.tier.manifest.files and offset > self.tier.manifest.log_start_offset:
+            await asyncio.to_thread(self.tier.delete_before, offset, self._epoch())
+
+    def delete_all(self) -> None:
+        """The topic is being deleted: its tier goes too (the leader's call; a missing tier is fine)."""
+        tier = self._open() if self.tier is None else self.tier
+        if tier is not None:
+            tier.delete_all()
+
+    def status(self) -> dict | None:
+        tier = self.tier
+        if tier is None:
+            return None
+        manifest = tier.manifest
+        return {
+            "uri": self._uri,
+            "log_start_offset": manifest.log_start_offset,
+            "uploaded_up_to": manifest.end_offset,
+            "files": len(manifest.files),
+            "remote_bytes": manifest.size_bytes,
+            "local_bytes": self.log.size_bytes,
+            "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.base_offset >= manifest.end_offset),
+            "uploads": self.uploads,
+        }

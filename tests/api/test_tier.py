@@ -1,0 +1,136 @@
+"""Tiered topics end to end: real replicas upload closed segments as Parquet, delete them locally, and
+consumers read them back through the tier as if they had never left."""
+
+import glob
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+import logbus
+from logbus import TopicPartition
+from logbus.errors import InvalidConfigError
+from tests.conftest import wait_for
+
+TIERED = {
+    "segment.bytes": 16 * 1024,
+    "remote.storage.enable": True,
+    "local.retention.bytes": 0,  # a segment the tier holds leaves the disk at once
+    "retention.ms": -1,
+}
+
+
+def leader_status(bus, topic, partition=0):
+    leader = bus.topic_metadata(topic).leaders[partition]
+    return ray.get(leader.status.remote(), timeout=60)
+
+
+def wait_tiered(bus, topic, partition=0):
+    """The leader's tier status once every closed segment is uploaded and local retention deleted it
+    (TIERED keeps nothing local that the tier holds): the active segment alone is left on disk."""
+
+    def tiered():
+        status = leader_status(bus, topic, partition)
+        tier = status["tier"]
+        return tier if tier and status["segments"] == 1 and tier["uploaded_up_to"] == status["log_start_offset"] > 0 else None
+
+    return wait_for(tiered, timeout_s=120, message=f"{topic}-{partition} tiered")
+
+
+def produce(bus, topic, count, partitions=1):
+    producer = logbus.Producer(bus, acks="all", linger_ms=5, batch_size_bytes=4096)
+    futures = [
+        producer.send(topic, b"value-%06d" % i + b"." * 80, key=b"key-%d" % (i % 17), headers=[("n", b"%d" % i)], partition=i % partitions)
+        for i in range(count)
+    ]
+    producer.flush(timeout_s=120)
+    metadata = [f.result(timeout=60) for f in futures]
+    producer.close()
+    return metadata
+
+
+def read_all(bus, topic, partition, end, start=0):
+    consumer = logbus.Consumer(bus, auto_offset_reset="earliest")
+    consumer.assign([TopicPartition(topic, partition)])
+    consumer.seek(TopicPartition(topic, partition), start)
+    records = []
+
+    def more():
+        for polled in consumer.poll(timeout_ms=500, max_records=10_000).values():
+            records.extend(polled)
+        return len(records) >= end - start
+
+    try:
+        wait_for(more, timeout_s=120, interval_s=0, message=f"{end - start} records")
+    finally:
+        consumer.close()
+    return records
+
+
+def test_a_tiered_topic_is_read_back_whole_after_its_segments_leave_the_disk(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=2, config=TIERED)
+    count = 4000
+    metadata = produce(bus, topic_name, count, partitions=2)
+    sent = {(m.partition, m.offset): i for i, m in enumerate(metadata)}
+
+    # The leader uploads every closed segment, and local retention deletes the uploaded ones.
+    for partition in range(2):
+        tier = wait_tiered(bus, topic_name, partition)
+        assert tier["files"] >= 3 and tier["log_start_offset"] == 0
+    # Earliest is the tier's start, not the local log's.
+    consumer = logbus.Consumer(bus)
+    try:
+        partitions = [TopicPartition(topic_name, p) for p in range(2)]
+        assert consumer.beginning_offsets(partitions) == {tp: 0 for tp in partitions}
+    finally:
+        consumer.close()
+
+    for partition in range(2):
+        end = sum(1 for p, _ in sent if p == partition)
+        records = read_all(bus, topic_name, partition, end)
+        assert [r.offset for r in records] == list(range(end))
+        for record in records:
+            i = sent[(partition, record.offset)]
+            assert record.value == b"value-%06d" % i + b"." * 80
+            assert record.key == b"key-%d" % (i % 17)
+            assert list(record.headers) == [("n", b"%d" % i)]
+            assert record.timestamp == metadata[i].timestamp
+        # A read starting inside the tier, mid-file, goes on into the local log.
+        middle = end // 3
+        assert [r.offset for r in read_all(bus, topic_name, partition, end, start=middle)] == list(range(middle, end))
+
+
+def test_the_tier_is_parquet_that_other_readers_read(bus, topic_name, tmp_path):
+    uri = f"file://{tmp_path}/tier"
+    bus.admin.create_topic(topic_name, partitions=1, config={**TIERED, "remote.storage.uri": uri})
+    metadata = produce(bus, topic_name, 1500)
+    uploaded = wait_tiered(bus, topic_name)["uploaded_up_to"]
+    files = sorted(glob.glob(f"{tmp_path}/tier/{topic_name}-*/0/data/*.parquet"))
+    table = pq.ParquetDataset(files).read()
+    rows = table.sort_by("offset")
+    assert rows.column("offset").to_pylist() == list(range(uploaded))
+    assert set(rows.column("partition").to_pylist()) == {0}
+    assert rows.column("value").to_pylist() == [b"value-%06d" % i + b"." * 80 for i in range(uploaded)]
+    assert [int(t.timestamp() * 1000) for t in rows.column("timestamp").to_pylist()] == [metadata[i].timestamp for i in range(uploaded)]
+    # Deleting the topic deletes its tier.
+    bus.admin.delete_topic(topic_name)
+    wait_for(lambda: not glob.glob(f"{tmp_path}/tier/{topic_name}-*/0/data/*.parquet"), timeout_s=60, message="tier deleted")
+
+
+def test_delete_records_moves_the_tiers_log_start(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
+    produce(bus, topic_name, 1500)
+    assert wait_tiered(bus, topic_name)["uploaded_up_to"] > 100
+    assert bus.admin.delete_records({TopicPartition(topic_name, 0): 100}) == {TopicPartition(topic_name, 0): 100}
+    status = leader_status(bus, topic_name)
+    assert status["tier"]["log_start_offset"] == 100
+    records = read_all(bus, topic_name, 0, 1500, start=100)
+    assert records[0].offset == 100 and len(records) == 1400
+
+
+def test_tier_configs_are_checked(bus, topic_name):
+    with pytest.raises(InvalidConfigError, match="compact"):
+        bus.admin.create_topic(topic_name, partitions=1, config={"cleanup.policy": "compact", "remote.storage.enable": True})
+    with pytest.raises(InvalidConfigError, match="local.retention.ms"):
+        bus.admin.create_topic(topic_name, partitions=1, config={"local.retention.ms": -3})
