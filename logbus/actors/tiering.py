@@ -36,6 +36,7 @@ from logbus.clock import wall_ms
 from logbus.errors import LogbusError
 from logbus.storage.partition_log import PartitionLog, ReadResult
 from logbus.storage.tier import RemoteTier, TierFencedError, segment_copy
+from logbus.storage.tier_catalog import TierCatalog, catalog_location
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,12 @@ class TierSchedule:
         self._active = active
         self.tier: RemoteTier | None = None
         self._uri: str | None = None
+        self.catalog: TierCatalog | None = None
+        self._catalog_key: tuple | None = None
+        self._catalog_behind = True  # the Iceberg table may lack what the manifest lists (synced after each pass)
+        self._unlisted: list = []  # files out of the manifest, deleted once out of the Iceberg table too
+        self._claimed_epoch: int | None = None  # the leader epoch whose claim on the tier is committed
+        self._sweep = False
         self._pass: asyncio.Task | None = None
         self._again = False  # something asked for a pass while one ran
         self._waiting_for = None  # the offset a ready segment waits for the bound to reach
@@ -107,6 +114,11 @@ class TierSchedule:
             self.tier = RemoteTier(uri, self._topic, self._topic_id, self._partition)
             self._uri = uri
             self.log.tiered_offset = self.tier.manifest.end_offset if self.tier.manifest.files else None
+        location = catalog_location(self.log.config.remote_storage_catalog, uri)
+        if (location, uri) != self._catalog_key:
+            self.catalog = None if location is None else TierCatalog(location, uri, self._topic, self._topic_id)
+            self._catalog_key = (location, uri)
+            self._catalog_behind = True
         return self.tier
 
     # --- what starts a pass -------------------------------------------------------------------------
@@ -153,6 +165,7 @@ class TierSchedule:
                 if self._leading() and not self.fenced:
                     await self._upload_ready()
                     await self._apply_retention()
+                    await self._sync_catalog()
                 else:
                     await self._follow_manifest()
                 self._failures = 0
@@ -173,12 +186,18 @@ class TierSchedule:
         tier = await asyncio.to_thread(self._open)
         if tier is None:
             return
+        if self._claimed_epoch != self._epoch():
+            epoch = self._epoch()
+            await asyncio.to_thread(tier.claim, epoch)
+            self._claimed_epoch = epoch
+            self._sweep = True  # once the Iceberg table matches the manifest: files a crash left unlisted
+            self._catalog_behind = True
         while self._active() and self._leading():
             end = tier.manifest.end_offset
             if tier.manifest.files and self.log.log_start_offset > end:
                 # Retention of the whole log deleted local segments before they were uploaded: the
                 # offsets between are gone on every replica; the tier starts again past them.
-                await asyncio.to_thread(tier.delete_before, self.log.log_start_offset, self._epoch())
+                await self._trim(self.log.log_start_offset)
                 continue
             index = next((i for i, s in enumerate(self.log.segments[:-1]) if s.next_offset > end), None)
             if index is None:
@@ -194,6 +213,7 @@ class TierSchedule:
             if tier.manifest.end_offset <= end:
                 return  # nothing moved (another uploader's race): the next roll tries again
             self.log.tiered_offset = tier.manifest.end_offset
+            self._catalog_behind = True
             self._uploaded()
 
     async def _apply_retention(self) -> None:
@@ -205,7 +225,32 @@ class TierSchedule:
             return
         cut = tier.retention_offset(wall_ms(), config.retention_ms, config.retention_bytes, self.log.size_bytes)
         if cut is not None:
-            await asyncio.to_thread(tier.delete_before, cut, self._epoch())
+            await self._trim(cut)
+
+    async def _trim(self, offset: int) -> None:
+        """Move the tier's log start to ``offset``; its files below go once the Iceberg table no longer
+        lists them (at once without a table)."""
+        tier = self.tier
+        removed = await asyncio.to_thread(tier.delete_before, offset, self._epoch(), self.catalog is None)
+        if self.catalog is not None:
+            self._unlisted += removed
+            self._catalog_behind = True
+
+    async def _sync_catalog(self) -> None:
+        """Bring the topic's Iceberg table in line with this partition's manifest (after each pass that
+        changed the manifest, and once after this replica claims the tier: a crash may have left it
+        behind); then delete the files neither lists any more."""
+        if self.tier is None:
+            return
+        if self.catalog is not None and self._catalog_behind:
+            await asyncio.to_thread(self.catalog.sync, self._partition, self.tier.directory, self.tier.manifest)
+        self._catalog_behind = False
+        if self._unlisted:
+            unlisted, self._unlisted = self._unlisted, []
+            await asyncio.to_thread(self.tier.delete_files, unlisted)
+        if self._sweep:
+            await asyncio.to_thread(self.tier.sweep_orphans)
+            self._sweep = False
 
     async def _follow_manifest(self) -> None:
         """A follower: learn how far the tier reaches, so local retention may delete what it holds."""
@@ -215,6 +260,7 @@ class TierSchedule:
         await asyncio.to_thread(tier.read_manifest)
         if tier.manifest.files and tier.manifest.end_offset != self.log.tiered_offset:
             self.log.tiered_offset = tier.manifest.end_offset
+            self._catalog_behind = True
             self._uploaded()
 
     # --- what consumers see -------------------------------------------------------------------------
@@ -242,13 +288,16 @@ class TierSchedule:
     async def delete_records(self, offset: int) -> None:
         """Kafka's DeleteRecords below the local log start: the tier's log start moves there."""
         if self.tier is not None and self.tier.manifest.files and offset > self.tier.manifest.log_start_offset:
-            await asyncio.to_thread(self.tier.delete_before, offset, self._epoch())
+            await self._trim(offset)
+            self.start()  # the Iceberg table follows
 
     def delete_all(self) -> None:
         """The topic is being deleted: its tier goes too (the leader's call; a missing tier is fine)."""
         tier = self._open() if self.tier is None else self.tier
         if tier is not None:
             tier.delete_all()
+        if self.catalog is not None:
+            self.catalog.drop()
 
     def status(self) -> dict | None:
         tier = self.tier
@@ -264,4 +313,6 @@ class TierSchedule:
             "local_bytes": self.log.size_bytes,
             "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.base_offset >= manifest.end_offset),
             "uploads": self.uploads,
+            "iceberg_table": None if self.catalog is None else self.catalog.identifier,
+            "iceberg_synced": self.catalog is not None and not self._catalog_behind,
         }

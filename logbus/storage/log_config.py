@@ -83,7 +83,9 @@ Remote tier
 segment, once wholly below the high watermark and the last stable offset, to
 the topic's remote tier as a Parquet file (``storage/tier.py``), at
 ``remote.storage.uri`` (logbus's own key: a pyarrow filesystem URI; empty
-means the cluster's default, ``<data dir>/remote``). Then
+means the cluster's default, ``<data dir>/remote``), and registered in an
+Iceberg table (``remote.storage.catalog``, logbus's own key too: see
+``storage/tier_catalog.py``). Then
 ``local.retention.ms`` / ``local.retention.bytes`` (-2, the default: the same
 as ``retention.ms`` / ``retention.bytes``) bound what stays on the replicas'
 disks, and only segments already in the tier leave them by that rule;
@@ -153,6 +155,7 @@ class LogConfig:
     local_retention_ms: int = -2  # with the tier: how long uploaded segments stay on disk too (-2: retention.ms)
     local_retention_bytes: int = -2  # with the tier: how much of the log stays on disk (-2: retention.bytes)
     remote_storage_uri: str = ""  # where the tier is ("": the cluster's default, under its data directory)
+    remote_storage_catalog: str = ""  # the Iceberg catalog of the tier ("": SQLite beside a file:// tier; "none")
 
     # dotted Kafka name -> (attribute, type, lowest legal value, highest legal value). The highest
     # is the range of Kafka's type for the key (int or long): values must fit the int32 / int64
@@ -180,6 +183,7 @@ class LogConfig:
         "local.retention.ms": ("local_retention_ms", int, -2, LONG_MAX),
         "local.retention.bytes": ("local_retention_bytes", int, -2, LONG_MAX),
         "remote.storage.uri": ("remote_storage_uri", str, None, None),  # logbus's own key
+        "remote.storage.catalog": ("remote_storage_catalog", str, None, None),  # logbus's own key
     }
 
     @classmethod

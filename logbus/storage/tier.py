@@ -386,9 +386,11 @@ class RemoteTier:
 
     # --- retention --------------------------------------------------------------------------------
 
-    def delete_before(self, offset: int, leader_epoch: int) -> int:
-        """Raise the tier's log start to ``offset`` (retention or delete_records of the whole log), then
-        delete the files wholly below it; how many went."""
+    def delete_before(self, offset: int, leader_epoch: int, delete_files: bool = True) -> list[TierFile]:
+        """Raise the tier's log start to ``offset`` (retention or delete_records of the whole log): the
+        files wholly below it leave the manifest, and (``delete_files``) the filesystem; returns them.
+        An owner that registers the files elsewhere too (an Iceberg table) deletes them itself, once
+        they are unregistered there (:meth:`delete_files`)."""
         removed: list[TierFile] = []
 
         def trim(latest: TierManifest) -> TierManifest | None:
@@ -399,10 +401,37 @@ class RemoteTier:
             return TierManifest(0, 0, offset, tuple(f for f in latest.files if f.next_offset > offset))
 
         self._update(leader_epoch, trim)
-        for f in removed:
+        if delete_files:
+            self.delete_files(removed)
+        return list(removed)
+
+    def delete_files(self, files) -> None:
+        """Delete data files the manifest no longer lists."""
+        for f in files:
             if f.name:
                 self._delete_quietly(posixpath.join(self.directory, DATA_DIR, f.name))
-        return len(removed)
+
+    def claim(self, leader_epoch: int) -> None:
+        """A new leader's first step: a manifest version of its epoch (the same content), after which no
+        older leader can commit (TierFencedError)."""
+        self._update(leader_epoch, lambda latest: latest if latest.leader_epoch < leader_epoch else None)
+
+    def sweep_orphans(self) -> int:
+        """Delete data files the manifest does not list (an upload that crashed before listing its file,
+        or files a crash left between leaving the manifest and being deleted); how many went. Only after
+        :meth:`claim`: an older leader's upload still under way can then never list its file."""
+        manifest = self.read_manifest()
+        listed = {f.name for f in manifest.files}
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(posixpath.join(self.directory, DATA_DIR)))
+        except OSError as error:
+            raise StorageError(f"cannot list the remote tier {self.directory}: {error}") from error
+        gone = 0
+        for info in infos:
+            if posixpath.basename(info.path) not in listed:
+                self._delete_quietly(info.path)
+                gone += 1
+        return gone
 
     def retention_offset(self, now_ms: int, retention_ms: int, retention_bytes: int, local_bytes: int) -> int | None:
         """The offset below which retention of the whole log (remote and local) deletes remote files, or None."""

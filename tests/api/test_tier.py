@@ -134,3 +134,47 @@ def test_tier_configs_are_checked(bus, topic_name):
         bus.admin.create_topic(topic_name, partitions=1, config={"cleanup.policy": "compact", "remote.storage.enable": True})
     with pytest.raises(InvalidConfigError, match="local.retention.ms"):
         bus.admin.create_topic(topic_name, partitions=1, config={"local.retention.ms": -3})
+
+
+def test_the_tier_is_an_iceberg_table_that_pyiceberg_duckdb_and_ray_data_read(bus, topic_name, tmp_path):
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    uri = f"file://{tmp_path}/tier"
+    bus.admin.create_topic(topic_name, partitions=2, config={**TIERED, "remote.storage.uri": uri})
+    metadata = produce(bus, topic_name, 3000, partitions=2)
+    ends = {p: wait_tiered(bus, topic_name, p)["uploaded_up_to"] for p in range(2)}
+    wait_for(lambda: all(leader_status(bus, topic_name, p)["tier"]["iceberg_synced"] for p in range(2)), timeout_s=120,
+             message="the Iceberg table synced")
+    expected = sorted(
+        (m.partition, m.offset, b"value-%06d" % i + b"." * 80) for i, m in enumerate(metadata) if m.offset < ends[m.partition]
+    )
+    catalog_uri = f"sqlite:///{tmp_path}/tier/catalog.db"
+    identifier = "logbus." + topic_name.replace(".", "_")
+    table = SqlCatalog("logbus", uri=catalog_uri).load_table(identifier)
+    rows = table.scan(selected_fields=("partition", "offset", "value")).to_arrow()
+    assert sorted(zip(*(rows.column(c).to_pylist() for c in ("partition", "offset", "value")))) == expected
+    # Files are pruned by partition.
+    assert {task.file.partition[0] for task in table.scan(row_filter="partition == 1").plan_files()} == {1}
+    # DuckDB, over the table's scan.
+    connection = table.scan(selected_fields=("partition", "offset")).to_duckdb("records")
+    assert connection.execute("select partition, count(*) from records group by partition order by 1").fetchall() == [(p, ends[p]) for p in range(2)]
+    # Ray Data's own Iceberg reader.
+    import ray.data
+
+    dataset = ray.data.read_iceberg(
+        table_identifier=identifier, catalog_kwargs={"name": "logbus", "type": "sql", "uri": catalog_uri},
+        selected_fields=("partition", "offset", "value"),
+    )
+    assert sorted((r["partition"], r["offset"], r["value"]) for r in dataset.iter_rows()) == expected
+    # Retention of the whole log drops the table's files below the new start, and deleting the topic its table.
+    assert bus.admin.delete_records({TopicPartition(topic_name, 0): ends[0] - 1}) == {TopicPartition(topic_name, 0): ends[0] - 1}
+
+    def trimmed():
+        fresh = SqlCatalog("logbus", uri=catalog_uri).load_table(identifier)
+        offsets = fresh.scan(row_filter="partition == 0", selected_fields=("offset",)).to_arrow().column("offset").to_pylist()
+        return offsets if offsets and 0 < min(offsets) and max(offsets) == ends[0] - 1 else None
+
+    wait_for(trimmed, timeout_s=120, message="the table trimmed")
+    bus.admin.delete_topic(topic_name)
+    wait_for(lambda: identifier not in {".".join(t) for t in SqlCatalog("logbus", uri=catalog_uri).list_tables("logbus")},
+             timeout_s=60, message="the table dropped")

@@ -122,7 +122,7 @@ def test_retention_of_the_whole_log_trims_the_tier(tmp_path, log):
     files = tier.manifest.files
     cut = tier.retention_offset(now_ms=1_000_000 + 10_000, retention_ms=10_000 - 45, retention_bytes=-1, local_bytes=0)
     assert cut is not None and cut in [f.next_offset for f in files]
-    assert tier.delete_before(cut, 1) >= 1
+    assert len(tier.delete_before(cut, 1)) >= 1
     assert tier.manifest.log_start_offset == cut
     with pytest.raises(OffsetOutOfRangeError):
         tier.read(0, 100)
@@ -207,3 +207,21 @@ def test_a_compacted_topic_cannot_be_tiered():
 
     with pytest.raises(InvalidConfigError, match="compact"):
         LogConfig.from_dict({"cleanup.policy": "compact", "remote.storage.enable": True})
+
+
+def test_a_new_leaders_claim_fences_the_old_one_and_sweeps_unlisted_files(tmp_path, log):
+    fill(log)
+    old = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    old.upload(segment_copy(log, 0), 1)
+    stray = os.path.join(old.directory, "data", "00000000000000000099-00000000000000000100-e1-dead.parquet")
+    with open(stray, "wb") as file:
+        file.write(b"an upload that never listed its file")
+    new = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    new.claim(2)
+    assert new.sweep_orphans() == 1
+    assert not os.path.exists(stray)
+    assert [f.name for f in new.read_manifest().files] == [f.name for f in old.read_manifest().files]
+    assert new.manifest.leader_epoch == 2
+    with pytest.raises(TierFencedError):
+        old.upload(segment_copy(log, 1), 1)
+    assert sorted(os.listdir(os.path.join(old.directory, "data"))) == [new.manifest.files[0].name]
