@@ -322,6 +322,7 @@ def read(
     source = TopicDatasource(topic, start, end, bus, isolation_level=isolation_level)
     if source.num_rows == 0:
         return spark.createDataFrame([], kafka_schema(include_headers))
+    tiered, source = _tiered_part(spark, source, topic, bus, isolation_level, include_headers)
     # Zero-CPU read tasks: Spark's executors (Ray actors of executor_cores CPUs each) keep
     # their CPUs for the session's life, and one-CPU read tasks waited forever for them
     # when they held all of Ray's CPUs. The executors sit idle while the read runs.
@@ -329,9 +330,14 @@ def read(
     if not include_headers:
         # Dropped in the stream-writing tasks, not by a Ray Data projection (another stage of tasks).
         schema = schema.remove(schema.get_field_index("headers"))
-    df = _small_to_spark(spark, source, schema) if source.num_rows <= SMALL_READ_OFFSETS else None
-    if df is None:
-        df = to_spark(spark, source.to_dataset(num_cpus=0), schema)
+    if source is None:
+        df = tiered
+    else:
+        df = _small_to_spark(spark, source, schema) if source.num_rows <= SMALL_READ_OFFSETS else None
+        if df is None:
+            df = to_spark(spark, source.to_dataset(num_cpus=0), schema)
+        if tiered is not None:
+            df = tiered.unionByName(df)
     columns = [
         F.col("key"),
         F.col("value"),
@@ -348,6 +354,36 @@ def read(
         headers_type = kafka_schema(True)["headers"].dataType
         columns.append(F.map_entries(F.col("headers")).cast(headers_type).alias("headers"))
     return df.select(*columns)
+
+
+def _tiered_part(spark, source: TopicDatasource, topic: str, bus, isolation_level: str, include_headers: bool):
+    """(DataFrame of the range's part the remote tier holds, read by Spark's own Parquet reader, or None;
+    the source of the rest, or None when nothing is left). Only for a tier on a filesystem this driver
+    reads (``file://``, every file present): Spark's executors then read the same paths."""
+    from pyspark.sql import functions as F
+
+    parts = {p: t for p, t in enumerate(source.tiers) if t is not None and t["uri"].startswith("file://") and t["files"]}
+    paths = {p: [os.path.join(t["directory"], "data", name) for name, _, _ in t["files"]] for p, t in parts.items()}
+    if not parts or not all(os.path.exists(path) for files in paths.values() for path in files):
+        return None, source
+    ranges = None
+    for p, t in parts.items():
+        condition = (F.col("partition") == p) & (F.col("offset") >= t["start"]) & (F.col("offset") < t["until"])
+        ranges = condition if ranges is None else ranges | condition
+    columns = [
+        F.col("offset"), F.col("key"), F.col("value"), F.lit(topic).alias("topic"), F.col("partition"),
+        F.unix_millis(F.col("timestamp")).alias("timestamp"),
+        (F.col("timestamp_type") + 1).cast("int").alias("timestamp_type"),  # as the Dataset's codes
+    ]
+    if include_headers:
+        columns.append(F.col("headers"))
+    tiered = spark.read.parquet(*(path for files in paths.values() for path in files)).where(ranges).select(*columns)
+    rest = {p: (parts[p]["until"] if p in parts else start, end) for p, (start, end) in enumerate(source.ranges)}
+    if all(start >= end for start, end in rest.values()):
+        return tiered, None
+    starts = {p: start for p, (start, _) in rest.items()}
+    ends = {p: max(start, end) for p, (start, end) in rest.items()}
+    return tiered, TopicDatasource(topic, starts, ends, bus, isolation_level=isolation_level)
 
 
 def kafka_schema(include_headers: bool = False):

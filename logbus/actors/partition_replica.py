@@ -886,6 +886,12 @@ class PartitionReplica:
         self._started()
         return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
 
+    async def tier_files(self, start: int, end: int) -> dict | None:
+        """The tiered part of ``[start, end)`` as files a reader may read itself (``TierSchedule.files_for``),
+        or None: for Ray Data and Spark reads of history."""
+        self._started()
+        return self._tiering.files_for(start, end)
+
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
         self._started()

@@ -291,6 +291,21 @@ class TierSchedule:
             await self._trim(offset)
             self.start()  # the Iceberg table follows
 
+    def files_for(self, start: int, end: int) -> dict | None:
+        """What a reader needs to read ``[start, end)``'s tiered part straight from the tier's files: the
+        tier's URI and directory, and each listed file overlapping the range as (name, base offset, next
+        offset); the part is ``[start, until)``. None when the tier holds none of the range."""
+        tier = self.tier
+        if tier is None or not self.enabled or not tier.manifest.files:
+            return None
+        manifest = tier.manifest
+        start = max(start, manifest.log_start_offset)
+        until = min(end, manifest.end_offset)
+        if start >= until:
+            return None
+        files = [(f.name, f.base_offset, f.next_offset) for f in manifest.files if f.next_offset > start and f.base_offset < until and f.name]
+        return {"uri": self._uri, "directory": tier.directory, "files": files, "start": start, "until": until}
+
     def delete_all(self) -> None:
         """The topic is being deleted: its tier goes too (the leader's call; a missing tier is fine)."""
         tier = self._open() if self.tier is None else self.tier

@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import posixpath
 import time
 from datetime import datetime, timezone
 from typing import Iterator
@@ -94,6 +95,7 @@ from logbus.protocol.transaction_coordinator import validate_transactional_id
 from logbus.storage import record_batch as rb
 from logbus.storage.isolation import isolation_level_code
 from logbus.storage.names import validate_topic_name
+from logbus.storage.tier import read_tier_files
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +328,32 @@ def _records_to_rows(topic: str, partition: int, header: rb.BatchHeader, records
     )
 
 
+def _tier_rows_to_rows(topic: str, partition: int, rows: pa.Table) -> pa.Table:
+    """Rows read straight from a tier file as a table of SCHEMA."""
+    count = rows.num_rows
+    return pa.Table.from_arrays(
+        [
+            rows.column("offset"),
+            rows.column("key"),
+            rows.column("value"),
+            pa.repeat(pa.scalar(topic, pa.string()), count),
+            pa.repeat(pa.scalar(partition, pa.int32()), count),
+            pc.divide(rows.column("timestamp").cast(pa.int64()), 1000),
+            pc.add(rows.column("timestamp_type"), 1),  # the tier keeps Kafka's 0/1; read_kafka's codes are 1/2
+            rows.column("headers"),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def tier_parts(bus: Bus, topic: str, ranges: list[tuple[int, int]]) -> list[dict | None]:
+    """For each partition's ``(start, end)``, the part its remote tier holds, readable from the tier's
+    files directly (``PartitionReplica.tier_files``), or None; one round of concurrent calls."""
+    leaders = bus.topic_metadata(topic).leaders
+    refs = [leader.tier_files.remote(start, end) if start < end else None for leader, (start, end) in zip(leaders, ranges)]
+    return [None if ref is None else get(ref) for ref in refs]
+
+
 class _PartitionReader:
     """Reads ``[start, end)`` of one partition with one fetch kept in flight; retries while the leader is away."""
 
@@ -410,8 +438,18 @@ def _read_partition(
     block_size_bytes: int,
     verify_crc: bool,
     isolation_level: int = READ_UNCOMMITTED,
+    tier: dict | None = None,
 ) -> Iterator[pa.Table]:
-    """The body of one read task: blocks of about ``block_size_bytes`` covering ``[start, end)``."""
+    """The body of one read task: blocks of about ``block_size_bytes`` covering ``[start, end)``; with
+    ``tier`` (:func:`tier_parts`), its first part read from the remote tier's files."""
+    if tier is not None:  # the part the remote tier holds, from its Parquet files, a row group at a time
+        try:
+            for rows in read_tier_files(tier["uri"], tier["directory"], tier["files"], start, tier["until"]):
+                yield _tier_rows_to_rows(topic, partition, rows)
+                start = rows.column("offset")[-1].as_py() + 1  # a failure after this goes on from here
+            start = max(start, tier["until"])
+        except LogbusError as error:  # files this host cannot reach (a tier on another host's disk): fetch instead
+            logger.warning("%s-%d: reading the remote tier's files failed (%s); reading through the leader", topic, partition, error)
     reader = _PartitionReader(topic, partition, leader, namespace, data_dir, fetch_max_bytes, isolation_level)
     pending: list[pa.RecordBatch] = []
     pending_bytes = 0
@@ -453,6 +491,11 @@ class TopicDatasource(Datasource):
         self.topic = validate_topic_name(topic)
         self.ranges = resolve_offsets(bus, topic, start, end, self._isolation)
         self._leaders = bus.topic_metadata(topic).leaders
+        # Tiered topics: the part of each range the remote tier holds is read from its files.
+        self.tiers = tier_parts(bus, topic, self.ranges)
+        tiered = sum(t["until"] - t["start"] for t in self.tiers if t is not None)
+        if tiered:
+            logger.info("%s: %d of %d offsets read from the remote tier's Parquet files", topic, tiered, self.num_rows)
         self._namespace = bus.namespace
         self._data_dir = bus.data_dir
         self._fetch_max_bytes = fetch_max_bytes
@@ -506,10 +549,11 @@ class TopicDatasource(Datasource):
                 partition=partition, start=start, end=end, topic=self.topic, leader=self._leaders[partition],
                 namespace=self._namespace, data_dir=self._data_dir, fetch_max_bytes=self._fetch_max_bytes,
                 block_size_bytes=self._block_size_bytes, verify_crc=self._verify_crc, isolation_level=self._isolation,
+                tier=self.tiers[partition],
             ):
                 return _read_partition(
                     topic, partition, leader, namespace, data_dir, start, end, fetch_max_bytes, block_size_bytes, verify_crc,
-                    isolation_level,
+                    isolation_level, tier,
                 )
 
             metadata = BlockMetadata(
@@ -517,7 +561,10 @@ class TopicDatasource(Datasource):
                 # take offsets of the range but are no rows (Dataset.count() reads instead).
                 num_rows=None,
                 size_bytes=None,
-                input_files=[f"logbus://{self.topic}/{partition}"],
+                input_files=[f"logbus://{self.topic}/{partition}"] + (
+                    [posixpath.join(self.tiers[partition]["directory"], "data", name) for name, _, _ in self.tiers[partition]["files"]]
+                    if self.tiers[partition] else []
+                ),
                 exec_stats=None,
             )
             tasks.append(ReadTask(read_fn, metadata, schema=SCHEMA, per_task_row_limit=per_task_row_limit))

@@ -56,6 +56,7 @@ import os
 import posixpath
 import secrets
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -510,6 +511,33 @@ class RemoteTier:
             self.fs.delete_file(path)
         except OSError:
             pass  # absent already, or the store refuses: an unlisted file is never read
+
+
+def read_tier_files(uri: str, directory: str, files, start: int, until: int, columns=None) -> Iterator[pa.Table]:
+    """The tier rows of offsets ``[start, until)`` straight from a partition's data files ((name, base
+    offset, next offset) as :meth:`RemoteTier` lists them), a row group at a time, reading only the
+    row groups whose offsets overlap the range and only ``columns`` (None: all). For readers outside
+    the replicas (Ray Data's read tasks); StorageError when a file cannot be read."""
+    fs, _ = open_filesystem(uri)
+    for name, base, next_offset in files:
+        if next_offset <= start or base >= until:
+            continue
+        path = posixpath.join(directory, DATA_DIR, name)
+        try:
+            parquet = pq.ParquetFile(fs.open_input_file(path))
+            offset_column = parquet.schema_arrow.get_field_index("offset")
+            for group in range(parquet.num_row_groups):
+                stats = parquet.metadata.row_group(group).column(offset_column).statistics
+                if stats is not None and stats.has_min_max and (stats.max < start or stats.min >= until):
+                    continue
+                rows = parquet.read_row_group(group, columns=None if columns is None else sorted(set(columns) | {"offset"}))
+                offsets = rows.column("offset")
+                if stats is None or not stats.has_min_max or stats.min < start or stats.max >= until:
+                    rows = rows.filter(pc.and_(pc.greater_equal(offsets, start), pc.less(offsets, until)))
+                if rows.num_rows:
+                    yield rows
+        except (OSError, pa.ArrowException) as error:
+            raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
 
 
 def _chunks(file, size_bytes: int, chunk_bytes: int):

@@ -178,3 +178,49 @@ def test_the_tier_is_an_iceberg_table_that_pyiceberg_duckdb_and_ray_data_read(bu
     bus.admin.delete_topic(topic_name)
     wait_for(lambda: identifier not in {".".join(t) for t in SqlCatalog("logbus", uri=catalog_uri).list_tables("logbus")},
              timeout_s=60, message="the table dropped")
+
+
+def test_ray_data_reads_the_tiered_part_from_the_files_and_the_rest_from_the_log(bus, topic_name, tmp_path):
+    from logbus.api.dataset import TopicDatasource, read_dataset
+
+    bus.admin.create_topic(topic_name, partitions=2, config=TIERED)
+    metadata = produce(bus, topic_name, 3000, partitions=2)
+    ends = {p: wait_tiered(bus, topic_name, p)["uploaded_up_to"] for p in range(2)}
+    source = TopicDatasource(topic_name, bus=bus)
+    assert [t["until"] for t in source.tiers] == [ends[0], ends[1]]
+    rows = read_dataset(topic_name, bus=bus).take_all()
+    assert sorted((r["partition"], r["offset"]) for r in rows) == sorted((m.partition, m.offset) for m in metadata)
+    by_offset = {(r["partition"], r["offset"]): r for r in rows}
+    for i, m in enumerate(metadata):
+        row = by_offset[(m.partition, m.offset)]
+        assert row["value"] == b"value-%06d" % i + b"." * 80 and row["key"] == b"key-%d" % (i % 17)
+        assert row["timestamp"] == m.timestamp and row["timestamp_type"] == 1
+        assert dict(row["headers"]) == {"n": b"%d" % i}
+    # A range that starts and ends inside the tier.
+    middle = read_dataset(topic_name, start={0: 10, 1: 10}, end={0: ends[0] - 5, 1: 12}, bus=bus).take_all()
+    assert sorted((r["partition"], r["offset"]) for r in middle) == [(0, o) for o in range(10, ends[0] - 5)] + [(1, 10), (1, 11)]
+
+
+def test_spark_reads_the_tiered_part_with_its_own_parquet_reader(spark, bus, topic_name):
+    import logbus.spark
+
+    bus.admin.create_topic(topic_name, partitions=2, config=TIERED)
+    metadata = produce(bus, topic_name, 3000, partitions=2)
+    for p in range(2):
+        wait_tiered(bus, topic_name, p)
+    df = logbus.spark.read(spark, topic_name, include_headers=True, bus=bus)
+    assert "parquet" in df._jdf.queryExecution().analyzed().toString().lower()  # the tiered part: Spark's own reader
+    rows = df.collect()
+    assert sorted((r.partition, r.offset) for r in rows) == sorted((m.partition, m.offset) for m in metadata)
+    by_offset = {(r.partition, r.offset): r for r in rows}
+    for i, m in enumerate(metadata):
+        row = by_offset[(m.partition, m.offset)]
+        assert bytes(row.value) == b"value-%06d" % i + b"." * 80 and bytes(row.key) == b"key-%d" % (i % 17)
+        assert int(row.timestamp.timestamp() * 1000) == m.timestamp and row.timestampType == 0 and row.topic == topic_name
+        assert [(h.key, bytes(h.value)) for h in row.headers] == [("n", b"%d" % i)]
+    # Same rows, same schema as a read of a topic that is not tiered.
+    assert df.schema == logbus.spark.kafka_schema(True)
+    counted = logbus.spark.read(spark, topic_name, starting_offsets={topic_name: {"0": 5, "1": 7}}, bus=bus).groupBy("partition").count().collect()
+    assert sorted((r.partition, r["count"]) for r in counted) == [
+        (p, sum(1 for m in metadata if m.partition == p) - start) for p, start in ((0, 5), (1, 7))
+    ]
