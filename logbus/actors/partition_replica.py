@@ -895,7 +895,13 @@ class PartitionReplica:
     async def offset_for_timestamp(self, timestamp_ms: int) -> int:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
         self._started()
-        offset = self.log.offset_for_timestamp(timestamp_ms)
+        offset = None
+        if self._tiering.log_start_offset() < self.log.log_start_offset:  # a tiered topic: its history first
+            offset = await self._tiering.offset_for_timestamp(timestamp_ms)
+            if offset is not None and offset >= self.log.log_start_offset:
+                offset = None  # the tier's copy of what is on disk too: the log answers that part
+        if offset is None:
+            offset = self.log.offset_for_timestamp(timestamp_ms)
         if offset is None or offset >= self.high_watermark:
             return -1
         return offset

@@ -285,6 +285,13 @@ class TierSchedule:
         found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
         return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
 
+    async def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
+        """ListOffsets by time over the tier's part of the log (None: no record there that late)."""
+        tier = self.tier
+        if tier is None or not self.enabled or not tier.manifest.files:
+            return None
+        return await asyncio.to_thread(tier.offset_for_timestamp, timestamp_ms, tier.manifest)
+
     async def delete_records(self, offset: int) -> None:
         """Kafka's DeleteRecords below the local log start: the tier's log start moves there."""
         if self.tier is not None and self.tier.manifest.files and offset > self.tier.manifest.log_start_offset:

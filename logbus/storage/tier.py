@@ -498,6 +498,25 @@ class RemoteTier:
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
         return TierRead(b"".join(frames), offset, next_offset)
 
+    def offset_for_timestamp(self, timestamp_ms: int, manifest: TierManifest | None = None) -> int | None:
+        """The first offset in the tier whose record's timestamp is at least ``timestamp_ms`` (the
+        files' max timestamps pick the file, its timestamp column the row), or None."""
+        manifest = manifest or self.manifest
+        for entry in manifest.files:
+            if not entry.name or entry.max_timestamp_ms < timestamp_ms or entry.next_offset <= manifest.log_start_offset:
+                continue
+            path = posixpath.join(self.directory, DATA_DIR, entry.name)
+            try:
+                rows = pq.read_table(self.fs.open_input_file(path), columns=["offset", "timestamp"])
+            except (OSError, pa.ArrowException) as error:
+                raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
+            stamps = pc.divide(rows.column("timestamp").cast(pa.int64()), 1000).to_numpy()
+            offsets = rows.column("offset").to_numpy()
+            hits = np.flatnonzero((stamps >= timestamp_ms) & (offsets >= manifest.log_start_offset))
+            if len(hits):
+                return int(offsets[hits[0]])
+        return None
+
     def _row_group(self, parquet: pq.ParquetFile, name: str, group: int) -> pa.Table:
         key = (name, group)
         if self._cached is not None and self._cached[0] == key:

@@ -224,3 +224,18 @@ def test_spark_reads_the_tiered_part_with_its_own_parquet_reader(spark, bus, top
     assert sorted((r.partition, r["count"]) for r in counted) == [
         (p, sum(1 for m in metadata if m.partition == p) - start) for p, start in ((0, 5), (1, 7))
     ]
+
+
+def test_offsets_for_times_reach_into_the_tier(bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
+    metadata = produce(bus, topic_name, 1500)
+    local_start = leader_status(bus, topic_name)["log_start_offset"] if wait_tiered(bus, topic_name) else None
+    consumer = logbus.Consumer(bus)
+    try:
+        tp = TopicPartition(topic_name, 0)
+        for i in (0, 17, local_start // 2, local_start + 3, 1499):
+            found = consumer.offsets_for_times({tp: metadata[i].timestamp})[tp]
+            expected = min(m.offset for m in metadata if m.timestamp >= metadata[i].timestamp)
+            assert found.offset == expected
+    finally:
+        consumer.close()

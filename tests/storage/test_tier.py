@@ -225,3 +225,16 @@ def test_a_new_leaders_claim_fences_the_old_one_and_sweeps_unlisted_files(tmp_pa
     with pytest.raises(TierFencedError):
         old.upload(segment_copy(log, 1), 1)
     assert sorted(os.listdir(os.path.join(old.directory, "data"))) == [new.manifest.files[0].name]
+
+
+def test_offset_for_timestamp_in_the_tier_matches_the_logs(tmp_path, log):
+    fill(log)
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log)
+    end = tier.manifest.end_offset
+    for target in (0, 1_000_000, 1_000_055, 1_000_101, 1_000_000 + 10 * 29):
+        expected = log.offset_for_timestamp(target)
+        found = tier.offset_for_timestamp(target)
+        assert found == (expected if expected is not None and expected < end else None)
+    tier.delete_before(tier.manifest.files[2].base_offset, 1)
+    assert tier.offset_for_timestamp(0) == tier.manifest.files[0].base_offset
