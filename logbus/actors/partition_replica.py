@@ -886,6 +886,11 @@ class PartitionReplica:
         self._started()
         return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
 
+    async def tier_status(self) -> dict | None:
+        """A tiered topic's remote tier as this replica sees it (``TierSchedule.status``), else None."""
+        self._started()
+        return self._tiering.status()
+
     async def tier_files(self, start: int, end: int) -> dict | None:
         """The tiered part of ``[start, end)`` as files a reader may read itself (``TierSchedule.files_for``),
         or None: for Ray Data and Spark reads of history."""

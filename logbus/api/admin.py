@@ -101,6 +101,18 @@ class Admin:
         validate_topic_name(name)
         return get(self._bus.controller.describe_topic.remote(name))
 
+    def describe_tier(self, name: str) -> dict[int, dict | None]:
+        """A tiered topic's remote tier, per partition, as its leader sees it: ``uri``,
+        ``log_start_offset`` (the tier's first offset), ``uploaded_up_to`` (the offset after the last
+        one uploaded), ``files``, ``remote_bytes``, ``local_bytes``, ``upload_lag_bytes`` (local bytes
+        not yet uploaded, the active segment's included), ``uploads`` (files this leader uploaded),
+        ``iceberg_table`` and ``iceberg_synced``. None for a partition whose topic is not tiered (or
+        whose leader has not opened its tier yet) or that has no leader now."""
+        validate_topic_name(name)
+        leaders = self._bus.topic_metadata(name, refresh=True).leaders
+        refs = {p: leader.tier_status.remote() for p, leader in enumerate(leaders) if leader is not None}
+        return {p: (get(refs[p]) if p in refs else None) for p in range(len(leaders))}
+
     def delete_records(self, offsets: dict) -> dict[TopicPartition, int]:
         """Kafka's DeleteRecords: ``{TopicPartition: offset}`` makes each ``offset`` (-1: the
         partition's high watermark) the partition's log start offset; returns the new log start

@@ -12,6 +12,7 @@ from logbus.storage.names import validate_topic_name
 
 DESCRIBE_HEADERS = ["Topic", "Partition", "Leader", "Replicas", "Isr", "LeaderEpoch", "LogStartOffset", "HighWatermark"]
 REASSIGN_HEADERS = ["Topic", "Partition", "TargetNodes", "Adding", "Removing", "Copied(replica:offset/leader)", "Throttle(B/s)"]
+TIER_HEADERS = ["Topic", "Partition", "TierStart", "UploadedUpTo", "Files", "RemoteBytes", "LocalBytes", "UploadLagBytes", "IcebergTable"]
 
 
 def _config_items(text: str) -> list[tuple[str, str]]:
@@ -81,6 +82,15 @@ def cmd_topics_describe(args) -> int:
         replication_factor = len(d.partitions[0].replicas) if d.partitions else 0
         summary = f"Topic: {d.name}\tPartitionCount: {len(d.partitions)}\tReplicationFactor: {replication_factor}\tConfigs: {configs(d.config)}\n"
         blocks.append(summary + table(DESCRIBE_HEADERS, _describe_rows(d)))
+        tiers = {d.name: bus.admin.describe_tier(d.name) for d in descriptions if d.config.get("remote.storage.enable") in (True, "true")}
+    for name, tier in tiers.items():
+        rows = [
+            [name, p, dash(t and t["log_start_offset"]), dash(t and t["uploaded_up_to"]), dash(t and t["files"]),
+             dash(t and t["remote_bytes"]), dash(t and t["local_bytes"]), dash(t and t["upload_lag_bytes"]),
+             dash(t and t["iceberg_table"])]
+            for p, t in sorted(tier.items())
+        ]
+        blocks.append("Remote tier:\n" + table(TIER_HEADERS, rows))
     shown = {d.name for d in descriptions}
     moving = [m for m in reassignments if m["topic"] in shown]
     if moving:

@@ -11,6 +11,7 @@ import ray
 import logbus
 from logbus import TopicPartition
 from logbus.errors import InvalidConfigError
+from tests.api.cli_helpers import cli  # noqa: F401 (a fixture)
 from tests.conftest import wait_for
 
 TIERED = {
@@ -27,13 +28,15 @@ def leader_status(bus, topic, partition=0):
 
 
 def wait_tiered(bus, topic, partition=0):
-    """The leader's tier status once every closed segment is uploaded and local retention deleted it
-    (TIERED keeps nothing local that the tier holds): the active segment alone is left on disk."""
+    """The leader's tier status once every closed segment is uploaded, local retention deleted it
+    (TIERED keeps nothing local that the tier holds: the active segment alone is left on disk) and
+    the Iceberg table lists it."""
 
     def tiered():
         status = leader_status(bus, topic, partition)
         tier = status["tier"]
-        return tier if tier and status["segments"] == 1 and tier["uploaded_up_to"] == status["log_start_offset"] > 0 else None
+        done = tier and status["segments"] == 1 and tier["uploaded_up_to"] == status["log_start_offset"] > 0 and tier["iceberg_synced"]
+        return tier if done else None
 
     return wait_for(tiered, timeout_s=120, message=f"{topic}-{partition} tiered")
 
@@ -239,3 +242,22 @@ def test_offsets_for_times_reach_into_the_tier(bus, topic_name):
             assert found.offset == expected
     finally:
         consumer.close()
+
+
+def test_describe_shows_each_partitions_tier(bus, topic_name, cli):  # noqa: F811
+    bus.admin.create_topic(topic_name, partitions=2, config=TIERED)
+    produce(bus, topic_name, 2000, partitions=2)
+    tiers = {p: wait_tiered(bus, topic_name, p) for p in range(2)}
+    assert bus.admin.describe_tier(topic_name) == tiers
+    lines = cli("topics", "describe", "--topic", topic_name).lines
+    start = lines.index("Remote tier:")
+    header = lines[start + 1].split()
+    assert header[:4] == ["Topic", "Partition", "TierStart", "UploadedUpTo"]
+    rows = [line.split() for line in lines[start + 2 : start + 4]]
+    assert [(int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows] == [
+        (p, 0, tiers[p]["uploaded_up_to"], tiers[p]["files"]) for p in range(2)
+    ]
+    assert rows[0][-1] == "logbus." + topic_name.replace(".", "_")
+    # A topic that is not tiered has no such block.
+    bus.admin.create_topic(topic_name + "-plain", partitions=1)
+    assert "Remote tier:" not in cli("topics", "describe", "--topic", topic_name + "-plain").out
