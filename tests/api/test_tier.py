@@ -261,3 +261,40 @@ def test_describe_shows_each_partitions_tier(bus, topic_name, cli):  # noqa: F81
     # A topic that is not tiered has no such block.
     bus.admin.create_topic(topic_name + "-plain", partitions=1)
     assert "Remote tier:" not in cli("topics", "describe", "--topic", topic_name + "-plain").out
+
+
+def test_killing_the_leader_during_uploads_leaves_one_copy_and_no_gap(bus, topic_name):
+    """The leader's process is killed three times once its uploads have begun; Ray restarts it, it claims the tier
+    again, sweeps what a killed upload left and goes on from the manifest's end."""
+    import json
+
+    bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
+    leader = bus.topic_metadata(topic_name).leaders[0]
+    producer = logbus.Producer(bus, acks="all", linger_ms=2, batch_size_bytes=4096, delivery_timeout_ms=120_000)
+    futures = []
+    kills = 0
+    for i in range(9000):
+        futures.append(producer.send(topic_name, b"r-%d" % i + b"." * 100))
+        if i in (2000, 4500, 7000):
+            producer.flush(timeout_s=120)
+            wait_for(lambda: (ray.get(leader.tier_status.remote(), timeout=60) or {}).get("uploads", 0) > 0, timeout_s=60,
+                     message="uploads under way")
+            os.kill(ray.get(leader.ping.remote(), timeout=60), 9)
+            kills += 1
+    producer.flush(timeout_s=180)
+    acknowledged = {f.result().offset: b"r-%d" % i + b"." * 100 for i, f in enumerate(futures) if f.exception() is None}
+    producer.close()
+    assert kills == 3 and len(acknowledged) > 8000
+    tier = wait_tiered(bus, topic_name)
+    directory = glob.glob(f"{bus.data_dir}/remote/{topic_name}-*/0")[0]
+    manifests = sorted(glob.glob(f"{directory}/manifest-*.json"))
+    with open(manifests[-1]) as file:
+        listed = json.load(file)["files"]
+    assert [f["base_offset"] for f in listed[1:]] == [f["next_offset"] for f in listed[:-1]]  # no gap, no overlap
+    assert listed[0]["base_offset"] == 0 and listed[-1]["next_offset"] == tier["uploaded_up_to"]
+    assert sorted(os.listdir(f"{directory}/data")) == sorted(f["name"] for f in listed)  # one copy of each
+    records = read_all(bus, topic_name, 0, max(acknowledged) + 1)
+    by_offset = {r.offset: r.value for r in records}
+    assert len(by_offset) == len(records)
+    for offset, value in acknowledged.items():
+        assert by_offset[offset] == value
