@@ -353,3 +353,38 @@ def run_order(item) -> tuple[int, int]:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=run_order)  # stable: files keep their order within each group
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """An S3-compatible server for the run (moto's, a real HTTP server process from PyPI) on
+    127.0.0.1; yields a function of a bucket name giving an ``s3://`` URI that pyarrow opens, with
+    the server's address and test credentials in it. The server is ended by pid."""
+    import re
+    import subprocess
+
+    log_path = tmp_path_factory.mktemp("s3") / "server.log"
+    server = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([server, "-H", "127.0.0.1", "-p", "0"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def address():
+            found = re.search(rb"Running on http://127\.0\.0\.1:(\d+)", log_path.read_bytes())
+            if found is None and process.poll() is not None:
+                raise AssertionError(f"the S3 server ended: {log_path.read_text(errors='replace')}")
+            return found and int(found.group(1))
+
+        port = wait_for(address, timeout_s=60, message="the S3 server's port")
+
+        def uri(bucket: str) -> str:
+            return (f"s3://test:test@{bucket}/tier?endpoint_override=127.0.0.1:{port}&scheme=http"
+                    "&region=us-east-1&allow_bucket_creation=true&allow_bucket_deletion=true")
+
+        yield uri
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()

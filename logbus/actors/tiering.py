@@ -35,7 +35,7 @@ from logbus.actors.timers import Timers
 from logbus.clock import wall_ms
 from logbus.errors import LogbusError
 from logbus.storage.partition_log import PartitionLog, ReadResult
-from logbus.storage.tier import RemoteTier, TierFencedError, segment_copy
+from logbus.storage.tier import RemoteTier, TierFencedError, redact, segment_copy
 from logbus.storage.tier_catalog import TierCatalog, catalog_location
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,7 @@ class TierSchedule:
             return None
         manifest = tier.manifest
         return {
-            "uri": self._uri,
+            "uri": redact(self._uri),
             "log_start_offset": manifest.log_start_offset,
             "uploaded_up_to": manifest.end_offset,
             "files": len(manifest.files),
@@ -336,5 +336,5 @@ class TierSchedule:
             "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.base_offset >= manifest.end_offset),
             "uploads": self.uploads,
             "iceberg_table": None if self.catalog is None else self.catalog.identifier,
-            "iceberg_synced": self.catalog is not None and not self._catalog_behind,
+            "iceberg_synced": None if self.catalog is None else not self._catalog_behind,  # None: no table
         }

@@ -57,6 +57,7 @@ import posixpath
 import secrets
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
+from urllib.parse import urlparse
 
 import numpy as np
 import pyarrow as pa
@@ -176,6 +177,14 @@ def segment_copy(log, index: int) -> SegmentCopy:
     return SegmentCopy(segment.log_path, segment.base_offset, segment.next_offset, segment.size_bytes, aborted)
 
 
+def redact(uri: str) -> str:
+    """A tier URI for logs and status: without the secret of credentials written into it."""
+    parsed = urlparse(uri)
+    if parsed.password is None:
+        return uri
+    return parsed._replace(netloc=f"{parsed.username}:***@{parsed.hostname}" + (f":{parsed.port}" if parsed.port else "")).geturl()
+
+
 def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, root path) for a tier URI; InvalidConfigError naming the URI when pyarrow cannot open it."""
     if not isinstance(uri, str) or not uri:
@@ -183,7 +192,7 @@ def open_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     try:
         return pafs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as error:
-        raise InvalidConfigError(f"remote.storage.uri {uri!r} cannot be opened: {error}") from None
+        raise InvalidConfigError(f"remote.storage.uri {redact(uri)!r} cannot be opened: {error}") from None
 
 
 class RemoteTier:
@@ -199,7 +208,7 @@ class RemoteTier:
         try:
             self.fs.create_dir(posixpath.join(self.directory, DATA_DIR), recursive=True)
         except OSError as error:
-            raise StorageError(f"cannot create the remote tier {self.directory} at {uri}: {error}") from error
+            raise StorageError(f"cannot create the remote tier {self.directory} at {redact(uri)}: {error}") from error
         self.manifest = self.read_manifest()
 
     # --- the manifest ---------------------------------------------------------------------------

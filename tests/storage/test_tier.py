@@ -238,3 +238,22 @@ def test_offset_for_timestamp_in_the_tier_matches_the_logs(tmp_path, log):
         assert found == (expected if expected is not None and expected < end else None)
     tier.delete_before(tier.manifest.files[2].base_offset, 1)
     assert tier.offset_for_timestamp(0) == tier.manifest.files[0].base_offset
+
+
+def test_a_tier_on_an_s3_compatible_store_reads_back_the_same(s3_endpoint, tmp_path, log):
+    fill(log)
+    uri = s3_endpoint("tier-storage-test")
+    tier = RemoteTier(uri, "t", "id1", 0)
+    upload_closed(tier, log)
+    fresh = RemoteTier(uri, "t", "id1", 0)  # what another host reads
+    assert fresh.manifest.end_offset == log.active_segment.base_offset
+    assert read_tier(fresh, 0) == read_log(log)[: fresh.manifest.end_offset]
+    assert fresh.offset_for_timestamp(1_000_055) == log.offset_for_timestamp(1_000_055)
+    removed = fresh.delete_before(fresh.manifest.files[1].base_offset, 2)
+    assert len(removed) == 1
+    with pytest.raises(TierFencedError):  # the manifest's epoch is 2 now
+        tier.upload(segment_copy(log, 0), 1)
+    fresh.claim(3)
+    assert fresh.sweep_orphans() == 0
+    fresh.delete_all()
+    assert RemoteTier(uri, "t", "id1", 0).manifest.files == ()
