@@ -24,6 +24,10 @@ Prometheus name                                        what                     
 ``ray_logbus_log_segments{topic,partition}``           a leader's segment count                        Log NumLogSegments
 ``ray_logbus_consumer_group_lag{group,topic,partition}`` committed offset to high watermark             kafka_consumergroup_lag
 ``ray_logbus_producer_buffer_bytes{client_id}``        bytes a producer holds (buffered and in flight)  buffer-total-bytes - available
+``ray_logbus_remote_copy_bytes_total{topic}``          bytes of segments leaders uploaded to the tier  RemoteCopyBytesPerSec
+``ray_logbus_remote_fetch_bytes_total{topic}``         bytes consumers read back from the tier         RemoteFetchBytesPerSec
+``ray_logbus_remote_log_size_bytes{topic,partition}``  a leader's view of its partition's tier size    RemoteLogSizeBytes
+``ray_logbus_remote_copy_lag_bytes{topic,partition}``  local bytes not yet uploaded (active included)  RemoteCopyLagBytes
 =====================================================  ==============================================  =======================
 
 Each process creates the metrics it uses on first use (a replica never
@@ -31,7 +35,8 @@ creates the controller's). Updates are made where the event happens (an
 append, a fetch, an ISR change, an election); the per-partition gauges are
 set at most once a second per partition, by the append that finds the last
 setting older than that, and at once when retention, a cleaning or
-delete_records shrinks the log: nothing runs on a timer.
+delete_records shrinks the log; a tiered partition's two gauges are set by
+each upload or retention pass of its leader: nothing runs on a timer.
 """
 
 from __future__ import annotations
@@ -76,7 +81,26 @@ _DEFINITIONS = {
     "logbus_log_size_bytes": ("gauge", "Size of a partition leader's log in bytes.", ("topic", "partition")),
     "logbus_log_segments": ("gauge", "Segments in a partition leader's log.", ("topic", "partition")),
     "logbus_producer_buffer_bytes": ("gauge", "Bytes a producer holds, buffered and in flight.", ("client_id",)),
+    "logbus_remote_copy_bytes": ("counter", "Bytes of segments partition leaders uploaded to the remote tier.", ("topic",)),
+    "logbus_remote_fetch_bytes": ("counter", "Bytes consumers read back from the remote tier.", ("topic",)),
+    "logbus_remote_log_size_bytes": ("gauge", "Size of a partition's remote tier in bytes, as its leader sees it.", ("topic", "partition")),
+    "logbus_remote_copy_lag_bytes": ("gauge", "Bytes of a partition leader's log not yet in the remote tier.", ("topic", "partition")),
 }
+
+
+def tier_uploaded(topic: str, size: int) -> None:
+    _metric("logbus_remote_copy_bytes").inc(size, tags={"topic": topic})
+
+
+def tier_fetched(topic: str, size: int) -> None:
+    if size > 0:
+        _metric("logbus_remote_fetch_bytes").inc(size, tags={"topic": topic})
+
+
+def tier_sizes(topic: str, partition: int, remote_bytes: int, lag_bytes: int) -> None:
+    tags = {"topic": topic, "partition": str(partition)}
+    _metric("logbus_remote_log_size_bytes").set(remote_bytes, tags=tags)
+    _metric("logbus_remote_copy_lag_bytes").set(lag_bytes, tags=tags)
 
 
 def appended(topic: str, records: int, size: int) -> None:

@@ -31,6 +31,7 @@ import logging
 import os
 from collections.abc import Callable
 
+from logbus.actors import metrics
 from logbus.actors.timers import Timers
 from logbus.clock import wall_ms
 from logbus.errors import LogbusError
@@ -166,6 +167,7 @@ class TierSchedule:
                     await self._upload_ready()
                     await self._apply_retention()
                     await self._sync_catalog()
+                    self._export_sizes()
                 else:
                     await self._follow_manifest()
                 self._failures = 0
@@ -210,6 +212,7 @@ class TierSchedule:
             entry = await asyncio.to_thread(tier.upload, copy, self._epoch())
             if entry is not None:
                 self.uploads += 1
+                metrics.tier_uploaded(self._topic, copy.size_bytes)
             if tier.manifest.end_offset <= end:
                 return  # nothing moved (another uploader's race): the next roll tries again
             self.log.tiered_offset = tier.manifest.end_offset
@@ -263,6 +266,12 @@ class TierSchedule:
             self._catalog_behind = True
             self._uploaded()
 
+    def _export_sizes(self) -> None:
+        tier = self.tier
+        if tier is not None:
+            lag = sum(s.size_bytes for s in self.log.segments if s.next_offset > tier.manifest.end_offset)
+            metrics.tier_sizes(self._topic, self._partition, tier.manifest.size_bytes, lag)
+
     # --- what consumers see -------------------------------------------------------------------------
 
     def log_start_offset(self) -> int:
@@ -283,6 +292,7 @@ class TierSchedule:
             return None
         tier = self.tier
         found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
+        metrics.tier_fetched(self._topic, len(found.data))
         return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
@@ -333,7 +343,7 @@ class TierSchedule:
             "files": len(manifest.files),
             "remote_bytes": manifest.size_bytes,
             "local_bytes": self.log.size_bytes,
-            "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.base_offset >= manifest.end_offset),
+            "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.next_offset > manifest.end_offset),
             "uploads": self.uploads,
             "iceberg_table": None if self.catalog is None else self.catalog.identifier,
             "iceberg_synced": None if self.catalog is None else not self._catalog_behind,  # None: no table

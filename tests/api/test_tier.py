@@ -311,3 +311,24 @@ def test_a_topic_tiered_to_an_s3_compatible_store(bus, topic_name, s3_endpoint):
     assert [r.value for r in records] == [b"value-%06d" % i + b"." * 80 for i in range(1500)]
     rows = read_dataset(topic_name, bus=bus).take_all()  # the tiered part straight from the store
     assert sorted((r["offset"], r["timestamp"]) for r in rows) == sorted((m.offset, m.timestamp) for m in metadata)
+
+
+def test_tier_metrics_after_known_traffic(bus, topic_name):
+    from tests.actors.test_metrics import scrape, total
+
+    bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
+    produce(bus, topic_name, 1500)
+    tier = wait_tiered(bus, topic_name)
+    read_all(bus, topic_name, 0, 1500)
+
+    def exported():
+        samples = scrape()
+        done = (
+            total(samples, "ray_logbus_remote_log_size_bytes", topic=topic_name) == tier["remote_bytes"]
+            and total(samples, "ray_logbus_remote_fetch_bytes_total", topic=topic_name) > 0
+        )
+        return samples if done else None
+
+    samples = wait_for(exported, timeout_s=90, interval_s=1, message="tier metrics exported")
+    assert total(samples, "ray_logbus_remote_copy_bytes_total", topic=topic_name) >= tier["remote_bytes"] // 10
+    assert total(samples, "ray_logbus_remote_copy_lag_bytes", topic=topic_name) == tier["upload_lag_bytes"]
