@@ -55,7 +55,7 @@ import json
 import os
 import posixpath
 import secrets
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
 
@@ -82,7 +82,10 @@ TIER_SCHEMA = pa.schema(
     ]
 )
 ROW_GROUP_ROWS = 128 * 1024
-ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024  # a row group is written once it holds this much, whatever its rows
+ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024
+# zstd; dictionaries only where values repeat (a random value column costs the writer a dictionary
+# it then drops), offsets and timestamps with statistics for readers that skip row groups.
+PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["partition", "timestamp_type", "key"]}  # a row group is written once it holds this much, whatever its rows
 READ_CHUNK_BYTES = 8 * 1024 * 1024  # how much of a segment an upload decodes at a time
 MANIFEST_VERSIONS_KEPT = 3
 FRAME_MAX_RECORDS = 4096  # records per batch a tier read rebuilds
@@ -133,7 +136,11 @@ class TierManifest:
         return None
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "files": [asdict(f) for f in self.files]}, sort_keys=True)
+        files = [{name: getattr(f, name) for name in TierFile.__slots__} for f in self.files]
+        return json.dumps(
+            {"version": self.version, "leader_epoch": self.leader_epoch, "log_start_offset": self.log_start_offset, "files": files},
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> "TierManifest":
@@ -353,7 +360,7 @@ class RemoteTier:
             if not pending:
                 return
             if writer is None:
-                writer = pq.ParquetWriter(self.fs.open_output_stream(temporary), TIER_SCHEMA, compression="zstd")
+                writer = pq.ParquetWriter(self.fs.open_output_stream(temporary), TIER_SCHEMA, **PARQUET_OPTIONS)
             writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
             pending, pending_rows, pending_bytes = [], 0, 0
 
@@ -370,8 +377,11 @@ class RemoteTier:
                         pending_rows += table.num_rows
                         pending_bytes += table.nbytes
                         records += table.num_rows
-                        stamps = table.column("timestamp").cast(pa.int64())
-                        lo, hi = pc.min(stamps).as_py() // 1000, pc.max(stamps).as_py() // 1000
+                        if header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME:
+                            lo = hi = header.max_timestamp_ms
+                        else:
+                            extremes = pc.min_max(batch.column(2))
+                            lo, hi = extremes["min"].as_py(), extremes["max"].as_py()
                         low = lo if low is None else min(low, lo)
                         high = hi if high is None else max(high, hi)
                         if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_MAX_BYTES:
@@ -570,20 +580,32 @@ def read_tier_files(uri: str, directory: str, files, start: int, until: int, col
 
 def _chunks(file, size_bytes: int, chunk_bytes: int):
     """The segment file's batches in runs of about ``chunk_bytes`` (a larger batch alone): (first offset,
-    offset after, bytes of whole batches). Only the first ``size_bytes`` are read: what the log holds."""
-    buffer = b""
+    offset after, a view of whole batches). Only the first ``size_bytes`` are read: what the log holds.
+    Each run is read into a buffer of its own (the rows built from it keep it alive), with the
+    partial batch at its end carried into the next."""
+    carried = b""
     remaining = size_bytes
-    while remaining > 0 or buffer:
-        data = file.read(min(chunk_bytes, remaining)) if remaining > 0 else b""
-        if remaining > 0 and not data:
-            raise StorageError(f"segment {file.name} ended {remaining} bytes early")
-        remaining -= len(data)
-        buffer = buffer + data if buffer else data
+    while remaining > 0 or carried:
+        want = min(max(chunk_bytes, len(carried) + bh.HEADER_SIZE), len(carried) + remaining)
+        buffer = bytearray(want)
+        buffer[: len(carried)] = carried
+        view = memoryview(buffer)
+        filled = len(carried)
+        while filled < want:
+            got = file.readinto(view[filled:want])
+            if not got:
+                raise StorageError(f"segment {file.name} ended {want - filled} bytes early")
+            filled += got
+        remaining -= want - len(carried)
         first = next_offset = None
         end = 0
         while len(buffer) - end >= bh.HEADER_SIZE:
-            header = bh.read_header(buffer, end)
+            header = bh.BatchHeader(*bh.HEADER_STRUCT.unpack_from(buffer, end))  # its length; checked when decoded
+            if header.batch_length < bh.MIN_BATCH_LENGTH:
+                raise StorageError(f"segment {file.name} has an impossible batch length at position {end}")
             if end + header.size_bytes > len(buffer):
+                if end == 0 and remaining > 0:  # one batch larger than a chunk: read the rest of it
+                    chunk_bytes = header.size_bytes
                 break
             first = header.base_offset if first is None else first
             next_offset = header.next_offset
@@ -591,9 +613,10 @@ def _chunks(file, size_bytes: int, chunk_bytes: int):
         if end == 0:
             if remaining <= 0:
                 raise StorageError(f"segment {file.name} ends inside a batch")
-            continue  # one batch larger than a chunk: read on
-        yield first, next_offset, buffer[:end]
-        buffer = buffer[end:]
+            carried = bytes(buffer)
+            continue
+        carried = bytes(view[end:])
+        yield first, next_offset, view[:end]
 
 
 def _tier_rows(partition: int, header: bh.BatchHeader, first: int, batch: pa.RecordBatch) -> pa.Table:

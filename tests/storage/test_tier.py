@@ -257,3 +257,14 @@ def test_a_tier_on_an_s3_compatible_store_reads_back_the_same(s3_endpoint, tmp_p
     assert fresh.sweep_orphans() == 0
     fresh.delete_all()
     assert RemoteTier(uri, "t", "id1", 0).manifest.files == ()
+
+
+@pytest.mark.parametrize("chunk_bytes", [100, 1500, 5000])
+def test_uploads_read_segments_in_chunks_that_cut_batches_anywhere(tmp_path, log, monkeypatch, chunk_bytes):
+    import logbus.storage.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "READ_CHUNK_BYTES", chunk_bytes)
+    fill(log, batches=40, per_batch=9)
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log)
+    assert read_tier(tier, 0) == read_log(log)[: tier.manifest.end_offset]
