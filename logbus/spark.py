@@ -366,10 +366,14 @@ def _tiered_part(spark, source: TopicDatasource, topic: str, bus, isolation_leve
     paths = {p: [os.path.join(t["directory"], "data", name) for name, _, _ in t["files"]] for p, t in parts.items()}
     if not parts or not all(os.path.exists(path) for files in paths.values() for path in files):
         return None, source
+    # Files wholly inside their partition's range are read as they are (Spark counts them from their
+    # footers); the others through a filter on the range.
+    whole = [p for p, t in parts.items() if t["files"][0][1] == t["start"] and t["files"][-1][2] == t["until"]]
     ranges = None
     for p, t in parts.items():
-        condition = (F.col("partition") == p) & (F.col("offset") >= t["start"]) & (F.col("offset") < t["until"])
-        ranges = condition if ranges is None else ranges | condition
+        if p not in whole:
+            condition = (F.col("partition") == p) & (F.col("offset") >= t["start"]) & (F.col("offset") < t["until"])
+            ranges = condition if ranges is None else ranges | condition
     columns = [
         F.col("offset"), F.col("key"), F.col("value"), F.lit(topic).alias("topic"), F.col("partition"),
         F.unix_millis(F.col("timestamp")).alias("timestamp"),
@@ -377,7 +381,12 @@ def _tiered_part(spark, source: TopicDatasource, topic: str, bus, isolation_leve
     ]
     if include_headers:
         columns.append(F.col("headers"))
-    tiered = spark.read.parquet(*(path for files in paths.values() for path in files)).where(ranges).select(*columns)
+    tiered = None
+    if whole:
+        tiered = spark.read.parquet(*(path for p in whole for path in paths[p])).select(*columns)
+    if ranges is not None:
+        cut = spark.read.parquet(*(path for p in parts if p not in whole for path in paths[p])).where(ranges).select(*columns)
+        tiered = cut if tiered is None else tiered.unionByName(cut)
     rest = {p: (parts[p]["until"] if p in parts else start, end) for p, (start, end) in enumerate(source.ranges)}
     if all(start >= end for start, end in rest.values()):
         return tiered, None

@@ -283,6 +283,14 @@ class ClusterMetadata:
                 raise InvalidConfigError(f"topic config {key!r} cannot be both set and deleted")
         merged = {**{k: v for k, v in topic.config.items() if k not in removed}, **(config or {})}
         normalized = LogConfig.from_dict(merged).to_dict()
+        if LogConfig.from_dict(topic.config).remote_storage_enable:
+            before = LogConfig.from_dict(topic.config)
+            if not normalized["remote.storage.enable"]:
+                # Kafka's rule too (before KIP-950): the tier holds history no local log has any more.
+                raise InvalidConfigError(f"topic {name!r} is tiered: remote.storage.enable cannot be turned off")
+            for key in ("remote.storage.uri",):
+                if normalized[key] != getattr(before, LogConfig.KEYS[key][0]):
+                    raise InvalidConfigError(f"topic {name!r} is tiered: {key} cannot change (its history is there)")
         topic.config = {key: normalized[key] for key in merged}
         return topic.config
 

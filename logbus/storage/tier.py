@@ -82,13 +82,13 @@ TIER_SCHEMA = pa.schema(
     ]
 )
 ROW_GROUP_ROWS = 128 * 1024
-ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024
+ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024  # a row group is written once it holds this much, whatever its rows
 # zstd; dictionaries only where values repeat (a random value column costs the writer a dictionary
 # it then drops), offsets and timestamps with statistics for readers that skip row groups.
-PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["partition", "timestamp_type", "key"]}  # a row group is written once it holds this much, whatever its rows
+PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["partition", "timestamp_type", "key"]}
 READ_CHUNK_BYTES = 8 * 1024 * 1024  # how much of a segment an upload decodes at a time
 MANIFEST_VERSIONS_KEPT = 3
-FRAME_MAX_RECORDS = 4096  # records per batch a tier read rebuilds
+FRAME_MAX_BYTES = 1 << 20  # about this much (and at least one record) per batch a tier read rebuilds
 MANIFEST_PREFIX = "manifest-"
 DATA_DIR = "data"
 
@@ -212,6 +212,7 @@ class RemoteTier:
         self.directory = posixpath.join(root, f"{topic}-{topic_id}" if topic_id else topic, str(partition))
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
         self._cached: tuple[tuple[str, int], pa.Table] | None = None  # ((file, row group), rows): the last read
+        self._open_file: tuple[str, pq.ParquetFile] | None = None  # (file, its reader): the last opened
         try:
             self.fs.create_dir(posixpath.join(self.directory, DATA_DIR), recursive=True)
         except OSError as error:
@@ -481,41 +482,49 @@ class RemoteTier:
     # --- reading ----------------------------------------------------------------------------------
 
     def read(self, offset: int, max_bytes: int, manifest: TierManifest | None = None) -> TierRead:
-        """Framed batches of the records from ``offset`` on, from the file that holds it (at least one
-        batch, then up to ``max_bytes``). OffsetOutOfRangeError when no listed file covers ``offset``."""
+        """Framed batches of the records from ``offset`` on (at least one batch, then up to
+        ``max_bytes``, across files). OffsetOutOfRangeError when no listed file covers ``offset``."""
         manifest = manifest or self.manifest
         if offset < manifest.log_start_offset:
             raise OffsetOutOfRangeError(f"offset {offset} is below the remote tier's log start {manifest.log_start_offset}")
         i = manifest.file_for(offset)
         if i is None:
             raise OffsetOutOfRangeError(f"offset {offset} is not in the remote tier [{manifest.log_start_offset}, {manifest.end_offset})")
-        entry = manifest.files[i]
-        if not entry.name:
-            return TierRead(b"", offset, entry.next_offset)
-        path = posixpath.join(self.directory, DATA_DIR, entry.name)
-        try:
-            parquet = pq.ParquetFile(self.fs.open_input_file(path))
-            frames: list[bytes] = []
-            size = 0
-            next_offset = entry.next_offset
-            for group in range(parquet.num_row_groups):
-                stats = parquet.metadata.row_group(group).column(1).statistics
-                if stats is not None and stats.has_min_max and stats.max < offset:
-                    continue
-                rows = self._row_group(parquet, entry.name, group)
-                offsets = rows.column("offset").to_numpy()
-                begin = int(np.searchsorted(offsets, offset))
-                for frame, frame_next in _frames(rows.slice(begin)):
+        frames: list[bytes] = []
+        size = 0
+        next_offset = offset
+        for entry in manifest.files[i:]:  # contiguous: each file starts where the one before ends
+            if entry.name:
+                for frame, frame_next in self._file_frames(entry, max(offset, entry.base_offset)):
                     frames.append(frame)
                     size += len(frame)
+                    next_offset = frame_next
                     if size >= max_bytes:
-                        next_offset = frame_next
-                        break
-                if size >= max_bytes:
-                    break
+                        return TierRead(b"".join(frames), offset, next_offset)
+            next_offset = entry.next_offset  # past the file, gaps at its end included
+        return TierRead(b"".join(frames), offset, next_offset)
+
+    def _file_frames(self, entry: TierFile, start: int):
+        """Framed batches of one file's records from ``start`` on: (frame, offset after it)."""
+        path = posixpath.join(self.directory, DATA_DIR, entry.name)
+        try:
+            parquet = self._parquet_file(entry.name, path)
+            for group in range(parquet.num_row_groups):
+                stats = parquet.metadata.row_group(group).column(1).statistics
+                if stats is not None and stats.has_min_max and stats.max < start:
+                    continue
+                rows = self._row_group(parquet, entry.name, group)
+                begin = int(np.searchsorted(rows.column("offset").to_numpy(), start))
+                yield from _frames(rows.slice(begin))
         except (OSError, pa.ArrowException) as error:
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
-        return TierRead(b"".join(frames), offset, next_offset)
+
+    def _parquet_file(self, name: str, path: str) -> pq.ParquetFile:
+        if self._open_file is not None and self._open_file[0] == name:
+            return self._open_file[1]
+        parquet = pq.ParquetFile(self.fs.open_input_file(path))
+        self._open_file = (name, parquet)  # one kept open: a reader replaying history asks for it again next
+        return parquet
 
     def offset_for_timestamp(self, timestamp_ms: int, manifest: TierManifest | None = None) -> int | None:
         """The first offset in the tier whose record's timestamp is at least ``timestamp_ms`` (the
@@ -642,19 +651,20 @@ def _tier_rows(partition: int, header: bh.BatchHeader, first: int, batch: pa.Rec
 
 
 def _frames(rows: pa.Table):
-    """Framed batches of tier rows: one per run of consecutive offsets with one timestamp type, at most
-    FRAME_MAX_RECORDS each; yields (frame, offset after it)."""
+    """Framed batches of tier rows: one per run of consecutive offsets with one timestamp type, of about
+    FRAME_MAX_BYTES each; yields (frame, offset after it)."""
     if rows.num_rows == 0:
         return
     offsets = rows.column("offset").to_numpy()
     types = rows.column("timestamp_type").to_numpy()
+    per_frame = max(1, int(FRAME_MAX_BYTES * rows.num_rows // max(1, rows.nbytes)))
     breaks = np.flatnonzero((np.diff(offsets) != 1) | (np.diff(types) != 0)) + 1
     starts = np.concatenate(([0], breaks))
     stops = np.concatenate((breaks, [len(offsets)]))
     stamps_ms = pc.divide(rows.column("timestamp").cast(pa.int64()), 1000)
     for run_start, run_stop in zip(starts.tolist(), stops.tolist()):
-        for begin in range(run_start, run_stop, FRAME_MAX_RECORDS):
-            end = min(begin + FRAME_MAX_RECORDS, run_stop)
+        for begin in range(run_start, run_stop, per_frame):
+            end = min(begin + per_frame, run_stop)
             length = end - begin
             records = pa.RecordBatch.from_arrays(
                 [

@@ -133,6 +133,14 @@ def test_delete_records_moves_the_tiers_log_start(bus, topic_name):
 
 
 def test_tier_configs_are_checked(bus, topic_name):
+    bus.admin.create_topic(topic_name + "-t", partitions=1, config={"remote.storage.enable": True})
+    with pytest.raises(InvalidConfigError, match="cannot be turned off"):
+        bus.admin.alter_config(topic_name + "-t", {"remote.storage.enable": False})
+    with pytest.raises(InvalidConfigError, match="cannot be turned off"):
+        bus.admin.alter_config(topic_name + "-t", delete=["remote.storage.enable"])
+    with pytest.raises(InvalidConfigError, match="cannot change"):
+        bus.admin.alter_config(topic_name + "-t", {"remote.storage.uri": "file:///elsewhere"})
+    assert bus.admin.alter_config(topic_name + "-t", {"local.retention.ms": 1000})["local.retention.ms"] == 1000
     with pytest.raises(InvalidConfigError, match="compact"):
         bus.admin.create_topic(topic_name, partitions=1, config={"cleanup.policy": "compact", "remote.storage.enable": True})
     with pytest.raises(InvalidConfigError, match="local.retention.ms"):
