@@ -94,6 +94,11 @@ class StorageError(LogbusError):
     """The log directory could not be read or written (disk full, I/O error)."""
 
 
+class TierFencedError(StorageError):
+    """A remote tier's manifest was written by a later leader epoch than this uploader's: a newer
+    leader owns the tier (storage/tier.py)."""
+
+
 class InvalidGroupIdError(LogbusError, ValueError):
     """The consumer group id is empty or malformed."""
 
@@ -229,6 +234,11 @@ class FencedLeaderEpochError(RetriableError):
 
 class LeaderNotAvailableError(RetriableError):
     """The partition has no live leader right now (an election is in progress)."""
+
+
+class TierNotAvailableError(RetriableError):
+    """A tiered partition's remote tier cannot be read right now (its leader is opening it, or the store
+    does not answer): try again (Kafka's KAFKA_STORAGE_ERROR, which its clients retry)."""
 
 
 class ReplicaNotAvailableError(RetriableError):

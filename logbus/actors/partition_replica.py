@@ -741,8 +741,16 @@ class PartitionReplica:
         max_bytes = min(max(1, int(request.max_bytes)), max_bytes_cap)
         offset, session = int(request.offset), request.session
         epoch = self.leader_epoch
-        if consumer and self._tiering.in_tier(offset):  # below the local log start: the remote tier has it
-            return await self._tiering.read(offset, max_bytes, limit())
+        if consumer and self._tiering.enabled and offset < self.log.log_start_offset:
+            # Below the local log start: the remote tier has it (from where this session's last answer
+            # ended, as on disk: a pipelined fetch does not read the same records again).
+            await self._tiering.ensure_open()
+            start = max(offset, self._sessions.start_offset(session, offset))
+            if self._tiering.in_tier(start):
+                result = await self._tiering.read(start, max_bytes, limit())
+                if self.leader_epoch != epoch or self.role != LEADER:
+                    raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
+                return result
 
         def check() -> None:
             if self.leader_epoch != epoch or self.role != LEADER:
@@ -884,6 +892,7 @@ class PartitionReplica:
         """(log start offset, high watermark, log end offset); with ``isolation_level`` READ_COMMITTED,
         the last stable offset instead of the high watermark (ListOffsets' latest for such readers)."""
         self._started()
+        await self._tiering.ensure_open()  # a tiered topic's earliest offset is the tier's
         return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
 
     async def tier_status(self) -> dict | None:
@@ -901,6 +910,7 @@ class PartitionReplica:
         """First offset with a timestamp >= ``timestamp_ms`` below the high watermark, or -1."""
         self._started()
         offset = None
+        await self._tiering.ensure_open()
         if self._tiering.log_start_offset() < self.log.log_start_offset:  # a tiered topic: its history first
             offset = await self._tiering.offset_for_timestamp(timestamp_ms)
             if offset is not None and offset >= self.log.log_start_offset:

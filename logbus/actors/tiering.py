@@ -34,14 +34,15 @@ from collections.abc import Callable
 from logbus.actors import metrics
 from logbus.actors.timers import Timers
 from logbus.clock import wall_ms
-from logbus.errors import LogbusError
+from logbus.errors import LogbusError, TierFencedError, TierNotAvailableError
 from logbus.storage.partition_log import PartitionLog, ReadResult
-from logbus.storage.tier import RemoteTier, TierFencedError, redact, segment_copy
+from logbus.storage.tier import RemoteTier, redact, segment_copy
 from logbus.storage.tier_catalog import TierCatalog, catalog_location
 
 logger = logging.getLogger(__name__)
 
-UPLOAD_TIMER = "tier"
+UPLOAD_TIMER = "tier"  # a failed pass tried again
+RETENTION_TIMER = "tier-retention"  # the tier's oldest file passes retention.ms
 UPLOAD_FAILED_RETRY_S = 5.0
 UPLOAD_FAILED_RETRY_MAX_S = 300.0
 REMOTE_DIR = "remote"  # the default tier's folder under the cluster's data directory
@@ -101,26 +102,48 @@ class TierSchedule:
         self._failures = 0
         self.fenced = False  # a later leader wrote the tier: this replica uploads nothing more while leading
         self.uploads = 0  # files this replica uploaded (status)
+        self._writing: asyncio.Lock | None = None  # one writer of the tier at a time: a pass, or delete_records
 
     @property
     def enabled(self) -> bool:
         return self.log.config.remote_storage_enable
 
     def _open(self) -> RemoteTier | None:
-        """The tier, opened (or reopened after a change of remote.storage.uri); None when not tiered."""
+        """The tier, opened (or reopened after a change of remote.storage.uri); None when not tiered.
+        Blocking: called in a worker thread, through :meth:`_opened`."""
         if not self.enabled:
             return None
         uri = self.log.config.remote_storage_uri or default_tier_uri(self._replica_directory)
         if self.tier is None or uri != self._uri:
             self.tier = RemoteTier(uri, self._topic, self._topic_id, self._partition)
             self._uri = uri
-            self.log.tiered_offset = self.tier.manifest.end_offset if self.tier.manifest.files else None
         location = catalog_location(self.log.config.remote_storage_catalog, uri)
         if (location, uri) != self._catalog_key:
             self.catalog = None if location is None else TierCatalog(location, uri, self._topic, self._topic_id)
             self._catalog_key = (location, uri)
             self._catalog_behind = True
         return self.tier
+
+    async def _opened(self) -> RemoteTier | None:
+        """:meth:`_open` in a worker thread; then, on the loop, the log learns how far the tier reaches."""
+        tier = await asyncio.to_thread(self._open)
+        if tier is not None and tier.manifest.files and (self.log.tiered_offset or 0) < tier.manifest.end_offset:
+            self.log.tiered_offset = tier.manifest.end_offset
+        return tier
+
+    async def ensure_open(self) -> None:
+        """For readers: the tier opened before a read or ListOffsets needs it (a replica opens it in its
+        first pass, which may not have run yet); TierNotAvailableError (retriable) when it cannot be."""
+        if self.enabled and self.tier is None:
+            try:
+                await self._opened()
+            except LogbusError as error:
+                raise TierNotAvailableError(f"{self._label}: the remote tier cannot be opened now: {error}") from None
+
+    def _writer_lock(self) -> asyncio.Lock:
+        if self._writing is None:
+            self._writing = asyncio.Lock()
+        return self._writing
 
     # --- what starts a pass -------------------------------------------------------------------------
 
@@ -151,6 +174,7 @@ class TierSchedule:
     async def stop(self) -> None:
         """Wait for a pass under way to end (before the replica's files go)."""
         self._timers.disarm(UPLOAD_TIMER)
+        self._timers.disarm(RETENTION_TIMER)
         if self._pass is not None and not self._pass.done():
             try:
                 await self._pass
@@ -164,10 +188,12 @@ class TierSchedule:
             self._again = False
             try:
                 if self._leading() and not self.fenced:
-                    await self._upload_ready()
-                    await self._apply_retention()
-                    await self._sync_catalog()
+                    async with self._writer_lock():
+                        await self._upload_ready()
+                        await self._apply_retention()
+                        await self._sync_catalog()
                     self._export_sizes()
+                    self._arm_tier_retention()
                 else:
                     await self._follow_manifest()
                 self._failures = 0
@@ -185,7 +211,7 @@ class TierSchedule:
 
     async def _upload_ready(self) -> None:
         """Upload every closed segment wholly below the bound that the tier does not hold yet."""
-        tier = await asyncio.to_thread(self._open)
+        tier = await self._opened()
         if tier is None:
             return
         if self._claimed_epoch != self._epoch():
@@ -226,7 +252,8 @@ class TierSchedule:
         config = self.log.config
         if not config.delete:
             return
-        cut = tier.retention_offset(wall_ms(), config.retention_ms, config.retention_bytes, self.log.size_bytes)
+        not_uploaded = sum(s.size_bytes for s in self.log.segments if s.next_offset > tier.manifest.end_offset)
+        cut = tier.retention_offset(wall_ms(), config.retention_ms, config.retention_bytes, not_uploaded)
         if cut is not None:
             await self._trim(cut)
 
@@ -255,9 +282,19 @@ class TierSchedule:
             await asyncio.to_thread(self.tier.sweep_orphans)
             self._sweep = False
 
+    def _arm_tier_retention(self) -> None:
+        """One timer for the moment the tier's oldest file passes retention.ms (an idle partition's
+        tier expires too); none while nothing in the tier can expire."""
+        tier, config = self.tier, self.log.config
+        if tier is None or not tier.manifest.files or config.retention_ms < 0 or not config.delete:
+            self._timers.disarm(RETENTION_TIMER)
+            return
+        due_ms = tier.manifest.files[0].max_timestamp_ms + config.retention_ms + 1
+        self._timers.arm(RETENTION_TIMER, (due_ms - wall_ms()) / 1000, self.start)
+
     async def _follow_manifest(self) -> None:
         """A follower: learn how far the tier reaches, so local retention may delete what it holds."""
-        tier = await asyncio.to_thread(self._open)
+        tier = await self._opened()
         if tier is None:
             return
         await asyncio.to_thread(tier.read_manifest)
@@ -303,10 +340,15 @@ class TierSchedule:
         return await asyncio.to_thread(tier.offset_for_timestamp, timestamp_ms, tier.manifest)
 
     async def delete_records(self, offset: int) -> None:
-        """Kafka's DeleteRecords below the local log start: the tier's log start moves there."""
-        if self.tier is not None and self.tier.manifest.files and offset > self.tier.manifest.log_start_offset:
-            await self._trim(offset)
-            self.start()  # the Iceberg table follows
+        """Kafka's DeleteRecords: the tier's log start moves to ``offset`` too (also with no file in it
+        yet: an upload never starts below it), under the one-writer lock a pass holds."""
+        if not self.enabled:
+            return
+        await self.ensure_open()
+        async with self._writer_lock():
+            if offset > self.tier.manifest.log_start_offset:
+                await self._trim(offset)
+        self.start()  # the Iceberg table follows
 
     def files_for(self, start: int, end: int) -> dict | None:
         """What a reader needs to read ``[start, end)``'s tiered part straight from the tier's files: the

@@ -77,12 +77,12 @@ def cmd_topics_describe(args) -> int:
                     raise
                 # deleted since it was listed
         reassignments = bus.admin.describe_reassignments()
+        tiers = {d.name: bus.admin.describe_tier(d.name) for d in descriptions if d.config.get("remote.storage.enable") in (True, "true")}
     blocks = []
     for d in descriptions:
         replication_factor = len(d.partitions[0].replicas) if d.partitions else 0
         summary = f"Topic: {d.name}\tPartitionCount: {len(d.partitions)}\tReplicationFactor: {replication_factor}\tConfigs: {configs(d.config)}\n"
         blocks.append(summary + table(DESCRIBE_HEADERS, _describe_rows(d)))
-        tiers = {d.name: bus.admin.describe_tier(d.name) for d in descriptions if d.config.get("remote.storage.enable") in (True, "true")}
     for name, tier in tiers.items():
         rows = [
             [name, p, dash(t and t["log_start_offset"]), dash(t and t["uploaded_up_to"]), dash(t and t["files"]),

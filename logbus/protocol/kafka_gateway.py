@@ -446,6 +446,7 @@ _ERROR_CODES: tuple[tuple[type, ErrorCode], ...] = (
     (e.NodeCapacityError, ErrorCode.policy_violation),
     (e.InconsistentClusterIdError, ErrorCode.inconsistent_cluster_id),
     (e.ReplicaNotAvailableError, ErrorCode.replica_not_available),
+    (e.TierNotAvailableError, ErrorCode.kafka_storage_error),
     (e.SaslAuthenticationError, ErrorCode.sasl_authentication_failed),
     (e.InvalidConfigError, ErrorCode.invalid_config),
     (e.StorageError, ErrorCode.kafka_storage_error),

@@ -55,6 +55,8 @@ import json
 import os
 import posixpath
 import secrets
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
@@ -65,7 +67,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError
+from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError, TierFencedError
 from logbus.storage import batch_header as bh
 from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_record_batch, slice_visible_batches
 from logbus.storage.txn_index import AbortedTxn
@@ -88,13 +90,10 @@ ROW_GROUP_MAX_BYTES = 64 * 1024 * 1024  # a row group is written once it holds t
 PARQUET_OPTIONS = {"compression": "zstd", "use_dictionary": ["partition", "timestamp_type", "key"]}
 READ_CHUNK_BYTES = 8 * 1024 * 1024  # how much of a segment an upload decodes at a time
 MANIFEST_VERSIONS_KEPT = 3
+SWEEP_GRACE_S = 600.0  # unlisted data files younger than this are not swept
 FRAME_MAX_BYTES = 1 << 20  # about this much (and at least one record) per batch a tier read rebuilds
 MANIFEST_PREFIX = "manifest-"
 DATA_DIR = "data"
-
-
-class TierFencedError(StorageError):
-    """The tier's manifest was written by a later leader epoch than the uploader's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +129,7 @@ class TierManifest:
 
     def file_for(self, offset: int) -> int | None:
         """Index of the listed file that covers ``offset``, or None."""
-        i = bisect.bisect_right([f.base_offset for f in self.files], offset) - 1
+        i = bisect.bisect_right(self.files, offset, key=lambda f: f.base_offset) - 1
         if i >= 0 and offset < self.files[i].next_offset:
             return i
         return None
@@ -173,6 +172,7 @@ class SegmentCopy:
     next_offset: int
     size_bytes: int
     aborted: tuple[AbortedTxn, ...]
+    log_start_offset: int  # the log's, when the copy was taken: nothing below it is uploaded (delete_records)
 
 
 def segment_copy(log, index: int) -> SegmentCopy:
@@ -181,7 +181,7 @@ def segment_copy(log, index: int) -> SegmentCopy:
     if segment is log.active_segment:
         raise StorageError("the active segment is never uploaded")
     aborted = tuple(log.aborted_txns(segment.base_offset, segment.next_offset))
-    return SegmentCopy(segment.log_path, segment.base_offset, segment.next_offset, segment.size_bytes, aborted)
+    return SegmentCopy(segment.log_path, segment.base_offset, segment.next_offset, segment.size_bytes, aborted, log.log_start_offset)
 
 
 def redact(uri: str) -> str:
@@ -213,6 +213,7 @@ class RemoteTier:
         self._local = isinstance(self.fs, pafs.LocalFileSystem)
         self._cached: tuple[tuple[str, int], pa.Table] | None = None  # ((file, row group), rows): the last read
         self._open_file: tuple[str, pq.ParquetFile] | None = None  # (file, its reader): the last opened
+        self._reading = threading.Lock()  # reads run in worker threads and share the two above
         try:
             self.fs.create_dir(posixpath.join(self.directory, DATA_DIR), recursive=True)
         except OSError as error:
@@ -278,6 +279,10 @@ class RemoteTier:
                     return False
                 with self.fs.open_output_stream(path) as stream:
                     stream.write(data)
+                # No conditional PUT: read it back, and count it as ours only if it still is.
+                with self.fs.open_input_stream(path) as stream:
+                    if stream.read() != data:
+                        return False
         except OSError as error:
             raise StorageError(f"cannot write the remote tier's manifest {path}: {error}") from error
         self.manifest = manifest
@@ -312,7 +317,7 @@ class RemoteTier:
         offset. Raises TierFencedError when a later leader wrote the manifest.
         """
         manifest = self.read_manifest()
-        start = max(manifest.end_offset, segment.base_offset)
+        start = max(manifest.end_offset, segment.base_offset, segment.log_start_offset)
         end = segment.next_offset
         if manifest.leader_epoch > leader_epoch:
             raise TierFencedError(
@@ -352,6 +357,7 @@ class RemoteTier:
         (records, bytes, min timestamp, max timestamp), or None when the range holds none."""
         temporary = f"{path}.tmp" if self._local else path
         writer = None
+        sinks: list = []  # the output stream, closed here: closing it is what completes an object store's upload
         pending: list[pa.Table] = []
         pending_rows = pending_bytes = records = 0
         low = high = None
@@ -361,7 +367,9 @@ class RemoteTier:
             if not pending:
                 return
             if writer is None:
-                writer = pq.ParquetWriter(self.fs.open_output_stream(temporary), TIER_SCHEMA, **PARQUET_OPTIONS)
+                sink = self.fs.open_output_stream(temporary)
+                sinks.append(sink)
+                writer = pq.ParquetWriter(sink, TIER_SCHEMA, **PARQUET_OPTIONS)
             writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
             pending, pending_rows, pending_bytes = [], 0, 0
 
@@ -392,15 +400,22 @@ class RemoteTier:
                 return None
             writer.close()
             writer = None
+            sinks.pop().close()  # raises if the store did not take the file
             if self._local:
+                _fsync_path(temporary)
                 os.replace(temporary, path)
-            size = self.fs.get_file_info(path).size
+                _fsync_path(posixpath.dirname(path))  # the file and its name are durable before any manifest lists it
+            info = self.fs.get_file_info(path)
+            if info.type != pafs.FileType.File:
+                raise StorageError(f"{path} is not in the remote tier after its upload")
+            size = info.size
         except (OSError, pa.ArrowException) as error:
-            if writer is not None:
-                try:
-                    writer.close()
-                except (OSError, pa.ArrowException):
-                    pass
+            for closing in (writer, *sinks):
+                if closing is not None:
+                    try:
+                        closing.close()
+                    except (OSError, pa.ArrowException):
+                        pass
             self._delete_quietly(temporary)
             raise StorageError(f"cannot write {path} to the remote tier: {error}") from error
         return records, size, low, high
@@ -437,10 +452,15 @@ class RemoteTier:
         older leader can commit (TierFencedError)."""
         self._update(leader_epoch, lambda latest: latest if latest.leader_epoch < leader_epoch else None)
 
-    def sweep_orphans(self) -> int:
+    def sweep_orphans(self, grace_s: float | None = None) -> int:
         """Delete data files the manifest does not list (an upload that crashed before listing its file,
         or files a crash left between leaving the manifest and being deleted); how many went. Only after
-        :meth:`claim`: an older leader's upload still under way can then never list its file."""
+        :meth:`claim`: an older leader's upload still under way can then never list its file on a
+        filesystem where versions are written once. On an object store, where a deposed leader's PUT
+        can still land, files younger than ``grace_s`` (default SWEEP_GRACE_S there, 0 on a local or
+        shared filesystem) are left for a later sweep."""
+        if grace_s is None:
+            grace_s = 0.0 if self._local else SWEEP_GRACE_S
         manifest = self.read_manifest()
         listed = {f.name for f in manifest.files}
         try:
@@ -448,14 +468,21 @@ class RemoteTier:
         except OSError as error:
             raise StorageError(f"cannot list the remote tier {self.directory}: {error}") from error
         gone = 0
+        now_s = time.time()
         for info in infos:
-            if posixpath.basename(info.path) not in listed:
-                self._delete_quietly(info.path)
-                gone += 1
+            if posixpath.basename(info.path) in listed:
+                continue
+            # A file this new may be a deposed leader's upload still on its way to a commit that an
+            # object store cannot refuse (no conditional PUT): it is left for a later sweep.
+            if grace_s > 0 and info.mtime is not None and now_s - info.mtime.timestamp() < grace_s:
+                continue
+            self._delete_quietly(info.path)
+            gone += 1
         return gone
 
     def retention_offset(self, now_ms: int, retention_ms: int, retention_bytes: int, local_bytes: int) -> int | None:
-        """The offset below which retention of the whole log (remote and local) deletes remote files, or None."""
+        """The offset below which retention of the whole log deletes remote files, or None. ``local_bytes``:
+        the local log's bytes the tier does not hold (counted once, as Kafka's RLM does)."""
         files = self.manifest.files
         keep_from = 0
         if retention_ms >= 0:
@@ -490,6 +517,10 @@ class RemoteTier:
         i = manifest.file_for(offset)
         if i is None:
             raise OffsetOutOfRangeError(f"offset {offset} is not in the remote tier [{manifest.log_start_offset}, {manifest.end_offset})")
+        with self._reading:
+            return self._read_from(manifest, i, offset, max_bytes)
+
+    def _read_from(self, manifest: TierManifest, i: int, offset: int, max_bytes: int) -> TierRead:
         frames: list[bytes] = []
         size = 0
         next_offset = offset
@@ -516,6 +547,7 @@ class RemoteTier:
                 rows = self._row_group(parquet, entry.name, group)
                 begin = int(np.searchsorted(rows.column("offset").to_numpy(), start))
                 yield from _frames(rows.slice(begin))
+                self._cached = None  # read to its end: the next read starts in the next group
         except (OSError, pa.ArrowException) as error:
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
 
@@ -585,6 +617,14 @@ def read_tier_files(uri: str, directory: str, files, start: int, until: int, col
                     yield rows
         except (OSError, pa.ArrowException) as error:
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _chunks(file, size_bytes: int, chunk_bytes: int):

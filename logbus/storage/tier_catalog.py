@@ -40,6 +40,8 @@ from logbus.storage.tier import DATA_DIR, TIER_SCHEMA, TierManifest
 
 NAMESPACE = "logbus"
 COMMIT_ATTEMPTS = 10  # partitions' leaders commit to one table: a commit that lost a race is tried again
+SNAPSHOTS_KEPT = 100  # a table keeps this many snapshots (time travel); older ones expire once twice as many exist
+TABLE_PROPERTIES = {"commit.manifest-merge.enabled": "true"}  # each sync's manifest is merged, not kept apart
 TOPIC_ID_PROPERTY = "logbus.topic-id"
 
 
@@ -105,7 +107,9 @@ class TierCatalog:
                 raise NoSuchTableError(self.identifier)
         except NoSuchTableError:
             try:
-                table = self.catalog.create_table(self.identifier, schema=TIER_SCHEMA, properties={TOPIC_ID_PROPERTY: self.topic_id})
+                table = self.catalog.create_table(
+                    self.identifier, schema=TIER_SCHEMA, properties={TOPIC_ID_PROPERTY: self.topic_id, **TABLE_PROPERTIES},
+                )
                 with table.update_spec() as spec:
                     spec.add_identity("partition")
                 table = self.catalog.load_table(self.identifier)
@@ -137,6 +141,7 @@ class TierCatalog:
                     table.delete(condition if kept_from is None else And(condition, LessThan("offset", kept_from)))
                 if added:
                     table.add_files(added, check_duplicate_files=False)
+                self._expire_snapshots()
                 return len(added), len(removed)
             except CommitFailedException:
                 self._table = None
@@ -148,6 +153,17 @@ class TierCatalog:
                     continue
                 raise StorageError(f"Iceberg table {self.identifier}: sync of partition {partition} failed: {error}") from error
         raise StorageError(f"Iceberg table {self.identifier}: commits kept failing against other writers")
+
+    def _expire_snapshots(self) -> None:
+        """Bound the table's history: once it holds twice SNAPSHOTS_KEPT snapshots, all but the newest
+        SNAPSHOTS_KEPT expire (their metadata only: the data files are the tier's, deleted by it)."""
+        table = self._table = self.catalog.load_table(self.identifier)
+        snapshots = sorted(table.snapshots(), key=lambda snapshot: snapshot.timestamp_ms)
+        if len(snapshots) < 2 * SNAPSHOTS_KEPT:
+            return
+        current = table.current_snapshot()
+        old = [s.snapshot_id for s in snapshots[:-SNAPSHOTS_KEPT] if current is None or s.snapshot_id != current.snapshot_id]
+        table.maintenance.expire_snapshots().by_ids(old).commit()
 
     def drop(self) -> None:
         """The topic was deleted: its table goes (missing already is fine)."""

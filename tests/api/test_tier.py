@@ -340,3 +340,49 @@ def test_tier_metrics_after_known_traffic(bus, topic_name):
     samples = wait_for(exported, timeout_s=90, interval_s=1, message="tier metrics exported")
     assert total(samples, "ray_logbus_remote_copy_bytes_total", topic=topic_name) >= tier["remote_bytes"] // 10
     assert total(samples, "ray_logbus_remote_copy_lag_bytes", topic=topic_name) == tier["upload_lag_bytes"]
+
+
+def test_retention_of_the_whole_log_deletes_tier_files_and_their_table_entries(bus, topic_name, tmp_path):
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    uri = f"file://{tmp_path}/tier"
+    # The whole log may hold 40 KB (the tier's files are about 3 KB each, the active segment at most
+    # 16 KB): the tier's oldest files go as newer ones arrive.
+    config = {**TIERED, "remote.storage.uri": uri, "retention.bytes": 40_000}
+    bus.admin.create_topic(topic_name, partitions=1, config=config)
+    produce(bus, topic_name, 3000)
+    tier = wait_for(lambda: (lambda t: t if t and t["log_start_offset"] > 0 else None)(bus.admin.describe_tier(topic_name)[0]),
+                    timeout_s=120, message="the tier trimmed by retention")
+    tier = wait_tiered(bus, topic_name)
+    assert tier["log_start_offset"] > 0 and tier["remote_bytes"] <= 40_000
+    listed = sorted(os.listdir(glob.glob(f"{tmp_path}/tier/{topic_name}-*/0/data")[0]))
+    assert len(listed) == tier["files"]
+    table = SqlCatalog("logbus", uri=f"sqlite:///{tmp_path}/tier/catalog.db").load_table("logbus." + topic_name.replace(".", "_"))
+    assert sorted(os.path.basename(t.file.file_path) for t in table.scan().plan_files()) == listed
+    # Consumers start at the tier's start now.
+    consumer = logbus.Consumer(bus)
+    try:
+        tp = TopicPartition(topic_name, 0)
+        assert consumer.beginning_offsets([tp]) == {tp: tier["log_start_offset"]}
+    finally:
+        consumer.close()
+
+
+def test_a_controller_restart_during_uploads_leaves_one_copy_and_no_gap(bus, topic_name):
+    import json
+
+    from tests.api.test_restart import kill_controller
+
+    bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
+    metadata = produce(bus, topic_name, 1500)
+    kill_controller(bus)
+    metadata += produce(bus, topic_name, 1500)
+    tier = wait_tiered(bus, topic_name)
+    directory = glob.glob(f"{bus.data_dir}/remote/{topic_name}-*/0")[0]
+    with open(sorted(glob.glob(f"{directory}/manifest-*.json"))[-1]) as file:
+        listed = json.load(file)["files"]
+    assert [f["base_offset"] for f in listed[1:]] == [f["next_offset"] for f in listed[:-1]]
+    assert listed[-1]["next_offset"] == tier["uploaded_up_to"]
+    assert sorted(os.listdir(f"{directory}/data")) == sorted(f["name"] for f in listed)
+    records = read_all(bus, topic_name, 0, 3000)
+    assert [r.offset for r in records] == sorted(m.offset for m in metadata) == list(range(3000))

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings, HealthCheck
 from hypothesis import strategies as st
 
-from logbus.errors import OffsetOutOfRangeError, StorageError
+from logbus.errors import OffsetOutOfRangeError, StorageError, TierFencedError
 from logbus.storage import LogConfig, PartitionLog, encode_batch
 from logbus.storage.record_batch import TIMESTAMP_LOG_APPEND_TIME, slice_visible_batches
-from logbus.storage.tier import TIER_SCHEMA, RemoteTier, TierFencedError, segment_copy
+from logbus.storage.tier import TIER_SCHEMA, RemoteTier, segment_copy
 
 
 def records_of(data, start=0):
@@ -268,3 +268,39 @@ def test_uploads_read_segments_in_chunks_that_cut_batches_anywhere(tmp_path, log
     tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
     upload_closed(tier, log)
     assert read_tier(tier, 0) == read_log(log)[: tier.manifest.end_offset]
+
+
+def test_an_upload_never_starts_below_the_logs_start(tmp_path, log):
+    fill(log)
+    log.delete_records(10)  # inside the first segment
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    tier.upload(segment_copy(log, 0), 1)
+    assert tier.manifest.log_start_offset == 10 and tier.manifest.files[0].base_offset == 10
+    assert [r[0] for r in read_tier(tier, 10)][:3] == [10, 11, 12]
+
+
+def test_the_iceberg_table_follows_the_manifest_and_keeps_a_bounded_history(tmp_path, log, monkeypatch):
+    import logbus.storage.tier_catalog as tier_catalog
+    from logbus.storage.tier_catalog import TierCatalog, catalog_location
+
+    monkeypatch.setattr(tier_catalog, "SNAPSHOTS_KEPT", 2)
+    fill(log)
+    uri = f"file://{tmp_path}/remote"
+    tier = RemoteTier(uri, "t.x", "id1", 0)
+    catalog = TierCatalog(catalog_location("", uri), uri, "t.x", "id1")
+    for i in range(len(log.segments) - 1):
+        tier.upload(segment_copy(log, i), 1)
+        assert catalog.sync(0, tier.directory, tier.manifest) == (1, 0)
+    table = catalog.catalog.load_table("logbus.t_x")
+    listed = lambda t: sorted(os.path.basename(task.file.file_path) for task in t.scan().plan_files())  # noqa: E731
+    assert listed(table) == sorted(f.name for f in tier.manifest.files)
+    assert len(table.snapshots()) < 4  # expired down to the newest two once four existed
+    assert table.scan().to_arrow().num_rows == sum(f.records for f in tier.manifest.files)
+    removed = tier.delete_before(tier.manifest.files[2].base_offset, 1, delete_files=False)
+    assert catalog.sync(0, tier.directory, tier.manifest) == (0, 2) and len(removed) == 2
+    table = catalog.catalog.load_table("logbus.t_x")
+    assert listed(table) == sorted(f.name for f in tier.manifest.files)
+    assert catalog.sync(0, tier.directory, tier.manifest) == (0, 0)  # in line: nothing to do
+    catalog.drop()
+    assert catalog.catalog.list_tables("logbus") == []
+    assert catalog_location("none", uri) is None and catalog_location("", "s3://b/x") is None
