@@ -48,6 +48,12 @@ UPLOAD_FAILED_RETRY_MAX_S = 300.0
 REMOTE_DIR = "remote"  # the default tier's folder under the cluster's data directory
 
 
+def _quietly(future: asyncio.Future) -> None:
+    """A read ahead nobody took: its error (if any) is the next read's to meet, not a log line."""
+    if not future.cancelled():
+        future.exception()
+
+
 def default_tier_uri(replica_directory: str) -> str:
     """The tier a topic gets without remote.storage.uri: ``<data dir>/remote`` of the node holding the
     replica (a replica's directory is ``<data dir>/replica-<id>/<topic>-<partition>``)."""
@@ -103,6 +109,7 @@ class TierSchedule:
         self.fenced = False  # a later leader wrote the tier: this replica uploads nothing more while leading
         self.uploads = 0  # files this replica uploaded (status)
         self._writing: asyncio.Lock | None = None  # one writer of the tier at a time: a pass, or delete_records
+        self._read_ahead: tuple[tuple[int, int], asyncio.Future] | None = None  # ((offset, max bytes), the read)
 
     @property
     def enabled(self) -> bool:
@@ -328,8 +335,19 @@ class TierSchedule:
         if max_offset is not None and offset >= max_offset:
             return None
         tier = self.tier
-        found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
+        ahead, self._read_ahead = self._read_ahead, None
+        if ahead is not None and ahead[0] == (offset, max_bytes):
+            pending = ahead[1]
+        else:
+            pending = asyncio.ensure_future(asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest))
+        found = await pending
         metrics.tier_fetched(self._topic, len(found.data))
+        if found.next_offset < min(tier.manifest.end_offset, self.log.log_start_offset):
+            # A reader replaying history asks for what follows next: read it while this reply travels
+            # and the reader decodes it (one read ahead per partition, of at most ``max_bytes``).
+            following = asyncio.ensure_future(asyncio.to_thread(tier.read, found.next_offset, max_bytes, tier.manifest))
+            following.add_done_callback(_quietly)
+            self._read_ahead = ((found.next_offset, max_bytes), following)
         return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
