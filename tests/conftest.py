@@ -339,6 +339,7 @@ CLUSTER_MODULES = {
     "test_gateway_failover.py": 2,
     "test_replication.py": 2,
     "test_broken_invariant.py": 2,
+    "test_tier_failover.py": 2,
 }
 
 

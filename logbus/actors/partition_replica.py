@@ -742,15 +742,18 @@ class PartitionReplica:
         offset, session = int(request.offset), request.session
         epoch = self.leader_epoch
         if consumer and self._tiering.enabled and offset < self.log.log_start_offset:
-            # Below the local log start: the remote tier has it (from where this session's last answer
-            # ended, as on disk: a pipelined fetch does not read the same records again).
+            # Below the local log start: the remote tier has it, read from where this session's last
+            # answer ended (as on disk). The lock lasts until this fetch is answered (``_serve_fetch``
+            # records the session's position with no wait after this returns), so a pipelined fetch
+            # of the session starts after it instead of reading the same records again.
             await self._tiering.ensure_open()
-            start = max(offset, self._sessions.start_offset(session, offset))
-            if self._tiering.in_tier(start):
-                result = await self._tiering.read(start, max_bytes, limit())
-                if self.leader_epoch != epoch or self.role != LEADER:
-                    raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
-                return result
+            async with self._tiering.read_lock():
+                start = max(offset, self._sessions.start_offset(session, offset))
+                if self._tiering.in_tier(start):
+                    result = await self._tiering.read(start, max_bytes, limit())
+                    if self.leader_epoch != epoch or self.role != LEADER:
+                        raise NotLeaderError(f"{self.topic}-{self.partition}: leadership changed during the fetch")
+                    return result
 
         def check() -> None:
             if self.leader_epoch != epoch or self.role != LEADER:

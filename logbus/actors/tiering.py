@@ -29,12 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable
 
 from logbus.actors import metrics
 from logbus.actors.timers import Timers
 from logbus.clock import wall_ms
-from logbus.errors import LogbusError, TierFencedError, TierNotAvailableError
+from logbus.errors import LogbusError, NotLeaderError, TierFencedError, TierNotAvailableError
 from logbus.storage.partition_log import PartitionLog, ReadResult
 from logbus.storage.tier import RemoteTier, redact, segment_copy
 from logbus.storage.tier_catalog import TierCatalog, catalog_location
@@ -45,13 +46,8 @@ UPLOAD_TIMER = "tier"  # a failed pass tried again
 RETENTION_TIMER = "tier-retention"  # the tier's oldest file passes retention.ms
 UPLOAD_FAILED_RETRY_S = 5.0
 UPLOAD_FAILED_RETRY_MAX_S = 300.0
+OPEN_RETRY_S = 2.0  # after a failed open, readers are told "not available" this long without trying again
 REMOTE_DIR = "remote"  # the default tier's folder under the cluster's data directory
-
-
-def _quietly(future: asyncio.Future) -> None:
-    """A read ahead nobody took: its error (if any) is the next read's to meet, not a log line."""
-    if not future.cancelled():
-        future.exception()
 
 
 def default_tier_uri(replica_directory: str) -> str:
@@ -109,7 +105,10 @@ class TierSchedule:
         self.fenced = False  # a later leader wrote the tier: this replica uploads nothing more while leading
         self.uploads = 0  # files this replica uploaded (status)
         self._writing: asyncio.Lock | None = None  # one writer of the tier at a time: a pass, or delete_records
-        self._read_ahead: tuple[tuple[int, int], asyncio.Future] | None = None  # ((offset, max bytes), the read)
+        self._reads: asyncio.Lock | None = None  # consumers' tier reads, one at a time (see read_lock)
+        self._opening: asyncio.Future | None = None  # the one open under way (a pass, a fetch, ListOffsets)
+        self._open_failed: tuple[float, LogbusError] | None = None  # (when, why) the last open failed
+        self._start_floor = 0  # the log start DeleteRecords set, in force before the tier's manifest says so
 
     @property
     def enabled(self) -> bool:
@@ -132,20 +131,31 @@ class TierSchedule:
         return self.tier
 
     async def _opened(self) -> RemoteTier | None:
-        """:meth:`_open` in a worker thread; then, on the loop, the log learns how far the tier reaches."""
-        tier = await asyncio.to_thread(self._open)
+        """:meth:`_open` in a worker thread, one at a time whoever asks (a pass, a fetch, ListOffsets:
+        two opens at once would leave two tier objects); then, on the loop, the log learns how far
+        the tier reaches."""
+        if self._opening is None or self._opening.done():
+            self._opening = asyncio.ensure_future(asyncio.to_thread(self._open))
+        tier = await asyncio.shield(self._opening)
         if tier is not None and tier.manifest.files and (self.log.tiered_offset or 0) < tier.manifest.end_offset:
             self.log.tiered_offset = tier.manifest.end_offset
         return tier
 
     async def ensure_open(self) -> None:
         """For readers: the tier opened before a read or ListOffsets needs it (a replica opens it in its
-        first pass, which may not have run yet); TierNotAvailableError (retriable) when it cannot be."""
-        if self.enabled and self.tier is None:
-            try:
-                await self._opened()
-            except LogbusError as error:
-                raise TierNotAvailableError(f"{self._label}: the remote tier cannot be opened now: {error}") from None
+        first pass, which may not have run yet); TierNotAvailableError (retriable) when it cannot be,
+        at once for OPEN_RETRY_S after a failed open rather than once more per request."""
+        if not self.enabled or self.tier is not None:
+            return
+        failed = self._open_failed
+        if failed is not None and time.monotonic() - failed[0] < OPEN_RETRY_S:
+            raise TierNotAvailableError(f"{self._label}: the remote tier cannot be opened now: {failed[1]}")
+        try:
+            await self._opened()
+            self._open_failed = None
+        except LogbusError as error:
+            self._open_failed = (time.monotonic(), error)
+            raise TierNotAvailableError(f"{self._label}: the remote tier cannot be opened now: {error}") from None
 
     def _writer_lock(self) -> asyncio.Lock:
         if self._writing is None:
@@ -163,6 +173,8 @@ class TierSchedule:
         self._waiting_for = None
         if self.enabled and self._leading():
             self.start()
+        else:
+            self._timers.disarm(RETENTION_TIMER)  # the tier's retention is its leader's
 
     def bound_moved(self) -> None:
         if self._waiting_for is not None and self._bound() >= self._waiting_for:
@@ -286,8 +298,8 @@ class TierSchedule:
             unlisted, self._unlisted = self._unlisted, []
             await asyncio.to_thread(self.tier.delete_files, unlisted)
         if self._sweep:
-            await asyncio.to_thread(self.tier.sweep_orphans)
-            self._sweep = False
+            _, young = await asyncio.to_thread(self.tier.sweep_orphans)
+            self._sweep = young > 0  # files left for being young are looked at again by the next pass
 
     def _arm_tier_retention(self) -> None:
         """One timer for the moment the tier's oldest file passes retention.ms (an idle partition's
@@ -322,7 +334,7 @@ class TierSchedule:
         """The first offset consumers can read: the tier's log start when the tier reaches the local log."""
         tier = self.tier
         if tier is not None and self.enabled and tier.manifest.files and tier.manifest.end_offset >= self.log.log_start_offset:
-            return min(tier.manifest.log_start_offset, self.log.log_start_offset)
+            return min(max(tier.manifest.log_start_offset, self._start_floor), self.log.log_start_offset)
         return self.log.log_start_offset
 
     def in_tier(self, offset: int) -> bool:
@@ -335,20 +347,17 @@ class TierSchedule:
         if max_offset is not None and offset >= max_offset:
             return None
         tier = self.tier
-        ahead, self._read_ahead = self._read_ahead, None
-        if ahead is not None and ahead[0] == (offset, max_bytes):
-            pending = ahead[1]
-        else:
-            pending = asyncio.ensure_future(asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest))
-        found = await pending
+        found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
         metrics.tier_fetched(self._topic, len(found.data))
-        if found.next_offset < min(tier.manifest.end_offset, self.log.log_start_offset):
-            # A reader replaying history asks for what follows next: read it while this reply travels
-            # and the reader decodes it (one read ahead per partition, of at most ``max_bytes``).
-            following = asyncio.ensure_future(asyncio.to_thread(tier.read, found.next_offset, max_bytes, tier.manifest))
-            following.add_done_callback(_quietly)
-            self._read_ahead = ((found.next_offset, max_bytes), following)
         return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
+
+    def read_lock(self) -> asyncio.Lock:
+        """Held by a consumer's fetch from working out where its tier read starts (its session's
+        position) until the read is answered: a pipelined fetch of the same session then starts where
+        the one before it ended, instead of reading the same records again."""
+        if self._reads is None:
+            self._reads = asyncio.Lock()
+        return self._reads
 
     async def offset_for_timestamp(self, timestamp_ms: int) -> int | None:
         """ListOffsets by time over the tier's part of the log (None: no record there that late)."""
@@ -359,11 +368,16 @@ class TierSchedule:
 
     async def delete_records(self, offset: int) -> None:
         """Kafka's DeleteRecords: the tier's log start moves to ``offset`` too (also with no file in it
-        yet: an upload never starts below it), under the one-writer lock a pass holds."""
+        yet: an upload never starts below it), under the one-writer lock a pass holds. Readers see
+        the new start at once, before the manifest does."""
         if not self.enabled:
             return
+        self._start_floor = max(self._start_floor, offset)
+        epoch = self._epoch()
         await self.ensure_open()
         async with self._writer_lock():
+            if self._epoch() != epoch or not self._leading():
+                raise NotLeaderError(f"{self._label}: leadership changed during delete_records")
             if offset > self.tier.manifest.log_start_offset:
                 await self._trim(offset)
         self.start()  # the Iceberg table follows

@@ -452,13 +452,13 @@ class RemoteTier:
         older leader can commit (TierFencedError)."""
         self._update(leader_epoch, lambda latest: latest if latest.leader_epoch < leader_epoch else None)
 
-    def sweep_orphans(self, grace_s: float | None = None) -> int:
+    def sweep_orphans(self, grace_s: float | None = None) -> tuple[int, int]:
         """Delete data files the manifest does not list (an upload that crashed before listing its file,
         or files a crash left between leaving the manifest and being deleted); how many went. Only after
         :meth:`claim`: an older leader's upload still under way can then never list its file on a
         filesystem where versions are written once. On an object store, where a deposed leader's PUT
         can still land, files younger than ``grace_s`` (default SWEEP_GRACE_S there, 0 on a local or
-        shared filesystem) are left for a later sweep."""
+        shared filesystem) are left for a later sweep. Returns (deleted, left for being young)."""
         if grace_s is None:
             grace_s = 0.0 if self._local else SWEEP_GRACE_S
         manifest = self.read_manifest()
@@ -467,7 +467,7 @@ class RemoteTier:
             infos = self.fs.get_file_info(pafs.FileSelector(posixpath.join(self.directory, DATA_DIR)))
         except OSError as error:
             raise StorageError(f"cannot list the remote tier {self.directory}: {error}") from error
-        gone = 0
+        gone = young = 0
         now_s = time.time()
         for info in infos:
             if posixpath.basename(info.path) in listed:
@@ -475,10 +475,11 @@ class RemoteTier:
             # A file this new may be a deposed leader's upload still on its way to a commit that an
             # object store cannot refuse (no conditional PUT): it is left for a later sweep.
             if grace_s > 0 and info.mtime is not None and now_s - info.mtime.timestamp() < grace_s:
+                young += 1
                 continue
             self._delete_quietly(info.path)
             gone += 1
-        return gone
+        return gone, young
 
     def retention_offset(self, now_ms: int, retention_ms: int, retention_bytes: int, local_bytes: int) -> int | None:
         """The offset below which retention of the whole log deletes remote files, or None. ``local_bytes``:

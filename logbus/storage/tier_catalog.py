@@ -31,12 +31,15 @@ This module imports no Ray. Calls block (run them in a worker thread).
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import time
 from urllib.parse import urlparse
 
 from logbus.errors import InvalidConfigError, StorageError
 from logbus.storage.tier import DATA_DIR, TIER_SCHEMA, TierManifest
+
+logger = logging.getLogger(__name__)
 
 NAMESPACE = "logbus"
 COMMIT_ATTEMPTS = 10  # partitions' leaders commit to one table: a commit that lost a race is tried again
@@ -105,6 +108,10 @@ class TierCatalog:
             if table.properties.get(TOPIC_ID_PROPERTY) != self.topic_id:
                 self.catalog.drop_table(self.identifier)  # a deleted topic's, left by a crash
                 raise NoSuchTableError(self.identifier)
+            if any(table.properties.get(key) != value for key, value in TABLE_PROPERTIES.items()):
+                with table.transaction() as transaction:  # a table made before these properties were set
+                    transaction.set_properties(**TABLE_PROPERTIES)
+                table = self.catalog.load_table(self.identifier)
         except NoSuchTableError:
             try:
                 table = self.catalog.create_table(
@@ -156,14 +163,20 @@ class TierCatalog:
 
     def _expire_snapshots(self) -> None:
         """Bound the table's history: once it holds twice SNAPSHOTS_KEPT snapshots, all but the newest
-        SNAPSHOTS_KEPT expire (their metadata only: the data files are the tier's, deleted by it)."""
-        table = self._table = self.catalog.load_table(self.identifier)
-        snapshots = sorted(table.snapshots(), key=lambda snapshot: snapshot.timestamp_ms)
-        if len(snapshots) < 2 * SNAPSHOTS_KEPT:
-            return
-        current = table.current_snapshot()
-        old = [s.snapshot_id for s in snapshots[:-SNAPSHOTS_KEPT] if current is None or s.snapshot_id != current.snapshot_id]
-        table.maintenance.expire_snapshots().by_ids(old).commit()
+        SNAPSHOTS_KEPT expire (their metadata only: the data files are the tier's, deleted by it).
+        Best effort: a commit that loses a race with another partition's leader is left for the next
+        sync (the files are already in line)."""
+        try:
+            table = self._table = self.catalog.load_table(self.identifier)
+            snapshots = sorted(table.snapshots(), key=lambda snapshot: snapshot.timestamp_ms)
+            if len(snapshots) < 2 * SNAPSHOTS_KEPT:
+                return
+            current = table.current_snapshot()
+            old = [s.snapshot_id for s in snapshots[:-SNAPSHOTS_KEPT] if current is None or s.snapshot_id != current.snapshot_id]
+            table.maintenance.expire_snapshots().by_ids(old).commit()
+        except Exception as error:  # noqa: BLE001 (pyiceberg and SQLAlchemy raise many kinds)
+            self._table = None
+            logger.info("Iceberg table %s: expiring old snapshots failed (%s); the next sync tries again", self.identifier, error)
 
     def drop(self) -> None:
         """The topic was deleted: its table goes (missing already is fine)."""

@@ -218,7 +218,7 @@ def test_a_new_leaders_claim_fences_the_old_one_and_sweeps_unlisted_files(tmp_pa
         file.write(b"an upload that never listed its file")
     new = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
     new.claim(2)
-    assert new.sweep_orphans() == 1
+    assert new.sweep_orphans() == (1, 0)
     assert not os.path.exists(stray)
     assert [f.name for f in new.read_manifest().files] == [f.name for f in old.read_manifest().files]
     assert new.manifest.leader_epoch == 2
@@ -254,7 +254,7 @@ def test_a_tier_on_an_s3_compatible_store_reads_back_the_same(s3_endpoint, tmp_p
     with pytest.raises(TierFencedError):  # the manifest's epoch is 2 now
         tier.upload(segment_copy(log, 0), 1)
     fresh.claim(3)
-    assert fresh.sweep_orphans() == 0
+    assert fresh.sweep_orphans() == (0, 0)
     fresh.delete_all()
     assert RemoteTier(uri, "t", "id1", 0).manifest.files == ()
 
