@@ -56,7 +56,12 @@ def replace_file(path: str, data: str | bytes) -> None:
 
 def sync_directory(directory: str) -> None:
     """fsync a directory, so that the renames, creations and deletions in it are durable."""
-    fd = os.open(directory, os.O_RDONLY)
+    sync_path(directory)
+
+
+def sync_path(path: str) -> None:
+    """fsync a file or directory by its path (a file another writer, pyarrow's say, wrote and closed)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:

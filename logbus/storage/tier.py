@@ -69,6 +69,7 @@ import pyarrow.parquet as pq
 
 from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError, TierFencedError
 from logbus.storage import batch_header as bh
+from logbus.storage.files import sync_directory, sync_path
 from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_record_batch, slice_visible_batches
 from logbus.storage.txn_index import AbortedTxn
 
@@ -269,11 +270,7 @@ class RemoteTier:
                     return False
                 finally:
                     os.unlink(temporary)
-                fd = os.open(self.directory, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                sync_directory(self.directory)
             else:
                 if self.fs.get_file_info(path).type != pafs.FileType.NotFound:
                     return False
@@ -402,9 +399,9 @@ class RemoteTier:
             writer = None
             sinks.pop().close()  # raises if the store did not take the file
             if self._local:
-                _fsync_path(temporary)
+                sync_path(temporary)
                 os.replace(temporary, path)
-                _fsync_path(posixpath.dirname(path))  # the file and its name are durable before any manifest lists it
+                sync_directory(posixpath.dirname(path))  # the file and its name are durable before any manifest lists it
             info = self.fs.get_file_info(path)
             if info.type != pafs.FileType.File:
                 raise StorageError(f"{path} is not in the remote tier after its upload")
@@ -618,14 +615,6 @@ def read_tier_files(uri: str, directory: str, files, start: int, until: int, col
                     yield rows
         except (OSError, pa.ArrowException) as error:
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _chunks(file, size_bytes: int, chunk_bytes: int):
