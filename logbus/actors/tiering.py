@@ -219,10 +219,13 @@ class TierSchedule:
             except TierFencedError as error:
                 logger.info("replica %s: %s; uploads stop until this replica leads again", self._label, error)
                 self.fenced = True
-            except LogbusError as error:
+            except Exception as error:  # noqa: BLE001 (LogbusError expected; anything else is a bug, logged whole)
                 self._failures += 1
                 delay = min(UPLOAD_FAILED_RETRY_S * 2 ** (self._failures - 1), UPLOAD_FAILED_RETRY_MAX_S)
-                logger.warning("replica %s: remote tier: %s; trying again in %.0f s", self._label, error, delay)
+                if isinstance(error, LogbusError):
+                    logger.warning("replica %s: remote tier: %s; trying again in %.0f s", self._label, error, delay)
+                else:
+                    logger.exception("replica %s: remote tier pass failed; trying again in %.0f s", self._label, delay)
                 self._timers.arm(UPLOAD_TIMER, delay, self.start)
                 return
             if not self._again or not self._active():
