@@ -67,11 +67,19 @@ def test_a_new_leader_takes_over_the_tier_where_the_manifest_ends(cluster, rbus)
     acknowledged.update(produce(rbus, topic, b"after", 1500))
 
     def taken_over():
-        tier = rbus.admin.describe_tier(topic)[0]
+        # The new leader has claimed the tier and uploaded every closed segment (its local retention
+        # left only the active one): no upload is under way, so the files on disk can be compared.
+        _, status = serving_leader(rbus, topic)
+        tier = status["tier"]
         _, manifest = manifest_files(rbus, topic)
-        return (tier, manifest) if tier and manifest["leader_epoch"] > old_epoch and tier["uploaded_up_to"] > before["files"][-1]["next_offset"] + 300 else None
+        done = (
+            tier and manifest["leader_epoch"] > old_epoch and status["segments"] == 1
+            and tier["uploaded_up_to"] == status["log_start_offset"] > before["files"][-1]["next_offset"]
+        )
+        return (tier, manifest) if done else None
 
     tier, manifest = wait_for(taken_over, timeout_s=120, message="the new leader's uploads")
+    _, manifest = manifest_files(rbus, topic)
     files = manifest["files"]
     assert files[: len(before["files"])] == before["files"]  # what the old leader listed stays as it was
     assert [f["base_offset"] for f in files[1:]] == [f["next_offset"] for f in files[:-1]]  # no gap, no overlap
