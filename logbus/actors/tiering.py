@@ -296,10 +296,12 @@ class TierSchedule:
             return
         if self.catalog is not None and self._catalog_behind:
             await asyncio.to_thread(self.catalog.sync, self._partition, self.tier.directory, self.tier.manifest)
-        self._catalog_behind = False
         if self._unlisted:
             unlisted, self._unlisted = self._unlisted, []
             await asyncio.to_thread(self.tier.delete_files, unlisted)
+        # Only now (a pass holds the writer lock throughout): status says "synced" once the files the
+        # table dropped are gone from the filesystem too.
+        self._catalog_behind = False
         if self._sweep:
             _, young = await asyncio.to_thread(self.tier.sweep_orphans)
             self._sweep = young > 0  # files left for being young are looked at again by the next pass
