@@ -10,6 +10,7 @@ from logbus.options import check_int, check_seconds
 from logbus.protocol.group_coordinator import validate_group_id
 from logbus.errors import (
     InvalidConfigError,
+    LogbusError,
     InvalidPartitionsError,
     InvalidReassignmentError,
     InvalidReplicationFactorError,
@@ -19,6 +20,8 @@ from logbus.protocol.cluster_metadata import PARTITIONS_MAX
 from logbus.protocol.messages import TopicDescription, TopicPartition
 from logbus.storage.log_config import LogConfig
 from logbus.storage.names import validate_partition, validate_topic_name
+
+TIER_STATUS_TIMEOUT_S = 10.0  # describe_tier waits this long for each partition's leader
 
 RESET_TARGETS = ("earliest", "latest")
 CONFIG_SOURCES = ("default", "topic")  # where a topic config's value comes from (describe_configs)
@@ -107,11 +110,23 @@ class Admin:
         one uploaded), ``files``, ``remote_bytes``, ``local_bytes``, ``upload_lag_bytes`` (local bytes
         not yet uploaded, the active segment's included), ``uploads`` (files this leader uploaded),
         ``iceberg_table`` and ``iceberg_synced``. None for a partition whose topic is not tiered (or
-        whose leader has not opened its tier yet) or that has no leader now."""
+        whose leader has not opened its tier yet), that has no leader now, or whose leader does not
+        answer within TIER_STATUS_TIMEOUT_S (a dead node: the other partitions are still shown)."""
         validate_topic_name(name)
         leaders = self._bus.topic_metadata(name, refresh=True).leaders
         refs = {p: leader.tier_status.remote() for p, leader in enumerate(leaders) if leader is not None}
-        return {p: (get(refs[p]) if p in refs else None) for p in range(len(leaders))}
+
+        def status(p: int) -> dict | None:
+            if p not in refs:
+                return None
+            try:
+                return get(refs[p], timeout_s=TIER_STATUS_TIMEOUT_S)
+            except LogbusError as error:
+                if not error.retriable:
+                    raise
+                return None
+
+        return {p: status(p) for p in range(len(leaders))}
 
     def delete_records(self, offsets: dict) -> dict[TopicPartition, int]:
         """Kafka's DeleteRecords: ``{TopicPartition: offset}`` makes each ``offset`` (-1: the
