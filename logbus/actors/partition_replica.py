@@ -169,6 +169,10 @@ LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this l
 LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 RETENTION_FAILED_RETRY_S = 60.0  # retention that failed is tried again this soon
+# A fetch reply served from the remote tier names at most this many of the tier's next files, for a
+# consumer that reads them itself; it asks the leader again past them (so a plan is never far behind
+# what retention and DeleteRecords have done since).
+TIER_PLAN_FILES = 16
 PRODUCE_TIMEOUT_MS_MAX = 120_000
 REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
 # failover the missing batch may sit behind the waiting ones in the producer)
@@ -770,6 +774,14 @@ class PartitionReplica:
     ) -> tuple[FetchResponse, object]:
         """Read, then package for the transport: (FetchResponse, data or None)."""
         started_ms = monotonic_ms()
+        if consumer and request.tier_plan and self._tiering.enabled and int(request.offset) < self.log.log_start_offset:
+            plan = await self._tier_plan(int(request.offset))
+            if plan is not None:
+                offset = int(request.offset)
+                return FetchResponse(
+                    offset, offset, self.high_watermark, self._tiering.log_start_offset(), self.leader_epoch,
+                    self.state.reply_stable_offset(self.log), (), plan,
+                ), None
         result = await self._read(request, limit, wire.CHANNEL_FETCH_MAX_BYTES if channel else FETCH_MAX_BYTES_MAX, consumer)
         log_start = self._tiering.log_start_offset() if consumer else self.log.log_start_offset
         if consumer:
@@ -794,6 +806,18 @@ class PartitionReplica:
             self.state.reply_stable_offset(self.log), aborted,
         )
         return meta, data
+
+    async def _tier_plan(self, offset: int) -> dict | None:
+        """The tier's files from ``offset`` on (at most TIER_PLAN_FILES), for a consumer that reads them
+        itself; None when ``offset`` is not where the tier's records are (the fetch is then served
+        as any other: out of range below the tier's start)."""
+        await self._tiering.ensure_open()
+        if self.role != LEADER:
+            raise NotLeaderError(f"{self.topic}-{self.partition}: not the leader")
+        if not self._tiering.in_tier(offset):
+            return None
+        plan = self._tiering.files_for(offset, self.log.log_start_offset, max_files=TIER_PLAN_FILES)
+        return plan if plan is not None and plan["start"] == offset else None
 
     async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:
         """For consumers: whole batches from ``request.offset`` below the high watermark (the last stable

@@ -104,6 +104,7 @@ class TierSchedule:
         self._failures = 0
         self.fenced = False  # a later leader wrote the tier: this replica uploads nothing more while leading
         self.uploads = 0  # files this replica uploaded (status)
+        self.served_bytes = 0  # tier records served in fetch replies (status)
         self._writing: asyncio.Lock | None = None  # one writer of the tier at a time: a pass, or delete_records
         self._reads: asyncio.Lock | None = None  # consumers' tier reads, one at a time (see read_lock)
         self._opening: asyncio.Future | None = None  # the one open under way (a pass, a fetch, ListOffsets)
@@ -354,6 +355,7 @@ class TierSchedule:
         tier = self.tier
         found = await asyncio.to_thread(tier.read, offset, max_bytes, tier.manifest)
         metrics.tier_fetched(self._topic, len(found.data))
+        self.served_bytes += len(found.data)
         return ReadResult(memoryview(found.data), found.first_offset, found.next_offset)
 
     def read_lock(self) -> asyncio.Lock:
@@ -387,19 +389,23 @@ class TierSchedule:
                 await self._trim(offset)
         self.start()  # the Iceberg table follows
 
-    def files_for(self, start: int, end: int) -> dict | None:
+    def files_for(self, start: int, end: int, max_files: int | None = None) -> dict | None:
         """What a reader needs to read ``[start, end)``'s tiered part straight from the tier's files: the
         tier's URI and directory, and each listed file overlapping the range as (name, base offset, next
-        offset); the part is ``[start, until)``. None when the tier holds none of the range."""
+        offset); the part is ``[start, until)``, ``until`` ending with the last of at most ``max_files``
+        files. None when the tier holds none of the range."""
         tier = self.tier
         if tier is None or not self.enabled or not tier.manifest.files:
             return None
         manifest = tier.manifest
-        start = max(start, manifest.log_start_offset)
+        start = max(start, manifest.log_start_offset, self._start_floor)
         until = min(end, manifest.end_offset)
         if start >= until:
             return None
         files = [(f.name, f.base_offset, f.next_offset) for f in manifest.files if f.next_offset > start and f.base_offset < until and f.name]
+        if max_files is not None and len(files) > max_files:
+            files = files[:max_files]
+            until = files[-1][2]
         return {"uri": self._uri, "directory": tier.directory, "files": files, "start": start, "until": until}
 
     def delete_all(self) -> None:
@@ -424,6 +430,9 @@ class TierSchedule:
             "local_bytes": self.log.size_bytes,
             "upload_lag_bytes": sum(s.size_bytes for s in self.log.segments if s.next_offset > manifest.end_offset),
             "uploads": self.uploads,
+            # Bytes of tier records this replica served in fetch replies (consumers that read the
+            # files themselves cost it nothing), since it started.
+            "served_bytes": self.served_bytes,
             "iceberg_table": None if self.catalog is None else self.catalog.identifier,
             "iceberg_synced": None if self.catalog is None else not self._catalog_behind,  # None: no table
         }

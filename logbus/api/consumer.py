@@ -69,6 +69,17 @@ CommitFailedError (see ``logbus/api/group_membership.py``). Without a
 every partition of the topics, with no coordinator and no commits, as
 kafka-python's consumer without a group does.
 
+Tiered topics (``remote.storage.enable``): a partition's history in the
+remote tier comes through the leader as the rest of the log does, and the
+leader's reply names the tier's files that follow. A consumer that can read
+them (a ``file://`` tier on its own host, an object store it has access to)
+reads the next records straight from those Parquet files, in a worker thread,
+until the plan's end, then asks the leader again: replaying history then
+costs the leader nothing, and this process only Parquet's decoding. The
+records, offsets, timestamps and headers are the same either way. A file it
+cannot read sends it back to the leader (``read_tier_directly=False``: always
+through the leader).
+
 Records converted but not handed out wait in one buffer (see "handing
 records out" below), which iteration, ``poll()`` and ``logbus.aio`` share.
 
@@ -87,7 +98,7 @@ from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 from itertools import repeat
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -127,6 +138,9 @@ from logbus.protocol.messages import (
 from logbus.storage import record_batch as rb
 from logbus.storage.isolation import isolation_level_code
 from logbus.storage.names import validate_partition, validate_topic_name
+
+if TYPE_CHECKING:
+    from logbus.storage.tier import DirectTierReader
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +186,7 @@ class _Partition:
     __slots__ = (
         "tp", "position", "fetch_offset", "paused", "in_flight", "buffer", "buffered_rows", "error", "at_end", "session",
         "arrow_scalars", "actor_fetch_until", "needs_committed", "resets", "lookup", "retry_at_s", "backoff",
-        "stale_since_s",
+        "stale_since_s", "tier", "tier_read", "tier_unreachable",
     )
 
     def __init__(self, tp: TopicPartition, needs_committed: bool = False) -> None:
@@ -203,6 +217,12 @@ class _Partition:
         self.retry_at_s = 0.0
         self.backoff = Backoff()  # no deadline: poll() reads the other partitions meanwhile
         self.stale_since_s: float | None = None
+        # A tiered topic's history read straight from the tier's files: the reader of the plan the
+        # leader's last reply named (None: fetch from the leader), the read on its way in a worker
+        # thread (Future, the reader, resets then), and whether this process cannot reach the tier.
+        self.tier: DirectTierReader | None = None
+        self.tier_read: tuple | None = None
+        self.tier_unreachable = False
 
     def reset_to(self, offset: int | None) -> None:
         """Make ``offset`` the position and fetch from there (None: find a position again, by auto_offset_reset)."""
@@ -213,6 +233,7 @@ class _Partition:
         self.needs_committed = False
         self.resets += 1
         self.lookup = None  # a lookup on its way is answered for nobody
+        self.tier = self.tier_read = None  # the next reply from the leader names the files from there
         self.drop_fetches()
 
     def retry_later(self, now: float, refresh_metadata: bool = True) -> None:
@@ -396,6 +417,9 @@ class Consumer:
         local_channel: fetch from a leader on this node over its local channel (a Unix socket;
             a tenth of an actor call's latency, and no copy into the object store) rather than
             with actor calls.
+        read_tier_directly: in a tiered topic, read the history the leader says is in the remote
+            tier straight from the tier's Parquet files when this process can reach them (see
+            "Tiered topics" above) rather than through the leader.
         key_deserializer, value_deserializer: callables turning a record's key / value bytes into
             what poll() and iteration hand out (a null key or value stays None, the function is
             not called). poll_arrow() returns the bytes. A failure raises
@@ -438,6 +462,7 @@ class Consumer:
         default_api_timeout_ms: int = DEFAULT_API_TIMEOUT_MS,
         isolation_level: str = "read_uncommitted",
         metadata_max_age_ms: int = METADATA_MAX_AGE_MS,
+        read_tier_directly: bool = True,
     ) -> None:
         check_choice("auto_offset_reset", auto_offset_reset, OFFSET_RESETS)
         if group_id is not None and (not isinstance(group_id, str) or not group_id):
@@ -478,6 +503,10 @@ class Consumer:
         self._metadata_max_age_s = metadata_max_age_ms / 1000
         self._partitions: dict[TopicPartition, _Partition] = {}
         self._channels = local_channels() if local_channel else None
+        self._read_tier_directly = check_flag("read_tier_directly", read_tier_directly)
+        # Threads for reading tier files, started by the first tier plan.
+        self._tier_threads: concurrent.futures.ThreadPoolExecutor | None = None
+        self._tier_ahead: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self._group_options = dict(
             group_instance_id=group_instance_id,
@@ -942,6 +971,13 @@ class Consumer:
         for state in self._partitions.values():
             if state.paused or state.error is not None or state.fetch_offset is None or now < state.retry_at_s:
                 continue
+            if state.tier is not None:
+                if state.tier_read is not None:
+                    continue  # its read is on its way
+                if state.tier.continues(state.fetch_offset):
+                    self._read_tier(state)
+                    continue
+                state.tier = None  # past the plan's end: the leader again
             if len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
             if state.buffered_rows and state.at_end and state.in_flight:
@@ -971,6 +1007,7 @@ class Consumer:
             request = FetchRequest(
                 state.fetch_offset, self.fetch_max_bytes, self.fetch_max_wait_ms, not self.check_crcs,
                 FETCH_INLINE_MAX_BYTES, state.session, self._isolation,
+                tier_plan=self._read_tier_directly and not state.tier_unreachable,
             )
             channels = self._channels if state.fetch_offset >= state.actor_fetch_until else None
             ref = send_fetch(leader, request, channels)
@@ -1057,6 +1094,9 @@ class Consumer:
             return  # a seek happened meanwhile
         state.succeeded()
         state.at_end = not large
+        if meta.tier is not None:
+            self._adopt_tier_plan(state, meta.tier)
+            return
         if data is None or meta.next_offset <= state.fetch_offset:
             return  # the long poll expired empty, or an earlier fetch already brought these records
         if meta.first_offset > state.fetch_offset:
@@ -1075,6 +1115,59 @@ class Consumer:
         if skipped_to is not None:  # markers or aborted batches last: the position moves past them
             state.buffer.append((skipped_to, NO_RECORDS, CREATE_TIME))
         state.fetch_offset = meta.next_offset
+
+    def _adopt_tier_plan(self, state: _Partition, plan: dict) -> None:
+        """The leader says the records from the fetch's offset are in these tier files: read them here."""
+        state.at_end = False
+        if state.tier is not None:
+            return  # the pipelined fetch's copy of the same answer
+        from logbus.storage.tier import DirectTierReader  # noqa: PLC0415 (Parquet, only for tiered topics)
+
+        if self._tier_threads is None:
+            # Reads of the plans, and their readers' row groups read ahead (apart: a read waits for those).
+            self._tier_threads = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logbus-tier-read")
+            self._tier_ahead = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="logbus-tier-ahead")
+        reader = DirectTierReader(plan, ahead=self._tier_ahead)
+        if reader.continues(state.fetch_offset):
+            state.tier = reader
+            state.drop_fetches()  # a fetch still on its way would only bring the same answer
+
+    def _read_tier(self, state: _Partition) -> None:
+        """Send the partition's next read of its tier plan to a worker thread, unless one is on its
+        way or the buffer is full (the same bound as fetches behind the log end)."""
+        if state.tier_read is not None:
+            return
+        buffered = sum(r.nbytes for _, r, _ in state.buffer) if state.buffered_rows else 0
+        if buffered and buffered + self.fetch_max_bytes > self.max_buffered_bytes:
+            return
+        reader = state.tier
+        future = self._tier_threads.submit(reader.read, self.fetch_max_bytes)
+        state.tier_read = (future, reader, state.resets)
+
+    def _receive_tier(self, state: _Partition, read: tuple) -> None:
+        """Take a read of the partition's tier plan: its records continue the position, or, if the
+        files could not be read, the partition goes back to fetching from its leader."""
+        if state.tier_read is not read:
+            return  # a seek dropped it meanwhile
+        state.tier_read = None
+        future, reader, resets = read
+        if resets != state.resets or reader is not state.tier:
+            return
+        try:
+            runs, next_offset = future.result()
+        except (LogbusError, OSError, pa.ArrowException) as error:
+            # Another host's file:// tier, credentials this process lacks, or a file retention
+            # deleted meanwhile: the leader serves the rest (a first read that fails says this
+            # process cannot reach the tier at all).
+            logger.debug("%s: reading the remote tier's files failed, fetching from the leader: %s", state.tp, error)
+            state.tier_unreachable = reader.reads == 0
+            state.tier = None
+            return
+        for first, records, append_time in runs:
+            state.buffer.append((first, records, CREATE_TIME if append_time is None else append_time))
+            state.buffered_rows += records.num_rows
+        state.fetch_offset = next_offset
+        state.at_end = False
 
     def _pump(self, timeout_s: float) -> None:
         """Send fetches, and wait up to ``timeout_s`` for at least one partition to have records.
@@ -1144,6 +1237,8 @@ class Consumer:
         for state in self._partitions.values():
             for fetch in state.in_flight:
                 calls[fetch[0]] = (self._receive, (state, fetch))
+            if state.tier_read is not None:
+                calls[state.tier_read[0]] = (self._receive_tier, (state, state.tier_read))
             if state.lookup is not None:
                 calls[state.lookup[0]] = (self._take_lookup, (state, state.lookup[0]))
         if self._committed_call is not None:
@@ -1682,6 +1777,9 @@ class Consumer:
             self._membership = None
         self._closed = True
         self._partitions = {}
+        if self._tier_threads is not None:
+            self._tier_threads.shutdown(wait=False, cancel_futures=True)
+            self._tier_ahead.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Consumer":
         return self

@@ -157,6 +157,9 @@ class FetchRequest:
     ``isolation_level``: READ_UNCOMMITTED (0) reads up to the high watermark;
     READ_COMMITTED (1) up to the last stable offset, and the reply names the
     aborted transactions it overlaps (see ``logbus/storage/isolation.py``).
+    ``tier_plan``: a consumer that reads a tiered topic's remote tier itself
+    asks for its files instead of its records: where ``offset`` is in the
+    tier, the reply carries no records, only ``FetchResponse.tier``.
     """
 
     offset: int
@@ -166,6 +169,7 @@ class FetchRequest:
     inline_max_bytes: int = 0
     session: int | None = None
     isolation_level: int = READ_UNCOMMITTED
+    tier_plan: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,12 @@ class FetchResponse:
     ``aborted_transactions``: in a READ_COMMITTED reply, (producer id, first
     offset) of each aborted transaction overlapping the batches returned
     (empty otherwise): a reader drops those transactions' batches.
+    ``tier``: the answer to a fetch with ``tier_plan`` whose offset is in a
+    tiered topic's remote tier (first and next offset are then the fetch's
+    offset, and there are no records): where the records from there are in
+    the tier's files (``uri``, ``directory``, ``files`` as (name, base offset,
+    next offset), ``start``, ``until``), for the consumer to read itself
+    (``storage/tier.DirectTierReader``); None otherwise.
     """
 
     first_offset: int
@@ -193,3 +203,4 @@ class FetchResponse:
     leader_epoch: int
     last_stable_offset: int = -1
     aborted_transactions: tuple[tuple[int, int], ...] = ()
+    tier: dict | None = None

@@ -283,7 +283,15 @@ def _compact_headers(records: pa.RecordBatch) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
 
 
-def frame_record_batch(
+def frame_record_batch(records: pa.RecordBatch, **options) -> bytes:
+    """Serialize an Arrow record batch of SCHEMA into one framed batch (bytes).
+
+    Options as :func:`frame_parts` takes them.
+    """
+    return b"".join(frame_parts(records, **options))
+
+
+def frame_parts(
     records: pa.RecordBatch,
     *,
     base_offset: int = 0,
@@ -296,8 +304,11 @@ def frame_record_batch(
     timestamp_range: tuple[int, int] | None = None,
     transactional: bool = False,
     control: bool = False,
-) -> bytes:
-    """Serialize an Arrow record batch of SCHEMA into one framed batch (bytes).
+) -> tuple[bytearray, pa.Buffer]:
+    """An Arrow record batch of SCHEMA as one framed batch in two parts: (header, IPC message).
+
+    A caller framing many batches joins all their parts once (:func:`frame_record_batch`
+    joins one batch's two).
 
     ``timestamp_range`` (first, max) may be passed by a caller that knows the
     timestamp column's first and largest values; otherwise they are computed.
@@ -341,7 +352,7 @@ def frame_record_batch(
     )
     crc = crc32c.crc32c(message, crc32c.crc32c(header[ATTRIBUTES_OFFSET:]))
     CRC_STRUCT.pack_into(header, CRC_OFFSET, crc)
-    return b"".join((header, message))
+    return header, message
 
 
 def encode_batch(

@@ -57,6 +57,7 @@ import posixpath
 import secrets
 import threading
 import time
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Iterator
 from urllib.parse import urlparse
@@ -70,7 +71,7 @@ import pyarrow.parquet as pq
 from logbus.errors import InvalidConfigError, OffsetOutOfRangeError, StorageError, TierFencedError
 from logbus.storage import batch_header as bh
 from logbus.storage.files import sync_directory, sync_path
-from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_record_batch, slice_visible_batches
+from logbus.storage.record_batch import HEADERS_TYPE, SCHEMA, frame_parts, slice_visible_batches
 from logbus.storage.txn_index import AbortedTxn
 
 TIER_SCHEMA = pa.schema(
@@ -519,22 +520,22 @@ class RemoteTier:
             return self._read_from(manifest, i, offset, max_bytes)
 
     def _read_from(self, manifest: TierManifest, i: int, offset: int, max_bytes: int) -> TierRead:
-        frames: list[bytes] = []
+        parts: list = []  # every frame's header and message, joined once (one copy of the records)
         size = 0
         next_offset = offset
         for entry in manifest.files[i:]:  # contiguous: each file starts where the one before ends
             if entry.name:
-                for frame, frame_next in self._file_frames(entry, max(offset, entry.base_offset)):
-                    frames.append(frame)
-                    size += len(frame)
+                for (header, message), frame_next in self._file_frames(entry, max(offset, entry.base_offset)):
+                    parts += (header, message)
+                    size += len(header) + message.size
                     next_offset = frame_next
                     if size >= max_bytes:
-                        return TierRead(b"".join(frames), offset, next_offset)
+                        return TierRead(b"".join(parts), offset, next_offset)
             next_offset = entry.next_offset  # past the file, gaps at its end included
-        return TierRead(b"".join(frames), offset, next_offset)
+        return TierRead(b"".join(parts), offset, next_offset)
 
     def _file_frames(self, entry: TierFile, start: int):
-        """Framed batches of one file's records from ``start`` on: (frame, offset after it)."""
+        """Framed batches of one file's records from ``start`` on: ((header, message), offset after it)."""
         path = posixpath.join(self.directory, DATA_DIR, entry.name)
         try:
             parquet = self._parquet_file(entry.name, path)
@@ -617,6 +618,77 @@ def read_tier_files(uri: str, directory: str, files, start: int, until: int, col
             raise StorageError(f"cannot read {path} from the remote tier: {error}") from error
 
 
+class DirectTierReader:
+    """A consumer's sequential reads of a partition's tiered history straight from the tier's files, by
+    the plan a leader's fetch reply offers (``files_for``: uri, directory, files, start, until), so
+    that replaying history costs the leader nothing and this process only Parquet's decoding.
+
+    Reads continue one another from ``start``: :meth:`read` returns the records of the next row
+    groups as :func:`record_runs` (what a fetch's batches decode to) and the offset after them.
+    Not thread-safe: one read at a time (a consumer runs each partition's reads one after another,
+    in a worker thread). With ``ahead`` (an executor whose tasks never wait on others), the next row
+    group is decoded there while the rows before it are handed over (one row group held ahead).
+    StorageError when a file cannot be read (another host's file:// tier, a file retention deleted):
+    the reader is then spent and the consumer goes back to the leader.
+    """
+
+    def __init__(self, plan: dict, ahead: Executor | None = None) -> None:
+        self.uri = plan["uri"]
+        self.directory = plan["directory"]
+        self.files = [tuple(f) for f in plan["files"]]
+        self.start = int(plan["start"])
+        self.until = int(plan["until"])
+        self.next_offset = self.start  # where the next read continues
+        self.reads = 0  # reads that succeeded
+        self._rows: Iterator[pa.Table] | None = None
+        self._left: pa.Table | None = None  # rows of a row group not yet returned
+        self._executor = ahead
+        self._ahead: Future | None = None  # the next row group, being read
+
+    def continues(self, offset: int) -> bool:
+        """Whether a reader at ``offset`` goes on with this plan (its next read starts there)."""
+        return offset == self.next_offset < self.until
+
+    def read(self, max_bytes: int) -> tuple[list[tuple[int, pa.RecordBatch, int | None]], int]:
+        """The next records, about ``max_bytes`` of them (at least one row group's part): (runs, offset after them)."""
+        runs: list = []
+        size = 0
+        while size < max_bytes and self.next_offset < self.until:
+            if self._left is None:
+                self._left = self._next_rows()
+                if self._left is None:
+                    self.next_offset = self.until  # past the plan's last file (gaps at its end included)
+                    break
+            rows = self._left
+            take = rows.num_rows
+            if size + rows.nbytes > max_bytes:
+                take = max(1, int((max_bytes - size) * rows.num_rows // max(1, rows.nbytes)))
+            part = rows.slice(0, take)
+            self._left = rows.slice(take) if take < rows.num_rows else None
+            runs.extend(record_runs(part))
+            size += part.nbytes
+            self.next_offset = int(part.column("offset")[take - 1].as_py()) + 1
+        self.reads += 1
+        return runs, self.next_offset
+
+    def _next_rows(self) -> pa.Table | None:
+        if self._rows is None:
+            self._rows = read_tier_files(self.uri, self.directory, self.files, self.next_offset, self.until)
+        if self._ahead is not None:
+            rows, self._ahead = self._ahead.result(), None
+        else:
+            rows = next(self._rows, None)
+        if rows is not None and self._executor is not None:
+            self._ahead = self._executor.submit(next, self._rows, None)
+        return rows
+
+    def close(self) -> None:
+        """Stop reading ahead (a row group being read is dropped)."""
+        if self._ahead is not None:
+            self._ahead.cancel()
+            self._ahead = None
+
+
 def _chunks(file, size_bytes: int, chunk_bytes: int):
     """The segment file's batches in runs of about ``chunk_bytes`` (a larger batch alone): (first offset,
     offset after, a view of whole batches). Only the first ``size_bytes`` are read: what the log holds.
@@ -680,34 +752,42 @@ def _tier_rows(partition: int, header: bh.BatchHeader, first: int, batch: pa.Rec
     )
 
 
-def _frames(rows: pa.Table):
-    """Framed batches of tier rows: one per run of consecutive offsets with one timestamp type, of about
-    FRAME_MAX_BYTES each; yields (frame, offset after it)."""
+def _one_array(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def record_runs(rows: pa.Table, max_bytes: int = FRAME_MAX_BYTES) -> Iterator[tuple[int, pa.RecordBatch, int | None]]:
+    """Tier rows as record batches of SCHEMA, as a log read's batches decode: (first offset, records,
+    append time). One per run of consecutive offsets with one timestamp type (and, for LogAppendTime,
+    one append time: its batch's), of about ``max_bytes`` each; the append time is None for CreateTime.
+    No copy of keys, values or headers: the batches are slices of the rows' columns."""
     if rows.num_rows == 0:
         return
     offsets = rows.column("offset").to_numpy()
     types = rows.column("timestamp_type").to_numpy()
-    per_frame = max(1, int(FRAME_MAX_BYTES * rows.num_rows // max(1, rows.nbytes)))
-    breaks = np.flatnonzero((np.diff(offsets) != 1) | (np.diff(types) != 0)) + 1
+    stamps_ms = pc.divide(rows.column("timestamp").cast(pa.int64()), 1000)
+    stamps = stamps_ms.to_numpy()
+    per_run = max(1, int(max_bytes * rows.num_rows // max(1, rows.nbytes)))
+    # A LogAppendTime batch's records all carry its append time: a change of it starts another run.
+    breaks = np.flatnonzero((np.diff(offsets) != 1) | (np.diff(types) != 0) | ((types[1:] != 0) & (np.diff(stamps) != 0))) + 1
     starts = np.concatenate(([0], breaks))
     stops = np.concatenate((breaks, [len(offsets)]))
-    stamps_ms = pc.divide(rows.column("timestamp").cast(pa.int64()), 1000)
+    # One array per column (a row group's columns come as one chunk each: no copy), sliced per run.
+    columns = [_one_array(c) for c in (rows.column("key"), rows.column("value"), stamps_ms, rows.column("headers"))]
     for run_start, run_stop in zip(starts.tolist(), stops.tolist()):
-        for begin in range(run_start, run_stop, per_frame):
-            end = min(begin + per_frame, run_stop)
-            length = end - begin
-            records = pa.RecordBatch.from_arrays(
-                [
-                    rows.column("key").slice(begin, length).combine_chunks(),
-                    rows.column("value").slice(begin, length).combine_chunks(),
-                    stamps_ms.slice(begin, length).combine_chunks(),
-                    rows.column("headers").slice(begin, length).combine_chunks(),
-                ],
-                schema=SCHEMA,
-            )
-            frame = frame_record_batch(
-                records,
-                base_offset=int(offsets[begin]),
-                timestamp_type=bh.TIMESTAMP_LOG_APPEND_TIME if types[begin] else bh.TIMESTAMP_CREATE_TIME,
-            )
-            yield frame, int(offsets[end - 1]) + 1
+        for begin in range(run_start, run_stop, per_run):
+            length = min(begin + per_run, run_stop) - begin
+            records = pa.RecordBatch.from_arrays([c.slice(begin, length) for c in columns], schema=SCHEMA)
+            yield int(offsets[begin]), records, int(stamps[begin]) if types[begin] else None
+
+
+def _frames(rows: pa.Table):
+    """Framed batches of tier rows (:func:`record_runs`, about FRAME_MAX_BYTES each); yields
+    ((header, message), offset after it) (``frame_parts``)."""
+    for first, records, append_time in record_runs(rows):
+        frame = frame_parts(
+            records,
+            base_offset=first,
+            timestamp_type=bh.TIMESTAMP_CREATE_TIME if append_time is None else bh.TIMESTAMP_LOG_APPEND_TIME,
+        )
+        yield frame, first + records.num_rows

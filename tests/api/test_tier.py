@@ -53,8 +53,10 @@ def produce(bus, topic, count, partitions=1):
     return metadata
 
 
-def read_all(bus, topic, partition, end, start=0):
-    consumer = logbus.Consumer(bus, auto_offset_reset="earliest")
+def read_all(bus, topic, partition, end, start=0, direct=True):
+    """Records ``[start, end)`` through a Consumer; ``direct``: it reads the tier's files itself
+    (the default), else the leader serves them."""
+    consumer = logbus.Consumer(bus, auto_offset_reset="earliest", read_tier_directly=direct)
     consumer.assign([TopicPartition(topic, partition)])
     consumer.seek(TopicPartition(topic, partition), start)
     records = []
@@ -91,17 +93,22 @@ def test_a_tiered_topic_is_read_back_whole_after_its_segments_leave_the_disk(bus
 
     for partition in range(2):
         end = sum(1 for p, _ in sent if p == partition)
-        records = read_all(bus, topic_name, partition, end)
-        assert [r.offset for r in records] == list(range(end))
-        for record in records:
-            i = sent[(partition, record.offset)]
-            assert record.value == b"value-%06d" % i + b"." * 80
-            assert record.key == b"key-%d" % (i % 17)
-            assert list(record.headers) == [("n", b"%d" % i)]
-            assert record.timestamp == metadata[i].timestamp
-        # A read starting inside the tier, mid-file, goes on into the local log.
-        middle = end // 3
-        assert [r.offset for r in read_all(bus, topic_name, partition, end, start=middle)] == list(range(middle, end))
+        for direct in (True, False):  # the consumer reading the tier's files itself, and the leader serving them
+            served_before = leader_status(bus, topic_name, partition)["tier"]["served_bytes"]
+            records = read_all(bus, topic_name, partition, end, direct=direct)
+            assert [r.offset for r in records] == list(range(end))
+            for record in records:
+                i = sent[(partition, record.offset)]
+                assert record.value == b"value-%06d" % i + b"." * 80
+                assert record.key == b"key-%d" % (i % 17)
+                assert list(record.headers) == [("n", b"%d" % i)]
+                assert record.timestamp == metadata[i].timestamp
+                assert record.timestamp_type == 1  # CreateTime (confluent-kafka's code)
+            served = leader_status(bus, topic_name, partition)["tier"]["served_bytes"] - served_before
+            assert (served == 0) if direct else (served > 0)
+            # A read starting inside the tier, mid-file, goes on into the local log.
+            middle = end // 3
+            assert [r.offset for r in read_all(bus, topic_name, partition, end, start=middle, direct=direct)] == list(range(middle, end))
 
 
 def test_the_tier_is_parquet_that_other_readers_read(bus, topic_name, tmp_path):
@@ -130,6 +137,48 @@ def test_delete_records_moves_the_tiers_log_start(bus, topic_name):
     assert status["tier"]["log_start_offset"] == 100
     records = read_all(bus, topic_name, 0, 1500, start=100)
     assert records[0].offset == 100 and len(records) == 1400
+
+
+def test_a_consumer_reading_the_tier_itself_goes_back_to_the_leader_when_files_go(bus, topic_name, tmp_path):
+    uri = f"file://{tmp_path}/tier"
+    bus.admin.create_topic(topic_name, partitions=1, config={**TIERED, "remote.storage.uri": uri})
+    produce(bus, topic_name, 3000)
+    end = wait_tiered(bus, topic_name)["uploaded_up_to"]
+
+    def tier_files():
+        names = (os.path.basename(p) for p in glob.glob(f"{tmp_path}/tier/{topic_name}-*/0/data/*.parquet"))
+        return sorted(tuple(int(n) for n in name.split("-")[:2]) for name in names)
+
+    files = tier_files()
+    assert len(files) >= 8
+    # A consumer with a small fetch size and buffer reads the files a little at a time.
+    consumer = logbus.Consumer(bus, fetch_max_bytes=2000, max_buffered_bytes=4000)
+    tp = TopicPartition(topic_name, 0)
+    consumer.assign([tp])
+    consumer.seek(tp, 0)
+    served_before = leader_status(bus, topic_name)["tier"]["served_bytes"]
+    records = []
+    try:
+        wait_for(lambda: records.extend(consumer.poll(timeout_ms=500).get(tp, [])) or records, timeout_s=60, message="first records")
+        assert leader_status(bus, topic_name)["tier"]["served_bytes"] == served_before  # read from the files
+        # DeleteRecords moves the log start past the files the consumer has not opened yet; the tier deletes them.
+        cut = files[6][0]
+        assert bus.admin.delete_records({tp: cut}) == {tp: cut}
+        wait_for(lambda: tier_files()[0][0] >= cut, timeout_s=60, message="the files below the new start deleted")
+
+        def more():
+            records.extend(consumer.poll(timeout_ms=500, max_records=10_000).get(tp, []))
+            return len(records) and records[-1].offset >= end - 1
+
+        wait_for(more, timeout_s=120, interval_s=0, message="the records up to the tier's end")
+    finally:
+        consumer.close()
+    offsets = [r.offset for r in records]
+    # What it read before the files went, then (out of range at the leader, reset to earliest) the new start on.
+    jump = next(i for i in range(1, len(offsets)) if offsets[i] != offsets[i - 1] + 1)
+    assert offsets[:jump] == list(range(jump)) and 0 < jump <= cut
+    assert offsets[jump:] == list(range(cut, offsets[-1] + 1))
+    assert all(r.value == b"value-%06d" % r.offset + b"." * 80 for r in records)
 
 
 def test_tier_configs_are_checked(bus, topic_name):
@@ -164,9 +213,20 @@ def test_the_tier_is_an_iceberg_table_that_pyiceberg_duckdb_and_ray_data_read(bu
     assert sorted(zip(*(rows.column(c).to_pylist() for c in ("partition", "offset", "value")))) == expected
     # Files are pruned by partition.
     assert {task.file.partition[0] for task in table.scan(row_filter="partition == 1").plan_files()} == {1}
-    # DuckDB, over the table's scan.
-    connection = table.scan(selected_fields=("partition", "offset")).to_duckdb("records")
-    assert connection.execute("select partition, count(*) from records group by partition order by 1").fetchall() == [(p, ends[p]) for p in range(2)]
+    # DuckDB, with its own Iceberg reader (the extension from its wheel, installed in a directory of the test's own).
+    import duckdb
+    from duckdb_extensions import import_extension
+
+    connection = duckdb.connect(config={"extension_directory": str(tmp_path / "duckdb")})
+    for extension in ("avro", "iceberg"):
+        import_extension(extension, con=connection)
+    connection.execute("load iceberg")
+    counts = connection.execute(
+        'select "partition", count(*), min("offset"), max("offset") from iceberg_scan(?) group by 1 order by 1',
+        [table.metadata_location],
+    ).fetchall()
+    assert counts == [(p, ends[p], 0, ends[p] - 1) for p in range(2)]
+    connection.close()
     # Ray Data's own Iceberg reader.
     import ray.data
 
@@ -327,7 +387,7 @@ def test_tier_metrics_after_known_traffic(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=1, config=TIERED)
     produce(bus, topic_name, 1500)
     tier = wait_tiered(bus, topic_name)
-    read_all(bus, topic_name, 0, 1500)
+    read_all(bus, topic_name, 0, 1500, direct=False)  # remote fetch bytes count what the leader serves
 
     def exported():
         samples = scrape()

@@ -1,6 +1,7 @@
 """The remote tier (storage/tier.py): closed segments copied as Parquet, read back as the same records."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from logbus.errors import OffsetOutOfRangeError, StorageError, TierFencedError
 from logbus.storage import LogConfig, PartitionLog, encode_batch
 from logbus.storage.record_batch import TIMESTAMP_LOG_APPEND_TIME, slice_visible_batches
-from logbus.storage.tier import TIER_SCHEMA, RemoteTier, segment_copy
+from logbus.storage.tier import TIER_SCHEMA, DirectTierReader, RemoteTier, segment_copy
 
 
 def records_of(data, start=0):
@@ -43,6 +44,29 @@ def read_tier(tier, start):
         out += records_of(read.data, offset)
         assert read.next_offset > offset
         offset = read.next_offset
+    return out
+
+
+def tier_plan(tier, start):
+    """What a leader's reply names for a consumer reading the tier itself from ``start``."""
+    manifest = tier.manifest
+    files = [(f.name, f.base_offset, f.next_offset) for f in manifest.files if f.name and f.next_offset > start]
+    return {"uri": tier.uri, "directory": tier.directory, "files": files, "start": start, "until": manifest.end_offset}
+
+
+def read_direct(tier, start, max_bytes=1000, ahead=None):
+    """The records a consumer reads straight from the tier's files, as :func:`records_of` gives them."""
+    reader = DirectTierReader(tier_plan(tier, start), ahead=ahead)
+    out = []
+    while reader.continues(reader.next_offset):
+        before = reader.next_offset
+        runs, next_offset = reader.read(max_bytes)
+        assert next_offset > before and next_offset == reader.next_offset
+        for first, batch, append_time in runs:
+            for i, row in enumerate(batch.to_pylist()):
+                stamp = row["timestamp"] if append_time is None else append_time
+                out.append((first + i, row["key"], row["value"], stamp, sorted(row["headers"] or [])))
+    reader.close()
     return out
 
 
@@ -164,7 +188,12 @@ def test_any_uploaded_prefix_reads_back_record_for_record(tmp_path_factory, size
         end = tier.manifest.end_offset
         assert end == log.log_end_offset
         start = min(start, end - 1)
-        assert read_tier(tier, start) == read_log(log, start)
+        expected = read_log(log, start)
+        assert read_tier(tier, start) == expected
+        # A consumer reading the files itself gets the same records, a row group read ahead or not.
+        assert read_direct(tier, start, max_bytes=700) == expected
+        with ThreadPoolExecutor(1) as ahead:
+            assert read_direct(tier, start, max_bytes=1 << 20, ahead=ahead) == expected
     finally:
         log.close()
 
@@ -304,3 +333,24 @@ def test_the_iceberg_table_follows_the_manifest_and_keeps_a_bounded_history(tmp_
     catalog.drop()
     assert catalog.catalog.list_tables("logbus") == []
     assert catalog_location("none", uri) is None and catalog_location("", "s3://b/x") is None
+
+
+def test_a_direct_read_of_files_it_cannot_reach_raises_a_storage_error(tmp_path, log):
+    fill(log)
+    log.roll()
+    tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+    upload_closed(tier, log)
+    plan = tier_plan(tier, 0)
+    elsewhere = DirectTierReader({**plan, "directory": str(tmp_path / "another-host")})
+    with pytest.raises(StorageError, match="cannot read"):
+        elsewhere.read(1 << 20)
+    # A file retention deleted after the plan was made: the records before it are read, then the error.
+    reader = DirectTierReader(plan)
+    offsets = []
+    while reader.next_offset < plan["files"][0][2]:  # the first file, a record at a time
+        runs, _ = reader.read(1)
+        offsets += [first + i for first, batch, _ in runs for i in range(batch.num_rows)]
+    assert offsets == list(range(plan["files"][0][2]))
+    os.unlink(os.path.join(tier.directory, "data", plan["files"][1][0]))
+    with pytest.raises(StorageError, match="cannot read"):
+        reader.read(1 << 20)
