@@ -21,10 +21,12 @@ Cases:
                 then ``count()`` and ``groupBy("key").count()``, against Spark reading the tier's
                 Parquet files itself (``spark.read.parquet``) and doing the same. Target: >= 0.9x.
 3. replay       a Consumer reading a 1-partition topic from offset 0 to its end when all but its
-                active segment is in the tier (fetches served from Parquet by the leader),
-                against the same consumer over a topic of the same records kept on local
-                segments. Target: >= 0.5x. Beside it (info): pyarrow alone reading the tier's
-                files (``read_row_group`` of each), the decoding any tier read pays.
+                active segment is in the tier (the consumer reads the tier's Parquet files
+                itself, by the plans the leader's replies name), against the same consumer over
+                a topic of the same records kept on local segments. Target: >= 0.5x. Beside it
+                (info): pyarrow alone reading the tier's files (``read_row_group`` of each), the
+                decoding any tier read pays, and the same replay with ``read_tier_directly=False``
+                (the leader reads the files and sends framed batches, as for gateway clients).
 
 Each figure is the best of N repetitions. The machine's load average is printed; other work on a
 2-core machine changes the figures a lot. The last lines are one JSON object per result.
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
             produce(bus, "replay-local", replay_records, 1)
             wait_all_tiered(bus, "replay-tiered", 1)
 
-            def replay(topic: str) -> int:
-                consumer = logbus.Consumer(bus, fetch_max_bytes=8 << 20)
+            def replay(topic: str, direct: bool = True) -> int:
+                consumer = logbus.Consumer(bus, fetch_max_bytes=8 << 20, read_tier_directly=direct)
                 consumer.assign([TopicPartition(topic, 0)])
                 consumer.seek(TopicPartition(topic, 0), 0)
                 got = 0
@@ -245,8 +247,10 @@ def main(argv=None) -> int:
 
             decode_s = min(timed(pyarrow_alone)[0] for _ in range(args.reps))
             decoded = pyarrow_alone()
+            leader_s = min(timed(lambda: replay("replay-tiered", direct=False))[0] for _ in range(args.reps))
             results.append(result("replay", replay_records, best, best_base, args.reps))
             results[-1]["pyarrow_decode_records_per_s"] = round(decoded / decode_s)
+            results[-1]["through_leader_records_per_s"] = round(replay_records / leader_s)
             print(f"  replay: {results[-1]['records_per_s']:,} records/s, local segments {results[-1]['baseline_records_per_s']:,}", flush=True)
     finally:
         end_spark_run(root)
