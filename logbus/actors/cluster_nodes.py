@@ -110,6 +110,9 @@ class NodeHost(Protocol):
     def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
         """A replica's actor handle, created if needed; ReplicaNotAvailableError when its node is away."""
 
+    def known_replica_handle(self, topic: TopicState, partition: int, replica_id: int):
+        """The replica's actor handle if one is kept, else None (never starts an actor)."""
+
     def drop_replica_handle(self, key: tuple[str, int, int]):
         """Forget the handle kept for replica (topic, partition, replica id) and return it (None if none is kept)."""
 
@@ -233,9 +236,10 @@ class ClusterNodes:
         calls = []
         for (topic_name, partition), (epoch, followers) in drops.items():
             topic = host.metadata.topics[topic_name]
-            try:
-                handle = host.replica_handle(topic, partition, topic.partitions[partition].leader)
-            except ReplicaNotAvailableError:
+            # Only a leader whose handle is kept: telling one is worth no actor start (a controller
+            # that restarted and has not yet reached it leaves it to drop them by lag time).
+            handle = host.known_replica_handle(topic, partition, topic.partitions[partition].leader)
+            if handle is None:
                 continue
             calls.append(asyncio.wait_for(handle.followers_gone.remote(epoch, followers), FOLLOWERS_GONE_TIMEOUT_S))
         if calls:

@@ -294,6 +294,9 @@ class Controller:
                 starts.append(self.start_partition(topic, p))
         await asyncio.gather(*starts)
 
+    def known_replica_handle(self, topic: TopicState, partition: int, replica_id: int):
+        return self._replicas.get((topic.name, partition, replica_id))
+
     def replica_handle(self, topic: TopicState, partition: int, replica_id: int):
         key = (topic.name, partition, replica_id)
         handle = self._replicas.get(key)

@@ -915,10 +915,14 @@ class PartitionReplica:
         self._arm_retention()
         return self._tiering.log_start_offset()  # the local log's, or (tiered) the tier's where it reaches further back
 
-    async def offsets(self, isolation_level: int = READ_UNCOMMITTED) -> tuple[int, int, int]:
+    async def offsets(self, isolation_level: int = READ_UNCOMMITTED, local: bool = False) -> tuple[int, int, int]:
         """(log start offset, high watermark, log end offset); with ``isolation_level`` READ_COMMITTED,
-        the last stable offset instead of the high watermark (ListOffsets' latest for such readers)."""
+        the last stable offset instead of the high watermark (ListOffsets' latest for such readers).
+        A tiered topic's log start is the tier's, except with ``local`` (a follower's question: it
+        copies from the local log start, never from the tier, as in Kafka)."""
         self._started()
+        if local:
+            return self.log.log_start_offset, self._read_limit(isolation_level), self.log.log_end_offset
         await self._tiering.ensure_open()  # a tiered topic's earliest offset is the tier's
         return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
 

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import ray
 
 from logbus.errors import OffsetOutOfRangeError, RequestTimedOutError
+from logbus.protocol.messages import READ_UNCOMMITTED
 from logbus.protocol.replica_state import AskEpochEnd, ReplicaState
 from logbus.storage.partition_log import PartitionLog
 
@@ -132,7 +133,8 @@ class ReplicaFetcher:
                 raise
             except OffsetOutOfRangeError:
                 try:
-                    start, _, end = await asyncio.wait_for(leader.offsets.remote(), FOLLOWER_CALL_TIMEOUT_S)
+                    # The leader's local log start: a follower never copies what only the tier holds.
+                    start, _, end = await asyncio.wait_for(leader.offsets.remote(READ_UNCOMMITTED, True), FOLLOWER_CALL_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 (the next fetch tries again)
                     state.on_fetch_failed(epoch)
                     await asyncio.sleep(RETRY_PAUSE_S)

@@ -242,3 +242,37 @@ def test_a_removed_leader_answers_waiting_and_later_fetches_with_not_leader(clus
         with pytest.raises(NotLeaderError):
             get(call, timeout_s=60)
     get(leader.delete.remote(), timeout_s=60)  # asked again: nothing left to do, no error
+
+
+def test_a_replica_added_to_a_tiered_partition_starts_at_the_leaders_local_log_start(cluster, rbus):
+    """A new follower of a tiered topic whose leader keeps only its active segment on disk copies
+    from the leader's local log start (followers never read the tier, as in Kafka), and consumers
+    still read the whole history from the tier."""
+    _, node_ids = cluster
+    topic = "tiered-move"
+    config = {"segment.bytes": 16 * 1024, "remote.storage.enable": True, "local.retention.bytes": 0, "retention.ms": -1}
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=1, config=config)
+    with logbus.Producer(rbus, acks="all", linger_ms=5, batch_size_bytes=4096) as producer:
+        for i in range(1_500):
+            producer.send(topic, b"value-%06d" % i + b"." * 80)
+    wait_for(lambda: leader_status(rbus, topic)[1]["log_start_offset"] > 0, timeout_s=120, message="local segments tiered and deleted")
+    before, _ = nodes_of(rbus, topic)
+    spare = next(n for n in node_ids if n not in before)
+    tp = TopicPartition(topic, 0)
+    rbus.admin.reassign_partitions({tp: [before[0], spare]})
+    wait_for(lambda: not rbus.admin.describe_reassignments(), timeout_s=120, interval_s=0.25, message="the new replica to catch up")
+    status = wait_isr(rbus, topic, 2)
+    reported = ray.get(rbus.controller.replica_statuses.remote(topic), timeout=120)[0]
+    follower = next(s for s in reported if s.get("node_id") == spare)
+    assert follower["log_start_offset"] > 0  # it copied none of what only the tier holds
+    assert follower["log_end_offset"] == status["log_end_offset"] == 1_500
+    consumer = logbus.Consumer(rbus)
+    consumer.assign([tp])
+    consumer.seek(tp, 0)
+    values = []
+    try:
+        wait_for(lambda: values.extend(r.value for r in consumer.poll(timeout_ms=500, max_records=5_000).get(tp, [])) or len(values) >= 1_500,
+                 timeout_s=60, interval_s=0, message="every record")
+    finally:
+        consumer.close()
+    assert values == [b"value-%06d" % i + b"." * 80 for i in range(1_500)]
