@@ -169,10 +169,11 @@ LEASE_WAIT_MS = LEASE_MS  # a write finding the node's lease lapsed waits this l
 LEASE_POLL_S = 0.01  # ... checking the lease file this often (only while it waits)
 START_RETRY_S = 0.2  # telling the agent and the controller that this replica started is retried this often
 RETENTION_FAILED_RETRY_S = 60.0  # retention that failed is tried again this soon
-# A fetch reply served from the remote tier names at most this many of the tier's next files, for a
-# consumer that reads them itself; it asks the leader again past them (so a plan is never far behind
-# what retention and DeleteRecords have done since).
+# A consumer that reads the remote tier itself gets at most this many of the tier's next files (and,
+# past the first, this many of their bytes) at a time; it asks the leader again past them, so what it
+# reads is never far behind what retention and DeleteRecords have done since.
 TIER_PLAN_FILES = 16
+TIER_PLAN_BYTES = 64 << 20
 PRODUCE_TIMEOUT_MS_MAX = 120_000
 REORDER_WAIT_S = 0.3  # how long a batch that overtook its predecessors waits for them (short: after a
 # failover the missing batch may sit behind the waiting ones in the producer)
@@ -816,7 +817,7 @@ class PartitionReplica:
             raise NotLeaderError(f"{self.topic}-{self.partition}: not the leader")
         if not self._tiering.in_tier(offset):
             return None
-        plan = self._tiering.files_for(offset, self.log.log_start_offset, max_files=TIER_PLAN_FILES)
+        plan = self._tiering.files_for(offset, self.log.log_start_offset, max_files=TIER_PLAN_FILES, max_bytes=TIER_PLAN_BYTES)
         return plan if plan is not None and plan["start"] == offset else None
 
     async def fetch(self, request: FetchRequest) -> tuple[FetchResponse, object]:

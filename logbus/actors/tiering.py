@@ -258,9 +258,9 @@ class TierSchedule:
                 self._waiting_for = segment.next_offset  # bound_moved() starts the next pass
                 return
             copy = segment_copy(self.log, index)
-            entry = await asyncio.to_thread(tier.upload, copy, self._epoch())
-            if entry is not None:
-                self.uploads += 1
+            entries = await asyncio.to_thread(tier.upload, copy, self._epoch())
+            if entries is not None:
+                self.uploads += len(entries)
                 metrics.tier_uploaded(self._topic, copy.size_bytes)
             if tier.manifest.end_offset <= end:
                 return  # nothing moved (another uploader's race): the next roll tries again
@@ -389,11 +389,11 @@ class TierSchedule:
                 await self._trim(offset)
         self.start()  # the Iceberg table follows
 
-    def files_for(self, start: int, end: int, max_files: int | None = None) -> dict | None:
+    def files_for(self, start: int, end: int, max_files: int | None = None, max_bytes: int | None = None) -> dict | None:
         """What a reader needs to read ``[start, end)``'s tiered part straight from the tier's files: the
         tier's URI and directory, and each listed file overlapping the range as (name, base offset, next
         offset); the part is ``[start, until)``, ``until`` ending with the last of at most ``max_files``
-        files. None when the tier holds none of the range."""
+        files and (past the first) ``max_bytes`` of them. None when the tier holds none of the range."""
         tier = self.tier
         if tier is None or not self.enabled or not tier.manifest.files:
             return None
@@ -402,10 +402,16 @@ class TierSchedule:
         until = min(end, manifest.end_offset)
         if start >= until:
             return None
-        files = [(f.name, f.base_offset, f.next_offset) for f in manifest.files if f.next_offset > start and f.base_offset < until and f.name]
-        if max_files is not None and len(files) > max_files:
-            files = files[:max_files]
-            until = files[-1][2]
+        listed = [f for f in manifest.files if f.next_offset > start and f.base_offset < until and f.name]
+        if max_files is not None or max_bytes is not None:
+            size = 0
+            for count, f in enumerate(listed):
+                size += f.size_bytes
+                if count and ((max_files is not None and count >= max_files) or (max_bytes is not None and size > max_bytes)):
+                    listed = listed[:count]
+                    until = listed[-1].next_offset
+                    break
+        files = [(f.name, f.base_offset, f.next_offset) for f in listed]
         return {"uri": self._uri, "directory": tier.directory, "files": files, "start": start, "until": until}
 
     def delete_all(self) -> None:

@@ -175,6 +175,7 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 CREATE_TIME = -1  # a buffered batch's append time when it has none (a CreateTime batch)
+TIER_READ_PATIENCE_S = 30.0  # a read of the tier's files taking longer sends the partition to its leader
 # A buffered entry of no records: its offset is where the position moves once it is taken (past
 # markers and aborted batches that ended a fetch reply).
 NO_RECORDS = pa.RecordBatch.from_pylist([], schema=rb.SCHEMA)
@@ -219,7 +220,9 @@ class _Partition:
         self.stale_since_s: float | None = None
         # A tiered topic's history read straight from the tier's files: the reader of the plan the
         # leader's last reply named (None: fetch from the leader), the read on its way in a worker
-        # thread (Future, the reader, resets then), and whether this process cannot reach the tier.
+        # thread (Future, the reader, resets then, sent at), and whether this process cannot reach the
+        # tier. The reader holds up to two decoded row groups besides what is buffered: its slices
+        # keep their row group alive, and it reads the next one ahead.
         self.tier: DirectTierReader | None = None
         self.tier_read: tuple | None = None
         self.tier_unreachable = False
@@ -233,8 +236,15 @@ class _Partition:
         self.needs_committed = False
         self.resets += 1
         self.lookup = None  # a lookup on its way is answered for nobody
-        self.tier = self.tier_read = None  # the next reply from the leader names the files from there
+        self.drop_tier()  # the next reply from the leader names the files from there
+        self.tier_unreachable = False  # and a seek tries the files again
         self.drop_fetches()
+
+    def drop_tier(self) -> None:
+        """Stop reading the tier's files (a read on its way is dropped); fetch from the leader."""
+        if self.tier is not None:
+            self.tier.close()
+        self.tier = self.tier_read = None
 
     def retry_later(self, now: float, refresh_metadata: bool = True) -> None:
         """A retriable error: the next request waits out the backoff and goes by fresh metadata."""
@@ -977,7 +987,7 @@ class Consumer:
                 if state.tier.continues(state.fetch_offset):
                     self._read_tier(state)
                     continue
-                state.tier = None  # past the plan's end: the leader again
+                state.drop_tier()  # past the plan's end: the leader again
             if len(state.in_flight) >= FETCHES_IN_FLIGHT:
                 continue
             if state.buffered_rows and state.at_end and state.in_flight:
@@ -1026,6 +1036,11 @@ class Consumer:
         """
         fetch_patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
         for state in self._partitions.values():
+            if state.tier_read is not None and now - state.tier_read[3] > TIER_READ_PATIENCE_S:
+                logger.warning("%s: a read of the remote tier's files took over %.0f s; fetching from the leader",
+                               state.tp, TIER_READ_PATIENCE_S)
+                state.tier_unreachable = True
+                state.drop_tier()
             if state.in_flight:
                 _, _, sent_s, actor_id, _ = state.in_flight[0]
                 if self._leader_replaced(state, sent_s + fetch_patience_s, actor_id, now):
@@ -1142,7 +1157,7 @@ class Consumer:
             return
         reader = state.tier
         future = self._tier_threads.submit(reader.read, self.fetch_max_bytes)
-        state.tier_read = (future, reader, state.resets)
+        state.tier_read = (future, reader, state.resets, time.monotonic())
 
     def _receive_tier(self, state: _Partition, read: tuple) -> None:
         """Take a read of the partition's tier plan: its records continue the position, or, if the
@@ -1150,22 +1165,28 @@ class Consumer:
         if state.tier_read is not read:
             return  # a seek dropped it meanwhile
         state.tier_read = None
-        future, reader, resets = read
+        future, reader, resets, _ = read
         if resets != state.resets or reader is not state.tier:
             return
         try:
             runs, next_offset = future.result()
         except (LogbusError, OSError, pa.ArrowException) as error:
-            # Another host's file:// tier, credentials this process lacks, or a file retention
-            # deleted meanwhile: the leader serves the rest (a first read that fails says this
-            # process cannot reach the tier at all).
-            logger.debug("%s: reading the remote tier's files failed, fetching from the leader: %s", state.tp, error)
-            state.tier_unreachable = reader.reads == 0
-            state.tier = None
+            # Another host's file:// tier or credentials this process lacks (the tier's directory
+            # cannot be seen: fetch from the leader until a seek), or a file retention deleted
+            # meanwhile (the leader serves what is left, or says it is gone).
+            unreachable = getattr(error, "tier_unreachable", True)
+            logger.debug("%s: reading the remote tier's files failed (%s), fetching from the leader: %s",
+                         state.tp, "unreachable" if unreachable else "a file is gone", error)
+            state.tier_unreachable = unreachable
+            state.drop_tier()
             return
+        end = None
         for first, records, append_time in runs:
             state.buffer.append((first, records, CREATE_TIME if append_time is None else append_time))
             state.buffered_rows += records.num_rows
+            end = first + records.num_rows
+        if end is None or end < next_offset:  # offsets the tier does not hold (aborted records) last
+            state.buffer.append((next_offset, NO_RECORDS, CREATE_TIME))
         state.fetch_offset = next_offset
         state.at_end = False
 

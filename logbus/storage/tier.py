@@ -8,11 +8,14 @@ consumers read it back through logbus as if it had never left the replicas.
 Layout, under a pyarrow filesystem URI (``file://`` by default, or ``s3://``,
 ``gs://``, ``hdfs://``: whatever ``pyarrow.fs.FileSystem.from_uri`` opens)::
 
-    <root>/<topic>-<topic id>/<partition>/data/<first>-<next>-e<epoch>-<nonce>.parquet
+    <root>/<topic>-<topic id>/<partition>/data/<first>-e<epoch>-<nonce>.parquet
     <root>/<topic>-<topic id>/<partition>/manifest-<version>.json
 
 A data file holds the committed records of offsets ``[first, next)`` of one
-segment, one row a record, with the columns of :data:`TIER_SCHEMA`
+segment (the manifest says where it ends) whose timestamps fall on one UTC day:
+a segment becomes one file, or one per run of records of one day in offset
+order where it spans midnight, so that the Iceberg table can be partitioned
+by day. One row a record, with the columns of :data:`TIER_SCHEMA`
 (``partition, offset, timestamp, timestamp_type, key, value, headers``),
 sorted by offset, in row groups of at most :data:`ROW_GROUP_ROWS` rows (their
 offset and timestamp statistics let a reader skip what it does not need).
@@ -307,9 +310,11 @@ class RemoteTier:
 
     # --- upload -----------------------------------------------------------------------------------
 
-    def upload(self, segment: SegmentCopy, leader_epoch: int) -> TierFile | None:
-        """Copy the committed records of a closed segment that the tier does not hold yet into one data
-        file, and list it. None when there was nothing to copy, or another uploader listed them first.
+    def upload(self, segment: SegmentCopy, leader_epoch: int) -> tuple[TierFile, ...] | None:
+        """Copy the committed records of a closed segment that the tier does not hold yet into data
+        files, one per run of records of one UTC day (one file, unless the segment spans midnight),
+        and list them in one manifest version. None when there was nothing to copy, or another
+        uploader listed them first.
 
         The caller makes sure the segment is wholly below the high watermark and the last stable
         offset. Raises TierFencedError when a later leader wrote the manifest.
@@ -328,49 +333,32 @@ class RemoteTier:
                 f"remote tier {self.directory}: the tier ends at {manifest.end_offset} but the segment starts at "
                 f"{segment.base_offset}: the offsets between are on no replica's disk"
             )
-        name = f"{start:020d}-{end:020d}-e{leader_epoch}-{secrets.token_hex(4)}.parquet"
-        path = posixpath.join(self.directory, DATA_DIR, name)
-        written = self._write_file(segment, path, start, end)
-        if written is None:  # only aborted records and markers: the range is listed as a gap, with no file
-            name, records, size, low, high = "", 0, 0, 0, 0
-        else:
-            records, size, low, high = written
-        entry = TierFile(name, start, end, records, size, low, high)
+        # Only aborted records and markers: the range is listed as a gap, with no file.
+        entries = tuple(self._write_files(segment, start, end, leader_epoch)) or (TierFile("", start, end, 0, 0, 0, 0),)
 
         def append(latest: TierManifest) -> TierManifest | None:
             if latest.files and latest.end_offset != start or start < latest.log_start_offset:
                 return None  # another leader uploaded these offsets first, or retention passed them
             files = latest.files
-            return TierManifest(0, 0, latest.log_start_offset if files else start, files + (entry,))
+            return TierManifest(0, 0, latest.log_start_offset if files else start, files + entries)
 
-        committed = self._update(leader_epoch, append)
-        if entry not in committed.files:
-            if entry.name:
-                self._delete_quietly(path)
+        try:
+            committed = self._update(leader_epoch, append)
+        except TierFencedError:
+            self.delete_files(entries)  # never listed: a later leader's manifest came first
+            raise
+        if entries[0] not in committed.files:
+            self.delete_files(entries)
             return None
-        return entry
+        return entries
 
-    def _write_file(self, segment: SegmentCopy, path: str, start: int, end: int) -> tuple[int, int, int, int] | None:
-        """Write the committed records of ``[start, end)`` to ``path`` (complete before visible);
-        (records, bytes, min timestamp, max timestamp), or None when the range holds none."""
-        temporary = f"{path}.tmp" if self._local else path
-        writer = None
-        sinks: list = []  # the output stream, closed here: closing it is what completes an object store's upload
-        pending: list[pa.Table] = []
-        pending_rows = pending_bytes = records = 0
-        low = high = None
-
-        def write_pending() -> None:
-            nonlocal writer, pending, pending_rows, pending_bytes
-            if not pending:
-                return
-            if writer is None:
-                sink = self.fs.open_output_stream(temporary)
-                sinks.append(sink)
-                writer = pq.ParquetWriter(sink, TIER_SCHEMA, **PARQUET_OPTIONS)
-            writer.write_table(pa.concat_tables(pending), row_group_size=ROW_GROUP_ROWS)
-            pending, pending_rows, pending_bytes = [], 0, 0
-
+    def _write_files(self, segment: SegmentCopy, start: int, end: int, leader_epoch: int) -> list[TierFile]:
+        """Write the committed records of ``[start, end)``, a file per run of records of one UTC day in
+        offset order (each complete before visible), covering ``[start, end)`` between them: the
+        first starts at ``start``, each other at its first record, the last ends at ``end``. Empty
+        when the range holds no committed record."""
+        done: list[TierFile] = []
+        current: _DayFile | None = None
         try:
             with open(segment.path, "rb") as file:
                 for chunk_start, chunk_end, chunk in _chunks(file, segment.size_bytes, READ_CHUNK_BYTES):
@@ -379,44 +367,27 @@ class RemoteTier:
                     aborted = [(a.producer_id, a.first_offset) for a in segment.aborted if a.first_offset < chunk_end and a.last_offset >= chunk_start]
                     kept, _ = slice_visible_batches(chunk, start, end, read_committed=True, aborted=aborted)
                     for header, first, batch in kept:
-                        table = _tier_rows(self.partition, header, first, batch)
-                        pending.append(table)
-                        pending_rows += table.num_rows
-                        pending_bytes += table.nbytes
-                        records += table.num_rows
-                        if header.timestamp_type == bh.TIMESTAMP_LOG_APPEND_TIME:
-                            lo = hi = header.max_timestamp_ms
-                        else:
-                            extremes = pc.min_max(batch.column(2))
-                            lo, hi = extremes["min"].as_py(), extremes["max"].as_py()
-                        low = lo if low is None else min(low, lo)
-                        high = hi if high is None else max(high, hi)
-                        if pending_rows >= ROW_GROUP_ROWS or pending_bytes >= ROW_GROUP_MAX_BYTES:
-                            write_pending()
-            write_pending()
-            if writer is None:
-                return None
-            writer.close()
-            writer = None
-            sinks.pop().close()  # raises if the store did not take the file
-            if self._local:
-                sync_path(temporary)
-                os.replace(temporary, path)
-                sync_directory(posixpath.dirname(path))  # the file and its name are durable before any manifest lists it
-            info = self.fs.get_file_info(path)
-            if info.type != pafs.FileType.File:
-                raise StorageError(f"{path} is not in the remote tier after its upload")
-            size = info.size
-        except (OSError, pa.ArrowException) as error:
-            for closing in (writer, *sinks):
-                if closing is not None:
-                    try:
-                        closing.close()
-                    except (OSError, pa.ArrowException):
-                        pass
-            self._delete_quietly(temporary)
-            raise StorageError(f"cannot write {path} to the remote tier: {error}") from error
-        return records, size, low, high
+                        rows = _tier_rows(self.partition, header, first, batch)
+                        for day, run in _day_runs(rows):
+                            if current is not None and current.day != day:
+                                next_offset = int(run.column("offset")[0].as_py())
+                                done.append(current.finish(next_offset))
+                                current = None
+                            if current is None:
+                                base = done[-1].next_offset if done else start
+                                current = _DayFile(self, day, base, leader_epoch)
+                            current.add(run)
+            if current is not None:
+                done.append(current.finish(end))
+                current = None
+            if done and self._local:
+                sync_directory(posixpath.join(self.directory, DATA_DIR))  # the names are durable before any manifest lists them
+        except (OSError, pa.ArrowException, StorageError) as error:
+            if current is not None:
+                current.abandon()
+            self.delete_files(done)
+            raise StorageError(f"cannot write a data file of [{start}, {end}) to the remote tier {self.directory}: {error}") from error
+        return done
 
     # --- retention --------------------------------------------------------------------------------
 
@@ -650,7 +621,24 @@ class DirectTierReader:
         return offset == self.next_offset < self.until
 
     def read(self, max_bytes: int) -> tuple[list[tuple[int, pa.RecordBatch, int | None]], int]:
-        """The next records, about ``max_bytes`` of them (at least one row group's part): (runs, offset after them)."""
+        """The next records, about ``max_bytes`` of them (at least one row group's part): (runs, offset after them).
+
+        A StorageError says with ``tier_unreachable`` whether this process cannot see the tier's
+        directory at all (True), or only a file of the plan is gone (retention, DeleteRecords)."""
+        try:
+            return self._read(max_bytes)
+        except StorageError as error:
+            error.tier_unreachable = not self._directory_visible()
+            raise
+
+    def _directory_visible(self) -> bool:
+        try:
+            fs, _ = open_filesystem(self.uri)
+            return fs.get_file_info(posixpath.join(self.directory, DATA_DIR)).type == pafs.FileType.Directory
+        except (InvalidConfigError, OSError, pa.ArrowException):
+            return False
+
+    def _read(self, max_bytes: int) -> tuple[list[tuple[int, pa.RecordBatch, int | None]], int]:
         runs: list = []
         size = 0
         while size < max_bytes and self.next_offset < self.until:
@@ -683,10 +671,91 @@ class DirectTierReader:
         return rows
 
     def close(self) -> None:
-        """Stop reading ahead (a row group being read is dropped)."""
+        """Stop reading ahead (a row group being read is dropped, one waiting to be is not read)."""
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None
+        self._left = None
+
+
+DAY_US = 86_400_000_000
+
+
+def _day_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:
+    """Tier rows in runs of one UTC day, in offset order: (day number since the epoch, rows)."""
+    days = np.floor_divide(rows.column("timestamp").cast(pa.int64()).to_numpy(), DAY_US)
+    if len(days) == 0:
+        return
+    if days[0] == days[-1] and (days == days[0]).all():
+        yield int(days[0]), rows
+        return
+    breaks = np.flatnonzero(np.diff(days) != 0) + 1
+    for begin, stop in zip(np.concatenate(([0], breaks)).tolist(), np.concatenate((breaks, [len(days)])).tolist()):
+        yield int(days[begin]), rows.slice(begin, stop - begin)
+
+
+class _DayFile:
+    """One data file being written by an upload: the records of one day, from ``base`` on."""
+
+    def __init__(self, tier: RemoteTier, day: int, base: int, leader_epoch: int) -> None:
+        self.tier, self.day, self.base = tier, day, base
+        self.name = f"{base:020d}-e{leader_epoch}-{secrets.token_hex(4)}.parquet"
+        self.path = posixpath.join(tier.directory, DATA_DIR, self.name)
+        self.temporary = f"{self.path}.tmp" if tier._local else self.path
+        self.sink = None  # the output stream, closed here: closing it is what completes an object store's upload
+        self.writer: pq.ParquetWriter | None = None
+        self.pending: list[pa.Table] = []
+        self.pending_rows = self.pending_bytes = self.records = 0
+        self.low: int | None = None
+        self.high: int | None = None
+
+    def add(self, rows: pa.Table) -> None:
+        self.pending.append(rows)
+        self.pending_rows += rows.num_rows
+        self.pending_bytes += rows.nbytes
+        self.records += rows.num_rows
+        extremes = pc.min_max(rows.column("timestamp"))
+        low, high = extremes["min"].value // 1000, extremes["max"].value // 1000
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+        if self.pending_rows >= ROW_GROUP_ROWS or self.pending_bytes >= ROW_GROUP_MAX_BYTES:
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        if not self.pending:
+            return
+        if self.writer is None:
+            self.sink = self.tier.fs.open_output_stream(self.temporary)
+            self.writer = pq.ParquetWriter(self.sink, TIER_SCHEMA, **PARQUET_OPTIONS)
+        self.writer.write_table(pa.concat_tables(self.pending), row_group_size=ROW_GROUP_ROWS)
+        self.pending, self.pending_rows, self.pending_bytes = [], 0, 0
+
+    def finish(self, next_offset: int) -> TierFile:
+        """Complete the file (synced, under its name) covering ``[base, next_offset)``."""
+        self._write_pending()
+        self.writer.close()
+        self.writer = None
+        sink, self.sink = self.sink, None
+        sink.close()  # raises if the store did not take the file
+        if self.tier._local:
+            sync_path(self.temporary)
+            os.replace(self.temporary, self.path)
+        info = self.tier.fs.get_file_info(self.path)
+        if info.type != pafs.FileType.File:
+            raise StorageError(f"{self.path} is not in the remote tier after its upload")
+        return TierFile(self.name, self.base, next_offset, self.records, info.size, self.low, self.high)
+
+    def abandon(self) -> None:
+        """An upload that failed: close what is open and delete what was written (under either name)."""
+        for closing in (self.writer, self.sink):
+            if closing is not None:
+                try:
+                    closing.close()
+                except (OSError, pa.ArrowException):
+                    pass
+        self.tier._delete_quietly(self.temporary)
+        if self.temporary != self.path:
+            self.tier._delete_quietly(self.path)
 
 
 def _chunks(file, size_bytes: int, chunk_bytes: int):

@@ -15,10 +15,13 @@ only complete files.
 
 The table: ``logbus.<topic>`` (a ``.`` in the topic name becomes ``_``, as
 Iceberg reads dots as namespaces), with the tier's columns, partitioned by
-``partition`` (identity). Not by day as well: a data file is one segment's
-records, which may span days, and with CreateTime their timestamps need not be
-ordered, while Iceberg needs one partition value per file; per-file bounds on
-``timestamp`` (kept in Iceberg's manifests) let readers skip files by time.
+``partition`` (identity) and ``day(timestamp)`` (``timestamp_day``): an upload
+writes a file per run of records of one UTC day (``storage/tier.py``), so each
+file has one value of each. Per-file bounds on ``timestamp`` and ``offset``
+(kept in Iceberg's manifests) let readers skip files within a day too. A table
+made by a logbus that partitioned by ``partition`` alone keeps that spec, and a
+table given a file of several days (uploaded by such a logbus) stops
+partitioning by day: Iceberg keeps each file's spec.
 
 Catalogs (``remote.storage.catalog``): empty (the default) is a SQL catalog on
 SQLite beside a ``file://`` tier (``<tier root>/catalog.db``), and no catalog
@@ -46,6 +49,8 @@ COMMIT_ATTEMPTS = 10  # partitions' leaders commit to one table: a commit that l
 SNAPSHOTS_KEPT = 100  # a table keeps this many snapshots (time travel); older ones expire once twice as many exist
 TABLE_PROPERTIES = {"commit.manifest-merge.enabled": "true"}  # each sync's manifest is merged, not kept apart
 TOPIC_ID_PROPERTY = "logbus.topic-id"
+DAY_FIELD = "timestamp_day"  # the table's partition field day(timestamp)
+DAY_MS = 86_400_000
 
 
 def catalog_location(setting: str, tier_uri: str) -> str | None:
@@ -96,6 +101,7 @@ class TierCatalog:
     def table(self):
         """The topic's table, made on first use; one of another topic of the same name is replaced."""
         from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError  # noqa: PLC0415
+        from pyiceberg.transforms import DayTransform  # noqa: PLC0415
 
         if self._table is not None:
             return self._table
@@ -119,6 +125,7 @@ class TierCatalog:
                 )
                 with table.update_spec() as spec:
                     spec.add_identity("partition")
+                    spec.add_field("timestamp", DayTransform(), DAY_FIELD)
                 table = self.catalog.load_table(self.identifier)
             except TableAlreadyExistsError:  # another partition's leader made it first
                 table = self.catalog.load_table(self.identifier)
@@ -130,7 +137,8 @@ class TierCatalog:
         from pyiceberg.exceptions import CommitFailedException  # noqa: PLC0415
         from pyiceberg.expressions import And, EqualTo, LessThan  # noqa: PLC0415
 
-        wanted = {self.file_path(directory, f.name) for f in manifest.files if f.name}
+        by_path = {self.file_path(directory, f.name): f for f in manifest.files if f.name}
+        wanted = set(by_path)
         for attempt in range(COMMIT_ATTEMPTS):
             try:
                 table = self.table()
@@ -146,6 +154,16 @@ class TierCatalog:
                     kept_from = manifest.files[0].base_offset if manifest.files else None
                     condition = EqualTo("partition", partition)
                     table.delete(condition if kept_from is None else And(condition, LessThan("offset", kept_from)))
+                if added and any(f.name == DAY_FIELD for f in table.spec().fields) and any(
+                    by_path[path].min_timestamp_ms // DAY_MS != by_path[path].max_timestamp_ms // DAY_MS for path in added
+                ):
+                    # A file of more than one day (uploaded by a logbus that did not cut files at
+                    # midnight) has no day to be listed under: the table stops partitioning by day
+                    # (files listed so far keep their spec).
+                    logger.warning("Iceberg table %s: a tier file spans days; the table is no longer partitioned by day", self.identifier)
+                    with table.update_spec() as spec:
+                        spec.remove_field(DAY_FIELD)
+                    table = self._table = self.catalog.load_table(self.identifier)
                 if added:
                     table.add_files(added, check_duplicate_files=False)
                 self._expire_snapshots()

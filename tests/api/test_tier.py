@@ -1,8 +1,10 @@
 """Tiered topics end to end: real replicas upload closed segments as Parquet, delete them locally, and
 consumers read them back through the tier as if they had never left."""
 
+import datetime
 import glob
 import os
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -14,6 +16,7 @@ from logbus.errors import InvalidConfigError
 from tests.api.cli_helpers import cli  # noqa: F401 (a fixture)
 from tests.conftest import wait_for
 
+DAY_MS = 86_400_000
 TIERED = {
     "segment.bytes": 16 * 1024,
     "remote.storage.enable": True,
@@ -41,10 +44,13 @@ def wait_tiered(bus, topic, partition=0):
     return wait_for(tiered, timeout_s=120, message=f"{topic}-{partition} tiered")
 
 
-def produce(bus, topic, count, partitions=1):
+def produce(bus, topic, count, partitions=1, timestamp=None):
+    """``count`` records, spread over the partitions in turn; ``timestamp``: a function of the record's
+    number giving its timestamp (None: the producer's clock)."""
     producer = logbus.Producer(bus, acks="all", linger_ms=5, batch_size_bytes=4096)
     futures = [
-        producer.send(topic, b"value-%06d" % i + b"." * 80, key=b"key-%d" % (i % 17), headers=[("n", b"%d" % i)], partition=i % partitions)
+        producer.send(topic, b"value-%06d" % i + b"." * 80, key=b"key-%d" % (i % 17), headers=[("n", b"%d" % i)], partition=i % partitions,
+                      timestamp_ms=None if timestamp is None else timestamp(i))
         for i in range(count)
     ]
     producer.flush(timeout_s=120)
@@ -146,8 +152,9 @@ def test_a_consumer_reading_the_tier_itself_goes_back_to_the_leader_when_files_g
     end = wait_tiered(bus, topic_name)["uploaded_up_to"]
 
     def tier_files():
+        """The first offsets of the tier's data files (each file's name starts with it)."""
         names = (os.path.basename(p) for p in glob.glob(f"{tmp_path}/tier/{topic_name}-*/0/data/*.parquet"))
-        return sorted(tuple(int(n) for n in name.split("-")[:2]) for name in names)
+        return sorted(int(name.split("-")[0]) for name in names)
 
     files = tier_files()
     assert len(files) >= 8
@@ -162,9 +169,9 @@ def test_a_consumer_reading_the_tier_itself_goes_back_to_the_leader_when_files_g
         wait_for(lambda: records.extend(consumer.poll(timeout_ms=500).get(tp, [])) or records, timeout_s=60, message="first records")
         assert leader_status(bus, topic_name)["tier"]["served_bytes"] == served_before  # read from the files
         # DeleteRecords moves the log start past the files the consumer has not opened yet; the tier deletes them.
-        cut = files[6][0]
+        cut = files[6]
         assert bus.admin.delete_records({tp: cut}) == {tp: cut}
-        wait_for(lambda: tier_files()[0][0] >= cut, timeout_s=60, message="the files below the new start deleted")
+        wait_for(lambda: tier_files()[0] >= cut, timeout_s=60, message="the files below the new start deleted")
 
         def more():
             records.extend(consumer.poll(timeout_ms=500, max_records=10_000).get(tp, []))
@@ -201,7 +208,9 @@ def test_the_tier_is_an_iceberg_table_that_pyiceberg_duckdb_and_ray_data_read(bu
 
     uri = f"file://{tmp_path}/tier"
     bus.admin.create_topic(topic_name, partitions=2, config={**TIERED, "remote.storage.uri": uri})
-    metadata = produce(bus, topic_name, 3000, partitions=2)
+    # Records of three days (a thousand each), so that segments span midnight.
+    midnight_ms = (int(time.time() * 1000) // DAY_MS - 3) * DAY_MS
+    metadata = produce(bus, topic_name, 3000, partitions=2, timestamp=lambda i: midnight_ms + (i // 1000) * DAY_MS + i)
     ends = {p: wait_tiered(bus, topic_name, p)["uploaded_up_to"] for p in range(2)}
     expected = sorted(
         (m.partition, m.offset, b"value-%06d" % i + b"." * 80) for i, m in enumerate(metadata) if m.offset < ends[m.partition]
@@ -211,8 +220,16 @@ def test_the_tier_is_an_iceberg_table_that_pyiceberg_duckdb_and_ray_data_read(bu
     table = SqlCatalog("logbus", uri=catalog_uri).load_table(identifier)
     rows = table.scan(selected_fields=("partition", "offset", "value")).to_arrow()
     assert sorted(zip(*(rows.column(c).to_pylist() for c in ("partition", "offset", "value")))) == expected
-    # Files are pruned by partition.
+    # Partitioned by partition and day: each file holds one day, and scans are pruned by both.
+    assert [(f.name, str(f.transform)) for f in table.spec().fields] == [("partition", "identity"), ("timestamp_day", "day")]
+    days = {m.offset: m.timestamp // DAY_MS for m in metadata if m.partition == 0 and m.offset < ends[0]}
+    for task in table.scan(row_filter="partition == 0").plan_files():
+        rows = pq.read_table(task.file.file_path.removeprefix("file://"), columns=["offset", "timestamp"])
+        assert {days[o] for o in rows.column("offset").to_pylist()} == {task.file.partition[1]}  # days since the epoch
     assert {task.file.partition[0] for task in table.scan(row_filter="partition == 1").plan_files()} == {1}
+    last_day = midnight_ms // DAY_MS + 2
+    late = table.scan(row_filter=f"timestamp >= '{datetime.datetime.fromtimestamp(last_day * 86400, datetime.UTC).isoformat()}'").plan_files()
+    assert late and {task.file.partition[1] for task in late} == {last_day}
     # DuckDB, with its own Iceberg reader (the extension from its wheel, installed in a directory of the test's own).
     import duckdb
     from duckdb_extensions import import_extension

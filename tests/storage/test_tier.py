@@ -1,6 +1,7 @@
 """The remote tier (storage/tier.py): closed segments copied as Parquet, read back as the same records."""
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow.parquet as pq
@@ -173,13 +174,15 @@ def test_aborted_records_and_markers_become_gaps(tmp_path, log):
     sizes=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=25),
     log_append=st.lists(st.booleans(), min_size=25, max_size=25),
     start=st.integers(min_value=0, max_value=400),
+    step_ms=st.sampled_from([1, 86_400_000 // 3]),  # batches a ms apart, or crossing midnight every few batches
 )
-def test_any_uploaded_prefix_reads_back_record_for_record(tmp_path_factory, sizes, log_append, start):
+def test_any_uploaded_prefix_reads_back_record_for_record(tmp_path_factory, sizes, log_append, start, step_ms):
     directory = tmp_path_factory.mktemp("prop")
-    log = PartitionLog(str(directory / "log"), LogConfig.from_dict({"segment.bytes": 2048}))
+    # Timestamps of 1970: no roll or retention by age (segments then end only by size).
+    log = PartitionLog(str(directory / "log"), LogConfig.from_dict({"segment.bytes": 2048, "segment.ms": 2**62, "retention.ms": -1}))
     try:
         for b, n in enumerate(sizes):
-            data = encode_batch([os.urandom(b % 5) for _ in range(n)], timestamps_ms=[5_000 + b] * n,
+            data = encode_batch([os.urandom(b % 5) for _ in range(n)], timestamps_ms=[5_000 + b * step_ms] * n,
                                 timestamp_type=TIMESTAMP_LOG_APPEND_TIME if log_append[b] else 0)
             log.append(data, leader_epoch=1)
         log.roll()
@@ -335,6 +338,44 @@ def test_the_iceberg_table_follows_the_manifest_and_keeps_a_bounded_history(tmp_
     assert catalog_location("none", uri) is None and catalog_location("", "s3://b/x") is None
 
 
+def test_a_file_of_several_days_makes_the_iceberg_table_stop_partitioning_by_day(tmp_path, log):
+    """A tier file spanning midnight (as a logbus that did not cut files by day uploaded them) is listed
+    under a spec without the day field; the files listed before keep theirs, and every row reads back."""
+    import pyarrow as pa
+
+    from logbus.storage.tier import TierFile, TierManifest
+    from logbus.storage.tier_catalog import TierCatalog, catalog_location
+
+    fill(log)
+    uri = f"file://{tmp_path}/remote"
+    tier = RemoteTier(uri, "t", "id1", 0)
+    catalog = TierCatalog(catalog_location("", uri), uri, "t", "id1")
+    tier.upload(segment_copy(log, 0), 1)
+    assert catalog.sync(0, tier.directory, tier.manifest) == (1, 0)
+    table = catalog.catalog.load_table("logbus.t")
+    assert [f.name for f in table.spec().fields] == ["partition", "timestamp_day"]
+    start = tier.manifest.end_offset
+    stamps_ms = [DAY_MS - 1, DAY_MS, DAY_MS + 1]
+    rows = pa.table(
+        [
+            pa.array([0] * 3, pa.int32()), pa.array(range(start, start + 3), pa.int64()),
+            pa.array([t * 1000 for t in stamps_ms], pa.int64()).cast(pa.timestamp("us", tz="UTC")), pa.array([0] * 3, pa.int32()),
+            pa.array([None] * 3, pa.binary()), pa.array([b"a", b"b", b"c"]), pa.nulls(3, TIER_SCHEMA.field("headers").type),
+        ],
+        schema=TIER_SCHEMA,
+    )
+    name = f"{start:020d}-e1-old.parquet"
+    pq.write_table(rows, os.path.join(tier.directory, "data", name))
+    entry = TierFile(name, start, start + 3, 3, os.path.getsize(os.path.join(tier.directory, "data", name)), stamps_ms[0], stamps_ms[-1])
+    tier._update(1, lambda latest: TierManifest(0, 0, latest.log_start_offset, latest.files + (entry,)))
+    assert catalog.sync(0, tier.directory, tier.manifest) == (1, 0)
+    table = catalog.catalog.load_table("logbus.t")
+    assert [f.name for f in table.spec().fields] == ["partition"]
+    offsets = sorted(table.scan(selected_fields=("offset",)).to_arrow().column("offset").to_pylist())
+    assert offsets == list(range(start + 3))
+    catalog.drop()
+
+
 def test_a_direct_read_of_files_it_cannot_reach_raises_a_storage_error(tmp_path, log):
     fill(log)
     log.roll()
@@ -342,8 +383,9 @@ def test_a_direct_read_of_files_it_cannot_reach_raises_a_storage_error(tmp_path,
     upload_closed(tier, log)
     plan = tier_plan(tier, 0)
     elsewhere = DirectTierReader({**plan, "directory": str(tmp_path / "another-host")})
-    with pytest.raises(StorageError, match="cannot read"):
+    with pytest.raises(StorageError, match="cannot read") as unreachable:
         elsewhere.read(1 << 20)
+    assert unreachable.value.tier_unreachable  # the tier's directory is not there at all
     # A file retention deleted after the plan was made: the records before it are read, then the error.
     reader = DirectTierReader(plan)
     offsets = []
@@ -352,5 +394,45 @@ def test_a_direct_read_of_files_it_cannot_reach_raises_a_storage_error(tmp_path,
         offsets += [first + i for first, batch, _ in runs for i in range(batch.num_rows)]
     assert offsets == list(range(plan["files"][0][2]))
     os.unlink(os.path.join(tier.directory, "data", plan["files"][1][0]))
-    with pytest.raises(StorageError, match="cannot read"):
+    with pytest.raises(StorageError, match="cannot read") as gone:
         reader.read(1 << 20)
+    assert not gone.value.tier_unreachable  # a file is gone, the tier is there
+
+
+DAY_MS = 86_400_000
+
+
+def test_a_segment_across_midnight_becomes_a_file_per_run_of_one_day(tmp_path):
+    """Each data file holds one UTC day (an Iceberg partition value), runs cut in offset order, the files
+    contiguous; CreateTime records crossing midnight back and forth start a file at each crossing."""
+    log = PartitionLog(str(tmp_path / "log"), LogConfig.from_dict({"segment.bytes": 1 << 20, "retention.ms": -1}))
+    midnight = int(time.time() * 1000) // DAY_MS * DAY_MS  # today's: recent records (older ones would roll segments by age)
+    # Batches: two of day 0, one crossing into day 1 inside it, one back on day 0, one of day 1.
+    stamps = [
+        [midnight - 50 + i for i in range(5)],
+        [midnight - 40 + i for i in range(5)],
+        [midnight - 2, midnight - 1, midnight, midnight + 1],
+        [midnight - 5, midnight - 4],
+        [midnight + 10, midnight + 11, midnight + 12],
+    ]
+    try:
+        for b, batch in enumerate(stamps):
+            log.append(encode_batch([b"%d-%d" % (b, i) for i in range(len(batch))], timestamps_ms=batch), leader_epoch=1)
+        log.roll()
+        tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+        entries = tier.upload(segment_copy(log, 0), 1)
+        flat = [t for batch in stamps for t in batch]
+        assert [(e.base_offset, e.next_offset) for e in entries] == [(0, 12), (12, 14), (14, 16), (16, 19)]
+        assert [(e.min_timestamp_ms, e.max_timestamp_ms) for e in entries] == [
+            (min(flat[0:12]), max(flat[0:12])), (midnight, midnight + 1), (midnight - 5, midnight - 4), (midnight + 10, midnight + 12),
+        ]
+        for entry in entries:
+            rows = pq.read_table(os.path.join(tier.directory, "data", entry.name))
+            days = {int(t.timestamp() * 1000) // DAY_MS for t in rows.column("timestamp").to_pylist()}
+            assert len(days) == 1 and rows.column("offset").to_pylist() == list(range(entry.base_offset, entry.next_offset))
+        assert tier.read_manifest().files == entries
+        expected = read_log(log, 0)
+        assert read_tier(tier, 0) == expected == read_direct(tier, 0)
+        assert read_tier(tier, 13) == read_log(log, 13) == read_direct(tier, 13)
+    finally:
+        log.close()
