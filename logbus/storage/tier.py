@@ -359,24 +359,18 @@ class RemoteTier:
         when the range holds no committed record."""
         done: list[TierFile] = []
         current: _DayFile | None = None
+        segment_rows = _segment_rows(segment, start, end, self.partition)
         try:
-            with open(segment.path, "rb") as file:
-                for chunk_start, chunk_end, chunk in _chunks(file, segment.size_bytes, READ_CHUNK_BYTES):
-                    if chunk_end <= start or chunk_start >= end:
-                        continue
-                    aborted = [(a.producer_id, a.first_offset) for a in segment.aborted if a.first_offset < chunk_end and a.last_offset >= chunk_start]
-                    kept, _ = slice_visible_batches(chunk, start, end, read_committed=True, aborted=aborted)
-                    for header, first, batch in kept:
-                        rows = _tier_rows(self.partition, header, first, batch)
-                        for day, run in _day_runs(rows):
-                            if current is not None and current.day != day:
-                                next_offset = int(run.column("offset")[0].as_py())
-                                done.append(current.finish(next_offset))
-                                current = None
-                            if current is None:
-                                base = done[-1].next_offset if done else start
-                                current = _DayFile(self, day, base, leader_epoch)
-                            current.add(run)
+            for rows in segment_rows:
+                for day, run in _day_runs(rows):
+                    if current is not None and current.day != day:
+                        next_offset = int(run.column("offset")[0].as_py())
+                        done.append(current.finish(next_offset))
+                        current = None
+                    if current is None:
+                        base = done[-1].next_offset if done else start
+                        current = _DayFile(self, day, base, leader_epoch)
+                    current.add(run)
             if current is not None:
                 done.append(current.finish(end))
                 current = None
@@ -387,6 +381,8 @@ class RemoteTier:
                 current.abandon()
             self.delete_files(done)
             raise StorageError(f"cannot write a data file of [{start}, {end}) to the remote tier {self.directory}: {error}") from error
+        finally:
+            segment_rows.close()
         return done
 
     # --- retention --------------------------------------------------------------------------------
@@ -678,6 +674,18 @@ class DirectTierReader:
         self._left = None
 
 
+def _segment_rows(segment: SegmentCopy, start: int, end: int, partition: int) -> Iterator[pa.Table]:
+    """The committed records of ``[start, end)`` of a segment's file, as tier rows, a batch at a time."""
+    with open(segment.path, "rb") as file:
+        for chunk_start, chunk_end, chunk in _chunks(file, segment.size_bytes, READ_CHUNK_BYTES):
+            if chunk_end <= start or chunk_start >= end:
+                continue
+            aborted = [(a.producer_id, a.first_offset) for a in segment.aborted if a.first_offset < chunk_end and a.last_offset >= chunk_start]
+            kept, _ = slice_visible_batches(chunk, start, end, read_committed=True, aborted=aborted)
+            for header, first, batch in kept:
+                yield _tier_rows(partition, header, first, batch)
+
+
 DAY_US = 86_400_000_000
 
 
@@ -762,14 +770,14 @@ def _chunks(file, size_bytes: int, chunk_bytes: int):
     """The segment file's batches in runs of about ``chunk_bytes`` (a larger batch alone): (first offset,
     offset after, a view of whole batches). Only the first ``size_bytes`` are read: what the log holds.
     Each run is read into a buffer of its own (the rows built from it keep it alive), with the
-    partial batch at its end carried into the next."""
-    carried = b""
+    partial batch at its end carried into the next (copied once, from the run before's buffer)."""
+    carried = memoryview(b"")
     remaining = size_bytes
-    while remaining > 0 or carried:
+    while remaining > 0 or len(carried):
         want = min(max(chunk_bytes, len(carried) + bh.HEADER_SIZE), len(carried) + remaining)
-        buffer = bytearray(want)
-        buffer[: len(carried)] = carried
-        view = memoryview(buffer)
+        buffer = np.empty(want, dtype=np.uint8)  # not zeroed: every byte is read into before it is used
+        view = memoryview(buffer).cast("B")
+        view[: len(carried)] = carried
         filled = len(carried)
         while filled < want:
             got = file.readinto(view[filled:want])
@@ -793,9 +801,9 @@ def _chunks(file, size_bytes: int, chunk_bytes: int):
         if end == 0:
             if remaining <= 0:
                 raise StorageError(f"segment {file.name} ends inside a batch")
-            carried = bytes(buffer)
+            carried = view
             continue
-        carried = bytes(view[end:])
+        carried = view[end:]
         yield first, next_offset, view[:end]
 
 
