@@ -222,6 +222,8 @@ class TierSchedule:
                 self.fenced = True
             except Exception as error:  # noqa: BLE001 (LogbusError expected; anything else is a bug, logged whole)
                 self._failures += 1
+                if self._claimed_epoch == self._epoch():
+                    self._sweep = True  # files of an upload that failed before a manifest listed them
                 delay = min(UPLOAD_FAILED_RETRY_S * 2 ** (self._failures - 1), UPLOAD_FAILED_RETRY_MAX_S)
                 if isinstance(error, LogbusError):
                     logger.warning("replica %s: remote tier: %s; trying again in %.0f s", self._label, error, delay)

@@ -220,7 +220,7 @@ class _Partition:
         self.stale_since_s: float | None = None
         # A tiered topic's history read straight from the tier's files: the reader of the plan the
         # leader's last reply named (None: fetch from the leader), the read on its way in a worker
-        # thread (Future, the reader, resets then, sent at), and whether this process cannot reach the
+        # thread (Future, the reader, resets then, [when a worker took it up]), and whether this process cannot reach the
         # tier. The reader holds up to two decoded row groups besides what is buffered: its slices
         # keep their row group alive, and it reads the next one ahead.
         self.tier: DirectTierReader | None = None
@@ -260,6 +260,12 @@ class _Partition:
         self.in_flight.clear()
         self.session = _new_session()
         self.at_end = False
+
+
+def _tier_read_late(read: tuple, now: float) -> bool:
+    """Whether a read of the tier's files has been running (not waiting for a worker, not done) too long."""
+    future, _, _, started = read
+    return not future.done() and bool(started) and now - started[0] > TIER_READ_PATIENCE_S
 
 
 def _wait_any(pending: list, timeout_s: float) -> list:
@@ -1036,7 +1042,7 @@ class Consumer:
         """
         fetch_patience_s = self.fetch_max_wait_ms / 1000 + STALE_FETCH_GRACE_S
         for state in self._partitions.values():
-            if state.tier_read is not None and now - state.tier_read[3] > TIER_READ_PATIENCE_S:
+            if state.tier_read is not None and _tier_read_late(state.tier_read, now):
                 logger.warning("%s: a read of the remote tier's files took over %.0f s; fetching from the leader",
                                state.tp, TIER_READ_PATIENCE_S)
                 state.tier_unreachable = True
@@ -1156,8 +1162,13 @@ class Consumer:
         if buffered and buffered + self.fetch_max_bytes > self.max_buffered_bytes:
             return
         reader = state.tier
-        future = self._tier_threads.submit(reader.read, self.fetch_max_bytes)
-        state.tier_read = (future, reader, state.resets, time.monotonic())
+        started: list[float] = []  # when a worker took it up (reads of several partitions may queue)
+
+        def read():
+            started.append(time.monotonic())
+            return reader.read(self.fetch_max_bytes)
+
+        state.tier_read = (self._tier_threads.submit(read), reader, state.resets, started)
 
     def _receive_tier(self, state: _Partition, read: tuple) -> None:
         """Take a read of the partition's tier plan: its records continue the position, or, if the
@@ -1174,7 +1185,9 @@ class Consumer:
             # Another host's file:// tier or credentials this process lacks (the tier's directory
             # cannot be seen: fetch from the leader until a seek), or a file retention deleted
             # meanwhile (the leader serves what is left, or says it is gone).
-            unreachable = getattr(error, "tier_unreachable", True)
+            # A plan's first read that fails counts as unreachable too: a tier directory this process
+            # sees may still not be the leader's (a follower's of the same path on this host).
+            unreachable = reader.reads == 0 or getattr(error, "tier_unreachable", True)
             logger.debug("%s: reading the remote tier's files failed (%s), fetching from the leader: %s",
                          state.tp, "unreachable" if unreachable else "a file is gone", error)
             state.tier_unreachable = unreachable

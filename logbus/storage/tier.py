@@ -333,8 +333,14 @@ class RemoteTier:
                 f"remote tier {self.directory}: the tier ends at {manifest.end_offset} but the segment starts at "
                 f"{segment.base_offset}: the offsets between are on no replica's disk"
             )
+        try:
+            written = self._write_files(segment, start, end, leader_epoch)
+        except _TooManyDays:
+            # Records crossing midnight back and forth (producers' clocks apart): one file of several
+            # days rather than a file per crossing (the Iceberg table then stops partitioning by day).
+            written = self._write_files(segment, start, end, leader_epoch, by_day=False)
         # Only aborted records and markers: the range is listed as a gap, with no file.
-        entries = tuple(self._write_files(segment, start, end, leader_epoch)) or (TierFile("", start, end, 0, 0, 0, 0),)
+        entries = tuple(written) or (TierFile("", start, end, 0, 0, 0, 0),)
 
         def append(latest: TierManifest) -> TierManifest | None:
             if latest.files and latest.end_offset != start or start < latest.log_start_offset:
@@ -352,18 +358,21 @@ class RemoteTier:
             return None
         return entries
 
-    def _write_files(self, segment: SegmentCopy, start: int, end: int, leader_epoch: int) -> list[TierFile]:
+    def _write_files(self, segment: SegmentCopy, start: int, end: int, leader_epoch: int, by_day: bool = True) -> list[TierFile]:
         """Write the committed records of ``[start, end)``, a file per run of records of one UTC day in
         offset order (each complete before visible), covering ``[start, end)`` between them: the
         first starts at ``start``, each other at its first record, the last ends at ``end``. Empty
-        when the range holds no committed record."""
+        when the range holds no committed record. More than MAX_DAY_FILES runs raise _TooManyDays
+        (what was written is deleted); ``by_day`` False writes one file, whatever its days."""
         done: list[TierFile] = []
         current: _DayFile | None = None
         segment_rows = _segment_rows(segment, start, end, self.partition)
         try:
             for rows in segment_rows:
-                for day, run in _day_runs(rows):
+                for day, run in _day_runs(rows) if by_day else ((None, rows),):
                     if current is not None and current.day != day:
+                        if len(done) + 2 > MAX_DAY_FILES:
+                            raise _TooManyDays()
                         next_offset = int(run.column("offset")[0].as_py())
                         done.append(current.finish(next_offset))
                         current = None
@@ -376,6 +385,11 @@ class RemoteTier:
                 current = None
             if done and self._local:
                 sync_directory(posixpath.join(self.directory, DATA_DIR))  # the names are durable before any manifest lists them
+        except _TooManyDays:
+            if current is not None:
+                current.abandon()
+            self.delete_files(done)
+            raise
         except (OSError, pa.ArrowException, StorageError) as error:
             if current is not None:
                 current.abandon()
@@ -611,6 +625,7 @@ class DirectTierReader:
         self._left: pa.Table | None = None  # rows of a row group not yet returned
         self._executor = ahead
         self._ahead: Future | None = None  # the next row group, being read
+        self._closed = False
 
     def continues(self, offset: int) -> bool:
         """Whether a reader at ``offset`` goes on with this plan (its next read starts there)."""
@@ -637,7 +652,7 @@ class DirectTierReader:
     def _read(self, max_bytes: int) -> tuple[list[tuple[int, pa.RecordBatch, int | None]], int]:
         runs: list = []
         size = 0
-        while size < max_bytes and self.next_offset < self.until:
+        while size < max_bytes and self.next_offset < self.until and not self._closed:
             if self._left is None:
                 self._left = self._next_rows()
                 if self._left is None:
@@ -662,12 +677,14 @@ class DirectTierReader:
             rows, self._ahead = self._ahead.result(), None
         else:
             rows = next(self._rows, None)
-        if rows is not None and self._executor is not None:
+        if rows is not None and self._executor is not None and not self._closed:
             self._ahead = self._executor.submit(next, self._rows, None)
         return rows
 
     def close(self) -> None:
-        """Stop reading ahead (a row group being read is dropped, one waiting to be is not read)."""
+        """Stop reading ahead (a row group being read is dropped, one waiting to be is not read). A read
+        under way in another thread finishes, and reads nothing ahead."""
+        self._closed = True
         if self._ahead is not None:
             self._ahead.cancel()
             self._ahead = None
@@ -687,6 +704,14 @@ def _segment_rows(segment: SegmentCopy, start: int, end: int, partition: int) ->
 
 
 DAY_US = 86_400_000_000
+# At most this many files per uploaded segment: a segment of a quiet topic spans days (segment.ms is
+# 7 days by default), but records crossing midnight back and forth would start a file at every
+# crossing; past this many, the segment is uploaded as one file of several days instead.
+MAX_DAY_FILES = 32
+
+
+class _TooManyDays(Exception):
+    """An upload's records would need more than MAX_DAY_FILES files of one day each."""
 
 
 def _day_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:

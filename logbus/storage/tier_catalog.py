@@ -120,12 +120,13 @@ class TierCatalog:
                 table = self.catalog.load_table(self.identifier)
         except NoSuchTableError:
             try:
-                table = self.catalog.create_table(
+                # The table and its partitioning in one commit: a crash cannot leave it unpartitioned.
+                with self.catalog.create_table_transaction(
                     self.identifier, schema=TIER_SCHEMA, properties={TOPIC_ID_PROPERTY: self.topic_id, **TABLE_PROPERTIES},
-                )
-                with table.update_spec() as spec:
-                    spec.add_identity("partition")
-                    spec.add_field("timestamp", DayTransform(), DAY_FIELD)
+                ) as transaction:
+                    with transaction.update_spec() as spec:
+                        spec.add_identity("partition")
+                        spec.add_field("timestamp", DayTransform(), DAY_FIELD)
                 table = self.catalog.load_table(self.identifier)
             except TableAlreadyExistsError:  # another partition's leader made it first
                 table = self.catalog.load_table(self.identifier)

@@ -436,3 +436,23 @@ def test_a_segment_across_midnight_becomes_a_file_per_run_of_one_day(tmp_path):
         assert read_tier(tier, 13) == read_log(log, 13) == read_direct(tier, 13)
     finally:
         log.close()
+
+
+def test_records_crossing_midnight_too_often_are_uploaded_as_one_file(tmp_path):
+    """Past MAX_DAY_FILES crossings in one segment (producers' clocks apart), one file of both days."""
+    from logbus.storage.tier import MAX_DAY_FILES
+
+    log = PartitionLog(str(tmp_path / "log"), LogConfig.from_dict({"segment.bytes": 1 << 20, "retention.ms": -1}))
+    midnight = int(time.time() * 1000) // DAY_MS * DAY_MS
+    try:
+        for b in range(MAX_DAY_FILES + 8):
+            log.append(encode_batch([b"%d" % b], timestamps_ms=[midnight + (1 if b % 2 else -1)]), leader_epoch=1)
+        log.roll()
+        tier = RemoteTier(f"file://{tmp_path}/remote", "t", "id1", 0)
+        [entry] = tier.upload(segment_copy(log, 0), 1)
+        assert (entry.base_offset, entry.next_offset, entry.records) == (0, MAX_DAY_FILES + 8, MAX_DAY_FILES + 8)
+        assert (entry.min_timestamp_ms, entry.max_timestamp_ms) == (midnight - 1, midnight + 1)
+        assert os.listdir(os.path.join(tier.directory, "data")) == [entry.name]  # the day files it began are gone
+        assert read_tier(tier, 0) == read_log(log, 0) == read_direct(tier, 0)
+    finally:
+        log.close()
