@@ -333,9 +333,8 @@ class RemoteTier:
                 f"remote tier {self.directory}: the tier ends at {manifest.end_offset} but the segment starts at "
                 f"{segment.base_offset}: the offsets between are on no replica's disk"
             )
-        try:
-            written = self._write_files(segment, start, end, leader_epoch)
-        except _TooManyDays:
+        written = self._write_files(segment, start, end, leader_epoch)
+        if written is None:
             # Records crossing midnight back and forth (producers' clocks apart): one file of several
             # days rather than a file per crossing (the Iceberg table then stops partitioning by day).
             written = self._write_files(segment, start, end, leader_epoch, by_day=False)
@@ -358,12 +357,12 @@ class RemoteTier:
             return None
         return entries
 
-    def _write_files(self, segment: SegmentCopy, start: int, end: int, leader_epoch: int, by_day: bool = True) -> list[TierFile]:
+    def _write_files(self, segment: SegmentCopy, start: int, end: int, leader_epoch: int, by_day: bool = True) -> list[TierFile] | None:
         """Write the committed records of ``[start, end)``, a file per run of records of one UTC day in
         offset order (each complete before visible), covering ``[start, end)`` between them: the
         first starts at ``start``, each other at its first record, the last ends at ``end``. Empty
-        when the range holds no committed record. More than MAX_DAY_FILES runs raise _TooManyDays
-        (what was written is deleted); ``by_day`` False writes one file, whatever its days."""
+        when the range holds no committed record. None when it would take more than MAX_DAY_FILES
+        files (what was written is deleted); ``by_day`` False writes one file, whatever its days."""
         done: list[TierFile] = []
         current: _DayFile | None = None
         segment_rows = _segment_rows(segment, start, end, self.partition)
@@ -372,7 +371,9 @@ class RemoteTier:
                 for day, run in _day_runs(rows) if by_day else ((None, rows),):
                     if current is not None and current.day != day:
                         if len(done) + 2 > MAX_DAY_FILES:
-                            raise _TooManyDays()
+                            current.abandon()
+                            self.delete_files(done)
+                            return None
                         next_offset = int(run.column("offset")[0].as_py())
                         done.append(current.finish(next_offset))
                         current = None
@@ -385,11 +386,6 @@ class RemoteTier:
                 current = None
             if done and self._local:
                 sync_directory(posixpath.join(self.directory, DATA_DIR))  # the names are durable before any manifest lists them
-        except _TooManyDays:
-            if current is not None:
-                current.abandon()
-            self.delete_files(done)
-            raise
         except (OSError, pa.ArrowException, StorageError) as error:
             if current is not None:
                 current.abandon()
@@ -708,10 +704,6 @@ DAY_US = 86_400_000_000
 # 7 days by default), but records crossing midnight back and forth would start a file at every
 # crossing; past this many, the segment is uploaded as one file of several days instead.
 MAX_DAY_FILES = 32
-
-
-class _TooManyDays(Exception):
-    """An upload's records would need more than MAX_DAY_FILES files of one day each."""
 
 
 def _day_runs(rows: pa.Table) -> Iterator[tuple[int, pa.Table]]:
