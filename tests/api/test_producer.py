@@ -259,7 +259,8 @@ def test_a_batch_numbered_after_a_refused_one_fails_at_once_and_the_partition_re
 
 def test_a_retry_older_than_the_leaders_window_is_refused_for_good(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=1)
-    leader = bus.topic_metadata(topic_name).leaders[0]
+    # A new topic's partition may have no leader for a moment (as Kafka's LEADER_NOT_AVAILABLE).
+    leader = wait_for(lambda: bus.topic_metadata(topic_name, refresh=True).leaders[0], timeout_s=60, message="a leader")
     producer_id = 1 << 40  # outside what the controller hands out
 
     def batch(sequence):
