@@ -240,6 +240,10 @@ class _Partition:
         self.tier_unreachable = False  # and a seek tries the files again
         self.drop_fetches()
 
+    def buffered_bytes(self) -> int:
+        """The bytes of the records buffered and not handed out (what ``max_buffered_bytes`` bounds)."""
+        return sum(r.nbytes for _, r, _ in self.buffer) if self.buffered_rows else 0
+
     def drop_tier(self) -> None:
         """Stop reading the tier's files (a read on its way is dropped); fetch from the leader."""
         if self.tier is not None:
@@ -1000,7 +1004,7 @@ class Consumer:
                 # At the log end with a fetch already waiting at the leader: the records in
                 # hand go to the caller first (sending a fetch costs a fraction of a ms).
                 continue
-            buffered = sum(r.nbytes for _, r, _ in state.buffer) if state.buffered_rows else 0
+            buffered = state.buffered_bytes()
             if state.at_end:
                 full = bool(buffered) and buffered >= self.max_buffered_bytes  # replies at the log end are small
             else:
@@ -1158,7 +1162,7 @@ class Consumer:
         way or the buffer is full (the same bound as fetches behind the log end)."""
         if state.tier_read is not None:
             return
-        buffered = sum(r.nbytes for _, r, _ in state.buffer) if state.buffered_rows else 0
+        buffered = state.buffered_bytes()
         if buffered and buffered + self.fetch_max_bytes > self.max_buffered_bytes:
             return
         reader = state.tier

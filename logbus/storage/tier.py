@@ -699,7 +699,8 @@ def _segment_rows(segment: SegmentCopy, start: int, end: int, partition: int) ->
                 yield _tier_rows(partition, header, first, batch)
 
 
-DAY_US = 86_400_000_000
+DAY_MS = 86_400_000
+DAY_US = DAY_MS * 1000
 # At most this many files per uploaded segment: a segment of a quiet topic spans days (segment.ms is
 # 7 days by default), but records crossing midnight back and forth would start a file at every
 # crossing; past this many, the segment is uploaded as one file of several days instead.

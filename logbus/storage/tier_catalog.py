@@ -40,7 +40,7 @@ import time
 from urllib.parse import urlparse
 
 from logbus.errors import InvalidConfigError, StorageError
-from logbus.storage.tier import DATA_DIR, TIER_SCHEMA, TierManifest
+from logbus.storage.tier import DATA_DIR, DAY_MS, TIER_SCHEMA, TierManifest
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,6 @@ SNAPSHOTS_KEPT = 100  # a table keeps this many snapshots (time travel); older o
 TABLE_PROPERTIES = {"commit.manifest-merge.enabled": "true"}  # each sync's manifest is merged, not kept apart
 TOPIC_ID_PROPERTY = "logbus.topic-id"
 DAY_FIELD = "timestamp_day"  # the table's partition field day(timestamp)
-DAY_MS = 86_400_000
 
 
 def catalog_location(setting: str, tier_uri: str) -> str | None:
