@@ -47,6 +47,7 @@ from logbus.clock import monotonic_ms
 from logbus.errors import InconsistentClusterIdError, NodeIdentityError, ReplicaNotAvailableError
 from logbus.protocol.cluster_metadata import ClusterMetadata, TopicState
 from logbus.protocol.host_map import HostMap, Identity
+from logbus.protocol.liveness import ISOLATED_AFTER_MS, ISOLATION_CREDIT_MAX_MS
 from logbus.protocol.node_table import HeartbeatAnswer, Node, NodeTable, follow_up
 
 logger = logging.getLogger(__name__)
@@ -210,8 +211,17 @@ class ClusterNodes:
     def check_leases(self, now: int, tick_interval_ms: int) -> set[str]:
         """Each tick: which nodes' leases ran out, which dead nodes leave the table (work per node, not per
         replica); returns the replicas (file names) whose partitions need an election or a replacement."""
-        # A late tick (this process stalled) does not count the stall against any lease.
+        # A late tick (this process stalled) does not count the stall against any lease, nor does a
+        # silence of every node at once (this controller's host cut off) while it lasts, up to a bound.
+        before = self.table.isolation()
         self.table.tick(now, tick_interval_ms)
+        after = self.table.isolation()
+        if after["isolations"] > before["isolations"]:
+            logger.warning("no node heard for %d ms: this controller is cut off, or every node is down; the silence is not "
+                           "counted against their leases (up to %d ms past each one's last heartbeat)", ISOLATED_AFTER_MS, ISOLATION_CREDIT_MAX_MS)
+        elif before["isolated_ms"] and not after["isolated"]:
+            logger.warning("a node is heard again after a silence of every node (%d ms of it not counted against leases)",
+                           before["isolated_ms"])
         names, expired = self.table.check_leases(now, self._host.replica_replacement_ms, REPLACE_RETRY_MS)
         for node, again in expired:  # once per outage: a node heard briefly in between is the same outage
             (logger.debug if again else logger.warning)(

@@ -970,6 +970,13 @@ class Controller:
         self._check_owner()
         return {**self._calls, "heartbeat_links_opened": self._heartbeats.links_opened}
 
+    async def lease_isolation(self) -> dict:
+        """What this controller says of silences of every node at once (``protocol/liveness.py``, the
+        isolation rule; ``NodeTable.isolation``): whether it hears no node now, the silence not counted
+        against leases, the nodes kept alive not yet heard again, and the leases that ran out."""
+        self._check_owner()
+        return self.cluster_nodes.table.isolation()
+
     async def get_data_dir(self) -> str:
         if self._refused is not None:
             raise self._refused

@@ -25,7 +25,8 @@ answered ``stale``, it stopped for good, and the node lost its lease right
 after the move).
 
 Leases. A node is alive while its agent's last heartbeat is at most
-``LEASE_TIMEOUT_MS`` old (``protocol/liveness.py``, keyed by node id); a
+``LEASE_TIMEOUT_MS`` old (``protocol/liveness.py``, keyed by node id, with
+its rules for a stalled controller and for one that hears no node at all); a
 replica is alive while its node is and its agent does not report it down.
 ``check_leases``, once per control-loop tick, notes the nodes hosting
 replicas whose lease just ran out, and those whose replicas are due another
@@ -177,6 +178,7 @@ class NodeTable:
         self._versions = 0  # counter of epoch table versions
         self._carried: frozenset[str] = frozenset()  # node ids Ray's nodes carried when last seen
         self._departed: dict[str, None] = {}  # Ray node ids of pruned nodes, oldest first (an ordered set)
+        self.expiries = 0  # leases of nodes hosting replicas that ran out, since this table was made
 
     # --- records -----------------------------------------------------------------------------------
 
@@ -236,8 +238,18 @@ class NodeTable:
         self._liveness.expect(node_id, now_ms)
 
     def tick(self, now_ms: int, interval_ms: int) -> int:
-        """Once per control-loop tick (``Liveness.tick``: a stall is not counted against leases); returns how late it ran."""
+        """Once per control-loop tick (``Liveness.tick``: neither a stall of this process nor a silence of
+        every node at once is counted against leases); returns how late it ran."""
         return self._liveness.tick(now_ms, interval_ms)
+
+    def isolation(self) -> dict:
+        """Whether every node is silent now (this controller cut off, or all down: ``Liveness``); the silence
+        of this isolation not counted against leases; the isolations that kept a lease alive and the silence
+        not counted since this controller started; how many nodes the last isolation kept alive are not yet
+        heard again; and how many times a node's lease ran out since this controller started."""
+        lv = self._liveness
+        return {"isolated": lv.isolated, "isolated_ms": lv.isolated_ms, "isolations": lv.isolations,
+                "isolated_total_ms": lv.isolated_total_ms, "rejoining": lv.rejoining(), "lease_expiries": self.expiries}
 
     @staticmethod
     def heartbeat_answer(node: Node, ray_node_id: str | None) -> HeartbeatAnswer:
@@ -278,6 +290,7 @@ class NodeTable:
             if node.dead_since_ms is None:
                 if not self.alive(node.node_id, now_ms):
                     node.dead_since_ms = now_ms
+                    self.expiries += 1
                     node.next_replace_ms = now_ms + replacement_ms
                     # Once per outage: a node heard briefly in between (a late heartbeat) is the same outage.
                     expired.append((node, node.revived_ms is not None and now_ms - node.revived_ms < NODE_STEADY_MS))

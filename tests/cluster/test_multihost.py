@@ -6,7 +6,8 @@ each) and a client host whose driver runs the workload, each in a network
 namespace of its own. Checked here: the hosts' addresses and isolation, a
 topic replicated over three hosts and read back through a driver on another
 host, token auth refusing drivers and hosts without the token, the network
-faults (a host cut off, two hosts cut from each other) and the process
+faults (a host cut off, two hosts cut from each other, the controller's
+host cut off alone) and the process
 faults (a host paused, killed and joined again).
 """
 
@@ -22,7 +23,8 @@ import pytest
 from logbus.actors.controller import OWNER_LOCK_FILE
 from logbus.actors.placement import replica_directory
 from tests.cluster.history import check, compare_replicas, load, replica_records
-from tests.cluster.netns import CLIENT, HEAD, _process_state, _run
+from logbus.protocol.liveness import LEASE_TIMEOUT_MS
+from tests.cluster.netns import CLIENT, HEAD, RESULT_MARKER, _process_state, _run
 from tests.cluster.workload import Workload
 from tests.conftest import wait_for
 
@@ -98,6 +100,71 @@ def test_a_topic_replicated_over_three_hosts_is_produced_and_consumed_from_a_fou
         assert not compared["disagree"] and not compared["missing"], compared
         assert sum(len(records) for records in logs.values()) == 3 * partition["high_watermark"]
     assert sum(p["high_watermark"] for p in described["partitions"]) == 300
+
+
+# Run on the head while it is cut off: asks the controller (on the head too) until it has heard no node for
+# longer than a lease timeout, and prints what it says of that silence.
+ISOLATION_QUERY = (
+    "import json, sys, time, ray\n"
+    "from logbus.actors.controller import CONTROLLER_NAME\n"
+    "ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False, logging_level='ERROR')\n"
+    "controller = ray.get_actor(CONTROLLER_NAME)\n"
+    "deadline = time.monotonic() + float(sys.argv[4])\n"
+    "while True:\n"
+    "    view = ray.get(controller.lease_isolation.remote(), timeout=30)\n"
+    "    if view['isolated_ms'] > int(sys.argv[3]) or time.monotonic() > deadline:\n"
+    "        break\n"
+    "    time.sleep(0.05)\n"
+    "print('" + RESULT_MARKER + "' + json.dumps(view))\n"
+)
+
+
+def test_a_cut_of_the_controllers_host_alone_deposes_no_leader(netns_cluster, workload):
+    """The controller's host is cut off from every replica host for longer than a lease: the controller,
+    hearing no node at all, does not count that silence against their leases, so once every node is
+    heard again no lease has run out, and every partition has the leader and the epoch it had (no
+    election, no fence), with its ISR whole; writes go on. Before, every leader was deposed during the
+    cut and elected again after it."""
+    cluster = netns_cluster
+    topic = "steady"
+    workload.call("create_topic", topic=topic, partitions=3, replication_factor=3, config={"min.insync.replicas": "2"})
+    counts = workload.call("produce", topic=topic, count=100, prefix="before-cut")
+    assert counts["failed"] == 0, counts
+
+    def leaders():
+        return {p["partition"]: (p["leader"], p["leader_epoch"]) for p in workload.call("describe", topic=topic)["partitions"]}
+
+    before = leaders()
+    assert all(leader is not None for leader, _ in before.values()), before
+    view_before = workload.call("lease_isolation")
+
+    cluster.cut(HEAD)
+    try:
+        view = cluster.python_json(ISOLATION_QUERY, workload.namespace, str(LEASE_TIMEOUT_MS), "120", role=HEAD)
+    finally:
+        cluster.heal(HEAD)
+    assert view["isolated"] and view["isolated_ms"] > LEASE_TIMEOUT_MS, view  # without the rule, every lease ran out
+
+    # Every node kept alive through the cut is heard again (none can lose its lease for the cut after that).
+    def rejoined():
+        current = workload.call("lease_isolation")
+        return not current["isolated"] and current["rejoining"] == 0 and current
+
+    after_view = wait_for(rejoined, timeout_s=120, interval_s=0.2, message="every node heard again after the heal")
+    assert after_view["lease_expiries"] == view_before["lease_expiries"], (view_before, after_view)
+    assert after_view["isolations"] == view_before["isolations"] + 1, (view_before, after_view)
+    assert leaders() == before
+
+    counts = workload.call("produce", topic=topic, count=100, prefix="after-cut")
+    assert counts["failed"] == 0, counts
+    described = workload.call("describe", topic=topic)["partitions"]
+    assert all(sorted(p["isr"]) == sorted(p["replicas"]) for p in described), described
+    assert leaders() == before
+    assert workload.call("lease_isolation")["lease_expiries"] == view_before["lease_expiries"]
+    assert workload.call("read_all", topic=topic, consumer="steady-final")["read"] == 200
+    report = check((e for e in load(workload.history_path) if e.get("topic") == topic), complete_consumers=["steady-final"])
+    assert report.ok, report.as_dict()
+    assert report.acked == 200
 
 
 CONNECT = "import sys, ray\nray.init(address=sys.argv[1], log_to_driver=False)\nprint('connected')\n"

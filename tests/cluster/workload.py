@@ -15,6 +15,8 @@ Every send, acknowledgement, failure and poll goes into a history file
   and every replica's own status (role, offsets, size, bytes fetched as a
   follower, its logbus node, its Ray node, its directory).
 - ``nodes``: the controller's nodes (``Admin.nodes()``), refused hosts too.
+- ``lease_isolation``: what the controller says of silences of every node
+  (``Controller.lease_isolation``).
 - ``note_leaders``: ``topic``: in the background, ask which replica leads
   each partition, and record the answer in the history (``leaders``);
   replies at once, so a controller away does not hold up the caller.
@@ -102,6 +104,11 @@ class Driver:
 
     def nodes(self) -> dict:
         return {"nodes": self.bus.admin.nodes()}
+
+    def lease_isolation(self) -> dict:
+        from logbus.actors.remote import get
+
+        return get(self.bus.controller.lease_isolation.remote())
 
     def produce(self, topic: str, count: int, prefix: str = "sync") -> dict:
         """Send ``count`` records (values ``{prefix}-{i}``: unique per call, as the history checker needs)."""
@@ -313,6 +320,7 @@ class Workload:
     def __init__(self, cluster, data_dir: str, namespace: str, history_path: str, replica_replacement_ms: int | None = None,
                  start_timeout_s: float = 180.0) -> None:
         self.history_path = history_path
+        self.namespace = namespace
         self.stderr_path = history_path + ".stderr"
         self._stderr = open(self.stderr_path, "w")  # noqa: SIM115 (closed by close())
         cluster.register_logbus_namespace(namespace)

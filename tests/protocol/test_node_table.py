@@ -109,6 +109,34 @@ def test_a_stalled_tick_is_not_counted_against_a_lease():
     assert nodes.alive("ray-a", 2_000)
 
 
+def test_a_silence_of_every_node_deposes_no_one_and_a_silence_of_one_does():
+    nodes = table()
+    nodes.set_epochs({"ray-a": {"r1": 1}, "ray-b": {"r2": 1}})
+    heard(nodes, "ray-a", 0)
+    heard(nodes, "ray-b", 0)
+    for now in range(0, 5_001, 100):  # the controller hears nobody for 5 s: it is cut off
+        nodes.tick(now, 100)
+        assert nodes.check_leases(now, REPLACEMENT_MS, RETRY_MS) == (set(), [])
+    view = nodes.isolation()
+    assert view["isolated"] and view["isolations"] == 1 and view["isolated_ms"] > 4_000
+    heard(nodes, "ray-a", 5_050)  # the heal: one node is heard, then the other
+    nodes.tick(5_100, 100)
+    assert nodes.isolation()["rejoining"] == 1 and not nodes.isolation()["isolated"]
+    heard(nodes, "ray-b", 5_600)
+    for now in range(5_100, 6_001, 100):
+        heard(nodes, "ray-a", now)
+        nodes.tick(now, 100)
+        assert nodes.check_leases(now, REPLACEMENT_MS, RETRY_MS) == (set(), [])
+    assert nodes.isolation()["rejoining"] == 0 and nodes.expiries == 0
+    # Now only ray-b falls silent while ray-a is heard: its lease runs out as always.
+    expired = []
+    for now in range(6_100, 8_001, 100):
+        heard(nodes, "ray-a", now)
+        nodes.tick(now, 100)
+        expired += [n.node_id for n, _ in nodes.check_leases(now, REPLACEMENT_MS, RETRY_MS)[1]]
+    assert expired == ["ray-b"] and nodes.expiries == 1
+
+
 # --- whose heartbeat renews ---------------------------------------------------------------------------
 
 HOST = "node-0123456789abcdef"  # a host's node: it is on whichever Ray node carries its label
