@@ -632,7 +632,8 @@ class PartitionReplica:
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
         metrics.latency("produce_acks_all" if acks == "all" else "produce", monotonic_ms() - started_ms)
         append_time = result.max_timestamp_ms if self.log.config.message_timestamp_type == LOG_APPEND_TIME else -1
-        return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms, append_time)
+        return ProduceResponse(result.base_offset, result.log_end_offset, self.log.log_start_offset, result.max_timestamp_ms, append_time,
+                               self.log.config.producer_id_expiration_ms)
 
     async def _wait_for_earlier_batches(self, batch) -> None:
         """Let an idempotent producer's batch that arrived ahead of its predecessors wait for them.

@@ -106,6 +106,10 @@ logger = logging.getLogger(__name__)
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
 RECORD_OVERHEAD_BYTES = 20  # per record in an Arrow batch: offsets, timestamp, validity
 HEADER_OVERHEAD_BYTES = 12  # per header: its map entry's offsets and validity
+# A batch's retry waits at most this long for the metadata refresh it asked for, then goes to the leader
+# known (the sender thread never waits longer on a controller that does not answer; Producer._refreshed).
+METADATA_WAIT_S = 0.2
+METADATA_ANSWER_FRESH_S = 1.0  # a refresh answered longer ago than this is asked again, not taken
 RETRY_BACKOFF_S = 0.1  # a batch's first retry waits this long (Kafka's retry.backoff.ms), doubling up to RETRY_BACKOFF_MAX_S
 STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check whether its leader moved
 STALE_CHECK_INTERVAL_S = 0.1
@@ -180,6 +184,19 @@ class _Sequences:
     # Whether the leader acknowledged a batch of this sequence: until it has, the partition has one
     # batch in flight (see _collect).
     acknowledged: bool = False
+    acknowledged_s: float = 0.0  # when the last acknowledgement came (time.monotonic())
+    # The partition's producer.id.expiration.ms as its leader last said, in seconds (None: not said).
+    expiration_s: float | None = None
+
+    def known_to_leader(self, now_s: float) -> bool:
+        """Whether the leader surely still knows this sequence, so that several of its batches may be in
+        flight: it acknowledged one, and not so long ago that it may have forgotten the producer since
+        (half its producer.id.expiration.ms, a margin for the two clocks). A leader that forgot the
+        producer takes its next batch at any sequence (KIP-360), so the partition goes one batch at a
+        time again until the next acknowledgement, as before the first."""
+        if not self.acknowledged:
+            return False
+        return self.expiration_s is None or now_s - self.acknowledged_s < self.expiration_s / 2
 
 
 _OUTCOME_LOCK = threading.Lock()  # orders a batch's completion against its records taking state of their own
@@ -555,6 +572,8 @@ class Producer:
         self._closed = False
         self._stopping = False
         self._refresh: set[str] = set()
+        # topic -> (ObjectRef, when asked) of a metadata refresh not yet taken (the sender thread's; _refreshed)
+        self._metadata_requests: BoundedDict = BoundedDict(TOPICS_MAX)
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
         # topic -> (partitions, record limit, max.message.bytes, batch limit for send())
@@ -591,6 +610,34 @@ class Producer:
                 self._topics[topic] = metadata
                 if refresh:
                     self._limits.pop(topic, None)  # from the new metadata, at the next send()
+        return metadata
+
+    def _refreshed(self, topic: str) -> TopicMetadata:
+        """The topic's metadata asked for again, for the sender thread, which must not wait on a controller
+        that does not answer (its host cut off or paused: Ray's call then waits for the connection to come
+        back, whatever the timeout): every partition's batches would stop behind one refresh.
+
+        A refresh is asked for once at a time per topic and waited for ``METADATA_WAIT_S`` at most; an
+        answer that comes later is taken by the next refresh, if it is not older than
+        ``METADATA_ANSWER_FRESH_S``. Until then the metadata known serves: a batch goes to the leader it
+        went to, which takes it once it may again (a leader whose lease lapsed while the controller was
+        away goes on under its epoch when the lease is renewed) or refuses it again. With no metadata
+        known at all, it waits for the controller as ``_topic`` does.
+        """
+        asked = self._metadata_requests.get(topic)
+        now = time.monotonic()
+        if asked is not None and now - asked[1] > METADATA_ANSWER_FRESH_S and ray.wait([asked[0]], timeout=0)[0]:
+            asked = None  # answered, but long ago: ask again
+        if asked is None:
+            asked = self._metadata_requests[topic] = (self._bus.request_metadata(topic), now)
+        known = self._topics.get(topic)
+        if known is not None and not ray.wait([asked[0]], timeout=METADATA_WAIT_S)[0]:
+            return known
+        del self._metadata_requests[topic]
+        metadata = self._bus.metadata_arrived(asked[0])  # with nothing known: waits as _topic does
+        with self._lock:
+            self._topics[topic] = metadata
+            self._limits.pop(topic, None)  # from the new metadata, at the next send()
         return metadata
 
     def _holds_metadata(self, topic) -> bool:
@@ -868,7 +915,7 @@ class Producer:
         leaders = {}
         for topic in {b.topic for b in old}:
             try:
-                leaders[topic] = self._topic(topic, refresh=True).leaders
+                leaders[topic] = self._refreshed(topic).leaders
             except LogbusError:
                 leaders[topic] = None
         with self._condition:
@@ -924,11 +971,12 @@ class Producer:
                 kept.append(batch)
                 continue
             sequences = self._sequences.get(slot)  # None until the partition's first batch is framed
-            if self.enable_idempotence and self._in_flight.get(slot, 0) and not (sequences is not None and sequences.acknowledged):
-                # A sequence the leader has not acknowledged yet goes one batch at a time: a leader
-                # that does not know this producer takes its batch at any sequence (KIP-360), so a
-                # second batch could be written ahead of a first that met a retriable error, which
-                # could then never be written (Kafka's client holds such batches back too).
+            if self.enable_idempotence and self._in_flight.get(slot, 0) and not (sequences is not None and sequences.known_to_leader(now)):
+                # A sequence the leader has not acknowledged yet, or may have forgotten since (its
+                # producer.id.expiration.ms), goes one batch at a time: a leader that does not know
+                # this producer takes its batch at any sequence (KIP-360), so a second batch could be
+                # written ahead of a first that met a retriable error, which could then never be
+                # written (Kafka's client holds such batches back too).
                 held.add(slot)
                 kept.append(batch)
                 continue
@@ -1022,7 +1070,7 @@ class Producer:
         try:
             refresh = batch.topic in self._refresh
             self._refresh.discard(batch.topic)
-            metadata = self._topic(batch.topic, refresh=refresh)
+            metadata = self._refreshed(batch.topic) if refresh else self._topic(batch.topic)
             if batch.encoded is None:
                 self._encode(batch)
             leader = metadata.leaders[batch.partition]
@@ -1107,7 +1155,8 @@ class Producer:
         error = future.exception()
         if error is None:
             reply = future.result()
-            self._complete(batch, reply.base_offset, None, attempt, append_time_ms=reply.log_append_time_ms)
+            self._complete(batch, reply.base_offset, None, attempt, append_time_ms=reply.log_append_time_ms,
+                           expiration_ms=reply.producer_expiration_ms)
         else:
             self._complete(batch, None, unwrap(error), attempt)
 
@@ -1119,6 +1168,7 @@ class Producer:
         attempt: int,
         backoff: bool = True,
         append_time_ms: int = -1,
+        expiration_ms: int = -1,
     ) -> None:
         with self._condition:
             # Each attempt completes once: a late reply to an attempt that expired is dropped.
@@ -1151,7 +1201,9 @@ class Producer:
                 if error is None and batch.sequenced is not None:
                     sequences = self._sequences.get(slot)
                     if sequences is not None and (sequences.producer_id, sequences.epoch) == batch.sequenced:
-                        sequences.acknowledged = True
+                        sequences.acknowledged, sequences.acknowledged_s = True, time.monotonic()
+                        if expiration_ms > 0:
+                            sequences.expiration_s = expiration_ms / 1000
                 if error is not None and self._txn is not None:
                     self._txn.batch_failed(error)
                 if error is not None and batch.sequenced is not None:

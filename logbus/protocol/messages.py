@@ -126,6 +126,9 @@ class ProduceResponse:
     log_start_offset: int
     timestamp_ms: int  # max timestamp of the batch as stored (the append time on a LogAppendTime topic)
     log_append_time_ms: int = -1  # the leader's append time on a LogAppendTime topic, else -1 (as Kafka)
+    # The partition's producer.id.expiration.ms (-1: not said): how long after its last write the leader
+    # may forget an idempotent producer, after which it takes the producer's next batch at any sequence.
+    producer_expiration_ms: int = -1
 
 
 # Batches up to this size travel as bytes inside a produce request or a fetch reply (Ray inlines

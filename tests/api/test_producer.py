@@ -240,6 +240,36 @@ def test_idempotent_producer_recovers_after_a_batch_failed_for_good(bus, topic_n
     assert [r.value for r in stored] == [b"after-%d" % i for i in range(5)] + [b"more-%d" % i for i in range(3)]
 
 
+def test_a_sequence_the_leader_may_have_forgotten_goes_one_batch_at_a_time_again(bus, topic_name):
+    """The leader says how long it keeps an idempotent producer (producer.id.expiration.ms); once half of
+    that has passed since the last acknowledgement, the partition's batches go one at a time until the
+    next one, as before its first: a leader that forgot the producer takes any sequence (KIP-360), and a
+    second batch must not be written ahead of a first that meets a retriable error."""
+    slot = (topic_name, 0)
+    bus.admin.create_topic(topic_name, partitions=1, config={"producer.id.expiration.ms": 60_000})
+    producer = logbus.Producer(bus, linger_ms=0)
+    try:
+        assert producer.send(topic_name, b"first").result(timeout=60).offset == 0
+        sequences = producer._sequences[slot]
+        assert sequences.acknowledged and sequences.expiration_s == 60.0
+        now = time.monotonic()
+        assert sequences.known_to_leader(now)
+        assert not sequences.known_to_leader(sequences.acknowledged_s + 30.0)  # half the window: maybe forgotten
+        # A leader that forgets at once (the shortest window there is): every burst still goes through
+        # whole and in order, one batch at a time, while the log rolls and forgets the producer.
+        bus.admin.alter_config(topic_name, {"producer.id.expiration.ms": 1, "segment.bytes": 4096})
+        for burst in range(3):
+            futures = [producer.send(topic_name, b"b%d-%03d" % (burst, i) + b"x" * 200) for i in range(40)]
+            assert [f.exception(timeout=60) for f in futures] == [None] * 40
+        sequences = producer._sequences[slot]
+        assert sequences.expiration_s == 0.001
+        assert not sequences.known_to_leader(sequences.acknowledged_s + 0.001)
+    finally:
+        producer.close()
+    values = [r.value for r in read_all(bus, topic_name)]
+    assert values == [b"first"] + [b"b%d-%03d" % (burst, i) + b"x" * 200 for burst in range(3) for i in range(40)]
+
+
 def test_a_batch_numbered_after_a_refused_one_fails_at_once_and_the_partition_recovers(bus, topic_name):
     bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 65536})
     producer = logbus.Producer(bus, linger_ms=0)  # idempotent; the default delivery timeout, 120 s
