@@ -109,7 +109,7 @@ HEADER_OVERHEAD_BYTES = 12  # per header: its map entry's offsets and validity
 # A batch's retry waits at most this long for the metadata refresh it asked for, then goes to the leader
 # known (the sender thread never waits longer on a controller that does not answer; Producer._refreshed).
 METADATA_WAIT_S = 0.2
-METADATA_ANSWER_FRESH_S = 1.0  # a refresh answered longer ago than this is asked again, not taken
+METADATA_ANSWER_FRESH_S = 1.0  # a refresh asked for longer ago than this is asked for again once taken
 RETRY_BACKOFF_S = 0.1  # a batch's first retry waits this long (Kafka's retry.backoff.ms), doubling up to RETRY_BACKOFF_MAX_S
 STALE_AFTER_S = 0.25  # a request unanswered this long makes the sender check whether its leader moved
 STALE_CHECK_INTERVAL_S = 0.1
@@ -193,7 +193,9 @@ class _Sequences:
         flight: it acknowledged one, and not so long ago that it may have forgotten the producer since
         (half its producer.id.expiration.ms, a margin for the two clocks). A leader that forgot the
         producer takes its next batch at any sequence (KIP-360), so the partition goes one batch at a
-        time again until the next acknowledgement, as before the first."""
+        time again until the next acknowledgement, as before the first. Not covered: a leader that
+        reopens its log counts from the batches' own timestamps, as Kafka's does, so a backfill's
+        producer (old timestamps) is forgotten by a reopen at once (docs/design.md)."""
         if not self.acknowledged:
             return False
         return self.expiration_s is None or now_s - self.acknowledged_s < self.expiration_s / 2
@@ -574,6 +576,7 @@ class Producer:
         self._refresh: set[str] = set()
         # topic -> (ObjectRef, when asked) of a metadata refresh not yet taken (the sender thread's; _refreshed)
         self._metadata_requests: BoundedDict = BoundedDict(TOPICS_MAX)
+        self._metadata_deadline_s = 0.0  # until when the sender's current round may wait for refreshes
         self._in_flight_batches: dict[int, _Batch] = {}
         self._last_stale_check_s = 0.0
         # topic -> (partitions, record limit, max.message.bytes, batch limit for send())
@@ -612,29 +615,35 @@ class Producer:
                     self._limits.pop(topic, None)  # from the new metadata, at the next send()
         return metadata
 
-    def _refreshed(self, topic: str) -> TopicMetadata:
+    def _refreshed(self, topic: str, wait_s: float) -> TopicMetadata:
         """The topic's metadata asked for again, for the sender thread, which must not wait on a controller
         that does not answer (its host cut off or paused: Ray's call then waits for the connection to come
         back, whatever the timeout): every partition's batches would stop behind one refresh.
 
-        A refresh is asked for once at a time per topic and waited for ``METADATA_WAIT_S`` at most; an
-        answer that comes later is taken by the next refresh, if it is not older than
-        ``METADATA_ANSWER_FRESH_S``. Until then the metadata known serves: a batch goes to the leader it
-        went to, which takes it once it may again (a leader whose lease lapsed while the controller was
-        away goes on under its epoch when the lease is renewed) or refuses it again. With no metadata
-        known at all, it waits for the controller as ``_topic`` does.
+        A refresh is asked for once at a time per topic, and waited for ``wait_s`` at most (the sender
+        gives all of one round's refreshes ``METADATA_WAIT_S`` together). An answer is always taken, however
+        late it came (answers to one topic come in the order asked, so it is never older than what is
+        known); one asked for more than ``METADATA_ANSWER_FRESH_S`` ago is asked for again as well, for the
+        next refresh. Until an answer comes the metadata known serves: a batch goes to the leader it went
+        to, which takes it once it may again (a leader whose lease lapsed while the controller was away
+        goes on under its epoch when the lease is renewed) or refuses it again. With no metadata known at
+        all, it waits for the controller as ``_topic`` does.
         """
         asked = self._metadata_requests.get(topic)
-        now = time.monotonic()
-        if asked is not None and now - asked[1] > METADATA_ANSWER_FRESH_S and ray.wait([asked[0]], timeout=0)[0]:
-            asked = None  # answered, but long ago: ask again
         if asked is None:
-            asked = self._metadata_requests[topic] = (self._bus.request_metadata(topic), now)
+            asked = self._metadata_requests[topic] = (self._bus.request_metadata(topic), time.monotonic())
         known = self._topics.get(topic)
-        if known is not None and not ray.wait([asked[0]], timeout=METADATA_WAIT_S)[0]:
-            return known
+        if known is not None:
+            try:
+                ready = bool(ray.wait([asked[0]], timeout=max(0.0, wait_s))[0])
+            except Exception:  # noqa: BLE001 (Ray going away, a client link down: no answer now)
+                ready = False
+            if not ready:
+                return known
         del self._metadata_requests[topic]
         metadata = self._bus.metadata_arrived(asked[0])  # with nothing known: waits as _topic does
+        if time.monotonic() - asked[1] > METADATA_ANSWER_FRESH_S:
+            self._metadata_requests[topic] = (self._bus.request_metadata(topic), time.monotonic())
         with self._lock:
             self._topics[topic] = metadata
             self._limits.pop(topic, None)  # from the new metadata, at the next send()
@@ -891,6 +900,7 @@ class Producer:
                     continue
             if to_add:
                 self._add_partitions(to_add)
+            self._metadata_deadline_s = time.monotonic() + METADATA_WAIT_S  # for this round's refreshes together
             for batch in batches:
                 self._dispatch(batch)
 
@@ -915,8 +925,8 @@ class Producer:
         leaders = {}
         for topic in {b.topic for b in old}:
             try:
-                leaders[topic] = self._refreshed(topic).leaders
-            except LogbusError:
+                leaders[topic] = self._refreshed(topic, 0.0).leaders  # not answered yet: no news this time
+            except Exception:  # noqa: BLE001 (the controller did not answer: no news about the leader)
                 leaders[topic] = None
         with self._condition:
             candidates = sorted(
@@ -1070,7 +1080,8 @@ class Producer:
         try:
             refresh = batch.topic in self._refresh
             self._refresh.discard(batch.topic)
-            metadata = self._refreshed(batch.topic) if refresh else self._topic(batch.topic)
+            metadata = (self._refreshed(batch.topic, self._metadata_deadline_s - time.monotonic()) if refresh
+                        else self._topic(batch.topic))
             if batch.encoded is None:
                 self._encode(batch)
             leader = metadata.leaders[batch.partition]
@@ -1156,7 +1167,7 @@ class Producer:
         if error is None:
             reply = future.result()
             self._complete(batch, reply.base_offset, None, attempt, append_time_ms=reply.log_append_time_ms,
-                           expiration_ms=reply.producer_expiration_ms)
+                           expiration_ms=getattr(reply, "producer_expiration_ms", -1))
         else:
             self._complete(batch, None, unwrap(error), attempt)
 

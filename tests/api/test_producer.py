@@ -8,6 +8,8 @@ failed for good (KIP-360).
 import asyncio
 import concurrent.futures
 import json
+import os
+import signal
 import threading
 import time
 
@@ -268,6 +270,40 @@ def test_a_sequence_the_leader_may_have_forgotten_goes_one_batch_at_a_time_again
         producer.close()
     values = [r.value for r in read_all(bus, topic_name)]
     assert values == [b"first"] + [b"b%d-%03d" % (burst, i) + b"x" * 200 for burst in range(3) for i in range(40)]
+
+
+@pytest.mark.own_bus
+def test_the_sender_asks_for_metadata_again_without_waiting_on_a_controller_that_does_not_answer(bus, topic_name):
+    """A batch that needs fresh metadata (after a retriable error) must not hold the sender thread, and
+    with it every partition's batches, while the controller does not answer (its host cut off or
+    paused): the leaders known serve until the answer comes, and the answer is taken when it does."""
+    bus.admin.create_topic(topic_name, partitions=2)
+    producer = logbus.Producer(bus, linger_ms=0)
+    try:
+        assert producer.send(topic_name, b"first", partition=0).result(timeout=60).offset == 0
+        known = producer._topics[topic_name]
+        controller_pid = get(bus.controller.ping.remote())
+        os.kill(controller_pid, signal.SIGSTOP)
+        try:
+            answers = []
+            asking = threading.Thread(target=lambda: answers.append(producer._refreshed(topic_name, 0.2)))
+            asking.start()
+            asking.join(timeout=60)
+            assert not asking.is_alive(), "the refresh waited on the paused controller"
+            assert answers == [known] and answers[0] is known  # the metadata known serves meanwhile
+        finally:
+            os.kill(controller_pid, signal.SIGCONT)
+
+        def answered():
+            metadata = producer._refreshed(topic_name, 1.0)
+            return metadata is not known and metadata
+
+        fresh = wait_for(answered, timeout_s=120, message="the controller's answer taken")
+        assert [leader._actor_id for leader in fresh.leaders] == [leader._actor_id for leader in known.leaders]
+        assert fresh.partition_count == 2
+        assert producer.send(topic_name, b"second", partition=1).result(timeout=60).offset == 0
+    finally:
+        producer.close()
 
 
 def test_a_batch_numbered_after_a_refused_one_fails_at_once_and_the_partition_recovers(bus, topic_name):
