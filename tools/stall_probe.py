@@ -4,7 +4,8 @@
     .venv/bin/python tools/stall_probe.py SCENARIO [--keep] [--tail SECONDS]
 
 SCENARIO is one of the plans below (a kill then a controller cut, a
-controller cut, host cuts, a controller cut then a host cut), or
+controller cut, host cuts, a controller cut then a host cut, a flap, kills of one host then
+a pause and a flap of it, as seed 3 ends), or
 ``seed:N:SECONDS``: the faults tests/cluster/fault_run.py plans for seed N
 that begin within SECONDS. The run is a fault run (fault_run.py: the same
 cluster, workload and checks) that ends ``--tail`` seconds after the last
@@ -37,6 +38,9 @@ SCENARIOS = {
     "controller": [("cut_controller", (HEAD,), 5.0, 4.0)],
     "host": [("cut", ("n1",), 5.0, 5.0), ("cut", ("n2",), 25.0, 5.0)],
     "controller_then_host": [("cut_controller", (HEAD,), 5.0, 4.0), ("cut", ("n2",), 12.0, 4.0)],
+    "flap": [("flap", ("n2",), 5.0, 8.7)],
+    "kills_then_flap": [("kill", ("n2",), 5.0, 2.0), ("kill", ("n2",), 11.5, 2.1), ("pause", ("n2",), 19.0, 2.2),
+                        ("flap", ("n2",), 22.3, 8.7)],
 }
 
 
