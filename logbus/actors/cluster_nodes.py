@@ -57,6 +57,7 @@ REPLACE_RETRY_MS = 5_000  # a dead node's replicas that could not be placed else
 NODE_DISCOVERY_MS = 1_000  # while a node hosting replicas is away, Ray's nodes are looked through this often for it
 FOLLOWERS_GONE_TIMEOUT_S = 5.0  # a leader told that followers are gone answers within this, or drops them by lag time
 IDENTIFY_TIMEOUT_S = 60.0  # bound on a host's identity check (its agent's process may still be starting)
+IDENTIFY_RECHECK_S = 1.0  # while a check waits, Ray's nodes are looked at this often for the host's next Ray node
 
 
 def epoch_tables(topics: Iterable[TopicState]) -> tuple[dict[str, tuple[str, int, int]], dict[str, dict[str, int]]]:
@@ -350,7 +351,10 @@ class ClusterNodes:
             return known
         agent = start_agent(self._host.namespace, ray_node_id, self._controller_name, node_id)
         try:
-            found = await asyncio.wait_for(agent.identify.remote(self._host.metadata.cluster_id), IDENTIFY_TIMEOUT_S)
+            found = await self._identity_answer(agent, ray_node_id, node_id)
+            if found is None:
+                logger.warning("Ray node %s (node %s) not checked: the host is on another Ray node now", ray_node_id[:12], node_id)
+                return None
         except Exception as raised:  # noqa: BLE001 (refused below, or tried again at the next look)
             error = unwrap(raised)
             if isinstance(error, (InconsistentClusterIdError, NodeIdentityError)):
@@ -364,6 +368,35 @@ class ClusterNodes:
                 logger.warning("Ray node %s (node %s) not checked yet: %s: %s", ray_node_id[:12], node_id, type(error).__name__, error)
             return None
         return self.host_map.identify(ray_node_id, node_id, found.get("data_dir"), agent)
+
+    async def _identity_answer(self, agent, ray_node_id: str, node_id: str) -> dict | None:
+        """The agent's answer to the identity check (``IDENTIFY_TIMEOUT_S`` at most), or None once a Ray node
+        that was not there when the check began carries ``node_id``: the host was killed and joined again
+        while this Ray node was being checked. A check of a Ray node whose processes are gone waits until
+        Ray declares it dead (tens of seconds), and the look waiting for it would not find the host's new
+        Ray node meanwhile. (A Ray node the host left, still listed until Ray declares it dead, is no reason
+        to stop: it was there when the check began.)"""
+        answer = asyncio.ensure_future(agent.identify.remote(self._host.metadata.cluster_id))
+        deadline = monotonic_ms() + int(IDENTIFY_TIMEOUT_S * 1000)
+        try:
+            carriers = await self._carriers(node_id) | {ray_node_id}  # the Ray nodes carrying node_id as the check began
+            while True:
+                left_s = (deadline - monotonic_ms()) / 1000
+                if left_s <= 0:
+                    raise TimeoutError(f"no answer in {IDENTIFY_TIMEOUT_S:.0f} s")
+                done, _ = await asyncio.wait([answer], timeout=min(IDENTIFY_RECHECK_S, left_s))
+                if done:
+                    return answer.result()
+                if await self._carriers(node_id) - carriers:
+                    return None
+        finally:
+            if not answer.done():
+                answer.cancel()
+
+    async def _carriers(self, node_id: str) -> set[str]:
+        """The live Ray nodes carrying ``node_id`` now (one GCS query)."""
+        hosts = await asyncio.to_thread(replica_hosts, self._host.max_replicas_per_node)
+        return {host.ray_node_id for host in hosts if host.node_id == node_id}
 
     def _move_node(self, node: Node, ray_node_id: str, identity: Identity) -> None:
         """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.

@@ -116,6 +116,7 @@ class HostMap:
         self._identified: dict[str, Identity] = {}
         self._refused: dict[str, Refusal] = {}
         self._duplicates_told: set[tuple[str, tuple[str, ...]]] = set()  # (node id, its Ray nodes) reported
+        self._first_listed: dict[str, int] = {}  # Ray node id -> when a look first listed it (as the others)
 
     # --- looking at Ray's nodes ---------------------------------------------------------------------
 
@@ -127,6 +128,8 @@ class HostMap:
         Usable hosts stay as at the previous look until ``seen``.
         """
         self._table.set_carried(host.node_id for host in hosts)
+        for host in hosts:
+            self._first_listed.setdefault(host.ray_node_id, now_ms)
         candidates: dict[str, list[str]] = {}
         for host in hosts:
             if host.labelled and host.ray_node_id not in self._refused:
@@ -144,7 +147,9 @@ class HostMap:
                 continue
             others = [r for r in fresh if r != node.ray_node_id]
             if others:
-                moves.append((node, others[0]))
+                # The newest: a host killed while it was joining again is listed on its Ray node before
+                # that until Ray declares it dead, and a check there waits until then.
+                moves.append((node, max(others, key=lambda r: (self._first_listed[r], r))))
         return Look(moves, duplicates)
 
     def seen(self, hosts: list[RayNode]) -> None:
@@ -159,6 +164,7 @@ class HostMap:
         self._identified = {r: i for r, i in self._identified.items() if r in listed}
         self._refused = {r: i for r, i in self._refused.items() if r in listed}
         self._duplicates_told = {told for told in self._duplicates_told if listed.issuperset(told[1])}
+        self._first_listed = {r: at for r, at in self._first_listed.items() if r in listed}
         for node in self._table.nodes():  # a Ray node a node left is kept from it only while Ray lists it
             node.past_ray_nodes &= listed
 

@@ -136,6 +136,19 @@ def test_a_host_joined_again_before_ray_declared_its_old_ray_node_dead_is_moved_
     assert [h.ray_node_id for h in hosts.usable()] == ["ray-9"]
 
 
+def test_a_host_on_two_new_ray_nodes_moves_to_the_one_listed_last():
+    """A host killed while it was joining again: Ray lists the Ray node it was joining on until it declares
+    it dead (a check there would wait until then), and the host's next one beside it."""
+    table, hosts = tables()
+    refresh(table, hosts, [host("ray-5", A)], 0)
+    look = hosts.look([host("ray-1", A)], 1_000)  # ray-5 is gone; the host joined again on ray-1 (killed since)
+    assert [(node.node_id, ray) for node, ray in look.moves] == [(A, "ray-1")]
+    hosts.seen([host("ray-1", A)])  # its check did not answer
+    look = refresh(table, hosts, [host("ray-1", A), host("ray-3", A)], 2_000)  # and joined again on ray-3
+    assert [(node.node_id, ray) for node, ray in look.moves] == [(A, "ray-3")]
+    assert table.get(A).ray_node_id == "ray-3"
+
+
 def test_a_node_never_goes_back_to_a_ray_node_it_left():
     table, hosts = tables()
     refresh(table, hosts, [host("ray-1", A)], 0)
