@@ -326,7 +326,8 @@ class ClusterNodes:
         node while that one heartbeats, whatever else carries its label (two
         hosts with one identity: a copied data directory), and never goes
         back to a Ray node it left (``HostMap.look`` decides). One GCS query,
-        plus a check per new host.
+        plus a check per new host (which looks at Ray's nodes once a second
+        while it waits: ``_identity_answer``).
         """
         async with self._refresh_lock:
             self._last_discovery_ms = monotonic_ms()
@@ -336,13 +337,16 @@ class ClusterNodes:
                 logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
                              "directory?); it stays on %s", duplicate.node_id, list(duplicate.ray_node_ids), duplicate.kept[:12])
             moves = look.moves
-            found = await asyncio.gather(*(self._identify(ray_node_id, node.node_id) for node, ray_node_id in moves))
+            carrying = {host.ray_node_id: host.node_id for host in hosts}
+            found = await asyncio.gather(*(
+                self._identify(ray_node_id, node.node_id, {r for r, n in carrying.items() if n == node.node_id})
+                for node, ray_node_id in moves))
             self.host_map.seen(hosts)
             for (node, ray_node_id), identity in zip(moves, found):
                 if identity is not None:
                     self._move_node(node, ray_node_id, identity)
 
-    async def _identify(self, ray_node_id: str, node_id: str) -> Identity | None:
+    async def _identify(self, ray_node_id: str, node_id: str, carriers: set[str]) -> Identity | None:
         """Check the host on ``ray_node_id`` through an agent there (its data directory holds ``node_id``'s
         identity and this cluster's id, recorded now if it had none); its identity, or None if it cannot
         be used now (refused for good: another cluster's directory; or not answering: tried again later)."""
@@ -351,7 +355,7 @@ class ClusterNodes:
             return known
         agent = start_agent(self._host.namespace, ray_node_id, self._controller_name, node_id)
         try:
-            found = await self._identity_answer(agent, ray_node_id, node_id)
+            found = await self._identity_answer(agent, ray_node_id, node_id, carriers | {ray_node_id})
             if found is None:
                 logger.warning("Ray node %s (node %s) not checked: the host is on another Ray node now", ray_node_id[:12], node_id)
                 return None
@@ -369,17 +373,17 @@ class ClusterNodes:
             return None
         return self.host_map.identify(ray_node_id, node_id, found.get("data_dir"), agent)
 
-    async def _identity_answer(self, agent, ray_node_id: str, node_id: str) -> dict | None:
+    async def _identity_answer(self, agent, ray_node_id: str, node_id: str, carriers: set[str]) -> dict | None:
         """The agent's answer to the identity check (``IDENTIFY_TIMEOUT_S`` at most), or None once a Ray node
-        that was not there when the check began carries ``node_id``: the host was killed and joined again
-        while this Ray node was being checked. A check of a Ray node whose processes are gone waits until
-        Ray declares it dead (tens of seconds), and the look waiting for it would not find the host's new
-        Ray node meanwhile. (A Ray node the host left, still listed until Ray declares it dead, is no reason
-        to stop: it was there when the check began.)"""
+        not among ``carriers`` (those carrying ``node_id`` at the look that started the check) carries it:
+        the host was killed and joined again while this Ray node was being checked. A check of a Ray node
+        whose processes are gone waits until Ray declares it dead (tens of seconds), and the look waiting
+        for it would not find the host's new Ray node meanwhile. (A Ray node the host left, still listed
+        until Ray declares it dead, is no reason to stop: it was there when the check began.) Ray's nodes
+        are looked at once a second while the check waits; a look that fails is no news."""
         answer = asyncio.ensure_future(agent.identify.remote(self._host.metadata.cluster_id))
         deadline = monotonic_ms() + int(IDENTIFY_TIMEOUT_S * 1000)
         try:
-            carriers = await self._carriers(node_id) | {ray_node_id}  # the Ray nodes carrying node_id as the check began
             while True:
                 left_s = (deadline - monotonic_ms()) / 1000
                 if left_s <= 0:
@@ -387,11 +391,19 @@ class ClusterNodes:
                 done, _ = await asyncio.wait([answer], timeout=min(IDENTIFY_RECHECK_S, left_s))
                 if done:
                     return answer.result()
-                if await self._carriers(node_id) - carriers:
+                try:
+                    newer = await asyncio.wait_for(self._carriers(node_id), min(IDENTIFY_RECHECK_S, left_s)) - carriers
+                except Exception:  # noqa: BLE001 (Ray's nodes not listed this time: no news)
+                    newer = set()
+                if answer.done():
+                    return answer.result()  # it answered meanwhile: that settles it
+                if newer:
                     return None
         finally:
             if not answer.done():
                 answer.cancel()
+            elif not answer.cancelled():
+                answer.exception()  # retrieved: an answer left unread is no unhandled error
 
     async def _carriers(self, node_id: str) -> set[str]:
         """The live Ray nodes carrying ``node_id`` now (one GCS query)."""

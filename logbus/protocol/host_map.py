@@ -29,9 +29,12 @@ nodes carry (refused hosts left out, and the Ray nodes the node left,
   only once the old one is silent, and two hosts with one identity (a copied
   data directory) leave the node where it is; the second is reported once
   per set of Ray nodes (``Look.duplicates``);
-- otherwise the node moves to the first other Ray node carrying it (by Ray
-  node id), once the host there is checked (``Look.moves``: the controller
-  checks each, then moves the node).
+- otherwise the node moves to the newest other Ray node carrying it (the
+  one a look listed last; of several first listed by the same look, the
+  highest Ray node id), once the host there is checked (``Look.moves``: the
+  controller checks each, then moves the node). A host killed while it was
+  joining again is still listed on that Ray node until Ray declares it dead,
+  beside the one it joined on next.
 
 Usable hosts (``usable``): the Ray nodes, as last seen (``seen``), that are
 their node now: unlabelled ones, and labelled ones their node is on. Refused

@@ -149,6 +149,21 @@ def test_a_host_on_two_new_ray_nodes_moves_to_the_one_listed_last():
     assert table.get(A).ray_node_id == "ray-3"
 
 
+def test_the_ray_node_listed_last_wins_whatever_its_id():
+    table, hosts = tables()
+    refresh(table, hosts, [host("ray-5", A)], 0)
+    hosts.look([host("ray-3", A)], 1_000)  # the host joined again on ray-3 (killed since); its check did not answer
+    hosts.seen([host("ray-3", A)])
+    look = refresh(table, hosts, [host("ray-1", A), host("ray-3", A)], 2_000)  # and again on ray-1: a lower id
+    assert [(node.node_id, ray) for node, ray in look.moves] == [(A, "ray-1")]
+    # Two new Ray nodes first listed by one look: the highest id (there is no order to go by; if that is
+    # the dead one, its check waits until Ray declares it dead, as every check did before).
+    table, hosts = tables()
+    refresh(table, hosts, [host("ray-5", A)], 0)
+    look = hosts.look([host("ray-1", A), host("ray-3", A)], 1_000)
+    assert [(node.node_id, ray) for node, ray in look.moves] == [(A, "ray-3")]
+
+
 def test_a_node_never_goes_back_to_a_ray_node_it_left():
     table, hosts = tables()
     refresh(table, hosts, [host("ray-1", A)], 0)
