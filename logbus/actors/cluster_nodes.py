@@ -337,7 +337,7 @@ class ClusterNodes:
                 logger.error("node %s is carried by Ray nodes %s: two hosts with one identity (a copied data "
                              "directory?); it stays on %s", duplicate.node_id, list(duplicate.ray_node_ids), duplicate.kept[:12])
             moves = look.moves
-            carrying = {host.ray_node_id: host.node_id for host in hosts}
+            carrying = {listed.ray_node_id: listed.node_id for listed in hosts}
             found = await asyncio.gather(*(
                 self._identify(ray_node_id, node.node_id, {r for r, n in carrying.items() if n == node.node_id})
                 for node, ray_node_id in moves))
@@ -408,7 +408,7 @@ class ClusterNodes:
     async def _carriers(self, node_id: str) -> set[str]:
         """The live Ray nodes carrying ``node_id`` now (one GCS query)."""
         hosts = await asyncio.to_thread(replica_hosts, self._host.max_replicas_per_node)
-        return {host.ray_node_id for host in hosts if host.node_id == node_id}
+        return {listed.ray_node_id for listed in hosts if listed.node_id == node_id}
 
     def _move_node(self, node: Node, ray_node_id: str, identity: Identity) -> None:
         """Map ``node`` to ``ray_node_id`` (checked): its agent and replicas run there from now on.
