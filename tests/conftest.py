@@ -354,6 +354,64 @@ def run_order(item) -> tuple[int, int]:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=run_order)  # stable: files keep their order within each group
+    check_worker_groups(items)
+
+
+# ./dev test runs the main suite on two pytest-xdist workers, each a process with a Ray session of
+# its own. A test module is never split between them (its tests share the module's logbus cluster,
+# ``bus``), and modules that share a fixture dear to start run on one worker, one after another.
+SHARED_FIXTURE_MODULES = {
+    "three_node_cluster": {f"actors/{name}" for name, rank in CLUSTER_MODULES.items() if rank == 2},
+    "spark": {"api/test_spark.py", "api/test_spark_stream.py", "api/test_tier.py", "api/test_transactional_pipelines.py"},
+}
+# Modules that end the worker's Ray session and start another (a multi-node cluster, a restart): they
+# are handed out before the Spark modules, so that no worker replaces the Ray its Spark session runs on.
+REPLACES_RAY = SHARED_FIXTURE_MODULES["three_node_cluster"] | {"actors/test_reassign.py", "api/test_restart.py"}
+
+
+def worker_group(module: str) -> str:
+    """The unit of work a test module (its path under tests/) belongs to on pytest-xdist's workers."""
+    return next((fixture for fixture, modules in SHARED_FIXTURE_MODULES.items() if module in modules), module)
+
+
+def check_worker_groups(items) -> None:
+    """Refuse a run where a module uses a shared fixture without being listed with it in
+    ``SHARED_FIXTURE_MODULES``: under pytest-xdist it would start a second copy on the other worker."""
+    for item in items:
+        module = os.path.relpath(str(item.fspath), TESTS_DIR)
+        for fixture, modules in SHARED_FIXTURE_MODULES.items():
+            if fixture in getattr(item, "fixturenames", ()) and module not in modules:
+                raise pytest.UsageError(f"{module} uses the {fixture} fixture: list it in SHARED_FIXTURE_MODULES[{fixture!r}] "
+                                        "in tests/conftest.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduler for this suite: whole modules (``worker_group``) as units of work, the
+    Ray-replacing ones first, then the Spark ones, then the rest, largest first and Ray-free last."""
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    def rank(unit) -> tuple:
+        scope, tests = unit
+        ray_free = scope.split("/")[0] in RAY_FREE_DIRS or "/" not in scope
+        return (0 if scope in REPLACES_RAY or scope == "three_node_cluster" else 1 if scope == "spark" else 3 if ray_free else 2,
+                -len(tests))
+
+    class ModuleScheduling(LoadScopeScheduling):
+        ordered = False
+
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid.split("::", 1)[0].removeprefix("tests/"))
+
+        def _assign_work_unit(self, node) -> None:
+            if not self.ordered:
+                self.workqueue = OrderedDict(sorted(self.workqueue.items(), key=rank))
+                self.ordered = True
+            super()._assign_work_unit(node)
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -82,6 +82,7 @@ class Liveness:
         self._default_ms = now_ms + restart_grace_ms
         self._last_seen_ms: dict[Hashable, int] = {}
         self._heard_ms: dict[Hashable, int] = {}
+        self._newest_heard_ms: int | None = None  # max(_heard_ms.values()), kept as heartbeats come
         self._last_tick_ms: int | None = None
         self._credited: set[Hashable] = set()  # keys this isolation kept alive so far
         self._rejoining: set[Hashable] = set()  # keys kept alive by the last isolation, not heard since it ended
@@ -93,17 +94,21 @@ class Liveness:
     def expect(self, key: Hashable, now_ms: int, grace_ms: int = STARTUP_GRACE_MS) -> None:
         """A replica is being created: alive until its first heartbeat or ``grace_ms`` from now."""
         self._last_seen_ms[key] = now_ms + grace_ms
-        self._heard_ms.pop(key, None)
+        if self._heard_ms.pop(key, None) == self._newest_heard_ms:
+            self._newest_heard_ms = max(self._heard_ms.values(), default=None)
         self._rejoining.discard(key)
 
     def heard(self, key: Hashable, now_ms: int) -> None:
         """A heartbeat arrived from ``key``."""
         self._last_seen_ms[key] = self._heard_ms[key] = now_ms
+        if self._newest_heard_ms is None or now_ms > self._newest_heard_ms:
+            self._newest_heard_ms = now_ms
         self._rejoining.discard(key)
 
     def forget(self, key: Hashable) -> None:
         self._last_seen_ms.pop(key, None)
-        self._heard_ms.pop(key, None)
+        if self._heard_ms.pop(key, None) == self._newest_heard_ms:  # rare: work per key only then
+            self._newest_heard_ms = max(self._heard_ms.values(), default=None)
         self._credited.discard(key)
         self._rejoining.discard(key)
 
@@ -134,6 +139,8 @@ class Liveness:
                 for key in times:
                     times[key] += stalled_ms
             self._default_ms += stalled_ms
+            if self._newest_heard_ms is not None:
+                self._newest_heard_ms += stalled_ms
         if previous_ms is not None:
             self._isolation(previous_ms, now_ms, stalled_ms)
         self._rejoining = {key for key in self._rejoining if self.alive(key, now_ms)}
@@ -142,7 +149,7 @@ class Liveness:
     def _isolation(self, previous_ms: int, now_ms: int, stalled_ms: int) -> None:
         """The isolation rule, for the time since the tick at ``previous_ms`` (less a stall already credited).
         Costs the keys heard, only while no key is heard."""
-        if not self._heard_ms or now_ms - max(self._heard_ms.values()) <= self.isolated_after_ms:
+        if self._newest_heard_ms is None or now_ms - self._newest_heard_ms <= self.isolated_after_ms:
             if self.isolated:  # heard again: each key kept alive gets a while from now to be heard too
                 for key in self._credited:
                     seen, heard = self._last_seen_ms.get(key), self._heard_ms.get(key)

@@ -177,6 +177,18 @@ def test_nothing_is_counted_as_an_isolation_when_no_node_is_alive_to_keep():
     assert not lv.isolated
 
 
+def test_a_node_that_leaves_takes_its_heartbeats_out_of_the_isolation_rule():
+    lv = Liveness(now_ms=0, lease_timeout_ms=800, restart_grace_ms=0, isolated_after_ms=400)
+    lv.heard("stays", 0)
+    lv.heard("leaves", 300)  # the newest heartbeat
+    lv.forget("leaves")  # its agent stopped
+    _ticks(lv, 100, 600)  # "stays" alone has been silent 600 ms: every node left is silent
+    assert lv.isolated and lv.alive("stays", 600)
+    lv.heard("back", 650)
+    _ticks(lv, 700, 700)
+    assert not lv.isolated
+
+
 def test_a_stall_and_an_isolation_are_not_counted_twice():
     lv = _isolation_case()
     _ticks(lv, 0, 1_000)
