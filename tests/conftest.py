@@ -400,15 +400,12 @@ def pytest_xdist_make_scheduler(config, log):
                 -len(tests))
 
     class ModuleScheduling(LoadScopeScheduling):
-        ordered = False
-
         def _split_scope(self, nodeid: str) -> str:
             return worker_group(nodeid.split("::", 1)[0].removeprefix("tests/"))
 
         def _assign_work_unit(self, node) -> None:
-            if not self.ordered:
-                self.workqueue = OrderedDict(sorted(self.workqueue.items(), key=rank))
-                self.ordered = True
+            # Sorted at every hand-out (a few hundred units): units a crashed worker left are queued again.
+            self.workqueue = OrderedDict(sorted(self.workqueue.items(), key=rank))
             super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)

@@ -100,9 +100,12 @@ class Liveness:
 
     def heard(self, key: Hashable, now_ms: int) -> None:
         """A heartbeat arrived from ``key``."""
+        before = self._heard_ms.get(key)
         self._last_seen_ms[key] = self._heard_ms[key] = now_ms
-        if self._newest_heard_ms is None or now_ms > self._newest_heard_ms:
+        if self._newest_heard_ms is None or now_ms >= self._newest_heard_ms:
             self._newest_heard_ms = now_ms
+        elif before == self._newest_heard_ms:  # the newest went back (a stall moved it on): rare, work per key then
+            self._newest_heard_ms = max(self._heard_ms.values())
         self._rejoining.discard(key)
 
     def forget(self, key: Hashable) -> None:

@@ -189,6 +189,47 @@ def test_a_node_that_leaves_takes_its_heartbeats_out_of_the_isolation_rule():
     assert not lv.isolated
 
 
+def test_a_silence_right_after_a_stall_is_seen_as_one():
+    """Heartbeats handled after a stall but before its late tick are moved on by the stall, into the
+    future; the next ones move them back. The silence after them is still seen as every node's."""
+    lv = Liveness(now_ms=0, lease_timeout_ms=800, restart_grace_ms=0, isolated_after_ms=400)
+    for now in range(0, 1_001, 100):
+        if now % 200 == 0:
+            lv.heard("a", now)
+            lv.heard("b", now)
+        lv.tick(now, 100)
+    lv.heard("a", 1_900)  # queued behind the stall, handled before the late tick
+    lv.heard("b", 1_900)
+    lv.tick(1_900, 100)  # 800 ms late: a stall
+    for now in range(2_000, 2_201, 100):
+        lv.tick(now, 100)
+    lv.heard("a", 2_200)
+    lv.heard("b", 2_200)
+    _ticks(lv, 2_300, 3_600)  # then no node at all: this controller is cut off
+    assert lv.isolated and lv.alive("a", 3_600) and lv.alive("b", 3_600)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "expect", "forget", "tick", "tick"]), st.integers(1, 1_500)),
+                max_size=60))
+def test_the_newest_heartbeat_kept_is_the_newest_of_the_nodes_heard(steps):
+    """The isolation rule reads the newest heartbeat of all, kept as heartbeats come (not a max over every
+    node each tick): it is that max after any heartbeats, expectations, departures, stalls and ticks."""
+    lv = Liveness(now_ms=0, lease_timeout_ms=800, restart_grace_ms=0, isolated_after_ms=400)
+    now = 0
+    for kind, advance in steps:
+        now += advance  # an advance past the tick interval is a stall at the next tick
+        if kind in ("a", "b", "c"):
+            lv.heard(kind, now)
+        elif kind == "expect":
+            lv.expect("a", now)
+        elif kind == "forget":
+            lv.forget("b")
+        else:
+            lv.tick(now, 100)
+        assert lv._newest_heard_ms == max(lv._heard_ms.values(), default=None)
+
+
 def test_a_stall_and_an_isolation_are_not_counted_twice():
     lv = _isolation_case()
     _ticks(lv, 0, 1_000)
