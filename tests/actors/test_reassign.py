@@ -105,7 +105,10 @@ def test_a_partition_moves_to_another_node_under_load_within_its_throttle(cluste
     # Bytes/s: a slice of 0.2 MB a fetch (THROTTLE_SLICE_MS), room to catch up with the load, and a copy slow
     # enough that the move is still listed when the next two calls arrive (at 4 MB/s it once finished between them).
     throttle = 1_000_000
-    workload = Workload(rbus, topic)
+    # The load stays well below the throttle: a move under a throttled copy ends only once the new replica
+    # catches up with what is written meanwhile (as in Kafka). The default 20,000 records/s, about 50 bytes of
+    # log a record in batches of 40, is the throttle itself: a run beside a busy core saw the move never end.
+    workload = Workload(rbus, topic, pause_s=0.05)
     try:
         wait_for(lambda: workload.acknowledged_count() > 200, timeout_s=60, message="load")
         # What there is to copy when the move starts; past it the new replica only keeps up with the load.

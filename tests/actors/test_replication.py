@@ -127,11 +127,13 @@ def wait_new_leader(bus, topic, old_epoch, timeout_s=60):
 
 
 class Workload:
-    """An idempotent acks='all' producer sending unique values from a thread until stopped."""
+    """An idempotent acks='all' producer sending unique values from a thread until stopped, at most
+    about ``200 / pause_s`` records a second."""
 
-    def __init__(self, bus, topic):
+    def __init__(self, bus, topic, pause_s: float = 0.01):
         self.producer = logbus.Producer(bus, acks="all", linger_ms=2, delivery_timeout_ms=120_000, request_timeout_ms=10_000)
         self.topic = topic
+        self.pause_s = pause_s
         self.futures = []
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -143,7 +145,7 @@ class Workload:
             self.futures.append((b"v-%d" % i, self.producer.send(self.topic, b"v-%d" % i)))
             i += 1
             if i % 200 == 0:
-                time.sleep(0.01)  # about 20,000 records/s: steady, not a flood
+                time.sleep(self.pause_s)  # by default about 20,000 records/s: steady, not a flood
 
     def acknowledged_count(self):
         return sum(1 for _, f in list(self.futures) if f.done() and f.exception() is None)
