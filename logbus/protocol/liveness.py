@@ -94,8 +94,7 @@ class Liveness:
     def expect(self, key: Hashable, now_ms: int, grace_ms: int = STARTUP_GRACE_MS) -> None:
         """A replica is being created: alive until its first heartbeat or ``grace_ms`` from now."""
         self._last_seen_ms[key] = now_ms + grace_ms
-        if self._heard_ms.pop(key, None) == self._newest_heard_ms:
-            self._newest_heard_ms = max(self._heard_ms.values(), default=None)
+        self._unheard(key)
         self._rejoining.discard(key)
 
     def heard(self, key: Hashable, now_ms: int) -> None:
@@ -110,10 +109,14 @@ class Liveness:
 
     def forget(self, key: Hashable) -> None:
         self._last_seen_ms.pop(key, None)
-        if self._heard_ms.pop(key, None) == self._newest_heard_ms:  # rare: work per key only then
-            self._newest_heard_ms = max(self._heard_ms.values(), default=None)
+        self._unheard(key)
         self._credited.discard(key)
         self._rejoining.discard(key)
+
+    def _unheard(self, key: Hashable) -> None:
+        """Drop ``key``'s last heartbeat; the newest of all is found again only if it was that one."""
+        if self._heard_ms.pop(key, None) == self._newest_heard_ms:
+            self._newest_heard_ms = max(self._heard_ms.values(), default=None)
 
     def silent_ms(self, key: Hashable, now_ms: int) -> int:
         """How long ``key`` has been silent (negative while a start-up grace runs)."""
