@@ -49,15 +49,19 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import sys
 import uuid
 from datetime import datetime
 
-from logbus.actors.remote import unwrap
+from logbus import jvm
+from logbus.actors.remote import get, unwrap
 from logbus.api.client import Bus
+from logbus.api.client import connect
 from logbus.api.dataset import (
     EARLIEST,
+    FETCH_MAX_BYTES,
     LATEST,
     TopicDatasource,
     TopicSink,
@@ -67,7 +71,7 @@ from logbus.api.dataset import (
 )
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
 from logbus.options import check_flag
-from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError
+from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError, LeaderNotAvailableError
 from logbus.storage.names import validate_topic_name
 
 # Packages of java.base that Spark 3.5 and RayDP open by reflection (Java 17 refuses without these).
@@ -88,6 +92,9 @@ SPARK_EARLIEST = -2
 SMALL_READ_OFFSETS = 20_000  # a range of at most this many offsets is read in this process, not by Ray Data tasks,
 SMALL_READ_BYTES = 64 << 20  # unless its records come to more than this: then the tasks read it after all
 SPARK_LATEST = -1
+JVM_FETCH_TIMEOUT_S = 30.0  # how long Spark's reader of a partition tries its replicas before the task fails
+
+logger = logging.getLogger(__name__)
 
 def spark_configs(configs: dict | None = None) -> dict:
     """``configs`` with the Java 17 options merged in (ours first, so the caller's can override)."""
@@ -117,6 +124,14 @@ def init_spark(
     import raydp
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    configs = dict(configs or {})
+    try:
+        jar = jvm.jar()
+    except IllegalStateError as error:
+        logger.warning("logbus: Spark will read topics through Ray Data, without logbus's data source: %s", error)
+    else:
+        theirs = str(configs.get("spark.jars", "")).strip()
+        configs["spark.jars"] = f"{theirs},{jar}" if theirs else jar
     return raydp.init_spark(
         app_name, num_executors, executor_cores, executor_memory, configs=spark_configs(configs), **raydp_options
     )
@@ -330,7 +345,10 @@ def read(
     if not include_headers:
         # Dropped in the stream-writing tasks, not by a Ray Data projection (another stage of tasks).
         schema = schema.remove(schema.get_field_index("headers"))
-    if source is None:
+    native = None if source is None else _jvm_read(spark, source, bus, include_headers)
+    if native is not None and tiered is None:
+        return native
+    if source is None or native is not None:
         df = tiered
     else:
         df = _small_to_spark(spark, source, schema) if source.num_rows <= SMALL_READ_OFFSETS else None
@@ -338,6 +356,14 @@ def read(
             df = to_spark(spark, source.to_dataset(num_cpus=0), schema)
         if tiered is not None:
             df = tiered.unionByName(df)
+    df = _as_kafka_rows(df, include_headers)
+    return df if native is None else df.unionByName(native)
+
+
+def _as_kafka_rows(df, include_headers: bool):
+    """A DataFrame of the Dataset's columns (``logbus.api.dataset.SCHEMA``) in the Kafka source's schema."""
+    from pyspark.sql import functions as F
+
     columns = [
         F.col("key"),
         F.col("value"),
@@ -354,6 +380,33 @@ def read(
         headers_type = kafka_schema(True)["headers"].dataType
         columns.append(F.map_entries(F.col("headers")).cast(headers_type).alias("headers"))
     return df.select(*columns)
+
+
+def _jvm_read(spark, source: TopicDatasource, bus, include_headers: bool):
+    """The range of ``source`` through logbus's Java data source (``logbus/jvm``): Spark's executors fetch
+    each partition from its leader with Ray cross-language calls and read its Arrow batches in place.
+    None when this session was started without the data source's jar (then Ray Data reads it)."""
+    if jvm.JAR_NAME not in spark.sparkContext.getConf().get("spark.jars", ""):
+        return None
+    bus = connect() if bus is None else bus
+    partitions = get(bus.request_metadata(source.topic))["partitions"]
+    planned = []
+    for p, (start, end) in enumerate(source.ranges):
+        if start < end:
+            names = partitions[p].get("replica_names") or []
+            if not names:
+                raise LeaderNotAvailableError(f"{source.topic}-{p} has no replica on a live node right now")
+            planned.append({"partition": p, "start": start, "end": end, "replicas": names})
+    plan = {
+        "topic": source.topic,
+        "namespace": bus.namespace,
+        "isolation": source.isolation_level,
+        "includeHeaders": include_headers,
+        "fetchMaxBytes": FETCH_MAX_BYTES,
+        "timeoutMs": int(JVM_FETCH_TIMEOUT_S * 1000),
+        "partitions": planned,
+    }
+    return spark.read.format("logbus").option("logbus.plan", json.dumps(plan)).load()
 
 
 def _tiered_part(spark, source: TopicDatasource, topic: str, bus, isolation_level: str, include_headers: bool):

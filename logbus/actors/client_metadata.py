@@ -25,6 +25,7 @@ import collections
 
 from logbus.actors.cluster_nodes import ClusterNodes
 from logbus.actors.metadata_host import MetadataHost
+from logbus.actors.partition_replica import replica_actor_name
 from logbus.actors.placement import replica_directory
 from logbus.actors.replica_moves import ReplicaMoves
 from logbus.clock import monotonic_ms
@@ -63,10 +64,17 @@ class ClientMetadata:
         validate_topic_name(name)
         topic = host.metadata.topic(name)
         partitions = []
+        host_map = self._nodes.host_map
         for p, state in enumerate(topic.partitions):
             # A leader on a node away now (for the moments before its lease runs out) is no leader to clients.
             handle = host.handle_or_none(topic, p, state.leader)
-            partitions.append({"leader": handle, "leader_epoch": state.leader_epoch})
+            # The replicas' actor names, the leader's first: what a reader outside Python (Spark's JVM) calls.
+            ordered = ([state.leader] if state.leader is not None else []) + [r for r in state.replicas if r != state.leader]
+            names = [
+                replica_actor_name(topic.name, topic.topic_id, p, r, ray_node)
+                for r in ordered if (ray_node := host_map.ray_node_of(state.nodes.get(str(r)))) is not None
+            ]
+            partitions.append({"leader": handle, "leader_epoch": state.leader_epoch, "replica_names": names})
         return {"name": name, "topic_id": topic.topic_id, "config": dict(topic.config), "partitions": partitions}
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:

@@ -123,6 +123,7 @@ from logbus.errors import (
     RequestTimedOutError,
 )
 from logbus.invariant import check as _check
+from logbus.protocol import jvm_fetch
 from logbus.protocol import local_channel as wire
 from logbus.protocol.fetch_sessions import FetchSessions
 from logbus.protocol.liveness import LEASE_MS
@@ -838,6 +839,30 @@ class PartitionReplica:
         self._check_leader()
         self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level, before any wait
         return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level))
+
+    async def jvm_fetch(self, offset: int, max_bytes: int, isolation_level: int, headers_only: bool) -> bytes:
+        """For Spark's JVM reader (a Ray cross-language call): a fetch's kept batches as one ``bytes``.
+
+        As :meth:`fetch` with no wait, no session and no tier plan, but the reply
+        holds only what a reader keeps (no transaction markers, and with
+        READ_COMMITTED no aborted batches), framed as
+        :mod:`logbus.protocol.jvm_fetch` describes; ``headers_only`` returns each
+        kept batch's frame header without its records (enough to count them).
+        """
+        self._started()
+        self._check_leader()
+        request = FetchRequest(int(offset), int(max_bytes), 0, isolation_level=int(isolation_level))
+        self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level
+        result = await self._read(request, lambda: self._read_limit(request.isolation_level), FETCH_MAX_BYTES_MAX)
+        if result is None:
+            return jvm_fetch.pack_reply(None, request.offset, request.offset, self.high_watermark)
+        metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
+        read_committed = request.isolation_level == READ_COMMITTED
+        aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset)) if read_committed else ()
+        return jvm_fetch.pack_reply(
+            result.data, result.first_offset, result.next_offset, self.high_watermark,
+            headers_only=bool(headers_only), read_committed=read_committed, aborted=aborted,
+        )
 
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, socket address) of this replica's local channel, or None where there is none."""

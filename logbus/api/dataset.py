@@ -503,6 +503,11 @@ class TopicDatasource(Datasource):
         self._verify_crc = verify_crc
 
     @property
+    def isolation_level(self) -> int:
+        """READ_UNCOMMITTED (0) or READ_COMMITTED (1)."""
+        return self._isolation
+
+    @property
     def num_rows(self) -> int:
         """The offsets in the range: at least its rows (markers, aborted records and compacted gaps take
         offsets too)."""

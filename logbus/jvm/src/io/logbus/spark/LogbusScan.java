@@ -1,0 +1,104 @@
+package io.logbus.spark;
+
+import java.util.ArrayList;
+import java.util.List;
+
+import org.apache.spark.sql.connector.read.Batch;
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.connector.read.PartitionReader;
+import org.apache.spark.sql.connector.read.PartitionReaderFactory;
+import org.apache.spark.sql.connector.read.Scan;
+import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.catalyst.InternalRow;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.vectorized.ColumnarBatch;
+
+/** The scan of a planned read: one input partition per topic partition, only the columns the query uses. */
+final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, Scan, Batch {
+  private final ReadPlan plan;
+  private StructType schema;
+
+  LogbusScan(ReadPlan plan, StructType schema) {
+    this.plan = plan;
+    this.schema = schema;
+  }
+
+  @Override
+  public void pruneColumns(StructType required) {
+    schema = required;
+  }
+
+  @Override
+  public Scan build() {
+    return this;
+  }
+
+  @Override
+  public StructType readSchema() {
+    return schema;
+  }
+
+  @Override
+  public String description() {
+    return "logbus " + plan.topic + " (" + plan.partitions.size() + " partitions)";
+  }
+
+  @Override
+  public Batch toBatch() {
+    return this;
+  }
+
+  @Override
+  public InputPartition[] planInputPartitions() {
+    List<InputPartition> parts = new ArrayList<>();
+    for (ReadPlan.Range range : plan.partitions) {
+      if (range.start < range.end) {
+        parts.add(new TopicPartitionRange(range));
+      }
+    }
+    return parts.toArray(new InputPartition[0]);
+  }
+
+  @Override
+  public PartitionReaderFactory createReaderFactory() {
+    return new ReaderFactory(plan, schema);
+  }
+
+  /** One partition's range as Spark ships it to an executor. */
+  static final class TopicPartitionRange implements InputPartition {
+    private static final long serialVersionUID = 1L;
+    final ReadPlan.Range range;
+
+    TopicPartitionRange(ReadPlan.Range range) {
+      this.range = range;
+    }
+  }
+
+  /** Columnar readers only: every batch is Arrow already. */
+  static final class ReaderFactory implements PartitionReaderFactory {
+    private static final long serialVersionUID = 1L;
+    private final ReadPlan plan;
+    private final StructType schema;
+
+    ReaderFactory(ReadPlan plan, StructType schema) {
+      this.plan = plan;
+      this.schema = schema;
+    }
+
+    @Override
+    public boolean supportColumnarReads(InputPartition partition) {
+      return true;
+    }
+
+    @Override
+    public PartitionReader<InternalRow> createReader(InputPartition partition) {
+      throw new UnsupportedOperationException("logbus reads columnar batches only");
+    }
+
+    @Override
+    public PartitionReader<ColumnarBatch> createColumnarReader(InputPartition partition) {
+      return new RangeReader(plan, ((TopicPartitionRange) partition).range, schema);
+    }
+  }
+}

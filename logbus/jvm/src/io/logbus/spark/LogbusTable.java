@@ -1,0 +1,39 @@
+package io.logbus.spark;
+
+import java.util.EnumSet;
+import java.util.Set;
+
+import org.apache.spark.sql.connector.catalog.SupportsRead;
+import org.apache.spark.sql.connector.catalog.TableCapability;
+import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.types.StructType;
+import org.apache.spark.sql.util.CaseInsensitiveStringMap;
+
+/** One planned read of a topic (the plan comes with the scan's options). */
+final class LogbusTable implements SupportsRead {
+  private final StructType schema;
+
+  LogbusTable(StructType schema) {
+    this.schema = schema;
+  }
+
+  @Override
+  public String name() {
+    return "logbus";
+  }
+
+  @Override
+  public StructType schema() {
+    return schema;
+  }
+
+  @Override
+  public Set<TableCapability> capabilities() {
+    return EnumSet.of(TableCapability.BATCH_READ);
+  }
+
+  @Override
+  public ScanBuilder newScanBuilder(CaseInsensitiveStringMap options) {
+    return new LogbusScan(ReadPlan.parse(options), schema);
+  }
+}

@@ -1,0 +1,137 @@
+package io.logbus.spark;
+
+import java.util.Optional;
+
+import io.ray.api.BaseActorHandle;
+import io.ray.api.ObjectRef;
+import io.ray.api.PyActorHandle;
+import io.ray.api.Ray;
+import io.ray.api.exception.RayException;
+import io.ray.api.function.PyActorMethod;
+
+/**
+ * Fetches one partition from its leader replica with Ray cross-language calls to the replica actor's
+ * {@code jvm_fetch}, one fetch kept in flight ahead of the reader. When the replica it calls is not the
+ * leader (or is away), it tries the partition's other replicas in turn, backing off after each full
+ * round, until the plan's timeout.
+ */
+final class ReplicaClient {
+  private static final PyActorMethod<byte[]> JVM_FETCH = PyActorMethod.of("jvm_fetch", byte[].class);
+  // Python errors worth trying another replica (or the same one later) for.
+  private static final String[] RETRIABLE = {
+    "NotLeaderError", "LeaderNotAvailableError", "NotEnoughReplicasError", "ReplicaNotAvailableError",
+    "FencedLeaderEpochError", "TierNotAvailableError", "RequestTimedOutError",
+    "RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
+  };
+
+  private final ReadPlan plan;
+  private final ReadPlan.Range range;
+  private final boolean headersOnly;
+  private int current;
+  private PyActorHandle actor;
+  private long pendingOffset = -1;
+  private ObjectRef<byte[]> pending;
+
+  ReplicaClient(ReadPlan plan, ReadPlan.Range range, boolean headersOnly) {
+    this.plan = plan;
+    this.range = range;
+    this.headersOnly = headersOnly;
+  }
+
+  private String label() {
+    return plan.topic + "-" + range.partition;
+  }
+
+  private PyActorHandle actor() {
+    if (actor == null) {
+      String name = range.replicas[current];
+      Optional<BaseActorHandle> handle = Ray.getActor(name, plan.namespace);
+      if (!handle.isPresent()) {
+        throw new IllegalStateException(label() + ": no replica actor named " + name + " (ActorDiedError)");
+      }
+      actor = (PyActorHandle) handle.get();
+    }
+    return actor;
+  }
+
+  private ObjectRef<byte[]> send(long offset) {
+    return actor().task(JVM_FETCH, offset, plan.fetchMaxBytes, plan.isolation, headersOnly).remote();
+  }
+
+  /** Ask for {@code offset} now; the next {@link #fetch} of that offset takes the answer. */
+  void prefetch(long offset) {
+    try {
+      pending = send(offset);
+      pendingOffset = offset;
+    } catch (RuntimeException e) {
+      pending = null; // fetch() asks again, and handles the error
+    }
+  }
+
+  /** The reply for {@code offset}. */
+  FetchReply fetch(long offset) {
+    long deadline = System.currentTimeMillis() + plan.timeoutMs;
+    int failed = 0;
+    RuntimeException last = null;
+    while (true) {
+      ObjectRef<byte[]> ref = null;
+      if (pending != null && pendingOffset == offset) {
+        ref = pending;
+      }
+      pending = null;
+      try {
+        if (ref == null) {
+          ref = send(offset);
+        }
+        long left = Math.max(1, deadline - System.currentTimeMillis());
+        return new FetchReply(Ray.get(ref, left));
+      } catch (RuntimeException e) {
+        if (!retriable(e)) {
+          throw new IllegalStateException(label() + ": fetching offset " + offset + " failed: " + e.getMessage(), e);
+        }
+        last = e;
+      }
+      actor = null;
+      current = (current + 1) % range.replicas.length;
+      failed += 1;
+      long now = System.currentTimeMillis();
+      if (now >= deadline) {
+        throw new IllegalStateException(
+            label() + ": no replica served offset " + offset + " within " + plan.timeoutMs + " ms; last error: "
+                + (last == null ? "none" : last.getMessage()), last);
+      }
+      if (failed % range.replicas.length == 0) {
+        sleep(Math.min(deadline - now, Math.min(1000L, 50L << Math.min(5, failed / range.replicas.length))));
+      }
+    }
+  }
+
+  private static boolean retriable(RuntimeException e) {
+    if (e instanceof IllegalStateException && String.valueOf(e.getMessage()).contains("ActorDiedError")) {
+      return true;
+    }
+    if (!(e instanceof RayException)) {
+      return false;
+    }
+    if (e instanceof io.ray.api.exception.RayActorException
+        || e instanceof io.ray.api.exception.RayTimeoutException) {
+      return true;
+    }
+    String text = String.valueOf(e.getMessage());
+    for (String name : RETRIABLE) {
+      if (text.contains(name)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  private static void sleep(long ms) {
+    try {
+      Thread.sleep(Math.max(0, ms));
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      throw new IllegalStateException("interrupted", e);
+    }
+  }
+}
