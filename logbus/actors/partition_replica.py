@@ -840,14 +840,15 @@ class PartitionReplica:
         self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level, before any wait
         return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level))
 
-    async def jvm_fetch(self, offset: int, max_bytes: int, isolation_level: int, headers_only: bool) -> bytes:
+    async def jvm_fetch(self, offset: int, max_bytes: int, isolation_level: int, headers_only: bool, columns: int = jvm_fetch.ALL_COLUMNS) -> bytes:
         """For Spark's JVM reader (a Ray cross-language call): a fetch's kept batches as one ``bytes``.
 
         As :meth:`fetch` with no wait, no session and no tier plan, but the reply
         holds only what a reader keeps (no transaction markers, and with
         READ_COMMITTED no aborted batches), framed as
         :mod:`logbus.protocol.jvm_fetch` describes; ``headers_only`` returns each
-        kept batch's frame header without its records (enough to count them).
+        kept batch's frame header without its records (enough to count them), and
+        ``columns`` (a mask) the batches with only those of their columns.
         """
         self._started()
         self._check_leader()
@@ -861,7 +862,7 @@ class PartitionReplica:
         aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset)) if read_committed else ()
         return jvm_fetch.pack_reply(
             result.data, result.first_offset, result.next_offset, self.high_watermark,
-            headers_only=bool(headers_only), read_committed=read_committed, aborted=aborted,
+            headers_only=bool(headers_only), read_committed=read_committed, aborted=aborted, columns=int(columns),
         )
 
     async def channel_address(self) -> tuple[str, str] | None:

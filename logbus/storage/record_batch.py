@@ -454,6 +454,23 @@ def decode_records(buffer, position: int = 0, *, verify_crc: bool = True) -> tup
     return header, records
 
 
+def project_batch(buffer, position: int, names: Sequence[str]) -> tuple[bytearray, pa.Buffer]:
+    """The batch at ``position`` with only the columns ``names`` (in SCHEMA's order): (frame header, IPC
+    message), as :func:`frame_parts` returns a batch.
+
+    For readers that asked for some columns only (Spark's JVM reader, through
+    ``logbus.protocol.jvm_fetch``): the header is the stored one with its
+    length set to the new message's; its CRC is the stored batch's, so the
+    projection is no batch to store or to check, only to read. The message is
+    uncompressed; its schema is SCHEMA's fields ``names``.
+    """
+    header, records = decode_records(buffer, position, verify_crc=False)
+    message = records.select(list(names)).serialize()
+    frame = bytearray(memoryview(buffer)[position:position + HEADER_SIZE])
+    struct.pack_into("<i", frame, LENGTH_OFFSET, HEADER_SIZE - LOG_OVERHEAD + message.size)
+    return frame, message
+
+
 def decode_batches(buffer, *, verify_crc: bool = True) -> list[tuple[BatchHeader, pa.RecordBatch]]:
     """Decode every batch of a buffer of whole batches (a fetch response)."""
     view = memoryview(buffer)

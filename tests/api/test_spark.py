@@ -60,17 +60,30 @@ def content_hash(key: bytes, value: bytes, timestamp_ms: int) -> int:
     return zlib.crc32(key + value + str(timestamp_ms).encode())
 
 
+def scans_with_the_jvm_reader(df) -> bool:
+    """Whether Spark's plan for ``df`` reads through logbus's own data source (logbus/jvm)."""
+    return "BatchScan logbus" in df._jdf.queryExecution().executedPlan().toString()
+
+
+def without_the_jvm_reader(monkeypatch) -> None:
+    """Read as a session without logbus's jar does: through Ray Data."""
+    monkeypatch.setattr(logbus.spark, "_jvm_read", lambda *args, **kwargs: None)
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("reader", ["ray-data-tasks", "driver"])
+@pytest.mark.parametrize("reader", ["jvm", "ray-data-tasks", "driver"])
 def test_read_topic_into_spark(spark, bus, topic, reader, monkeypatch):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     name, produced, counts = topic
+    if reader != "jvm":
+        without_the_jvm_reader(monkeypatch)
     # A range up to SMALL_READ_OFFSETS is read in the driver, a larger one by Ray Data tasks: both here.
     monkeypatch.setattr(logbus.spark, "SMALL_READ_OFFSETS", RECORDS if reader == "driver" else 0)
     df = logbus.spark.read(spark, name, bus=bus)
     assert df.schema == logbus.spark.kafka_schema()
+    assert scans_with_the_jvm_reader(df) == (reader == "jvm")
 
     # One Spark job checks every record: per partition the offsets are 0..n-1 once each,
     # in the order the values were sent, and the records hash to what was produced.
@@ -366,3 +379,107 @@ def test_read_write_and_stream_while_every_cpu_is_held(spark, bus):
         for holder in holders:
             ray.kill(holder)
     wait_for(lambda: free_cpus() >= spare, timeout_s=60, interval_s=0.2, message="the held CPUs free again")
+
+
+# --- logbus's own data source (logbus/jvm): Spark's executors fetch from the replicas ----------------
+
+
+@pytest.mark.timeout(300)
+def test_the_jvm_reader_counts_from_batch_headers_and_slices_batches_at_the_range_ends(spark, bus, topic):
+    name, produced, counts = topic
+    # Ranges that start and end inside batches: the first and last batch of each are cut.
+    start = {str(p): 7 for p in range(PARTITIONS)}
+    end = {str(p): counts[p] - 5 for p in range(PARTITIONS)}
+    df = logbus.spark.read(spark, name, starting_offsets={name: start}, ending_offsets={name: end}, bus=bus)
+    assert scans_with_the_jvm_reader(df)
+    counted = df.groupBy().count()
+    # A count needs no column: the scan reads none (the reader then fetches batch headers only).
+    assert "BatchScan logbus[]" in counted._jdf.queryExecution().executedPlan().toString()
+    assert counted.collect()[0][0] == sum(counts) - 12 * PARTITIONS
+    bounds = {r["partition"]: (r["low"], r["high"], r["n"]) for r in df.groupBy("partition").agg(
+        {"offset": "min", "*": "count"}).withColumnRenamed("min(offset)", "low").withColumnRenamed("count(1)", "n")
+        .join(df.groupBy("partition").agg({"offset": "max"}).withColumnRenamed("max(offset)", "high"), "partition").collect()}
+    assert bounds == {p: (7, counts[p] - 6, counts[p] - 12) for p in range(PARTITIONS)}
+
+
+@pytest.mark.timeout(300)
+def test_the_jvm_reader_matches_the_ray_data_reader_row_for_row_with_headers(spark, bus, topic, monkeypatch):
+    name, _, _ = topic
+
+    def rows(df):
+        return sorted(
+            (r["partition"], r["offset"], bytes(r["key"]), bytes(r["value"]), r["timestamp"], r["timestampType"], r["topic"],
+             None if r["headers"] is None else [(h["key"], bytes(h["value"])) for h in r["headers"]])
+            for r in df.where("offset < 300").collect()
+        )
+
+    native = logbus.spark.read(spark, name, include_headers=True, bus=bus)
+    assert scans_with_the_jvm_reader(native)
+    assert native.schema == logbus.spark.kafka_schema(True)
+    found = rows(native)
+    without_the_jvm_reader(monkeypatch)
+    assert found == rows(logbus.spark.read(spark, name, include_headers=True, bus=bus))
+    assert any(r[-1] for r in found) and any(r[-1] is None for r in found)  # both kinds of records were compared
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compression", ["lz4", "zstd"])
+def test_the_jvm_reader_decompresses_batches(spark, bus, compression):
+    name = f"sp-{compression}-{uuid.uuid4().hex[:8]}"
+    bus.admin.create_topic(name, partitions=2)
+    values = [b"%s-%06d" % (compression.encode(), i) * 20 for i in range(3000)]  # compressible
+    with logbus.Producer(bus, compression=compression, linger_ms=5) as producer:
+        for i, value in enumerate(values):
+            producer.send(name, value, key=b"k%d" % (i % 7))
+        producer.flush(timeout_s=60)
+    df = logbus.spark.read(spark, name, bus=bus)
+    assert scans_with_the_jvm_reader(df)
+    assert sorted(bytes(r["value"]) for r in df.select("value").collect()) == sorted(values)
+
+
+@pytest.mark.timeout(300)
+def test_the_jvm_reader_drops_markers_and_with_read_committed_aborted_records(spark, bus):
+    name = f"sp-txn-{uuid.uuid4().hex[:8]}"
+    bus.admin.create_topic(name, partitions=1)
+    with logbus.Producer(bus, transactional_id=f"tx-{name}") as producer:
+        producer.init_transactions()
+        for outcome in ("commit", "abort", "commit"):
+            producer.begin_transaction()
+            for i in range(50):
+                producer.send(name, b"%s-%d" % (outcome.encode(), i), partition=0)
+            producer.flush(timeout_s=60)
+            producer.commit_transaction() if outcome == "commit" else producer.abort_transaction()
+    with logbus.Producer(bus) as plain:
+        plain.send(name, b"plain", partition=0)
+        plain.flush(timeout_s=60)
+    # 150 records, three markers, one plain record.
+    wait_for(lambda: bus.admin.describe_topic(name).partitions[0].high_watermark == 154, timeout_s=60, message="the markers")
+
+    def values(isolation_level):
+        df = logbus.spark.read(spark, name, bus=bus, isolation_level=isolation_level)
+        assert scans_with_the_jvm_reader(df)
+        return Counter(bytes(r["value"]).split(b"-")[0] for r in df.collect())
+
+    assert values("read_committed") == {b"commit": 100, b"plain": 1}
+    assert values("read_uncommitted") == {b"commit": 100, b"abort": 50, b"plain": 1}
+
+
+@pytest.mark.timeout(300)
+def test_the_jvm_reader_waits_out_a_leader_restart(spark, bus):
+    name = f"sp-restart-{uuid.uuid4().hex[:8]}"
+    bus.admin.create_topic(name, partitions=1)
+    with logbus.Producer(bus) as producer:
+        for i in range(2000):
+            producer.send(name, b"%06d" % i)
+        producer.flush(timeout_s=60)
+    df = logbus.spark.read(spark, name, bus=bus)  # planned: the leader is named now
+    leader = bus.topic_metadata(name, refresh=True).leaders[0]
+    ray.kill(leader, no_restart=False)  # Ray starts it again; it rebuilds from its files
+    rows = df.select("offset", "value").collect()
+    assert sorted((r["offset"], bytes(r["value"])) for r in rows) == [(i, b"%06d" % i) for i in range(2000)]
+
+
+@pytest.mark.timeout(120)
+def test_format_logbus_without_a_plan_says_how_to_read(spark):
+    with pytest.raises(Exception, match="logbus.spark.read"):
+        spark.read.format("logbus").load().count()

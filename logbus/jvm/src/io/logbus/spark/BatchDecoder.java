@@ -4,6 +4,7 @@ import java.io.IOException;
 import java.io.UncheckedIOException;
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
+import java.util.ArrayList;
 import java.util.List;
 
 import org.apache.arrow.flatbuf.Message;
@@ -22,13 +23,14 @@ import org.apache.arrow.vector.types.pojo.Schema;
 
 /**
  * Loads one logbus batch's Arrow IPC record batch message into vectors of the batch schema
- * ({@code record_batch.SCHEMA}: key, value, timestamp, headers). A reply is copied once into Arrow's
+ * ({@code record_batch.SCHEMA}: key, value, timestamp, headers), or of the fields a projected batch
+ * holds ({@code record_batch.project_batch}). A reply is copied once into Arrow's
  * memory; each batch's vectors are slices of that copy (decompressed when the batch is compressed).
  * The vectors are reused: a batch's columns are valid until the next {@link #load}.
  */
 final class BatchDecoder implements AutoCloseable {
-  static final Schema SCHEMA =
-      new Schema(
+  /** The batch schema's fields, in its order; a projected batch holds some of them (bit i: field i). */
+  static final List<Field> FIELDS =
           List.of(
               Field.nullable("key", ArrowType.Binary.INSTANCE),
               Field.nullable("value", ArrowType.Binary.INSTANCE),
@@ -42,7 +44,18 @@ final class BatchDecoder implements AutoCloseable {
                           FieldType.notNullable(ArrowType.Struct.INSTANCE),
                           List.of(
                               new Field("key", FieldType.notNullable(ArrowType.Utf8.INSTANCE), null),
-                              Field.nullable("value", ArrowType.Binary.INSTANCE)))))));
+                              Field.nullable("value", ArrowType.Binary.INSTANCE))))));
+  static final int ALL_COLUMNS = (1 << FIELDS.size()) - 1;
+
+  /** The mask bit of a batch column, or 0 for the columns made from the frame header and the plan. */
+  static int bit(String column) {
+    for (int i = 0; i < FIELDS.size(); i++) {
+      if (FIELDS.get(i).getName().equals(column)) {
+        return 1 << i;
+      }
+    }
+    return 0;
+  }
 
   private final BufferAllocator allocator;
   final VectorSchemaRoot root;
@@ -50,9 +63,16 @@ final class BatchDecoder implements AutoCloseable {
   private FetchReply copied;
   private ArrowBuf copy;
 
-  BatchDecoder(BufferAllocator allocator) {
+  /** {@code columns}: the mask of the fields the batches hold. */
+  BatchDecoder(BufferAllocator allocator, int columns) {
     this.allocator = allocator;
-    root = VectorSchemaRoot.create(SCHEMA, allocator);
+    List<Field> fields = new ArrayList<>();
+    for (int i = 0; i < FIELDS.size(); i++) {
+      if ((columns >> i & 1) != 0) {
+        fields.add(FIELDS.get(i));
+      }
+    }
+    root = VectorSchemaRoot.create(new Schema(fields), allocator);
     loader = new VectorLoader(root, Codecs.INSTANCE);
   }
 

@@ -29,6 +29,7 @@ final class FetchReply {
   final long firstOffset;
   final long nextOffset;
   final long highWatermark;
+  final int columns;
   final int[] positions;
 
   FetchReply(byte[] bytes) {
@@ -42,6 +43,7 @@ final class FetchReply {
     nextOffset = buffer.getLong(16);
     highWatermark = buffer.getLong(24);
     int count = buffer.getInt(32);
+    columns = buffer.getInt(36);
     positions = new int[count];
     int position = SIZE;
     for (int i = 0; i < count; i++) {

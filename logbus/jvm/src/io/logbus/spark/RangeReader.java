@@ -37,10 +37,16 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
   RangeReader(ReadPlan plan, ReadPlan.Range range, StructType schema) {
     this.range = range;
     columns = schema.fieldNames();
-    headersOnly = columns.length == 0;
-    client = new ReplicaClient(plan, range, headersOnly);
+    int fetched = 0;
+    for (String column : columns) {
+      fetched |= BatchDecoder.bit(column);
+    }
+    // Offsets, topic, partition and timestampType come from the frame header and the plan: a query of
+    // only those (a count) fetches headers only.
+    headersOnly = fetched == 0;
+    client = new ReplicaClient(plan, range, fetched);
     allocator = ArrowUtils.rootAllocator().newChildAllocator("logbus " + plan.topic + "-" + range.partition, 0, Long.MAX_VALUE);
-    decoder = headersOnly ? null : new BatchDecoder(allocator);
+    decoder = headersOnly ? null : new BatchDecoder(allocator, fetched);
     topic = UTF8String.fromString(plan.topic);
     offset = range.start;
   }
@@ -91,10 +97,9 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
   }
 
   private ColumnarBatch build(int batch, int from, int rows, long firstOffset) {
-    if (headersOnly) {
-      return new ColumnarBatch(new ColumnVector[0], rows);
+    if (!headersOnly) {
+      decoder.load(reply, batch);
     }
-    decoder.load(reply, batch);
     boolean logAppendTime = (reply.attributes(batch) & FetchReply.LOG_APPEND_TIME_MASK) != 0;
     ColumnVector[] vectors = new ColumnVector[columns.length];
     for (int i = 0; i < columns.length; i++) {
@@ -106,13 +111,12 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
   private ColumnVector column(String name, int from, int rows, long firstOffset, boolean logAppendTime, long maxTimestampMs) {
     switch (name) {
       case "key":
-        return new Columns.Binary((VarBinaryVector) decoder.root.getVector(0), from, rows);
       case "value":
-        return new Columns.Binary((VarBinaryVector) decoder.root.getVector(1), from, rows);
+        return new Columns.Binary((VarBinaryVector) decoder.root.getVector(name), from, rows);
       case "timestamp":
-        return new Columns.Timestamps((BigIntVector) decoder.root.getVector(2), from, logAppendTime, maxTimestampMs);
+        return new Columns.Timestamps((BigIntVector) decoder.root.getVector(name), from, logAppendTime, maxTimestampMs);
       case "headers":
-        return new Columns.Headers((MapVector) decoder.root.getVector(3), from);
+        return new Columns.Headers((MapVector) decoder.root.getVector(name), from);
       case "offset":
         return new Columns.Offsets(firstOffset);
       case "topic": {

@@ -27,15 +27,18 @@ final class ReplicaClient {
   private final ReadPlan plan;
   private final ReadPlan.Range range;
   private final boolean headersOnly;
+  private final int columns;
   private int current;
   private PyActorHandle actor;
   private long pendingOffset = -1;
   private ObjectRef<byte[]> pending;
 
-  ReplicaClient(ReadPlan plan, ReadPlan.Range range, boolean headersOnly) {
+  /** {@code columns}: the mask of the batch schema's columns to fetch (see BatchDecoder); 0 fetches headers only. */
+  ReplicaClient(ReadPlan plan, ReadPlan.Range range, int columns) {
     this.plan = plan;
     this.range = range;
-    this.headersOnly = headersOnly;
+    this.columns = columns;
+    this.headersOnly = columns == 0;
   }
 
   private String label() {
@@ -55,7 +58,7 @@ final class ReplicaClient {
   }
 
   private ObjectRef<byte[]> send(long offset) {
-    return actor().task(JVM_FETCH, offset, plan.fetchMaxBytes, plan.isolation, headersOnly).remote();
+    return actor().task(JVM_FETCH, offset, plan.fetchMaxBytes, plan.isolation, headersOnly, columns).remote();
   }
 
   /** Ask for {@code offset} now; the next {@link #fetch} of that offset takes the answer. */
@@ -84,7 +87,11 @@ final class ReplicaClient {
           ref = send(offset);
         }
         long left = Math.max(1, deadline - System.currentTimeMillis());
-        return new FetchReply(Ray.get(ref, left));
+        FetchReply reply = new FetchReply(Ray.get(ref, left));
+        if (reply.columns != columns) {
+          throw new IllegalStateException(label() + ": asked for columns " + columns + ", the replica sent " + reply.columns);
+        }
+        return reply;
       } catch (RuntimeException e) {
         if (!retriable(e)) {
           throw new IllegalStateException(label() + ": fetching offset " + offset + " failed: " + e.getMessage(), e);
