@@ -70,8 +70,8 @@ from logbus.api.dataset import (
     task_slots,
 )
 from logbus.api.dataset import SCHEMA as DATASET_SCHEMA
-from logbus.options import check_flag
-from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError, LeaderNotAvailableError
+from logbus.options import INT64_MAX, check_flag, check_int
+from logbus.errors import IllegalStateError, InvalidConfigError, InvalidPartitionError, InvalidRecordError
 from logbus.storage.names import validate_topic_name
 
 # Packages of java.base that Spark 3.5 and RayDP open by reflection (Java 17 refuses without these).
@@ -127,7 +127,7 @@ def init_spark(
     configs = dict(configs or {})
     try:
         jar = jvm.jar()
-    except IllegalStateError as error:
+    except (IllegalStateError, OSError) as error:
         logger.warning("logbus: Spark will read topics through Ray Data, without logbus's data source: %s", error)
     else:
         theirs = str(configs.get("spark.jars", "")).strip()
@@ -385,8 +385,9 @@ def _as_kafka_rows(df, include_headers: bool):
 def _jvm_read(spark, source: TopicDatasource, bus, include_headers: bool):
     """The range of ``source`` through logbus's Java data source (``logbus/jvm``): Spark's executors fetch
     each partition from its leader with Ray cross-language calls and read its Arrow batches in place.
-    None when this session was started without the data source's jar (then Ray Data reads it)."""
-    if jvm.JAR_NAME not in spark.sparkContext.getConf().get("spark.jars", ""):
+    None when this session was started without the data source's jar, or a partition has no replica
+    on a live node (then Ray Data reads it)."""
+    if not jvm.in_session(spark):
         return None
     bus = connect() if bus is None else bus
     partitions = get(bus.request_metadata(source.topic))["partitions"]
@@ -395,7 +396,7 @@ def _jvm_read(spark, source: TopicDatasource, bus, include_headers: bool):
         if start < end:
             names = partitions[p].get("replica_names") or []
             if not names:
-                raise LeaderNotAvailableError(f"{source.topic}-{p} has no replica on a live node right now")
+                return None  # no replica on a live node now: the Ray Data reader waits for one
             planned.append({"partition": p, "start": start, "end": end, "replicas": names})
     plan = {
         "topic": source.topic,
@@ -627,6 +628,57 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
 
 
 # --- stream -----------------------------------------------------------------------------------------
+
+
+def read_stream(
+    spark,
+    topic: str,
+    starting_offsets="latest",
+    max_offsets_per_trigger: int | None = None,
+    fail_on_data_loss: bool = True,
+    include_headers: bool = False,
+    isolation_level: str = "read_uncommitted",
+    bus: Bus | None = None,
+):
+    """``topic`` as a streaming DataFrame: ``spark.readStream.format("logbus")`` with these options.
+
+    Spark plans each micro-batch itself (logbus's Java source, ``logbus/jvm``):
+    its checkpoint (``writeStream.option("checkpointLocation", ...)``) holds
+    each batch's offsets, so a restarted query reads a batch it planned again
+    from the same offsets; with a sink that writes a batch id once (a file
+    sink, ``foreachBatch`` keyed by batch id) each record comes out once. The
+    options are the Kafka source's (``startingOffsets``: "earliest", "latest"
+    or its JSON; ``maxOffsetsPerTrigger``; ``failOnDataLoss``; ``includeHeaders``;
+    ``kafka.isolation.level``) and so is the schema (:func:`kafka_schema`).
+    IllegalStateError when the session was started without logbus's jar
+    (start it with :func:`init_spark`).
+    """
+    validate_topic_name(topic)
+    check_flag("include_headers", include_headers)
+    check_flag("fail_on_data_loss", fail_on_data_loss)
+    check_bus(bus)
+    check_spark(spark)
+    if isolation_level not in ("read_uncommitted", "read_committed"):
+        raise InvalidConfigError(f"isolation_level must be read_uncommitted or read_committed, not {isolation_level!r}")
+    if max_offsets_per_trigger is not None:
+        check_int("max_offsets_per_trigger", max_offsets_per_trigger, 1, INT64_MAX)
+    if not jvm.in_session(spark):
+        raise IllegalStateError("this Spark session has no logbus data source: start it with logbus.spark.init_spark(...)")
+    if isinstance(starting_offsets, dict):
+        starting_offsets = json.dumps(starting_offsets)
+    namespace = (connect() if bus is None else bus).namespace
+    reader = (
+        spark.readStream.format("logbus")
+        .option("subscribe", topic)
+        .option("logbus.namespace", namespace)
+        .option("startingOffsets", str(starting_offsets))
+        .option("failOnDataLoss", str(fail_on_data_loss).lower())
+        .option("includeHeaders", str(include_headers).lower())
+        .option("kafka.isolation.level", isolation_level)
+    )
+    if max_offsets_per_trigger is not None:
+        reader = reader.option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
+    return reader.load()
 
 
 def stream(

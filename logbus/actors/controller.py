@@ -79,6 +79,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import json
 import logging
 import os
 import uuid
@@ -900,6 +901,14 @@ class Controller:
         """What producers and consumers need: config and, per partition, the leader's handle and epoch."""
         await self._ready()
         return self.client.topic_metadata(name)
+
+    async def jvm_topic_metadata(self, name: str) -> bytes:
+        """For Spark's JVM (a Ray cross-language call, which carries no actor handles): the topic's
+        partitions as JSON, each with its replicas' actor names (the leader's first) and leader epoch."""
+        await self._ready()
+        metadata = self.client.topic_metadata(name)
+        partitions = [{"replicas": p["replica_names"], "leader_epoch": p["leader_epoch"]} for p in metadata["partitions"]]
+        return json.dumps({"name": name, "topic_id": metadata["topic_id"], "partitions": partitions}).encode()
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
         """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``

@@ -95,6 +95,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 
 import numpy as np
 import ray
@@ -860,10 +861,13 @@ class PartitionReplica:
         metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
         read_committed = request.isolation_level == READ_COMMITTED
         aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset)) if read_committed else ()
-        return jvm_fetch.pack_reply(
-            result.data, result.first_offset, result.next_offset, self.high_watermark,
+        pack = functools.partial(
+            jvm_fetch.pack_reply, result.data, result.first_offset, result.next_offset, self.high_watermark,
             headers_only=bool(headers_only), read_committed=read_committed, aborted=aborted, columns=int(columns),
         )
+        if headers_only or int(columns) == jvm_fetch.ALL_COLUMNS:
+            return pack()  # frame headers only: no Arrow
+        return await asyncio.to_thread(pack)  # each batch decoded and written again: off the event loop
 
     async def channel_address(self) -> tuple[str, str] | None:
         """(node id, socket address) of this replica's local channel, or None where there is none."""
@@ -953,6 +957,14 @@ class PartitionReplica:
             return self.log.log_start_offset, self._read_limit(isolation_level), self.log.log_end_offset
         await self._tiering.ensure_open()  # a tiered topic's earliest offset is the tier's
         return self._tiering.log_start_offset(), self._read_limit(isolation_level), self.log.log_end_offset
+
+    async def jvm_offsets(self, isolation_level: int) -> bytes:
+        """For Spark's JVM reader (a Ray cross-language call): the leader's ``offsets(isolation_level)``
+        as 24 bytes, little-endian int64s: log start offset, high watermark (or last stable offset),
+        log end offset. NotLeaderError on a follower."""
+        self._started()
+        self._check_leader()
+        return struct.pack("<qqq", *(await self.offsets(int(isolation_level))))
 
     async def tier_status(self) -> dict | None:
         """A tiered topic's remote tier as this replica sees it (``TierSchedule.status``), else None."""

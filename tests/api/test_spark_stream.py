@@ -91,3 +91,98 @@ def test_stream_needs_a_running_spark(bus, topic_name):
     bus.admin.create_topic(topic_name)
     with pytest.raises(logbus.IllegalStateError):
         logbus.spark.stream(None, topic_name, "g", lambda df, batch_id: None, bus=bus)
+
+
+# --- spark.readStream.format("logbus"): Spark's own Structured Streaming -----------------------------
+
+
+def produce_values(bus, topic: str, values: range, partitions: int = 2) -> None:
+    with logbus.Producer(bus) as producer:
+        for i in values:
+            producer.send(topic, b"%d" % i, partition=i % partitions)
+        producer.flush(timeout_s=60)
+
+
+def run_query(spark, df, sink, checkpoint, timeout_s: float = 240):
+    """One Trigger.AvailableNow run of ``df`` into ``foreachBatch(sink)``: it reads what is there and ends."""
+    query = df.writeStream.foreachBatch(sink).option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start()
+    try:
+        query.awaitTermination(timeout_s)
+    finally:
+        if query.isActive:
+            query.stop()
+            raise AssertionError(f"the query did not end within {timeout_s} s")
+
+
+def test_read_stream_has_the_kafka_sources_schema(spark, bus, topic_name):
+    bus.admin.create_topic(topic_name, partitions=1)
+    df = logbus.spark.read_stream(spark, topic_name, bus=bus)
+    assert df.isStreaming and df.schema == logbus.spark.kafka_schema()
+    assert logbus.spark.read_stream(spark, topic_name, include_headers=True, bus=bus).schema == logbus.spark.kafka_schema(True)
+
+
+@pytest.mark.timeout(600)
+def test_a_query_restarted_between_a_batchs_write_and_its_commit_neither_loses_nor_repeats(spark, bus, topic_name, tmp_path):
+    from pyspark.errors import StreamingQueryException
+
+    bus.admin.create_topic(topic_name, partitions=2)
+    produce_values(bus, topic_name, range(0, 600))
+    written: dict[int, list[tuple[int, int, int]]] = {}  # batch id -> rows; a batch id written again replaces itself
+    crash = {"armed": True}
+
+    def sink(df, batch_id):
+        written[batch_id] = [(r["partition"], r["offset"], int(bytes(r["value"]))) for r in df.collect()]
+        if batch_id == 1 and crash["armed"]:
+            crash["armed"] = False
+            raise RuntimeError("the driver died after the sink wrote batch 1, before Spark committed it")
+
+    def stream():
+        return logbus.spark.read_stream(spark, topic_name, starting_offsets="earliest", max_offsets_per_trigger=200, bus=bus)
+
+    checkpoint = tmp_path / "checkpoint"
+    with pytest.raises(StreamingQueryException, match="before Spark committed it"):
+        run_query(spark, stream(), sink, checkpoint)
+    first_write = list(written[1])
+    produce_values(bus, topic_name, range(600, 900))  # arrives while the query is down
+    run_query(spark, stream(), sink, checkpoint)
+    assert written[1] == first_write  # batch 1 ran again over the offsets it was planned with
+    rows = [row for batch in sorted(written) for row in written[batch]]
+    assert sorted(value for _, _, value in rows) == list(range(900))  # each record once
+    assert len({(p, o) for p, o, _ in rows}) == 900
+    assert all(0 < len(batch) <= 200 for batch in written.values())
+
+
+@pytest.mark.timeout(600)
+def test_fail_on_data_loss_stops_a_query_whose_next_records_were_deleted(spark, bus, topic_name, tmp_path):
+    from pyspark.errors import StreamingQueryException
+
+    bus.admin.create_topic(topic_name, partitions=1)
+    produce_values(bus, topic_name, range(0, 100), partitions=1)
+    seen: list[int] = []
+
+    def sink(df, batch_id):
+        seen.extend(int(bytes(r["value"])) for r in df.collect())
+
+    def stream(fail_on_data_loss):
+        return logbus.spark.read_stream(spark, topic_name, starting_offsets="earliest", fail_on_data_loss=fail_on_data_loss, bus=bus)
+
+    checkpoint = tmp_path / "checkpoint"
+    run_query(spark, stream(True), sink, checkpoint)
+    assert seen == list(range(100))
+    produce_values(bus, topic_name, range(100, 200), partitions=1)
+    bus.admin.delete_records({TopicPartition(topic_name, 0): 150})  # 100..149 go before the query reads them
+    with pytest.raises(StreamingQueryException, match="were deleted before this query read them"):
+        run_query(spark, stream(True), sink, checkpoint)
+    run_query(spark, stream(False), sink, checkpoint)
+    assert seen == list(range(100)) + list(range(150, 200))
+
+
+def test_read_stream_options_are_checked(spark, bus, topic_name):
+    from logbus.errors import InvalidConfigError
+
+    with pytest.raises(InvalidConfigError, match="max_offsets_per_trigger"):
+        logbus.spark.read_stream(spark, topic_name, max_offsets_per_trigger=0, bus=bus)
+    with pytest.raises(InvalidConfigError, match="isolation_level"):
+        logbus.spark.read_stream(spark, topic_name, isolation_level="serializable", bus=bus)
+    with pytest.raises(Exception, match="subscribe"):  # Spark's own spelling, without the topic
+        spark.readStream.format("logbus").load()

@@ -6,8 +6,8 @@ import java.io.InputStream;
 import java.io.UncheckedIOException;
 
 import com.github.luben.zstd.Zstd;
-import net.jpountz.lz4.LZ4FrameInputStream;
 import org.apache.arrow.memory.ArrowBuf;
+import org.apache.commons.compress.compressors.lz4.FramedLZ4CompressorInputStream;
 import org.apache.arrow.memory.BufferAllocator;
 import org.apache.arrow.vector.compression.AbstractCompressionCodec;
 import org.apache.arrow.vector.compression.CompressionCodec;
@@ -15,9 +15,10 @@ import org.apache.arrow.vector.compression.CompressionUtil;
 import org.apache.arrow.vector.compression.NoCompressionCodec;
 
 /**
- * Arrow IPC body decompression (LZ4 frame, ZSTD) with the lz4-java and zstd-jni that Spark ships
- * (Arrow's own arrow-compression module is not among Spark's jars). Readers only: logbus batches are
- * compressed by the producer, in Python.
+ * Arrow IPC body decompression (LZ4 frame, ZSTD) with the commons-compress and zstd-jni that Spark
+ * ships, as Arrow's own arrow-compression module does it (that module is not among Spark's jars).
+ * commons-compress, not lz4-java: Arrow C++ writes LZ4 frames of linked blocks, which lz4-java's
+ * frame reader refuses. Readers only: logbus batches are compressed by the producer, in Python.
  */
 final class Codecs implements CompressionCodec.Factory {
   static final Codecs INSTANCE = new Codecs();
@@ -49,7 +50,7 @@ final class Codecs implements CompressionCodec.Factory {
       byte[] in = new byte[(int) (compressed.writerIndex() - PREFIX)];
       compressed.getBytes(PREFIX, in);
       byte[] out = new byte[(int) length];
-      try (InputStream stream = new LZ4FrameInputStream(new ByteArrayInputStream(in))) {
+      try (InputStream stream = new FramedLZ4CompressorInputStream(new ByteArrayInputStream(in))) {
         int read = 0;
         while (read < out.length) {
           int n = stream.read(out, read, out.length - read);

@@ -10,23 +10,40 @@ import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
 import org.apache.spark.sql.connector.read.SupportsPushDownRequiredColumns;
+import org.apache.spark.sql.connector.read.streaming.MicroBatchStream;
+import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 import org.apache.spark.sql.catalyst.InternalRow;
+import org.apache.spark.sql.types.StructField;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.vectorized.ColumnarBatch;
 
 /** The scan of a planned read: one input partition per topic partition, only the columns the query uses. */
 final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, Scan, Batch {
-  private final ReadPlan plan;
+  private final CaseInsensitiveStringMap options;
   private StructType schema;
+  private ReadPlan plan;
 
-  LogbusScan(ReadPlan plan, StructType schema) {
-    this.plan = plan;
+  LogbusScan(CaseInsensitiveStringMap options, StructType schema) {
+    this.options = options;
     this.schema = schema;
+  }
+
+  private ReadPlan plan() {
+    if (plan == null) {
+      plan = ReadPlan.parse(options);
+    }
+    return plan;
   }
 
   @Override
   public void pruneColumns(StructType required) {
-    schema = required;
+    // Spark may prune inside a struct too (headers' key or value alone); the reader hands headers
+    // whole, so they keep their full type.
+    StructType pruned = new StructType();
+    for (StructField field : required.fields()) {
+      pruned = pruned.add(field.name().equals("headers") ? KafkaSchema.of(true).apply("headers") : field);
+    }
+    schema = pruned;
   }
 
   @Override
@@ -41,7 +58,8 @@ final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, 
 
   @Override
   public String description() {
-    return "logbus " + plan.topic + " (" + plan.partitions.size() + " partitions)";
+    String topic = options.containsKey(ReadPlan.OPTION) ? plan().topic : options.get("subscribe");
+    return "logbus " + topic;
   }
 
   @Override
@@ -50,9 +68,14 @@ final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, 
   }
 
   @Override
+  public MicroBatchStream toMicroBatchStream(String checkpointLocation) {
+    return new LogbusStream(new SourceOptions(options, "latest"), schema, checkpointLocation);
+  }
+
+  @Override
   public InputPartition[] planInputPartitions() {
     List<InputPartition> parts = new ArrayList<>();
-    for (ReadPlan.Range range : plan.partitions) {
+    for (ReadPlan.Range range : plan().partitions) {
       if (range.start < range.end) {
         parts.add(new TopicPartitionRange(range));
       }
@@ -62,7 +85,7 @@ final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, 
 
   @Override
   public PartitionReaderFactory createReaderFactory() {
-    return new ReaderFactory(plan, schema);
+    return new ReaderFactory(plan(), schema);
   }
 
   /** One partition's range as Spark ships it to an executor. */

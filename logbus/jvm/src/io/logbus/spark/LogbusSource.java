@@ -12,10 +12,11 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 /**
  * {@code spark.read.format("logbus")}: a topic's records with the schema of Spark's Kafka source.
  *
- * <p>Python's {@code logbus.spark.read} resolves the offsets and the partitions' replicas and passes
- * them as the option {@code logbus.plan} (JSON, see {@link ReadPlan}); the executors then fetch each
- * partition's batches from its leader replica with Ray cross-language calls and hand Spark columnar
- * batches made from the batches' own Arrow buffers.
+ * <p>A batch read is planned in Python by {@code logbus.spark.read} (the option {@code logbus.plan},
+ * see {@link ReadPlan}) or here from the options of {@link SourceOptions}; a streaming query
+ * ({@code spark.readStream.format("logbus")}) is planned here trigger by trigger ({@link LogbusStream}).
+ * Either way the executors fetch each partition's batches from its leader replica with Ray
+ * cross-language calls and hand Spark columnar batches made from the batches' own Arrow buffers.
  */
 public final class LogbusSource implements TableProvider, DataSourceRegister {
   @Override
@@ -25,7 +26,7 @@ public final class LogbusSource implements TableProvider, DataSourceRegister {
 
   @Override
   public StructType inferSchema(CaseInsensitiveStringMap options) {
-    return KafkaSchema.of(ReadPlan.parse(options).includeHeaders);
+    return KafkaSchema.of(ReadPlan.includeHeaders(options));
   }
 
   @Override

@@ -9,7 +9,7 @@ import org.apache.spark.sql.connector.read.ScanBuilder;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
-/** One planned read of a topic (the plan comes with the scan's options). */
+/** A topic as Spark reads it: batch reads and micro-batch streams. */
 final class LogbusTable implements SupportsRead {
   private final StructType schema;
 
@@ -29,11 +29,11 @@ final class LogbusTable implements SupportsRead {
 
   @Override
   public Set<TableCapability> capabilities() {
-    return EnumSet.of(TableCapability.BATCH_READ);
+    return EnumSet.of(TableCapability.BATCH_READ, TableCapability.MICRO_BATCH_READ);
   }
 
   @Override
   public ScanBuilder newScanBuilder(CaseInsensitiveStringMap options) {
-    return new LogbusScan(ReadPlan.parse(options), schema);
+    return new LogbusScan(options, schema);
   }
 }

@@ -7,7 +7,6 @@ import org.apache.arrow.vector.complex.MapVector;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.execution.vectorized.ConstantColumnVector;
 import org.apache.spark.sql.types.DataTypes;
-import org.apache.spark.sql.types.StructField;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.ArrowUtils;
 import org.apache.spark.sql.vectorized.ColumnVector;
@@ -33,6 +32,7 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
   private int nextBatch;
   private int emptyReplies;
   private ColumnarBatch current;
+  private boolean failed;
 
   RangeReader(ReadPlan plan, ReadPlan.Range range, StructType schema) {
     this.range = range;
@@ -42,7 +42,11 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
       fetched |= BatchDecoder.bit(column);
     }
     // Offsets, topic, partition and timestampType come from the frame header and the plan: a query of
-    // only those (a count) fetches headers only.
+    // only those (a count) fetches headers only. A query of the values takes the batches as stored (the
+    // values are most of a batch: a projection would save little and cost the replica a decode).
+    if ((fetched & BatchDecoder.bit("value")) != 0) {
+      fetched = BatchDecoder.ALL_COLUMNS;
+    }
     headersOnly = fetched == 0;
     client = new ReplicaClient(plan, range, fetched);
     allocator = ArrowUtils.rootAllocator().newChildAllocator("logbus " + plan.topic + "-" + range.partition, 0, Long.MAX_VALUE);
@@ -53,6 +57,15 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
 
   @Override
   public boolean next() {
+    try {
+      return advance();
+    } catch (RuntimeException e) {
+      failed = true;
+      throw e;
+    }
+  }
+
+  private boolean advance() {
     while (true) {
       if (reply != null && nextBatch < reply.batches()) {
         int batch = nextBatch++;
@@ -78,7 +91,7 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
         // went back (a new leader truncated it). Wait for it a few times, as a consumer would.
         if (++emptyReplies > 20) {
           throw new IllegalStateException(
-              "logbus " + new String(topic.getBytes()) + "-" + range.partition + ": offsets up to " + range.end
+              "logbus " + topic + "-" + range.partition + ": offsets up to " + range.end
                   + " were committed when the read was planned, but the high watermark is now " + fetched.highWatermark
                   + " (the log was truncated)");
         }
@@ -149,7 +162,14 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
     if (decoder != null) {
       decoder.close();
     }
-    allocator.close();
+    try {
+      allocator.close();
+    } catch (IllegalStateException leaked) {
+      if (!failed) {
+        throw leaked;
+      }
+      // A batch that failed to load may hold buffers it decompressed: the task's own error is the one to see.
+    }
   }
 
   private static void sleep(long ms) {

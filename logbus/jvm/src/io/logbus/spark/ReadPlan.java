@@ -18,7 +18,9 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
  *  "partitions": [{"partition": 0, "start": 0, "end": 1000, "replicas": ["actor name", ...]}, ...]}
  * </pre>
  *
- * where {@code replicas} names the partition's replica actors, its leader first.
+ * where {@code replicas} names the partition's replica actors, its leader first. A query that names its
+ * topic instead ({@code option("subscribe", topic)}, see {@link SourceOptions}) is planned here in the
+ * driver: {@link #plan}.
  */
 final class ReadPlan implements Serializable {
   private static final long serialVersionUID = 1L;
@@ -30,6 +32,7 @@ final class ReadPlan implements Serializable {
   final boolean includeHeaders;
   final int fetchMaxBytes;
   final long timeoutMs;
+  final boolean failOnDataLoss;
   final List<Range> partitions;
 
   /** One partition's offsets {@code [start, end)} and where to fetch them. */
@@ -55,6 +58,7 @@ final class ReadPlan implements Serializable {
     includeHeaders = root.path("includeHeaders").asBoolean(false);
     fetchMaxBytes = root.path("fetchMaxBytes").asInt(8 << 20);
     timeoutMs = root.path("timeoutMs").asLong(30_000L);
+    failOnDataLoss = true;
     partitions = new ArrayList<>();
     for (JsonNode node : root.path("partitions")) {
       List<String> names = new ArrayList<>();
@@ -70,6 +74,77 @@ final class ReadPlan implements Serializable {
     }
   }
 
+  ReadPlan(SourceOptions options, List<Range> partitions) {
+    topic = options.topic;
+    namespace = options.namespace;
+    isolation = options.isolation;
+    includeHeaders = options.includeHeaders;
+    fetchMaxBytes = SourceOptions.FETCH_MAX_BYTES;
+    timeoutMs = SourceOptions.TIMEOUT_MS;
+    failOnDataLoss = options.failOnDataLoss;
+    this.partitions = partitions;
+  }
+
+  /**
+   * Each partition's offset for a spec of {@code startingOffsets} or {@code endingOffsets}: "earliest"
+   * (-2), "latest" (-1) or Kafka's JSON, where partitions not named take {@code fallback}.
+   */
+  static long[] specs(String spec, String topic, String what, int partitions, long fallback) {
+    long[] offsets = new long[partitions];
+    String lower = spec.toLowerCase(java.util.Locale.ROOT);
+    java.util.Arrays.fill(offsets, lower.equals("earliest") ? -2 : lower.equals("latest") ? -1 : fallback);
+    if (lower.equals("earliest") || lower.equals("latest")) {
+      return offsets;
+    }
+    for (java.util.Map.Entry<Integer, Long> entry : LogbusOffset.parse(spec, topic, what).entrySet()) {
+      if (entry.getKey() < 0 || entry.getKey() >= partitions) {
+        throw new IllegalArgumentException(what + " names partition " + entry.getKey() + " of " + topic + ", which has " + partitions);
+      }
+      offsets[entry.getKey()] = entry.getValue();
+    }
+    return offsets;
+  }
+
+  /** A spec (-2 earliest, -1 latest, or an offset) as an offset of a partition with these offsets. */
+  static long resolve(long spec, TopicClient.Offsets offsets) {
+    return spec == -2 ? offsets.logStart : spec == -1 ? offsets.end : spec;
+  }
+
+  /** A batch read of {@code [startingOffsets, endingOffsets)}, planned in the driver. */
+  static ReadPlan plan(SourceOptions options) {
+    TopicClient client = options.client();
+    List<String[]> names = client.partitions();
+    List<TopicClient.Offsets> offsets = client.offsets(names);
+    long[] starts = specs(options.startingOffsets, options.topic, "startingOffsets", names.size(), -2);
+    long[] ends = specs(options.endingOffsets, options.topic, "endingOffsets", names.size(), -1);
+    List<Range> ranges = new ArrayList<>();
+    for (int p = 0; p < names.size(); p++) {
+      TopicClient.Offsets at = offsets.get(p);
+      long start = resolve(starts[p], at);
+      long end = resolve(ends[p], at);
+      if (ends[p] == -2 || starts[p] == -1) {
+        throw new IllegalArgumentException("a batch read's endingOffsets cannot be earliest, nor its startingOffsets latest (as in Spark's Kafka source)");
+      }
+      if (start < at.logStart) {
+        if (options.failOnDataLoss) {
+          throw new IllegalStateException(options.topic + "-" + p + ": offsets from " + start + " are gone (the log starts at "
+              + at.logStart + "); set failOnDataLoss to false to read from there");
+        }
+        start = at.logStart;
+      }
+      if (end > at.end || end < start) {
+        throw new IllegalArgumentException(options.topic + "-" + p + ": cannot read [" + start + ", " + end + ") of offsets ["
+            + at.logStart + ", " + at.end + ")");
+      }
+      ranges.add(new Range(p, start, end, names.get(p)));
+    }
+    return new ReadPlan(options, ranges);
+  }
+
+  static boolean includeHeaders(CaseInsensitiveStringMap options) {
+    return options.containsKey(OPTION) ? parse(options).includeHeaders : new SourceOptions(options, "earliest").includeHeaders;
+  }
+
   private static String text(JsonNode root, String field) {
     JsonNode node = root.get(field);
     if (node == null || !node.isTextual()) {
@@ -81,8 +156,7 @@ final class ReadPlan implements Serializable {
   static ReadPlan parse(CaseInsensitiveStringMap options) {
     String json = options.get(OPTION);
     if (json == null) {
-      throw new IllegalArgumentException(
-          "format(\"logbus\") reads what logbus.spark.read planned: call logbus.spark.read(spark, topic, ...) in Python");
+      return plan(new SourceOptions(options, "earliest"));
     }
     try {
       return new ReadPlan(new ObjectMapper().readTree(json));

@@ -1,5 +1,6 @@
 package io.logbus.spark;
 
+import java.util.List;
 import java.util.Optional;
 
 import io.ray.api.BaseActorHandle;
@@ -17,10 +18,12 @@ import io.ray.api.function.PyActorMethod;
  */
 final class ReplicaClient {
   private static final PyActorMethod<byte[]> JVM_FETCH = PyActorMethod.of("jvm_fetch", byte[].class);
+  // Headers only: a fetch of this many stored bytes returns 64 bytes a batch.
+  private static final int HEADERS_FETCH_MAX_BYTES = 64 << 20;
   // Python errors worth trying another replica (or the same one later) for.
   private static final String[] RETRIABLE = {
     "NotLeaderError", "LeaderNotAvailableError", "NotEnoughReplicasError", "ReplicaNotAvailableError",
-    "FencedLeaderEpochError", "TierNotAvailableError", "RequestTimedOutError",
+    "FencedLeaderEpochError", "TierNotAvailableError", "RequestTimedOutError", "ObjectLostException",
     "RayActorError", "ActorDiedError", "ActorUnavailableError", "ActorUnschedulableError",
   };
 
@@ -29,6 +32,7 @@ final class ReplicaClient {
   private final boolean headersOnly;
   private final int columns;
   private int current;
+  private String[] replicas;
   private PyActorHandle actor;
   private long pendingOffset = -1;
   private ObjectRef<byte[]> pending;
@@ -39,6 +43,7 @@ final class ReplicaClient {
     this.range = range;
     this.columns = columns;
     this.headersOnly = columns == 0;
+    this.replicas = range.replicas;
   }
 
   private String label() {
@@ -47,7 +52,7 @@ final class ReplicaClient {
 
   private PyActorHandle actor() {
     if (actor == null) {
-      String name = range.replicas[current];
+      String name = replicas[current];
       Optional<BaseActorHandle> handle = Ray.getActor(name, plan.namespace);
       if (!handle.isPresent()) {
         throw new IllegalStateException(label() + ": no replica actor named " + name + " (ActorDiedError)");
@@ -58,7 +63,8 @@ final class ReplicaClient {
   }
 
   private ObjectRef<byte[]> send(long offset) {
-    return actor().task(JVM_FETCH, offset, plan.fetchMaxBytes, plan.isolation, headersOnly, columns).remote();
+    int maxBytes = headersOnly ? Math.max(plan.fetchMaxBytes, HEADERS_FETCH_MAX_BYTES) : plan.fetchMaxBytes;
+    return actor().task(JVM_FETCH, offset, maxBytes, plan.isolation, headersOnly, columns).remote();
   }
 
   /** Ask for {@code offset} now; the next {@link #fetch} of that offset takes the answer. */
@@ -99,7 +105,7 @@ final class ReplicaClient {
         last = e;
       }
       actor = null;
-      current = (current + 1) % range.replicas.length;
+      current = (current + 1) % replicas.length;
       failed += 1;
       long now = System.currentTimeMillis();
       if (now >= deadline) {
@@ -107,9 +113,26 @@ final class ReplicaClient {
             label() + ": no replica served offset " + offset + " within " + plan.timeoutMs + " ms; last error: "
                 + (last == null ? "none" : last.getMessage()), last);
       }
-      if (failed % range.replicas.length == 0) {
-        sleep(Math.min(deadline - now, Math.min(1000L, 50L << Math.min(5, failed / range.replicas.length))));
+      if (failed % replicas.length == 0) {
+        sleep(Math.min(deadline - now, Math.min(1000L, 50L << Math.min(5, failed / replicas.length))));
+        refreshReplicas();
       }
+    }
+  }
+
+  /**
+   * After every replica named failed once: ask the controller for the partition's replicas again (a
+   * replica moved, or its host joined again as a new Ray node: its actor has a new name).
+   */
+  private void refreshReplicas() {
+    try {
+      List<String[]> partitions = new TopicClient(plan.topic, plan.namespace, plan.isolation, plan.timeoutMs).partitions();
+      if (range.partition < partitions.size() && partitions.get(range.partition).length > 0) {
+        replicas = partitions.get(range.partition);
+        current = 0;
+      }
+    } catch (RuntimeException e) {
+      // the controller may be restarting too: keep the names known
     }
   }
 

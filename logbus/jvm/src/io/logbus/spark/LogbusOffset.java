@@ -1,0 +1,77 @@
+package io.logbus.spark;
+
+import java.io.IOException;
+import java.util.Iterator;
+import java.util.Map;
+import java.util.TreeMap;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.ObjectMapper;
+import com.fasterxml.jackson.databind.node.ObjectNode;
+import org.apache.spark.sql.connector.read.streaming.Offset;
+
+/**
+ * A streaming query's position: the next offset of each partition, written to Spark's checkpoint as
+ * the Kafka source writes its own ({@code {"topic": {"0": 23, "1": 7}}}).
+ */
+final class LogbusOffset extends Offset {
+  final String topic;
+  final TreeMap<Integer, Long> offsets;
+
+  LogbusOffset(String topic, Map<Integer, Long> offsets) {
+    this.topic = topic;
+    this.offsets = new TreeMap<>(offsets);
+  }
+
+  @Override
+  public String json() {
+    ObjectMapper mapper = new ObjectMapper();
+    ObjectNode root = mapper.createObjectNode();
+    ObjectNode partitions = root.putObject(topic);
+    for (Map.Entry<Integer, Long> entry : offsets.entrySet()) {
+      partitions.put(String.valueOf(entry.getKey()), entry.getValue());
+    }
+    return root.toString();
+  }
+
+  /** Parse Kafka's JSON spelling of offsets for {@code topic}; -2 and -1 (earliest, latest) stay as they are. */
+  static Map<Integer, Long> parse(String json, String topic, String what) {
+    JsonNode root;
+    try {
+      root = new ObjectMapper().readTree(json);
+    } catch (IOException e) {
+      throw new IllegalArgumentException(what + " is not JSON: " + json, e);
+    }
+    JsonNode partitions = root == null ? null : root.get(topic);
+    if (partitions == null || !partitions.isObject()) {
+      throw new IllegalArgumentException(what + " names no offsets of topic " + topic + ": " + json);
+    }
+    Map<Integer, Long> offsets = new TreeMap<>();
+    Iterator<Map.Entry<String, JsonNode>> fields = partitions.fields();
+    while (fields.hasNext()) {
+      Map.Entry<String, JsonNode> field = fields.next();
+      int partition;
+      try {
+        partition = Integer.parseInt(field.getKey());
+      } catch (NumberFormatException e) {
+        throw new IllegalArgumentException(what + ": '" + field.getKey() + "' is no partition number", e);
+      }
+      if (!field.getValue().canConvertToLong() || field.getValue().asLong() < -2) {
+        throw new IllegalArgumentException(what + ": partition " + partition + " has no offset (" + field.getValue() + ")");
+      }
+      offsets.put(partition, field.getValue().asLong());
+    }
+    return offsets;
+  }
+
+  static LogbusOffset fromJson(String json) {
+    JsonNode root;
+    try {
+      root = new ObjectMapper().readTree(json);
+    } catch (IOException e) {
+      throw new IllegalStateException("a checkpointed logbus offset is not JSON: " + json, e);
+    }
+    String topic = root.fieldNames().next();
+    return new LogbusOffset(topic, parse(json, topic, "the checkpointed offset"));
+  }
+}

@@ -1,0 +1,211 @@
+package io.logbus.spark;
+
+import java.io.IOException;
+import java.net.URI;
+import java.nio.charset.StandardCharsets;
+import java.nio.file.Files;
+import java.nio.file.Path;
+import java.nio.file.Paths;
+import java.nio.file.StandardCopyOption;
+import java.util.ArrayList;
+import java.util.HashMap;
+import java.util.List;
+import java.util.Map;
+import java.util.TreeMap;
+
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.connector.read.PartitionReaderFactory;
+import org.apache.spark.sql.connector.read.streaming.MicroBatchStream;
+import org.apache.spark.sql.connector.read.streaming.Offset;
+import org.apache.spark.sql.connector.read.streaming.ReadLimit;
+import org.apache.spark.sql.connector.read.streaming.ReadMaxRows;
+import org.apache.spark.sql.connector.read.streaming.SupportsTriggerAvailableNow;
+import org.apache.spark.sql.types.StructType;
+
+/**
+ * {@code spark.readStream.format("logbus")}: a topic as a micro-batch stream. Spark's checkpoint holds
+ * each batch's offsets ({@link LogbusOffset}); a restarted query reads a batch it planned again from
+ * exactly those offsets, so it neither loses nor repeats one. Each trigger asks the controller for
+ * the partitions (a partition added later is read from its start) and their leaders for their ends;
+ * {@code maxOffsetsPerTrigger} shares a trigger's offsets among the partitions by how far behind each is.
+ */
+final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNow {
+  private final SourceOptions options;
+  private final StructType schema;
+  private final String checkpointLocation;
+  private final TopicClient client;
+  private List<String[]> partitions;
+  private Map<Integer, TopicClient.Offsets> offsets = new HashMap<>();
+  private Map<Integer, Long> availableNow; // Trigger.AvailableNow: the ends when the query started
+
+  LogbusStream(SourceOptions options, StructType schema, String checkpointLocation) {
+    this.options = options;
+    this.schema = schema;
+    this.checkpointLocation = checkpointLocation;
+    this.client = options.client();
+  }
+
+  private void refresh() {
+    partitions = client.partitions();
+    List<TopicClient.Offsets> found = client.offsets(partitions);
+    Map<Integer, TopicClient.Offsets> byPartition = new HashMap<>();
+    for (int p = 0; p < found.size(); p++) {
+      byPartition.put(p, found.get(p));
+    }
+    offsets = byPartition;
+  }
+
+  @Override
+  public Offset initialOffset() {
+    // Kept in the checkpoint: a query restarted before its first batch starts where it first would have.
+    Path kept = initialOffsetsFile();
+    if (kept != null && Files.exists(kept)) {
+      try {
+        return LogbusOffset.fromJson(new String(Files.readAllBytes(kept), StandardCharsets.UTF_8));
+      } catch (IOException e) {
+        throw new IllegalStateException("cannot read " + kept, e);
+      }
+    }
+    refresh();
+    long[] specs = ReadPlan.specs(options.startingOffsets, options.topic, "startingOffsets", partitions.size(), -1);
+    Map<Integer, Long> start = new TreeMap<>();
+    for (int p = 0; p < partitions.size(); p++) {
+      long offset = ReadPlan.resolve(specs[p], offsets.get(p));
+      start.put(p, Math.max(offset, offsets.get(p).logStart));
+    }
+    LogbusOffset initial = new LogbusOffset(options.topic, start);
+    if (kept != null) {
+      try {
+        Files.createDirectories(kept.getParent());
+        Path partial = kept.resolveSibling(kept.getFileName() + ".partial");
+        Files.write(partial, initial.json().getBytes(StandardCharsets.UTF_8));
+        Files.move(partial, kept, StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING);
+      } catch (IOException e) {
+        throw new IllegalStateException("cannot write " + kept, e);
+      }
+    }
+    return initial;
+  }
+
+  /** Where the initial offsets are kept: a file of the checkpoint, when the checkpoint is a local path. */
+  private Path initialOffsetsFile() {
+    if (checkpointLocation == null || checkpointLocation.isEmpty()) {
+      return null;
+    }
+    URI uri = URI.create(checkpointLocation.replace(" ", "%20"));
+    if (uri.getScheme() != null && !uri.getScheme().equals("file")) {
+      return null;
+    }
+    Path root = uri.getScheme() == null ? Paths.get(checkpointLocation) : Paths.get(uri);
+    return root.resolve("logbus-initial-offsets.json");
+  }
+
+  @Override
+  public ReadLimit getDefaultReadLimit() {
+    return options.maxOffsetsPerTrigger > 0 ? ReadLimit.maxRows(options.maxOffsetsPerTrigger) : ReadLimit.allAvailable();
+  }
+
+  @Override
+  public void prepareForTriggerAvailableNow() {
+    refresh();
+    availableNow = new HashMap<>();
+    for (Map.Entry<Integer, TopicClient.Offsets> entry : offsets.entrySet()) {
+      availableNow.put(entry.getKey(), entry.getValue().end);
+    }
+  }
+
+  @Override
+  public Offset latestOffset() {
+    throw new UnsupportedOperationException("latestOffset(Offset, ReadLimit) is used");
+  }
+
+  @Override
+  public Offset latestOffset(Offset startOffset, ReadLimit limit) {
+    refresh();
+    Map<Integer, Long> start = ((LogbusOffset) startOffset).offsets;
+    Map<Integer, Long> end = new TreeMap<>();
+    long[] from = new long[partitions.size()];
+    long[] to = new long[partitions.size()];
+    long lag = 0;
+    for (int p = 0; p < partitions.size(); p++) {
+      TopicClient.Offsets at = offsets.get(p);
+      from[p] = Math.max(start.getOrDefault(p, at.logStart), at.logStart);
+      long until = availableNow == null ? at.end : Math.min(at.end, availableNow.getOrDefault(p, at.logStart));
+      to[p] = Math.max(from[p], until);
+      lag += to[p] - from[p];
+    }
+    long budget = limit instanceof ReadMaxRows ? ((ReadMaxRows) limit).maxRows() : Long.MAX_VALUE;
+    if (lag > budget) {
+      // Each partition's share of the budget by its lag (as Spark's Kafka source shares it); what the
+      // rounding down leaves goes to the partitions in order.
+      long given = 0;
+      for (int p = 0; p < partitions.size(); p++) {
+        long share = (long) Math.floor((double) budget * (to[p] - from[p]) / lag);
+        to[p] = from[p] + share;
+        given += share;
+      }
+      for (int p = 0; p < partitions.size() && given < budget; p++) {
+        long until = availableNow == null ? offsets.get(p).end : Math.min(offsets.get(p).end, availableNow.getOrDefault(p, 0L));
+        long more = Math.min(budget - given, Math.max(0, until - to[p]));
+        to[p] += more;
+        given += more;
+      }
+    }
+    for (int p = 0; p < partitions.size(); p++) {
+      // A partition whose start lies past its end now (its log was truncated) keeps its start.
+      end.put(p, Math.max(to[p], start.getOrDefault(p, from[p])));
+    }
+    return new LogbusOffset(options.topic, end);
+  }
+
+  @Override
+  public InputPartition[] planInputPartitions(Offset startOffset, Offset endOffset) {
+    Map<Integer, Long> start = ((LogbusOffset) startOffset).offsets;
+    Map<Integer, Long> end = ((LogbusOffset) endOffset).offsets;
+    if (partitions == null || partitions.size() < end.size()) {
+      refresh(); // a batch planned before a restart: its offsets are in the checkpoint, the replicas are not
+    }
+    List<InputPartition> parts = new ArrayList<>();
+    for (Map.Entry<Integer, Long> entry : end.entrySet()) {
+      int p = entry.getKey();
+      TopicClient.Offsets at = offsets.get(p);
+      long from = start.getOrDefault(p, at.logStart);
+      long to = entry.getValue();
+      if (from < at.logStart) {
+        if (options.failOnDataLoss) {
+          throw new IllegalStateException(options.topic + "-" + p + ": offsets [" + from + ", " + Math.min(to, at.logStart)
+              + ") were deleted before this query read them (the log now starts at " + at.logStart
+              + "); set failOnDataLoss to false to go on from there");
+        }
+        from = at.logStart;
+      }
+      if (to > at.end) {
+        if (options.failOnDataLoss) {
+          throw new IllegalStateException(options.topic + "-" + p + ": this batch was planned up to offset " + to
+              + ", but the partition now ends at " + at.end + " (its log was truncated); set failOnDataLoss to false to go on");
+        }
+        to = at.end;
+      }
+      if (from < to) {
+        parts.add(new LogbusScan.TopicPartitionRange(new ReadPlan.Range(p, from, to, partitions.get(p))));
+      }
+    }
+    return parts.toArray(new InputPartition[0]);
+  }
+
+  @Override
+  public PartitionReaderFactory createReaderFactory() {
+    return new LogbusScan.ReaderFactory(new ReadPlan(options, new ArrayList<>()), schema);
+  }
+
+  @Override
+  public Offset deserializeOffset(String json) {
+    return LogbusOffset.fromJson(json);
+  }
+
+  @Override
+  public void commit(Offset end) {}
+
+  @Override
+  public void stop() {}
+}

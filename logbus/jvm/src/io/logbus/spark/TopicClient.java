@@ -1,0 +1,141 @@
+package io.logbus.spark;
+
+import java.io.IOException;
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+import java.nio.charset.StandardCharsets;
+import java.util.ArrayList;
+import java.util.List;
+import java.util.Optional;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.ObjectMapper;
+import io.ray.api.BaseActorHandle;
+import io.ray.api.ObjectRef;
+import io.ray.api.PyActorHandle;
+import io.ray.api.Ray;
+import io.ray.api.function.PyActorMethod;
+
+/**
+ * What Spark's driver asks logbus when it plans a read itself (a query started with
+ * {@code option("subscribe", topic)}, as every streaming query is): the topic's partitions and their
+ * replicas from the controller, and each partition's offsets from its leader. Ray cross-language calls;
+ * RayDP's driver is a Ray Java driver.
+ */
+final class TopicClient {
+  static final String CONTROLLER = "logbus-controller";
+  private static final PyActorMethod<byte[]> METADATA = PyActorMethod.of("jvm_topic_metadata", byte[].class);
+  private static final PyActorMethod<byte[]> OFFSETS = PyActorMethod.of("jvm_offsets", byte[].class);
+
+  private final String topic;
+  private final String namespace;
+  private final int isolation;
+  private final long timeoutMs;
+
+  /** One partition's offsets as its leader reported them. */
+  static final class Offsets {
+    final long logStart;
+    final long end; // the high watermark, or the last stable offset for read_committed
+    final long logEnd;
+
+    Offsets(long logStart, long end, long logEnd) {
+      this.logStart = logStart;
+      this.end = end;
+      this.logEnd = logEnd;
+    }
+  }
+
+  TopicClient(String topic, String namespace, int isolation, long timeoutMs) {
+    this.topic = topic;
+    this.namespace = namespace;
+    this.isolation = isolation;
+    this.timeoutMs = timeoutMs;
+  }
+
+  private PyActorHandle actor(String name) {
+    Optional<BaseActorHandle> handle = Ray.getActor(name, namespace);
+    if (!handle.isPresent()) {
+      throw new IllegalStateException("no logbus actor named " + name + " in Ray namespace " + namespace
+          + " (is logbus running there? the option logbus.namespace names it)");
+    }
+    return (PyActorHandle) handle.get();
+  }
+
+  /** Each partition's replicas' actor names, the leader's first. */
+  List<String[]> partitions() {
+    byte[] reply;
+    try {
+      reply = Ray.get(actor(CONTROLLER).task(METADATA, topic).remote(), timeoutMs);
+    } catch (RuntimeException e) {
+      String text = String.valueOf(e.getMessage());
+      if (text.contains("UnknownTopicError")) {
+        throw new IllegalArgumentException("logbus has no topic " + topic, e);
+      }
+      throw new IllegalStateException("asking logbus's controller for topic " + topic + " failed: " + e.getMessage(), e);
+    }
+    try {
+      JsonNode root = new ObjectMapper().readTree(new String(reply, StandardCharsets.UTF_8));
+      List<String[]> partitions = new ArrayList<>();
+      for (JsonNode partition : root.path("partitions")) {
+        List<String> names = new ArrayList<>();
+        for (JsonNode name : partition.path("replicas")) {
+          names.add(name.asText());
+        }
+        partitions.add(names.toArray(new String[0]));
+      }
+      return partitions;
+    } catch (IOException e) {
+      throw new IllegalStateException("logbus's controller sent unreadable metadata for " + topic, e);
+    }
+  }
+
+  /** Every partition's offsets, asked of all leaders at once; a partition whose replicas all fail fails. */
+  List<Offsets> offsets(List<String[]> partitions) {
+    List<ObjectRef<byte[]>> pending = new ArrayList<>();
+    for (String[] names : partitions) {
+      pending.add(names.length == 0 ? null : send(names[0]));
+    }
+    List<Offsets> result = new ArrayList<>();
+    for (int p = 0; p < partitions.size(); p++) {
+      result.add(offsetsOf(p, partitions.get(p), pending.get(p)));
+    }
+    return result;
+  }
+
+  private ObjectRef<byte[]> send(String name) {
+    try {
+      return actor(name).task(OFFSETS, isolation).remote();
+    } catch (RuntimeException e) {
+      return null;
+    }
+  }
+
+  private Offsets offsetsOf(int partition, String[] names, ObjectRef<byte[]> first) {
+    long deadline = System.currentTimeMillis() + timeoutMs;
+    RuntimeException last = null;
+    for (int attempt = 0; ; attempt++) {
+      ObjectRef<byte[]> ref = attempt == 0 ? first : (names.length == 0 ? null : send(names[attempt % names.length]));
+      if (ref != null) {
+        try {
+          ByteBuffer reply = ByteBuffer.wrap(Ray.get(ref, Math.max(1, deadline - System.currentTimeMillis()))).order(ByteOrder.LITTLE_ENDIAN);
+          return new Offsets(reply.getLong(0), reply.getLong(8), reply.getLong(16));
+        } catch (RuntimeException e) {
+          last = e;
+        }
+      }
+      long now = System.currentTimeMillis();
+      if (now >= deadline) {
+        throw new IllegalStateException(topic + "-" + partition + ": no leader answered for its offsets within " + timeoutMs
+            + " ms" + (last == null ? " (no replica on a live node)" : "; last error: " + last.getMessage()), last);
+      }
+      if (names.length == 0 || (attempt + 1) % names.length == 0) {
+        try {
+          Thread.sleep(Math.min(deadline - now, 200L));
+        } catch (InterruptedException e) {
+          Thread.currentThread().interrupt();
+          throw new IllegalStateException("interrupted", e);
+        }
+      }
+    }
+  }
+}
