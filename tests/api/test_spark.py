@@ -420,6 +420,22 @@ def test_the_jvm_reader_matches_the_ray_data_reader_row_for_row_with_headers(spa
     without_the_jvm_reader(monkeypatch)
     assert found == rows(logbus.spark.read(spark, name, include_headers=True, bus=bus))
     assert any(r[-1] for r in found) and any(r[-1] is None for r in found)  # both kinds of records were compared
+    # One field of the headers' structs (Spark prunes inside the struct: the reader still hands both).
+    values = {bytes(v) for r in native.where("offset < 300").select("headers.value").collect() if r[0] for v in r[0]}
+    assert values == {v for r in found if r[-1] for _, v in r[-1]}
+
+
+@pytest.mark.timeout(300)
+def test_format_logbus_with_subscribe_plans_a_batch_read_in_the_jvm(spark, bus, topic):
+    name, _, counts = topic
+    reader = spark.read.format("logbus").option("subscribe", name).option("logbus.namespace", bus.namespace)
+    assert reader.load().count() == sum(counts)
+    some = reader.option("startingOffsets", f'{{"{name}": {{"0": 5}}}}').option("endingOffsets", f'{{"{name}": {{"0": 9, "1": 0}}}}')
+    rows = some.load().select("partition", "offset").collect()
+    assert sorted((r["partition"], r["offset"]) for r in rows) == [(0, o) for o in range(5, 9)] + [
+        (p, o) for p in range(2, PARTITIONS) for o in range(counts[p])]
+    with pytest.raises(Exception, match="endingOffsets cannot be earliest"):
+        reader.option("endingOffsets", "earliest").load().count()
 
 
 @pytest.mark.timeout(300)
