@@ -601,9 +601,13 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     job: IllegalStateError (Spark not started), UnknownTopicError, InvalidRecordError,
     InvalidConfigError.
 
-    One Ray task per Spark partition sends it (see :func:`_write_partitions`);
-    like :func:`read`'s tasks they take no CPU, so a write runs even while
-    Spark's executors hold every CPU of the cluster.
+    In a session with logbus's jar (:func:`init_spark`) and no
+    ``producer_options``, Spark's executors write it themselves
+    (``df.write.format("logbus")``: Arrow batches to the leaders, acks=all, at
+    least once as Spark's Kafka sink). Otherwise one Ray task per Spark
+    partition sends it (see :func:`_write_partitions`) with a Producer; like
+    :func:`read`'s tasks they take no CPU, so a write runs even while Spark's
+    executors hold every CPU of the cluster.
     """
     from pyspark.sql import DataFrame
 
@@ -614,6 +618,8 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
     producer_options = check_producer_options(producer_options)
     check_spark(df.sparkSession)
     columns = _check_columns(df)
+    if not producer_options and jvm.in_session(df.sparkSession):
+        return _jvm_write(df.select(*columns), topic, bus)
     sink = TopicSink(
         topic,
         key_column="key" if "key" in columns else None,
@@ -625,6 +631,21 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
         producer_options=producer_options,
     )
     return _write_partitions(df.select(*columns), sink)
+
+
+def _jvm_write(df, topic: str, bus) -> int:
+    """``df`` into ``topic`` through logbus's Java data source: each Spark task frames its rows as Arrow
+    batches and sends them to the leaders by Ray cross-language calls (acks=all). The count comes
+    from the write's commit in the driver's JVM."""
+    bus = connect() if bus is None else bus
+    bus.topic_metadata(topic)  # UnknownTopicError before any Spark job
+    write_id = uuid.uuid4().hex
+    (
+        df.write.format("logbus").mode("append")
+        .option("topic", topic).option("logbus.namespace", bus.namespace).option("logbus.writeId", write_id)
+        .save()
+    )
+    return int(df.sparkSession.sparkContext._jvm.io.logbus.spark.LogbusWrite.written(write_id))
 
 
 # --- stream -----------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The micro-batch floor: how long a `logbus.spark.stream` trigger over one record takes, beside Spark's own floor.
+"""The micro-batch floor: how long a trigger over one record takes (Spark's own readStream and `logbus.spark.stream`), beside Spark's floor.
 
 Run with ``./dev bench spark_floor`` (= ``.venv/bin/python perf/bench_spark_floor.py``);
 ``--triggers N`` sets how many one-record triggers are timed (default 30).
@@ -9,7 +9,11 @@ One Spark session through RayDP (1 executor of 1 core, as the tests use) and a
 ``df.count()``) runs with a 10 ms trigger interval; the benchmark sends one record,
 waits for the batch that holds it, and takes the batch's own duration
 (``BatchProgress.duration_s``: recording the plan, reading the range as a
-DataFrame, the count, committing the offsets). Then, in the same session, Spark's
+DataFrame, the count, committing the offsets). Then the same through Spark's
+own Structured Streaming: ``logbus.spark.read_stream`` into ``foreachBatch``
+(``df.count()``), default trigger, a checkpoint on local disk; the batch's
+duration is Spark's ``durationMs.triggerExecution`` (the offsets asked of
+logbus, the plan written, the job, the commit). Then, in the same session, Spark's
 own floor: ``spark.range(1).count()`` and the count of a one-row DataFrame made by
 ``spark.createDataFrame``, the least a trigger that runs a Spark job can take.
 Every case gets 3 untimed runs first; medians are reported. Target: trigger median
@@ -80,6 +84,30 @@ def main(argv=None) -> int:
             raise SystemExit(f"{sum(counted)} records counted in {len(batches)} batches, expected {WARMUP + args.triggers}")
         trigger = [b.duration_s for b in batches[WARMUP:]]
 
+        # Spark's own Structured Streaming over the same topic.
+        native_counted: list[int] = []
+        query = (
+            logbus.spark.read_stream(spark, topic, bus=bus).writeStream
+            .foreachBatch(lambda df, batch_id: native_counted.append(df.count()))
+            .option("checkpointLocation", os.path.join(root, "checkpoint")).start()
+        )
+        try:
+            producer = logbus.Producer(bus, linger_ms=0)
+            for i in range(WARMUP + args.triggers):
+                producer.send(topic, b"native-%d" % i).get(timeout=60)
+                deadline = time.monotonic() + 120
+                while sum(native_counted) <= i:
+                    if time.monotonic() > deadline or query.exception() is not None:
+                        raise SystemExit(f"no readStream batch for record {i} within 120 s: {query.exception()}")
+                    time.sleep(0.005)
+            producer.close()
+            progress = [p for p in query.recentProgress if p["numInputRows"] > 0]
+        finally:
+            query.stop()
+        if sum(native_counted) != WARMUP + args.triggers:
+            raise SystemExit(f"readStream counted {sum(native_counted)} records, expected {WARMUP + args.triggers}")
+        native = [p["durationMs"]["triggerExecution"] / 1000 for p in progress][WARMUP:]
+
         def floor(run) -> list[float]:
             for _ in range(WARMUP):
                 run()
@@ -89,6 +117,11 @@ def main(argv=None) -> int:
         one_row = floor(lambda: spark.createDataFrame([(b"k", b"v")], "key binary, value binary").count())
         median = statistics.median(trigger)
         range_median = statistics.median(spark_range)
+        native_median = statistics.median(native)
+        results.append({"case": "readStream.format(logbus) trigger over 1 record (foreachBatch count)", "median_s": round(native_median, 3),
+                        "p90_s": round(sorted(native)[int(0.9 * (len(native) - 1))], 3), "ratio": round(native_median / range_median, 2),
+                        "ratio_to": "spark.range(1).count()", "target_s": TARGET_S, "met": native_median <= TARGET_S,
+                        "batches": len(native)})
         results.append({"case": "logbus.spark.stream trigger over 1 record (df.count())", "median_s": round(median, 3),
                         "p90_s": round(sorted(trigger)[int(0.9 * (len(trigger) - 1))], 3), "ratio": round(median / range_median, 2),
                         "ratio_to": "spark.range(1).count()", "target_s": TARGET_S, "met": median <= TARGET_S})

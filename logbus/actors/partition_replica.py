@@ -841,6 +841,13 @@ class PartitionReplica:
         self._read_limit(request.isolation_level)  # InvalidRecordError for an unknown level, before any wait
         return await self._serve_fetch(request, lambda: self._read_limit(request.isolation_level))
 
+    async def jvm_produce(self, batch: bytes, acks: int, timeout_ms: int) -> bytes:
+        """For Spark's JVM writer (a Ray cross-language call): :meth:`produce` of one framed batch
+        (``acks`` -1 for "all"), answered as 16 bytes, little-endian int64s: the batch's base offset
+        and its log append time (-1 unless the topic stamps LogAppendTime)."""
+        reply = await self.produce(batch, "all" if int(acks) == -1 else int(acks), None, int(timeout_ms))
+        return struct.pack("<qq", reply.base_offset, reply.log_append_time_ms)
+
     async def jvm_fetch(self, offset: int, max_bytes: int, isolation_level: int, headers_only: bool, columns: int = jvm_fetch.ALL_COLUMNS) -> bytes:
         """For Spark's JVM reader (a Ray cross-language call): a fetch's kept batches as one ``bytes``.
 

@@ -111,10 +111,5 @@ def jar(directory: str | None = None) -> str:
             os.replace(partial, path)  # another process building at once replaces it with the same jar
     except (OSError, subprocess.SubprocessError) as error:
         raise IllegalStateError(f"building logbus's Spark data source in {directory} failed: {error}") from error
-    for old in glob.glob(os.path.join(directory, f"{JAR_PREFIX}*.jar")):
-        if old != path:
-            try:
-                os.remove(old)  # a jar of other sources or versions (a session may still use it: it keeps its open file)
-            except OSError:
-                pass
+    # Jars of other sources or versions stay: a running session may still load classes from its own.
     return path

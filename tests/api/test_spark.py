@@ -170,7 +170,13 @@ def test_json_offsets_and_headers(spark, bus, topic):
 
 
 @pytest.mark.timeout(300)
-def test_write_dataframe_to_topic(spark, bus):
+@pytest.mark.parametrize("writer", ["jvm", "ray-tasks"])
+def test_write_dataframe_to_topic(spark, bus, writer, monkeypatch):
+    if writer == "jvm":  # Spark's executors write (logbus's data source): the Ray tasks must not run
+        monkeypatch.setattr(logbus.spark, "_write_partitions", lambda *args: pytest.fail("the Ray tasks wrote"))
+        options = {}
+    else:
+        options = {"linger_ms": 5}  # producer options: each Ray task writes with a Producer
     target = f"sp-out-{uuid.uuid4().hex[:8]}"
     bus.admin.create_topic(target, partitions=3)
     count = 20_000
@@ -180,7 +186,7 @@ def test_write_dataframe_to_topic(spark, bus):
         "ARRAY(NAMED_STRUCT('key', 'id', 'value', CAST(CAST(id AS STRING) AS BINARY))) AS headers",
         "'ignored' AS topic",
     )
-    assert logbus.spark.write(df, target, bus=bus) == count
+    assert logbus.spark.write(df, target, bus=bus, **options) == count
     back = drain(bus, target, 3, count)
     assert back.num_rows == count
     assert sorted(back["value"].to_pylist()) == sorted(b"payload-%d" % i for i in range(count))
@@ -194,7 +200,7 @@ def test_write_dataframe_to_topic(spark, bus):
     pinned = f"sp-pin-{uuid.uuid4().hex[:8]}"
     bus.admin.create_topic(pinned, partitions=2)
     df = spark.range(1_000).selectExpr("CAST(id AS BINARY) AS value", "CAST(id % 2 AS INT) AS partition")
-    assert logbus.spark.write(df, pinned, bus=bus) == 1_000
+    assert logbus.spark.write(df, pinned, bus=bus, **options) == 1_000
     back = drain(bus, pinned, 2, 1_000)
     assert Counter(back["partition"].to_pylist()) == {0: 500, 1: 500}
 

@@ -1,5 +1,7 @@
 """logbus.spark.stream: micro-batches as DataFrames; offsets committed only after a batch succeeded."""
 
+import time
+
 import pytest
 
 import logbus
@@ -186,3 +188,28 @@ def test_read_stream_options_are_checked(spark, bus, topic_name):
         logbus.spark.read_stream(spark, topic_name, isolation_level="serializable", bus=bus)
     with pytest.raises(Exception, match="subscribe"):  # Spark's own spelling, without the topic
         spark.readStream.format("logbus").load()
+
+
+@pytest.mark.timeout(600)
+def test_write_stream_format_logbus_copies_a_topic_into_another(spark, bus, topic_name, tmp_path):
+    out = f"{topic_name}-out"
+    bus.admin.create_topic(topic_name, partitions=2)
+    bus.admin.create_topic(out, partitions=3)
+    produce_values(bus, topic_name, range(0, 500))
+    query = (
+        logbus.spark.read_stream(spark, topic_name, starting_offsets="earliest", max_offsets_per_trigger=150, bus=bus)
+        .selectExpr("CAST(NULL AS BINARY) AS key", "value")
+        .writeStream.format("logbus").option("topic", out).option("logbus.namespace", bus.namespace)
+        .option("checkpointLocation", str(tmp_path / "checkpoint")).trigger(availableNow=True).start()
+    )
+    query.awaitTermination(300)
+    assert not query.isActive and query.exception() is None
+    consumer = logbus.Consumer(bus)
+    consumer.assign([TopicPartition(out, p) for p in range(3)])
+    values = []
+    deadline = time.monotonic() + 60
+    while len(values) < 500 and time.monotonic() < deadline:
+        for records in consumer.poll(timeout_ms=500).values():
+            values.extend(int(r.value) for r in records)
+    consumer.close()
+    assert sorted(values) == list(range(500))  # keyless: spread over the partitions, each record once

@@ -26,6 +26,9 @@ public final class LogbusSource implements TableProvider, DataSourceRegister {
 
   @Override
   public StructType inferSchema(CaseInsensitiveStringMap options) {
+    if (!options.containsKey(ReadPlan.OPTION) && !options.containsKey("subscribe") && options.containsKey("topic")) {
+      return KafkaSchema.of(false); // a write (option "topic"): the table takes any schema
+    }
     return KafkaSchema.of(ReadPlan.includeHeaders(options));
   }
 

@@ -4,13 +4,16 @@ import java.util.EnumSet;
 import java.util.Set;
 
 import org.apache.spark.sql.connector.catalog.SupportsRead;
+import org.apache.spark.sql.connector.catalog.SupportsWrite;
 import org.apache.spark.sql.connector.catalog.TableCapability;
 import org.apache.spark.sql.connector.read.ScanBuilder;
+import org.apache.spark.sql.connector.write.LogicalWriteInfo;
+import org.apache.spark.sql.connector.write.WriteBuilder;
 import org.apache.spark.sql.types.StructType;
 import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
-/** A topic as Spark reads it: batch reads and micro-batch streams. */
-final class LogbusTable implements SupportsRead {
+/** A topic as Spark reads and writes it: batch reads and micro-batch streams; batch and streaming writes. */
+final class LogbusTable implements SupportsRead, SupportsWrite {
   private final StructType schema;
 
   LogbusTable(StructType schema) {
@@ -29,7 +32,13 @@ final class LogbusTable implements SupportsRead {
 
   @Override
   public Set<TableCapability> capabilities() {
-    return EnumSet.of(TableCapability.BATCH_READ, TableCapability.MICRO_BATCH_READ);
+    return EnumSet.of(TableCapability.BATCH_READ, TableCapability.MICRO_BATCH_READ, TableCapability.BATCH_WRITE,
+        TableCapability.STREAMING_WRITE, TableCapability.ACCEPT_ANY_SCHEMA);
+  }
+
+  @Override
+  public WriteBuilder newWriteBuilder(LogicalWriteInfo info) {
+    return new LogbusWrite(info);
   }
 
   @Override
