@@ -86,8 +86,10 @@ def main(argv=None) -> int:
 
         # Spark's own Structured Streaming over the same topic.
         native_counted: list[int] = []
+        # From the topic's end now ("latest" would be the end when the query's first trigger runs).
+        end = bus.admin.describe_topic(topic).partitions[0].high_watermark
         query = (
-            logbus.spark.read_stream(spark, topic, bus=bus).writeStream
+            logbus.spark.read_stream(spark, topic, starting_offsets={topic: {"0": end}}, bus=bus).writeStream
             .foreachBatch(lambda df, batch_id: native_counted.append(df.count()))
             .option("checkpointLocation", os.path.join(root, "checkpoint")).start()
         )

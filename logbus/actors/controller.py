@@ -908,7 +908,10 @@ class Controller:
         await self._ready()
         metadata = self.client.topic_metadata(name)
         partitions = [{"replicas": p["replica_names"], "leader_epoch": p["leader_epoch"]} for p in metadata["partitions"]]
-        return json.dumps({"name": name, "topic_id": metadata["topic_id"], "partitions": partitions}).encode()
+        max_message_bytes = LogConfig.from_dict(metadata["config"]).max_message_bytes
+        return json.dumps({
+            "name": name, "topic_id": metadata["topic_id"], "max_message_bytes": max_message_bytes, "partitions": partitions,
+        }).encode()
 
     async def gateway_metadata(self, names: list[str] | None = None) -> dict:
         """For the Kafka gateway, in one call: per topic named (every topic, ``__consumer_offsets``

@@ -13,6 +13,7 @@ import java.util.zip.CRC32C;
 import org.apache.arrow.memory.ArrowBuf;
 import org.apache.arrow.memory.BufferAllocator;
 import org.apache.arrow.vector.BigIntVector;
+import org.apache.arrow.vector.BitVectorHelper;
 import org.apache.arrow.vector.VarBinaryVector;
 import org.apache.arrow.vector.VarCharVector;
 import org.apache.arrow.vector.VectorSchemaRoot;
@@ -94,7 +95,11 @@ final class BatchEncoder implements AutoCloseable {
     }
     timestamps.setSafe(rows, timestampMs);
     if (hKeys == null) {
-      headers.setNull(rows);
+      // An empty entry list made null: ListVector.setNull refills every offset since the last value it
+      // set, which made a batch of header-less records quadratic.
+      headers.startNewValue(rows);
+      headers.endValue(rows, 0);
+      BitVectorHelper.unsetBit(headers.getValidityBuffer(), rows);
     } else {
       headers.startNewValue(rows);
       for (int i = 0; i < hKeys.length; i++) {

@@ -31,6 +31,7 @@ final class TopicClient {
   private final String namespace;
   private final int isolation;
   private final long timeoutMs;
+  private int maxMessageBytes = 8 << 20;
 
   /** One partition's offsets as its leader reported them. */
   static final class Offsets {
@@ -75,6 +76,7 @@ final class TopicClient {
     }
     try {
       JsonNode root = new ObjectMapper().readTree(new String(reply, StandardCharsets.UTF_8));
+      maxMessageBytes = root.path("max_message_bytes").asInt(maxMessageBytes);
       List<String[]> partitions = new ArrayList<>();
       for (JsonNode partition : root.path("partitions")) {
         List<String> names = new ArrayList<>();
@@ -87,6 +89,11 @@ final class TopicClient {
     } catch (IOException e) {
       throw new IllegalStateException("logbus's controller sent unreadable metadata for " + topic, e);
     }
+  }
+
+  /** The topic's max.message.bytes, as the last {@link #partitions} call found it. */
+  int maxMessageBytes() {
+    return maxMessageBytes;
   }
 
   /** Every partition's offsets, asked of all leaders at once; a partition whose replicas all fail fails. */

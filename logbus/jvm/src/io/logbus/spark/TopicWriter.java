@@ -31,8 +31,10 @@ import org.apache.spark.sql.util.ArrowUtils;
  */
 final class TopicWriter implements DataWriter<InternalRow> {
   private static final PyActorMethod<byte[]> JVM_PRODUCE = PyActorMethod.of("jvm_produce", byte[].class);
-  static final int BATCH_RECORDS = 16_384;
-  static final long BATCH_BYTES = 1 << 20;
+  static final int BATCH_RECORDS = 65_536;
+  // Larger batches mean fewer calls, each of which costs the replica an object-store read and an actor
+  // call: 4 MiB wrote 1M records in 0.8-0.9 s where 1 MiB took 1.2-1.5 s. Within max.message.bytes.
+  static final long BATCH_BYTES = 4 << 20;
   static final int IN_FLIGHT = 8;
 
   private final WriteOptions options;
@@ -40,6 +42,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
   private final BatchEncoder[] encoders;
   private final String[][] replicas;
   private final ArrayDeque<Pending> pending = new ArrayDeque<>();
+  private final long batchBytes;
   private int sticky;
   private long written;
 
@@ -60,8 +63,10 @@ final class TopicWriter implements DataWriter<InternalRow> {
 
   TopicWriter(WriteOptions options) {
     this.options = options;
-    List<String[]> names = new TopicClient(options.topic, options.namespace, 0, options.timeoutMs).partitions();
-    replicas = names.toArray(new String[0][]);
+    TopicClient client = new TopicClient(options.topic, options.namespace, 0, options.timeoutMs);
+    replicas = client.partitions().toArray(new String[0][]);
+    // The records' bytes, leaving room for Arrow's offsets and padding and the frame header.
+    batchBytes = Math.max(1, Math.min(BATCH_BYTES, client.maxMessageBytes() / 2));
     allocator = ArrowUtils.rootAllocator().newChildAllocator("logbus writer " + options.topic, 0, Long.MAX_VALUE);
     encoders = new BatchEncoder[replicas.length];
     sticky = ThreadLocalRandom.current().nextInt(replicas.length);
@@ -102,7 +107,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
       encoder = encoders[partition] = new BatchEncoder(allocator);
     }
     encoder.add(key, value, System.currentTimeMillis(), headerKeys, headerValues);
-    if (encoder.rows() >= BATCH_RECORDS || encoder.bytes() >= BATCH_BYTES) {
+    if (encoder.rows() >= BATCH_RECORDS || encoder.bytes() >= batchBytes) {
       send(partition);
       if (options.partitionIndex < 0 && key == null && partition == sticky) {
         sticky = (sticky + 1) % replicas.length;
