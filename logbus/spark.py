@@ -603,8 +603,11 @@ def write(df, topic: str, bus: Bus | None = None, **producer_options) -> int:
 
     In a session with logbus's jar (:func:`init_spark`) and no
     ``producer_options``, Spark's executors write it themselves
-    (``df.write.format("logbus")``: Arrow batches to the leaders, acks=all, at
-    least once as Spark's Kafka sink). Otherwise one Ray task per Spark
+    (``df.write.format("logbus")``: Arrow batches to the leaders, acks=all, in
+    order per partition, at least once: a batch sent again after a lost reply,
+    or by a task Spark runs again, is written twice; the writer has no producer
+    id). Give ``producer_options`` (``enable_idempotence=True``, say) for the
+    Producer's guarantees instead. Otherwise one Ray task per Spark
     partition sends it (see :func:`_write_partitions`) with a Producer; like
     :func:`read`'s tasks they take no CPU, so a write runs even while Spark's
     executors hold every CPU of the cluster.
@@ -637,15 +640,25 @@ def _jvm_write(df, topic: str, bus) -> int:
     """``df`` into ``topic`` through logbus's Java data source: each Spark task frames its rows as Arrow
     batches and sends them to the leaders by Ray cross-language calls (acks=all). The count comes
     from the write's commit in the driver's JVM."""
+    from pyspark.sql import functions as F
+
     bus = connect() if bus is None else bus
     bus.topic_metadata(topic)  # UnknownTopicError before any Spark job
+    # The types the writer takes (the checks above let an integral partition and any header names in).
+    if "partition" in df.columns:
+        df = df.withColumn("partition", F.col("partition").cast("int"))
+    if "headers" in df.columns:
+        df = df.withColumn("headers", F.col("headers").cast(kafka_schema(True)["headers"].dataType))
     write_id = uuid.uuid4().hex
     (
         df.write.format("logbus").mode("append")
         .option("topic", topic).option("logbus.namespace", bus.namespace).option("logbus.writeId", write_id)
         .save()
     )
-    return int(df.sparkSession.sparkContext._jvm.io.logbus.spark.LogbusWrite.written(write_id))
+    written = int(df.sparkSession.sparkContext._jvm.io.logbus.spark.LogbusWrite.written(write_id))
+    if written < 0:
+        raise IllegalStateError(f"Spark's write into {topic} ended without its commit (no count of records written)")
+    return written
 
 
 # --- stream -----------------------------------------------------------------------------------------

@@ -868,12 +868,16 @@ class PartitionReplica:
         metrics.fetched(self.topic, result.next_offset - result.first_offset, len(result.data))
         read_committed = request.isolation_level == READ_COMMITTED
         aborted = tuple(self.log.aborted_transactions(result.first_offset, result.next_offset)) if read_committed else ()
+        projected = not headers_only and int(columns) != jvm_fetch.ALL_COLUMNS
         pack = functools.partial(
-            jvm_fetch.pack_reply, result.data, result.first_offset, result.next_offset, self.high_watermark,
+            jvm_fetch.pack_reply,
+            # A projection runs off the event loop, which may truncate the segment meanwhile: on a copy.
+            bytes(result.data) if projected else result.data,
+            result.first_offset, result.next_offset, self.high_watermark,
             headers_only=bool(headers_only), read_committed=read_committed, aborted=aborted, columns=int(columns),
         )
-        if headers_only or int(columns) == jvm_fetch.ALL_COLUMNS:
-            return pack()  # frame headers only: no Arrow
+        if not projected:
+            return pack()  # the batches as stored, or their frame headers: no Arrow
         return await asyncio.to_thread(pack)  # each batch decoded and written again: off the event loop
 
     async def channel_address(self) -> tuple[str, str] | None:

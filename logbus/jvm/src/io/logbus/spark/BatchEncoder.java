@@ -111,7 +111,7 @@ final class BatchEncoder implements AutoCloseable {
           headerValues.setSafe(entryCount, hValues[i]);
           bytes += hValues[i].length;
         }
-        bytes += hKeys[i].length;
+        bytes += hKeys[i].length + 12; // and their offsets and validity
         entryCount++;
       }
       headers.endValue(rows, hKeys.length);
@@ -119,7 +119,7 @@ final class BatchEncoder implements AutoCloseable {
     firstTimestamp = rows == 0 ? timestampMs : firstTimestamp;
     maxTimestamp = rows == 0 ? timestampMs : Math.max(maxTimestamp, timestampMs);
     rows++;
-    bytes += 16;
+    bytes += 24; // the timestamp, the offsets of key, value and headers, validity
   }
 
   /** The records added since the last call, framed as one batch; the encoder is empty again. */

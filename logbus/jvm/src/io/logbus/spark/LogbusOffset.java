@@ -71,6 +71,9 @@ final class LogbusOffset extends Offset {
     } catch (IOException e) {
       throw new IllegalStateException("a checkpointed logbus offset is not JSON: " + json, e);
     }
+    if (root == null || !root.fieldNames().hasNext()) {
+      throw new IllegalStateException("a checkpointed logbus offset names no topic: " + json);
+    }
     String topic = root.fieldNames().next();
     return new LogbusOffset(topic, parse(json, topic, "the checkpointed offset"));
   }

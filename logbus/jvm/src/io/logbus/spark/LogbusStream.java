@@ -37,6 +37,7 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
   private List<String[]> partitions;
   private Map<Integer, TopicClient.Offsets> offsets = new HashMap<>();
   private Map<Integer, Long> availableNow; // Trigger.AvailableNow: the ends when the query started
+  private LogbusOffset initial; // Spark asks for it more than once before the first batch is in its checkpoint
 
   LogbusStream(SourceOptions options, StructType schema, String checkpointLocation) {
     this.options = options;
@@ -57,6 +58,13 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
 
   @Override
   public Offset initialOffset() {
+    if (initial == null) {
+      initial = firstOffset();
+    }
+    return initial;
+  }
+
+  private LogbusOffset firstOffset() {
     // Kept in the checkpoint: a query restarted before its first batch starts where it first would have.
     Path kept = initialOffsetsFile();
     if (kept != null && Files.exists(kept)) {
@@ -71,6 +79,10 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
     Map<Integer, Long> start = new TreeMap<>();
     for (int p = 0; p < partitions.size(); p++) {
       long offset = ReadPlan.resolve(specs[p], offsets.get(p));
+      if (offset < offsets.get(p).logStart && options.failOnDataLoss) {
+        throw new IllegalStateException(options.topic + "-" + p + ": startingOffsets names offset " + offset
+            + ", below the log's start " + offsets.get(p).logStart + "; set failOnDataLoss to false to start there");
+      }
       start.put(p, Math.max(offset, offsets.get(p).logStart));
     }
     LogbusOffset initial = new LogbusOffset(options.topic, start);
@@ -121,6 +133,7 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
 
   @Override
   public Offset latestOffset(Offset startOffset, ReadLimit limit) {
+    sameTopic(startOffset);
     refresh();
     Map<Integer, Long> start = ((LogbusOffset) startOffset).offsets;
     Map<Integer, Long> end = new TreeMap<>();
@@ -160,17 +173,31 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
 
   @Override
   public InputPartition[] planInputPartitions(Offset startOffset, Offset endOffset) {
+    sameTopic(startOffset);
     Map<Integer, Long> start = ((LogbusOffset) startOffset).offsets;
     Map<Integer, Long> end = ((LogbusOffset) endOffset).offsets;
     if (partitions == null || partitions.size() < end.size()) {
       refresh(); // a batch planned before a restart: its offsets are in the checkpoint, the replicas are not
     }
+    // A new leader's high watermark may lag its predecessor's a moment: wait for it to reach what the
+    // batch was planned with before calling the log truncated.
+    long deadline = System.currentTimeMillis() + SourceOptions.TIMEOUT_MS;
+    while (behind(start, end) && System.currentTimeMillis() < deadline) {
+      sleep(200);
+      refresh();
+    }
     List<InputPartition> parts = new ArrayList<>();
     for (Map.Entry<Integer, Long> entry : end.entrySet()) {
       int p = entry.getKey();
       TopicClient.Offsets at = offsets.get(p);
+      if (at == null) {
+        throw new IllegalStateException(options.topic + " has no partition " + p + " now (was the topic deleted and made again?)");
+      }
       long from = start.getOrDefault(p, at.logStart);
       long to = entry.getValue();
+      if (from >= to) {
+        continue;
+      }
       if (from < at.logStart) {
         if (options.failOnDataLoss) {
           throw new IllegalStateException(options.topic + "-" + p + ": offsets [" + from + ", " + Math.min(to, at.logStart)
@@ -191,6 +218,34 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
       }
     }
     return parts.toArray(new InputPartition[0]);
+  }
+
+  private void sameTopic(Offset offset) {
+    String checkpointed = ((LogbusOffset) offset).topic;
+    if (!checkpointed.equals(options.topic)) {
+      throw new IllegalStateException("this query's checkpoint holds offsets of topic " + checkpointed + ", not of "
+          + options.topic + ": a query that subscribes to another topic needs a checkpoint of its own");
+    }
+  }
+
+  /** Whether a partition with records to read in this batch ends, for now, below the batch's end. */
+  private boolean behind(Map<Integer, Long> start, Map<Integer, Long> end) {
+    for (Map.Entry<Integer, Long> entry : end.entrySet()) {
+      TopicClient.Offsets at = offsets.get(entry.getKey());
+      if (at != null && start.getOrDefault(entry.getKey(), at.logStart) < entry.getValue() && entry.getValue() > at.end) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  private static void sleep(long ms) {
+    try {
+      Thread.sleep(ms);
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      throw new IllegalStateException("interrupted", e);
+    }
   }
 
   @Override

@@ -85,7 +85,20 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
       if (offset >= range.end) {
         return false;
       }
-      FetchReply fetched = client.fetch(offset);
+      FetchReply fetched;
+      try {
+        fetched = client.fetch(offset);
+      } catch (ReplicaClient.DataLoss lost) {
+        // failOnDataLoss=false: retention deleted the records from here on before they were read; go on
+        // from the log's start now, as Spark's Kafka source does.
+        long start = client.logStart();
+        if (start <= offset) {
+          throw new IllegalStateException("logbus " + topic + "-" + range.partition + ": offset " + offset
+              + " is out of range, but the log starts at " + start, lost);
+        }
+        offset = start;
+        continue;
+      }
       if (fetched.nextOffset <= offset) {
         // Nothing at an offset that was below the high watermark when the read was planned: the log
         // went back (a new leader truncated it). Wait for it a few times, as a consumer would.

@@ -92,13 +92,16 @@ final class ReplicaClient {
         if (ref == null) {
           ref = send(offset);
         }
-        long left = Math.max(1, deadline - System.currentTimeMillis());
+        long left = Math.max(1, Math.min(TopicClient.ATTEMPT_MS, deadline - System.currentTimeMillis()));
         FetchReply reply = new FetchReply(Ray.get(ref, left));
         if (reply.columns != columns) {
           throw new IllegalStateException(label() + ": asked for columns " + columns + ", the replica sent " + reply.columns);
         }
         return reply;
       } catch (RuntimeException e) {
+        if (!plan.failOnDataLoss && String.valueOf(e.getMessage()).contains("OffsetOutOfRangeError")) {
+          throw new DataLoss(e);
+        }
         if (!retriable(e)) {
           throw new IllegalStateException(label() + ": fetching offset " + offset + " failed: " + e.getMessage(), e);
         }
@@ -134,6 +137,21 @@ final class ReplicaClient {
     } catch (RuntimeException e) {
       // the controller may be restarting too: keep the names known
     }
+  }
+
+  /** Records the read needs were deleted (retention) meanwhile, and the query goes on without them. */
+  static final class DataLoss extends RuntimeException {
+    private static final long serialVersionUID = 1L;
+
+    DataLoss(Throwable cause) {
+      super(cause.getMessage(), cause);
+    }
+  }
+
+  /** The partition's log start now, from its leader. */
+  long logStart() {
+    return new TopicClient(plan.topic, plan.namespace, plan.isolation, plan.timeoutMs)
+        .offsets(java.util.Collections.singletonList(replicas)).get(0).logStart;
   }
 
   private static boolean retriable(RuntimeException e) {

@@ -31,6 +31,7 @@ final class TopicClient {
   private final String namespace;
   private final int isolation;
   private final long timeoutMs;
+  static final long ATTEMPT_MS = 10_000L; // one call's wait: a replica or controller that does not answer is asked again
   private int maxMessageBytes = 8 << 20;
 
   /** One partition's offsets as its leader reported them. */
@@ -64,15 +65,22 @@ final class TopicClient {
 
   /** Each partition's replicas' actor names, the leader's first. */
   List<String[]> partitions() {
-    byte[] reply;
-    try {
-      reply = Ray.get(actor(CONTROLLER).task(METADATA, topic).remote(), timeoutMs);
-    } catch (RuntimeException e) {
-      String text = String.valueOf(e.getMessage());
-      if (text.contains("UnknownTopicError")) {
-        throw new IllegalArgumentException("logbus has no topic " + topic, e);
+    byte[] reply = null;
+    long deadline = System.currentTimeMillis() + timeoutMs;
+    while (reply == null) {
+      try {
+        reply = Ray.get(actor(CONTROLLER).task(METADATA, topic).remote(), Math.max(1, Math.min(ATTEMPT_MS, deadline - System.currentTimeMillis())));
+      } catch (RuntimeException e) {
+        String text = String.valueOf(e.getMessage());
+        if (text.contains("UnknownTopicError")) {
+          throw new IllegalArgumentException("logbus has no topic " + topic, e);
+        }
+        if (System.currentTimeMillis() >= deadline) {
+          throw new IllegalStateException("asking logbus's controller for topic " + topic + " failed for " + timeoutMs + " ms: "
+              + e.getMessage(), e);
+        }
+        pause(200); // the controller restarting: ask again
       }
-      throw new IllegalStateException("asking logbus's controller for topic " + topic + " failed: " + e.getMessage(), e);
     }
     try {
       JsonNode root = new ObjectMapper().readTree(new String(reply, StandardCharsets.UTF_8));
@@ -117,6 +125,15 @@ final class TopicClient {
     }
   }
 
+  private static void pause(long ms) {
+    try {
+      Thread.sleep(Math.max(0, ms));
+    } catch (InterruptedException e) {
+      Thread.currentThread().interrupt();
+      throw new IllegalStateException("interrupted", e);
+    }
+  }
+
   private Offsets offsetsOf(int partition, String[] names, ObjectRef<byte[]> first) {
     long deadline = System.currentTimeMillis() + timeoutMs;
     RuntimeException last = null;
@@ -124,7 +141,8 @@ final class TopicClient {
       ObjectRef<byte[]> ref = attempt == 0 ? first : (names.length == 0 ? null : send(names[attempt % names.length]));
       if (ref != null) {
         try {
-          ByteBuffer reply = ByteBuffer.wrap(Ray.get(ref, Math.max(1, deadline - System.currentTimeMillis()))).order(ByteOrder.LITTLE_ENDIAN);
+          ByteBuffer reply = ByteBuffer.wrap(Ray.get(ref, Math.max(1, Math.min(ATTEMPT_MS, deadline - System.currentTimeMillis()))))
+              .order(ByteOrder.LITTLE_ENDIAN);
           return new Offsets(reply.getLong(0), reply.getLong(8), reply.getLong(16));
         } catch (RuntimeException e) {
           last = e;
@@ -136,11 +154,14 @@ final class TopicClient {
             + " ms" + (last == null ? " (no replica on a live node)" : "; last error: " + last.getMessage()), last);
       }
       if (names.length == 0 || (attempt + 1) % names.length == 0) {
+        pause(Math.min(deadline - now, 200L));
         try {
-          Thread.sleep(Math.min(deadline - now, 200L));
-        } catch (InterruptedException e) {
-          Thread.currentThread().interrupt();
-          throw new IllegalStateException("interrupted", e);
+          List<String[]> fresh = partitions(); // a replica moved, or its host joined again under a new Ray node id
+          if (partition < fresh.size()) {
+            names = fresh.get(partition);
+          }
+        } catch (RuntimeException e) {
+          // keep the names known
         }
       }
     }

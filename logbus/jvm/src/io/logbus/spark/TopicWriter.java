@@ -26,8 +26,9 @@ import org.apache.spark.sql.util.ArrowUtils;
  * batch is sent to the partition's leader replica ({@code jvm_produce}, a Ray cross-language call),
  * several in flight; {@link #commit} returns once every batch is acknowledged. Partitions as Kafka's
  * producer picks them: the row's {@code partition} if the DataFrame has one, else murmur2 of the key,
- * else one partition per batch in turn (sticky). As Spark's Kafka sink: at least once (a batch sent
- * again after a lost reply, or by a task Spark runs again, is written again).
+ * else one partition per batch in turn (sticky). A partition's batches are sent one at a time, so
+ * they are written in order. At least once: a batch sent again after a lost reply, or by a task
+ * Spark runs again, is written again (the writer has no producer id).
  */
 final class TopicWriter implements DataWriter<InternalRow> {
   private static final PyActorMethod<byte[]> JVM_PRODUCE = PyActorMethod.of("jvm_produce", byte[].class);
@@ -42,6 +43,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
   private final BatchEncoder[] encoders;
   private final String[][] replicas;
   private final ArrayDeque<Pending> pending = new ArrayDeque<>();
+  private final Pending[] last; // each partition's batch in flight: one at a time, so a retry keeps their order
   private final long batchBytes;
   private int sticky;
   private long written;
@@ -69,6 +71,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
     batchBytes = Math.max(1, Math.min(BATCH_BYTES, client.maxMessageBytes() / 2));
     allocator = ArrowUtils.rootAllocator().newChildAllocator("logbus writer " + options.topic, 0, Long.MAX_VALUE);
     encoders = new BatchEncoder[replicas.length];
+    last = new Pending[replicas.length];
     sticky = ThreadLocalRandom.current().nextInt(replicas.length);
   }
 
@@ -123,10 +126,14 @@ final class TopicWriter implements DataWriter<InternalRow> {
   }
 
   private void send(int partition) {
+    if (last[partition] != null && pending.remove(last[partition])) {
+      await(last[partition]); // a partition's batches are acknowledged in order
+    }
     byte[] batch = encoders[partition].frame();
     Pending sent = new Pending(partition, batch, System.currentTimeMillis() + options.timeoutMs);
     submit(sent);
     pending.add(sent);
+    last[partition] = sent;
     written += ByteBuffer.wrap(batch).order(ByteOrder.LITTLE_ENDIAN).getInt(23);
     while (pending.size() > IN_FLIGHT) {
       await(pending.poll());
@@ -134,7 +141,12 @@ final class TopicWriter implements DataWriter<InternalRow> {
   }
 
   private void submit(Pending batch) {
-    String name = replicas[batch.partition][batch.replica % replicas[batch.partition].length];
+    String[] names = replicas[batch.partition];
+    if (names.length == 0) { // no replica on a live node now: await asks the controller again
+      batch.reply = null;
+      return;
+    }
+    String name = names[batch.replica % names.length];
     Optional<BaseActorHandle> handle = Ray.getActor(name, options.namespace);
     batch.reply = handle.isPresent()
         ? ((PyActorHandle) handle.get()).task(JVM_PRODUCE, batch.batch, options.acks, (int) Math.min(Integer.MAX_VALUE, options.timeoutMs)).remote()
@@ -161,7 +173,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
             + options.timeoutMs + " ms" + (last == null ? "" : "; last error: " + last.getMessage()), last);
       }
       batch.replica++;
-      if (batch.replica % replicas[batch.partition].length == 0) {
+      if (replicas[batch.partition].length == 0 || batch.replica % replicas[batch.partition].length == 0) {
         try {
           Thread.sleep(200);
         } catch (InterruptedException e) {
@@ -184,7 +196,8 @@ final class TopicWriter implements DataWriter<InternalRow> {
     return e instanceof io.ray.api.exception.RayActorException
         || e instanceof io.ray.api.exception.RayTimeoutException
         || text.contains("NotLeaderError") || text.contains("LeaderNotAvailableError") || text.contains("NotEnoughReplicasError")
-        || text.contains("RequestTimedOutError") || text.contains("FencedLeaderEpochError") || text.contains("ReplicaNotAvailableError");
+        || text.contains("RequestTimedOutError") || text.contains("FencedLeaderEpochError") || text.contains("ReplicaNotAvailableError")
+        || text.contains("ActorDiedError") || text.contains("ActorUnavailableError") || text.contains("ObjectLostException");
   }
 
   @Override
