@@ -183,7 +183,7 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
     // batch was planned with before calling the log truncated.
     long deadline = System.currentTimeMillis() + SourceOptions.TIMEOUT_MS;
     while (behind(start, end) && System.currentTimeMillis() < deadline) {
-      sleep(200);
+      TopicClient.pause(200);
       refresh();
     }
     List<InputPartition> parts = new ArrayList<>();
@@ -239,14 +239,6 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
     return false;
   }
 
-  private static void sleep(long ms) {
-    try {
-      Thread.sleep(ms);
-    } catch (InterruptedException e) {
-      Thread.currentThread().interrupt();
-      throw new IllegalStateException("interrupted", e);
-    }
-  }
 
   @Override
   public PartitionReaderFactory createReaderFactory() {

@@ -108,7 +108,7 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
                   + " were committed when the read was planned, but the high watermark is now " + fetched.highWatermark
                   + " (the log was truncated)");
         }
-        sleep(100);
+        TopicClient.pause(100);
         continue;
       }
       emptyReplies = 0;
@@ -185,12 +185,4 @@ final class RangeReader implements PartitionReader<ColumnarBatch> {
     }
   }
 
-  private static void sleep(long ms) {
-    try {
-      Thread.sleep(ms);
-    } catch (InterruptedException e) {
-      Thread.currentThread().interrupt();
-      throw new IllegalStateException("interrupted", e);
-    }
-  }
 }

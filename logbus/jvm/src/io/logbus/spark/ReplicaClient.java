@@ -117,7 +117,7 @@ final class ReplicaClient {
                 + (last == null ? "none" : last.getMessage()), last);
       }
       if (failed % replicas.length == 0) {
-        sleep(Math.min(deadline - now, Math.min(1000L, 50L << Math.min(5, failed / replicas.length))));
+        TopicClient.pause(Math.min(deadline - now, Math.min(1000L, 50L << Math.min(5, failed / replicas.length))));
         refreshReplicas();
       }
     }
@@ -174,12 +174,4 @@ final class ReplicaClient {
     return false;
   }
 
-  private static void sleep(long ms) {
-    try {
-      Thread.sleep(Math.max(0, ms));
-    } catch (InterruptedException e) {
-      Thread.currentThread().interrupt();
-      throw new IllegalStateException("interrupted", e);
-    }
-  }
 }

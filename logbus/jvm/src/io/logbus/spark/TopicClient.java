@@ -125,7 +125,8 @@ final class TopicClient {
     }
   }
 
-  private static void pause(long ms) {
+  /** Sleep {@code ms} (at least 0); an interrupt (Spark killing the task) ends the read. */
+  static void pause(long ms) {
     try {
       Thread.sleep(Math.max(0, ms));
     } catch (InterruptedException e) {

@@ -174,12 +174,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
       }
       batch.replica++;
       if (replicas[batch.partition].length == 0 || batch.replica % replicas[batch.partition].length == 0) {
-        try {
-          Thread.sleep(200);
-        } catch (InterruptedException e) {
-          Thread.currentThread().interrupt();
-          throw new IllegalStateException("interrupted", e);
-        }
+        TopicClient.pause(200);
         try {
           List<String[]> names = new TopicClient(options.topic, options.namespace, 0, options.timeoutMs).partitions();
           replicas[batch.partition] = names.get(batch.partition);
