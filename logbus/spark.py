@@ -8,6 +8,16 @@
     logbus.spark.write(df.selectExpr("key", "upper(value) AS value"), "events-upper")
     logbus.spark.stop_spark()
 
+In a session started by :func:`init_spark`, Spark reads and writes topics with
+logbus's own data source (``logbus/jvm``, Java: ``spark.read.format("logbus")``,
+``spark.readStream.format("logbus")`` through :func:`read_stream`, and
+``df.write`` / ``writeStream.format("logbus")``): its executors fetch Arrow
+batches from the leaders, and send them, with Ray cross-language calls, and
+Spark gets columnar batches over the batches' own Arrow vectors. ``read``
+plans the read here (offsets, the tiered part, the replicas) and hands the
+plan to that source. The rest of this docstring is the path without it (a
+session without the jar, or no JDK to build it):
+
 ``read`` goes topic -> :func:`logbus.api.dataset.read_dataset` (one Ray task per
 partition, large Arrow blocks) -> one Arrow IPC stream per block -> RayDP's
 ``ray_dataset_to_spark_dataframe`` (the function behind ``Dataset.to_spark``),
@@ -57,8 +67,7 @@ from datetime import datetime
 
 from logbus import jvm
 from logbus.actors.remote import get, unwrap
-from logbus.api.client import Bus
-from logbus.api.client import connect
+from logbus.api.client import Bus, connect
 from logbus.api.dataset import (
     EARLIEST,
     FETCH_MAX_BYTES,
@@ -326,8 +335,6 @@ def read(
     (and of none), up to each partition's last stable offset ("latest" means
     that offset). Transaction markers are never rows.
     """
-    from pyspark.sql import functions as F
-
     validate_topic_name(topic)
     check_flag("include_headers", include_headers)
     check_bus(bus)
