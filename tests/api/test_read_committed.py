@@ -6,18 +6,33 @@ Ray Data's read_dataset, and the fencing of an older producer epoch by a marker.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 import logbus
 from logbus import TopicPartition
 from logbus.actors.remote import get
-from logbus.errors import InvalidConfigError, ProducerFencedError
+from logbus.errors import InvalidConfigError, LogbusError, ProducerFencedError
 from logbus.protocol.messages import READ_COMMITTED, FetchRequest
 from logbus.storage import record_batch as rb
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def at_leader(bus, topic, call):
+    """``get(call(leader))`` on the partition's leader, asked again as a client asks while the error is
+    retriable (a new topic's leader takes writes only once its node's lease is held), for up to 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return get(call(bus.topic_metadata(topic).leaders[0]))
+        except LogbusError as error:
+            if not error.retriable or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            bus.topic_metadata(topic, refresh=True)
 
 
 class TxnWriter:
@@ -28,28 +43,24 @@ class TxnWriter:
     def __init__(self, bus, topic, producer_id, epoch=0):
         self.bus, self.topic, self.producer_id, self.epoch, self.sequence = bus, topic, producer_id, epoch, 0
 
-    @property
-    def leader(self):
-        return self.bus.topic_metadata(self.topic).leaders[0]
-
     def send(self, values):
         batch = rb.encode_batch(
             values, [b"k"] * len(values), producer_id=self.producer_id, producer_epoch=self.epoch, base_sequence=self.sequence,
             transactional=True,
         )
-        reply = get(self.leader.produce.remote(batch, "all"))
+        reply = at_leader(self.bus, self.topic, lambda leader: leader.produce.remote(batch, "all"))
         self.sequence += len(values)
         return reply.base_offset
 
     def end(self, commit, epoch=None):
         marker = (self.producer_id, self.epoch if epoch is None else epoch, 3, commit)
-        (error,) = get(self.leader.write_txn_markers.remote([marker], None))
+        (error,) = at_leader(self.bus, self.topic, lambda leader: leader.write_txn_markers.remote([marker], None))
         return error
 
 
 def plain(bus, topic, values):
-    leader = bus.topic_metadata(topic).leaders[0]
-    return get(leader.produce.remote(rb.encode_batch(values, [b"k"] * len(values)), "all")).base_offset
+    batch = rb.encode_batch(values, [b"k"] * len(values))
+    return at_leader(bus, topic, lambda leader: leader.produce.remote(batch, "all")).base_offset
 
 
 def consume(bus, topic, isolation_level, until):
