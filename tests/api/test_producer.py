@@ -25,6 +25,7 @@ from logbus.errors import (
     InvalidConfigError,
     InvalidRecordError,
     NotEnoughReplicasError,
+    NotLeaderError,
     RecordTooLargeError,
     SerializationError,
 )
@@ -223,13 +224,15 @@ def test_flush_takes_kafka_pythons_timeout(bus, topic_name):
 def test_idempotent_producer_recovers_after_a_batch_failed_for_good(bus, topic_name):
     """KIP-360: a batch that exhausted its delivery timeout must not poison its partition's sequence."""
     bus.admin.create_topic(topic_name, partitions=1, config={"min.insync.replicas": 2})  # one replica: never enough
-    producer = logbus.Producer(bus, acks="all", linger_ms=0, delivery_timeout_ms=1500)
+    producer = logbus.Producer(bus, acks="all", linger_ms=0, delivery_timeout_ms=5000)
     assert producer.enable_idempotence
     failed = []
     lost = producer.send(topic_name, b"lost").add_errback(failed.append)
-    with pytest.raises(NotEnoughReplicasError):
+    # Refused until its delivery timeout: for too few in-sync replicas, or (on a machine so busy that the
+    # new leader's node lease is not yet held) as not the leader; never written either way.
+    with pytest.raises((NotEnoughReplicasError, NotLeaderError)):
         lost.result(timeout=60)
-    assert len(failed) == 1 and isinstance(failed[0], NotEnoughReplicasError)
+    assert len(failed) == 1 and isinstance(failed[0], (NotEnoughReplicasError, NotLeaderError))
     bus.admin.alter_config(topic_name, {"min.insync.replicas": 1})
     futures = [producer.send(topic_name, b"after-%d" % i) for i in range(5)]
     producer.flush(timeout=60)
