@@ -20,7 +20,6 @@ final class FetchReply {
   private static final int RECORD_COUNT = 23;
   private static final int MAX_TIMESTAMP = 35;
   private static final int LOG_OVERHEAD = 12;
-  static final int COMPRESSION_MASK = 0x7;
   static final int LOG_APPEND_TIME_MASK = 0x8;
 
   final byte[] bytes;

@@ -2,7 +2,6 @@ package io.logbus.spark;
 
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
-import java.nio.charset.StandardCharsets;
 import java.util.ArrayDeque;
 import java.util.List;
 import java.util.Optional;
@@ -231,9 +230,5 @@ final class TopicWriter implements DataWriter<InternalRow> {
     Written(long records) {
       this.records = records;
     }
-  }
-
-  static String utf8(byte[] bytes) {
-    return new String(bytes, StandardCharsets.UTF_8);
   }
 }
