@@ -30,8 +30,8 @@ os.environ["LOGBUS_TEST_HOOKS"] = "1"
 RAY_INIT_ARGS = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="logbus-tests")
 
 
-def _dashboard_agent_on_a_free_port() -> None:
-    """Make the Ray nodes this process starts serve their dashboard agent on a free port.
+def _lighter_ray_nodes() -> None:
+    """Make the Ray nodes this process starts serve their dashboard agent on a free port, and run no log monitor.
 
     Ray's dashboard agent listens on port 52365 unless told otherwise, and ``ray.init`` cannot tell
     it. A second Ray on the machine finds the port taken and retries it for about 3 s before going
@@ -39,23 +39,29 @@ def _dashboard_agent_on_a_free_port() -> None:
     command, the examples, two processes over one data directory), paid that while the suite's Ray
     held the port. Nodes this process starts take a free port instead (as ``Cluster`` gives its
     worker nodes), leaving 52365 to those processes.
+
+    Ray's log monitor copies its workers' output to the drivers that ask for it (``log_to_driver``),
+    and rescans the session's log directory every 0.1 s to do so. The tests' drivers do not ask, and
+    their sessions gather the logs of a thousand worker processes in a run: the monitor took about a
+    tenth of the machine for nothing. Worker output still goes to the session's log files.
     """
     from ray._private import node, ray_constants
 
     start = node.Node.__init__
-    if getattr(start, "free_agent_port", False):
+    if getattr(start, "lighter", False):
         return
 
     def init(self, ray_params, *args, **kwargs):
         if ray_params.dashboard_agent_listen_port == ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
             ray_params.dashboard_agent_listen_port = None  # Node then asks for port 0: any free one
+        ray_params.include_log_monitor = False
         start(self, ray_params, *args, **kwargs)
 
-    init.free_agent_port = True
+    init.lighter = True
     node.Node.__init__ = init
 
 
-_dashboard_agent_on_a_free_port()
+_lighter_ray_nodes()
 
 
 def pytest_runtest_logreport(report):
