@@ -977,6 +977,14 @@ class PartitionReplica:
         self._check_leader()
         return struct.pack("<qqq", *(await self.offsets(int(isolation_level))))
 
+    async def jvm_offset_for_timestamp(self, timestamp_ms: int) -> bytes:
+        """For Spark's JVM source (a Ray cross-language call): the leader's ``offset_for_timestamp`` as 8
+        bytes, a little-endian int64 (-1: no record at or after ``timestamp_ms`` below the high watermark).
+        NotLeaderError on a follower."""
+        self._started()
+        self._check_leader()
+        return struct.pack("<q", await self.offset_for_timestamp(int(timestamp_ms)))
+
     async def tier_status(self) -> dict | None:
         """A tiered topic's remote tier as this replica sees it (``TierSchedule.status``), else None."""
         self._started()

@@ -445,6 +445,41 @@ def test_format_logbus_with_subscribe_plans_a_batch_read_in_the_jvm(spark, bus, 
 
 
 @pytest.mark.timeout(300)
+def test_format_logbus_reads_from_and_to_timestamps_as_kafkas_source_does(spark, bus):
+    name = f"sp-ts-{uuid.uuid4().hex[:8]}"
+    bus.admin.create_topic(name, partitions=2)
+    base = int(time.time() * 1000) - 600_000  # ten minutes ago: within retention
+    with logbus.Producer(bus) as producer:  # partition p: records stamped base + 10 * i, i in 0..19
+        for p in range(2):
+            for i in range(20):
+                producer.send(name, b"%d-%d" % (p, i), partition=p, timestamp_ms=base + 10 * i)
+        producer.flush(timeout_s=60)
+
+    def reader():  # a new one each time: a DataFrameReader keeps the options it is given
+        return spark.read.format("logbus").option("subscribe", name).option("logbus.namespace", bus.namespace)
+
+    def offsets(df):
+        return sorted((r["partition"], r["offset"]) for r in df.select("partition", "offset").collect())
+
+    # startingTimestamp: the first record at or after it (55 -> i = 6); it takes precedence over startingOffsets.
+    found = reader().option("startingTimestamp", str(base + 55)).option("startingOffsets", "earliest").load()
+    assert offsets(found) == [(p, i) for p in range(2) for i in range(6, 20)]
+    # Per partition, with an end by timestamp (the record at or after it is not read).
+    by_partition = (reader().option("startingOffsetsByTimestamp", f'{{"{name}": {{"0": {base}, "1": {base + 100}}}}}')
+                    .option("endingTimestamp", str(base + 150)).load())
+    assert offsets(by_partition) == [(0, i) for i in range(0, 15)] + [(1, i) for i in range(10, 15)]
+    # No record at or after the timestamp: an error by default, the partition's end with the "latest" strategy.
+    with pytest.raises(Exception, match="has no record at or after timestamp"):
+        reader().option("startingTimestamp", str(base + 10_000)).load().count()
+    late = reader().option("startingTimestamp", str(base + 10_000)).option("startingOffsetsByTimestampStrategy", "latest")
+    assert late.load().count() == 0
+    with pytest.raises(Exception, match="must name every partition"):
+        reader().option("startingOffsetsByTimestamp", f'{{"{name}": {{"0": {base}}}}}').load().count()
+    with pytest.raises(Exception, match="startingTimestamp must be a timestamp"):
+        reader().option("startingTimestamp", "yesterday").load()
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("compression", ["lz4", "zstd"])
 def test_the_jvm_reader_decompresses_batches(spark, bus, compression):
     name = f"sp-{compression}-{uuid.uuid4().hex[:8]}"

@@ -188,6 +188,35 @@ def test_read_stream_options_are_checked(spark, bus, topic_name):
         logbus.spark.read_stream(spark, topic_name, isolation_level="serializable", bus=bus)
     with pytest.raises(Exception, match="subscribe"):  # Spark's own spelling, without the topic
         spark.readStream.format("logbus").load()
+    # Kafka source options that would change what is read, which logbus does not offer: refused by name.
+    for name, value in (("assign", '{"t": [0]}'), ("subscribePattern", "t-.*"), ("minOffsetsPerTrigger", "10")):
+        reader = spark.readStream.format("logbus").option("subscribe", topic_name).option(name, value)
+        with pytest.raises(Exception, match=f"does not offer Spark's Kafka option {name}"):
+            reader.option("logbus.namespace", bus.namespace).load()
+
+
+@pytest.mark.timeout(600)
+def test_a_stream_refuses_ending_offsets_and_reports_the_latest_offsets(spark, bus, topic_name, tmp_path):
+    from pyspark.errors import StreamingQueryException
+
+    bus.admin.create_topic(topic_name, partitions=2)
+    produce_values(bus, topic_name, range(0, 10))
+    ending = (spark.readStream.format("logbus").option("subscribe", topic_name).option("logbus.namespace", bus.namespace)
+              .option("endingOffsets", "latest").load())
+    with pytest.raises(StreamingQueryException, match="endingOffsets is not valid in streaming queries"):
+        run_query(spark, ending, lambda df, batch_id: None, tmp_path / "ending")
+
+    df = logbus.spark.read_stream(spark, topic_name, starting_offsets="earliest", max_offsets_per_trigger=4, bus=bus)
+    query = df.writeStream.foreachBatch(lambda df, batch_id: None).option("checkpointLocation", str(tmp_path / "checkpoint"))
+    query = query.trigger(availableNow=True).start()
+    try:
+        assert query.awaitTermination(240), "the query did not end"
+    finally:
+        query.stop()
+    sources = [progress["sources"][0] for progress in query.recentProgress if progress["sources"]]
+    # Offsets as the progress shows them: the Kafka source's JSON, as a dict.
+    assert sources and all(source["latestOffset"] == {topic_name: {"0": 5, "1": 5}} for source in sources)
+    assert sources[-1]["endOffset"] == {topic_name: {"0": 5, "1": 5}}
 
 
 @pytest.mark.timeout(600)
@@ -213,3 +242,18 @@ def test_write_stream_format_logbus_copies_a_topic_into_another(spark, bus, topi
             values.extend(int(r.value) for r in records)
     consumer.close()
     assert sorted(values) == list(range(500))  # keyless: spread over the partitions, each record once
+
+
+@pytest.mark.timeout(600)
+def test_a_stream_starts_at_a_timestamp(spark, bus, topic_name, tmp_path):
+    bus.admin.create_topic(topic_name, partitions=2)
+    base = int(time.time() * 1000) - 600_000  # ten minutes ago: within retention
+    with logbus.Producer(bus) as producer:
+        for i in range(40):
+            producer.send(topic_name, b"%d" % i, partition=i % 2, timestamp_ms=base + i)
+        producer.flush(timeout_s=60)
+    seen: list[int] = []
+    df = (spark.readStream.format("logbus").option("subscribe", topic_name).option("logbus.namespace", bus.namespace)
+          .option("startingTimestamp", str(base + 25)).load())
+    run_query(spark, df, lambda batch, batch_id: seen.extend(int(bytes(r["value"])) for r in batch.collect()), tmp_path / "checkpoint")
+    assert sorted(seen) == list(range(25, 40))

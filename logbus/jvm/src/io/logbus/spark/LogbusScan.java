@@ -69,6 +69,12 @@ final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, 
 
   @Override
   public MicroBatchStream toMicroBatchStream(String checkpointLocation) {
+    for (String ending : new String[] {"endingOffsets", "endingTimestamp", "endingOffsetsByTimestamp"}) {
+      if (options.containsKey(ending)) {
+        // As Spark's Kafka source: a stream has no end.
+        throw new IllegalArgumentException(ending + " is not valid in streaming queries (a stream reads on as records come)");
+      }
+    }
     return new LogbusStream(new SourceOptions(options, "latest"), schema, checkpointLocation);
   }
 

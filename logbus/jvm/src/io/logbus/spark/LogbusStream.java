@@ -75,10 +75,14 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
       }
     }
     refresh();
-    long[] specs = ReadPlan.specs(options.startingOffsets, options.topic, "startingOffsets", partitions.size(), -1);
+    List<TopicClient.Offsets> known = new ArrayList<>();
+    for (int p = 0; p < partitions.size(); p++) {
+      known.add(offsets.get(p));
+    }
+    long[] starts = ReadPlan.startOffsets(options, client, partitions, known, false);
     Map<Integer, Long> start = new TreeMap<>();
     for (int p = 0; p < partitions.size(); p++) {
-      long offset = ReadPlan.resolve(specs[p], offsets.get(p));
+      long offset = starts[p];
       if (offset < offsets.get(p).logStart && options.failOnDataLoss) {
         throw new IllegalStateException(options.topic + "-" + p + ": startingOffsets names offset " + offset
             + ", below the log's start " + offsets.get(p).logStart + "; set failOnDataLoss to false to start there");
@@ -129,6 +133,19 @@ final class LogbusStream implements MicroBatchStream, SupportsTriggerAvailableNo
   @Override
   public Offset latestOffset() {
     throw new UnsupportedOperationException("latestOffset(Offset, ReadLimit) is used");
+  }
+
+  /** The partitions' ends as the last trigger found them, for the query's progress ("latestOffset"). */
+  @Override
+  public Offset reportLatestOffset() {
+    if (partitions == null) {
+      return null;
+    }
+    Map<Integer, Long> ends = new TreeMap<>();
+    for (Map.Entry<Integer, TopicClient.Offsets> entry : offsets.entrySet()) {
+      ends.put(entry.getKey(), entry.getValue().end);
+    }
+    return new LogbusOffset(options.topic, ends);
   }
 
   @Override

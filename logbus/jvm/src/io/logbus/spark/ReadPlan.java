@@ -110,21 +110,110 @@ final class ReadPlan implements Serializable {
     return spec == -2 ? offsets.logStart : spec == -1 ? offsets.end : spec;
   }
 
-  /** A batch read of {@code [startingOffsets, endingOffsets)}, planned in the driver. */
+  /**
+   * Each partition's timestamp from {@code global} (one for every partition) or else {@code byPartition}
+   * (Kafka's JSON, {@code {"topic": {"0": 1700000000000}}}, every partition named, as Spark's Kafka source
+   * asks), or null when neither is set.
+   */
+  static long[] timestamps(String global, String byPartition, String topic, String what, int partitions) {
+    long[] timestamps = new long[partitions];
+    if (global != null) {
+      java.util.Arrays.fill(timestamps, Long.parseLong(global));
+      return timestamps;
+    }
+    if (byPartition == null) {
+      return null;
+    }
+    java.util.Map<Integer, Long> given = LogbusOffset.parse(byPartition, topic, what);
+    for (java.util.Map.Entry<Integer, Long> entry : given.entrySet()) {
+      if (entry.getKey() < 0 || entry.getKey() >= partitions) {
+        throw new IllegalArgumentException(what + " names partition " + entry.getKey() + " of " + topic + ", which has " + partitions);
+      }
+      if (entry.getValue() < 0) {
+        throw new IllegalArgumentException(what + ": partition " + entry.getKey() + "'s timestamp must be at least 0, not " + entry.getValue());
+      }
+      timestamps[entry.getKey()] = entry.getValue();
+    }
+    if (given.size() != partitions) {
+      throw new IllegalArgumentException(what + " must name every partition of " + topic + " (it has " + partitions + "), as in Spark's Kafka source");
+    }
+    return timestamps;
+  }
+
+  /**
+   * Each partition's first offset to read: by {@code startingTimestamp} or {@code startingOffsetsByTimestamp}
+   * when one is set (the first record at or after it; a partition with none fails, or starts at its end with
+   * {@code startingOffsetsByTimestampStrategy} latest), else by {@code startingOffsets}, whose partitions not
+   * named start at the earliest offset in a batch read and at the latest in a stream.
+   */
+  static long[] startOffsets(SourceOptions options, TopicClient client, List<String[]> names, List<TopicClient.Offsets> offsets, boolean batch) {
+    int count = names.size();
+    String what = options.startingTimestamp != null ? "startingTimestamp" : "startingOffsetsByTimestamp";
+    long[] times = timestamps(options.startingTimestamp, options.startingOffsetsByTimestamp, options.topic, what, count);
+    long[] starts = new long[count];
+    if (times == null) {
+      long[] specs = specs(options.startingOffsets, options.topic, "startingOffsets", count, batch ? -2 : -1);
+      for (int p = 0; p < count; p++) {
+        if (batch && specs[p] == -1) {
+          throw new IllegalArgumentException("a batch read's startingOffsets cannot be latest (as in Spark's Kafka source)");
+        }
+        starts[p] = resolve(specs[p], offsets.get(p));
+      }
+      return starts;
+    }
+    long[] found = client.offsetsForTimestamps(names, times);
+    for (int p = 0; p < count; p++) {
+      if (found[p] >= 0) {
+        starts[p] = Math.min(found[p], offsets.get(p).end);
+      } else if (options.startLatestWhenNoTimestampMatch) {
+        starts[p] = offsets.get(p).end;
+      } else {
+        throw new IllegalStateException(options.topic + "-" + p + " has no record at or after timestamp " + times[p] + " (" + what
+            + "); set startingOffsetsByTimestampStrategy to latest to start at the partition's end");
+      }
+    }
+    return starts;
+  }
+
+  /**
+   * Each partition's end for a batch read: by {@code endingTimestamp} or {@code endingOffsetsByTimestamp}
+   * (the first record at or after it, not read; the partition's end when it has none, as in Spark's Kafka
+   * source), else by {@code endingOffsets}.
+   */
+  static long[] endOffsets(SourceOptions options, TopicClient client, List<String[]> names, List<TopicClient.Offsets> offsets) {
+    int count = names.size();
+    String what = options.endingTimestamp != null ? "endingTimestamp" : "endingOffsetsByTimestamp";
+    long[] times = timestamps(options.endingTimestamp, options.endingOffsetsByTimestamp, options.topic, what, count);
+    long[] ends = new long[count];
+    if (times == null) {
+      long[] specs = specs(options.endingOffsets, options.topic, "endingOffsets", count, -1);
+      for (int p = 0; p < count; p++) {
+        if (specs[p] == -2) {
+          throw new IllegalArgumentException("a batch read's endingOffsets cannot be earliest (as in Spark's Kafka source)");
+        }
+        ends[p] = resolve(specs[p], offsets.get(p));
+      }
+      return ends;
+    }
+    long[] found = client.offsetsForTimestamps(names, times);
+    for (int p = 0; p < count; p++) {
+      ends[p] = found[p] >= 0 ? Math.min(found[p], offsets.get(p).end) : offsets.get(p).end;
+    }
+    return ends;
+  }
+
+  /** A batch read of {@code [startingOffsets, endingOffsets)} (or of their timestamp forms), planned in the driver. */
   static ReadPlan plan(SourceOptions options) {
     TopicClient client = options.client();
     List<String[]> names = client.partitions();
     List<TopicClient.Offsets> offsets = client.offsets(names);
-    long[] starts = specs(options.startingOffsets, options.topic, "startingOffsets", names.size(), -2);
-    long[] ends = specs(options.endingOffsets, options.topic, "endingOffsets", names.size(), -1);
+    long[] starts = startOffsets(options, client, names, offsets, true);
+    long[] ends = endOffsets(options, client, names, offsets);
     List<Range> ranges = new ArrayList<>();
     for (int p = 0; p < names.size(); p++) {
       TopicClient.Offsets at = offsets.get(p);
-      long start = resolve(starts[p], at);
-      long end = resolve(ends[p], at);
-      if (ends[p] == -2 || starts[p] == -1) {
-        throw new IllegalArgumentException("a batch read's endingOffsets cannot be earliest, nor its startingOffsets latest (as in Spark's Kafka source)");
-      }
+      long start = starts[p];
+      long end = ends[p];
       if (start < at.logStart) {
         if (options.failOnDataLoss) {
           throw new IllegalStateException(options.topic + "-" + p + ": offsets from " + start + " are gone (the log starts at "

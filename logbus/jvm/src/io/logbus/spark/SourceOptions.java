@@ -8,7 +8,9 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 /**
  * The options of {@code format("logbus")}, named after Spark's Kafka source where it has one:
  * {@code subscribe} (one topic), {@code startingOffsets} and {@code endingOffsets} ("earliest",
- * "latest" or Kafka's JSON, {@code {"topic": {"0": 23, "1": -2}}}), {@code maxOffsetsPerTrigger},
+ * "latest" or Kafka's JSON, {@code {"topic": {"0": 23, "1": -2}}}), {@code startingTimestamp},
+ * {@code startingOffsetsByTimestamp} (Kafka's JSON of timestamps), {@code startingOffsetsByTimestampStrategy},
+ * {@code endingTimestamp}, {@code endingOffsetsByTimestamp} (batch reads), {@code maxOffsetsPerTrigger},
  * {@code failOnDataLoss}, {@code includeHeaders}, {@code kafka.isolation.level}; and logbus's own
  * {@code logbus.namespace} (the Ray namespace logbus runs in, "logbus" by default).
  */
@@ -22,12 +24,29 @@ final class SourceOptions implements Serializable {
   final String namespace;
   final String startingOffsets;
   final String endingOffsets;
+  final String startingTimestamp; // null when not set; takes precedence over startingOffsetsByTimestamp, as in Spark
+  final String startingOffsetsByTimestamp; // Kafka's JSON of timestamps, every partition named
+  final boolean startLatestWhenNoTimestampMatch; // startingOffsetsByTimestampStrategy "latest" (else "error")
+  final String endingTimestamp;
+  final String endingOffsetsByTimestamp;
   final long maxOffsetsPerTrigger; // 0: no limit
   final boolean failOnDataLoss;
   final boolean includeHeaders;
   final int isolation;
 
+  /**
+   * Options of Spark's Kafka source that would change what is read and that logbus does not offer: refused
+   * by name rather than ignored (a query would otherwise read other records than its author asked for).
+   */
+  static final String[] NOT_OFFERED = {"assign", "subscribePattern", "minOffsetsPerTrigger", "maxTriggerDelay"};
+
   SourceOptions(CaseInsensitiveStringMap options, String defaultStart) {
+    for (String name : NOT_OFFERED) {
+      if (options.containsKey(name)) {
+        throw new IllegalArgumentException("format(\"logbus\") does not offer Spark's Kafka option " + name
+            + " (it reads one topic, from startingOffsets, startingTimestamp or startingOffsetsByTimestamp)");
+      }
+    }
     topic = options.get("subscribe");
     if (topic == null || topic.isEmpty()) {
       throw new IllegalArgumentException(
@@ -39,6 +58,15 @@ final class SourceOptions implements Serializable {
     namespace = options.getOrDefault("logbus.namespace", DEFAULT_NAMESPACE);
     startingOffsets = options.getOrDefault("startingOffsets", defaultStart).trim();
     endingOffsets = options.getOrDefault("endingOffsets", "latest").trim();
+    startingTimestamp = timestamp(options, "startingTimestamp");
+    startingOffsetsByTimestamp = options.get("startingOffsetsByTimestamp");
+    endingTimestamp = timestamp(options, "endingTimestamp");
+    endingOffsetsByTimestamp = options.get("endingOffsetsByTimestamp");
+    String strategy = options.getOrDefault("startingOffsetsByTimestampStrategy", "error").trim().toLowerCase(Locale.ROOT);
+    if (!strategy.equals("error") && !strategy.equals("latest")) {
+      throw new IllegalArgumentException("startingOffsetsByTimestampStrategy must be error or latest, not " + strategy);
+    }
+    startLatestWhenNoTimestampMatch = strategy.equals("latest");
     String max = options.get("maxOffsetsPerTrigger");
     try {
       maxOffsetsPerTrigger = max == null ? 0 : Long.parseLong(max.trim());
@@ -55,6 +83,22 @@ final class SourceOptions implements Serializable {
       throw new IllegalArgumentException("kafka.isolation.level must be read_uncommitted or read_committed, not " + level);
     }
     isolation = level.equals("read_committed") ? 1 : 0;
+  }
+
+  /** A timestamp option (milliseconds since the epoch, at least 0) as given, or null when it is not set. */
+  static String timestamp(CaseInsensitiveStringMap options, String name) {
+    String value = options.get(name);
+    if (value == null) {
+      return null;
+    }
+    try {
+      if (Long.parseLong(value.trim()) >= 0) {
+        return value.trim();
+      }
+    } catch (NumberFormatException e) {
+      // refused below
+    }
+    throw new IllegalArgumentException(name + " must be a timestamp in milliseconds since the epoch (at least 0), not " + value);
   }
 
   static boolean flag(CaseInsensitiveStringMap options, String name, boolean fallback) {

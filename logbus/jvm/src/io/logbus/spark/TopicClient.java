@@ -7,6 +7,7 @@ import java.nio.charset.StandardCharsets;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Optional;
+import java.util.function.Function;
 
 import com.fasterxml.jackson.databind.JsonNode;
 import com.fasterxml.jackson.databind.ObjectMapper;
@@ -26,6 +27,7 @@ final class TopicClient {
   static final String CONTROLLER = "logbus-controller";
   private static final PyActorMethod<byte[]> METADATA = PyActorMethod.of("jvm_topic_metadata", byte[].class);
   private static final PyActorMethod<byte[]> OFFSETS = PyActorMethod.of("jvm_offsets", byte[].class);
+  private static final PyActorMethod<byte[]> OFFSET_FOR_TIMESTAMP = PyActorMethod.of("jvm_offset_for_timestamp", byte[].class);
 
   private final String topic;
   private final String namespace;
@@ -106,20 +108,43 @@ final class TopicClient {
 
   /** Every partition's offsets, asked of all leaders at once; a partition whose replicas all fail fails. */
   List<Offsets> offsets(List<String[]> partitions) {
+    Function<String, ObjectRef<byte[]>> send = name -> actor(name).task(OFFSETS, isolation).remote();
     List<ObjectRef<byte[]>> pending = new ArrayList<>();
     for (String[] names : partitions) {
-      pending.add(names.length == 0 ? null : send(names[0]));
+      pending.add(names.length == 0 ? null : sent(send, names[0]));
     }
     List<Offsets> result = new ArrayList<>();
     for (int p = 0; p < partitions.size(); p++) {
-      result.add(offsetsOf(p, partitions.get(p), pending.get(p)));
+      ByteBuffer reply = ask(p, partitions.get(p), pending.get(p), send, "offsets");
+      result.add(new Offsets(reply.getLong(0), reply.getLong(8), reply.getLong(16)));
     }
     return result;
   }
 
-  private ObjectRef<byte[]> send(String name) {
+  /**
+   * Each partition's first offset whose record has a timestamp at or after {@code timestamps[p]}, below
+   * its high watermark, or -1 when it has none (Kafka's ListOffsets by timestamp); asked of all leaders at once.
+   */
+  long[] offsetsForTimestamps(List<String[]> partitions, long[] timestamps) {
+    List<ObjectRef<byte[]>> pending = new ArrayList<>();
+    List<Function<String, ObjectRef<byte[]>>> sends = new ArrayList<>();
+    for (int p = 0; p < partitions.size(); p++) {
+      long timestamp = timestamps[p];
+      Function<String, ObjectRef<byte[]>> send = name -> actor(name).task(OFFSET_FOR_TIMESTAMP, timestamp).remote();
+      sends.add(send);
+      pending.add(partitions.get(p).length == 0 ? null : sent(send, partitions.get(p)[0]));
+    }
+    long[] result = new long[partitions.size()];
+    for (int p = 0; p < partitions.size(); p++) {
+      result[p] = ask(p, partitions.get(p), pending.get(p), sends.get(p), "offset for timestamp " + timestamps[p]).getLong(0);
+    }
+    return result;
+  }
+
+  /** A call sent to the replica {@code name}, or null when it cannot be (no such actor now). */
+  private static ObjectRef<byte[]> sent(Function<String, ObjectRef<byte[]>> send, String name) {
     try {
-      return actor(name).task(OFFSETS, isolation).remote();
+      return send.apply(name);
     } catch (RuntimeException e) {
       return null;
     }
@@ -135,23 +160,27 @@ final class TopicClient {
     }
   }
 
-  private Offsets offsetsOf(int partition, String[] names, ObjectRef<byte[]> first) {
+  /**
+   * A partition's leader's little-endian reply to {@code send}: {@code first} (already sent to the first
+   * replica), then each replica in turn, asking the controller for the replicas again after each round,
+   * for {@code timeoutMs} in all.
+   */
+  private ByteBuffer ask(int partition, String[] names, ObjectRef<byte[]> first, Function<String, ObjectRef<byte[]>> send, String what) {
     long deadline = System.currentTimeMillis() + timeoutMs;
     RuntimeException last = null;
     for (int attempt = 0; ; attempt++) {
-      ObjectRef<byte[]> ref = attempt == 0 ? first : (names.length == 0 ? null : send(names[attempt % names.length]));
+      ObjectRef<byte[]> ref = attempt == 0 ? first : (names.length == 0 ? null : sent(send, names[attempt % names.length]));
       if (ref != null) {
         try {
-          ByteBuffer reply = ByteBuffer.wrap(Ray.get(ref, Math.max(1, Math.min(ATTEMPT_MS, deadline - System.currentTimeMillis()))))
+          return ByteBuffer.wrap(Ray.get(ref, Math.max(1, Math.min(ATTEMPT_MS, deadline - System.currentTimeMillis()))))
               .order(ByteOrder.LITTLE_ENDIAN);
-          return new Offsets(reply.getLong(0), reply.getLong(8), reply.getLong(16));
         } catch (RuntimeException e) {
           last = e;
         }
       }
       long now = System.currentTimeMillis();
       if (now >= deadline) {
-        throw new IllegalStateException(topic + "-" + partition + ": no leader answered for its offsets within " + timeoutMs
+        throw new IllegalStateException(topic + "-" + partition + ": no leader answered for its " + what + " within " + timeoutMs
             + " ms" + (last == null ? " (no replica on a live node)" : "; last error: " + last.getMessage()), last);
       }
       if (names.length == 0 || (attempt + 1) % names.length == 0) {
