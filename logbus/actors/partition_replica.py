@@ -983,7 +983,9 @@ class PartitionReplica:
         NotLeaderError on a follower."""
         self._started()
         self._check_leader()
-        return struct.pack("<q", await self.offset_for_timestamp(int(timestamp_ms)))
+        offset = await self.offset_for_timestamp(int(timestamp_ms))
+        self._check_leader()  # still the leader after the waits (the tier's reads): its high watermark bounded the answer
+        return struct.pack("<q", offset)
 
     async def tier_status(self) -> dict | None:
         """A tiered topic's remote tier as this replica sees it (``TierSchedule.status``), else None."""

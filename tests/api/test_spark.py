@@ -468,6 +468,12 @@ def test_format_logbus_reads_from_and_to_timestamps_as_kafkas_source_does(spark,
     by_partition = (reader().option("startingOffsetsByTimestamp", f'{{"{name}": {{"0": {base}, "1": {base + 100}}}}}')
                     .option("endingTimestamp", str(base + 150)).load())
     assert offsets(by_partition) == [(0, i) for i in range(0, 15)] + [(1, i) for i in range(10, 15)]
+    # Ends per partition, one with no record at or after it (the partition's end); endingTimestamp would win.
+    ends = f'{{"{name}": {{"0": {base + 100}, "1": {base + 10_000}}}}}'
+    by_end = reader().option("startingTimestamp", str(base + 55)).option("endingOffsetsByTimestamp", ends).load()
+    assert offsets(by_end) == [(0, i) for i in range(6, 10)] + [(1, i) for i in range(6, 20)]
+    both = reader().option("endingOffsetsByTimestamp", ends).option("endingTimestamp", str(base + 30)).load()
+    assert offsets(both) == [(p, i) for p in range(2) for i in range(3)]
     # No record at or after the timestamp: an error by default, the partition's end with the "latest" strategy.
     with pytest.raises(Exception, match="has no record at or after timestamp"):
         reader().option("startingTimestamp", str(base + 10_000)).load().count()

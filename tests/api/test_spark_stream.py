@@ -189,7 +189,7 @@ def test_read_stream_options_are_checked(spark, bus, topic_name):
     with pytest.raises(Exception, match="subscribe"):  # Spark's own spelling, without the topic
         spark.readStream.format("logbus").load()
     # Kafka source options that would change what is read, which logbus does not offer: refused by name.
-    for name, value in (("assign", '{"t": [0]}'), ("subscribePattern", "t-.*"), ("minOffsetsPerTrigger", "10")):
+    for name, value in (("assign", '{"t": [0]}'), ("subscribePattern", "t-.*")):
         reader = spark.readStream.format("logbus").option("subscribe", topic_name).option(name, value)
         with pytest.raises(Exception, match=f"does not offer Spark's Kafka option {name}"):
             reader.option("logbus.namespace", bus.namespace).load()
@@ -205,6 +205,10 @@ def test_a_stream_refuses_ending_offsets_and_reports_the_latest_offsets(spark, b
               .option("endingOffsets", "latest").load())
     with pytest.raises(StreamingQueryException, match="endingOffsets is not valid in streaming queries"):
         run_query(spark, ending, lambda df, batch_id: None, tmp_path / "ending")
+    waiting = (spark.readStream.format("logbus").option("subscribe", topic_name).option("logbus.namespace", bus.namespace)
+               .option("minOffsetsPerTrigger", "100").load())
+    with pytest.raises(StreamingQueryException, match="does not offer Spark's Kafka option minOffsetsPerTrigger"):
+        run_query(spark, waiting, lambda df, batch_id: None, tmp_path / "waiting")
 
     df = logbus.spark.read_stream(spark, topic_name, starting_offsets="earliest", max_offsets_per_trigger=4, bus=bus)
     query = df.writeStream.foreachBatch(lambda df, batch_id: None).option("checkpointLocation", str(tmp_path / "checkpoint"))

@@ -36,6 +36,11 @@ final class LogbusOffset extends Offset {
 
   /** Parse Kafka's JSON spelling of offsets for {@code topic}; -2 and -1 (earliest, latest) stay as they are. */
   static Map<Integer, Long> parse(String json, String topic, String what) {
+    return parse(json, topic, what, -2);
+  }
+
+  /** Parse Kafka's JSON of a number per partition of {@code topic} (offsets, or timestamps), each at least {@code min}. */
+  static Map<Integer, Long> parse(String json, String topic, String what, long min) {
     JsonNode root;
     try {
       root = new ObjectMapper().readTree(json);
@@ -44,7 +49,7 @@ final class LogbusOffset extends Offset {
     }
     JsonNode partitions = root == null ? null : root.get(topic);
     if (partitions == null || !partitions.isObject()) {
-      throw new IllegalArgumentException(what + " names no offsets of topic " + topic + ": " + json);
+      throw new IllegalArgumentException(what + " names no partitions of topic " + topic + ": " + json);
     }
     Map<Integer, Long> offsets = new TreeMap<>();
     Iterator<Map.Entry<String, JsonNode>> fields = partitions.fields();
@@ -56,8 +61,10 @@ final class LogbusOffset extends Offset {
       } catch (NumberFormatException e) {
         throw new IllegalArgumentException(what + ": '" + field.getKey() + "' is no partition number", e);
       }
-      if (!field.getValue().canConvertToLong() || field.getValue().asLong() < -2) {
-        throw new IllegalArgumentException(what + ": partition " + partition + " has no offset (" + field.getValue() + ")");
+      if (!field.getValue().canConvertToLong() || field.getValue().asLong() < min) {
+        throw new IllegalArgumentException(what + ": partition " + partition + " must have a number of at least " + min
+            + (min == -2 ? " (an offset, -2 for earliest or -1 for latest)" : " (a timestamp in milliseconds)") + ", not "
+            + field.getValue());
       }
       offsets.put(partition, field.getValue().asLong());
     }

@@ -75,6 +75,13 @@ final class LogbusScan implements ScanBuilder, SupportsPushDownRequiredColumns, 
         throw new IllegalArgumentException(ending + " is not valid in streaming queries (a stream reads on as records come)");
       }
     }
+    for (String name : new String[] {"minOffsetsPerTrigger", "maxTriggerDelay"}) {
+      if (options.containsKey(name)) {
+        // A trigger that waits for more records: Spark's Kafka source has it, logbus's stream does not.
+        throw new IllegalArgumentException("logbus's stream does not offer Spark's Kafka option " + name
+            + " (each trigger reads what there is, up to maxOffsetsPerTrigger)");
+      }
+    }
     return new LogbusStream(new SourceOptions(options, "latest"), schema, checkpointLocation);
   }
 

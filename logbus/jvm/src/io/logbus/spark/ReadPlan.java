@@ -124,13 +124,10 @@ final class ReadPlan implements Serializable {
     if (byPartition == null) {
       return null;
     }
-    java.util.Map<Integer, Long> given = LogbusOffset.parse(byPartition, topic, what);
+    java.util.Map<Integer, Long> given = LogbusOffset.parse(byPartition, topic, what, 0);
     for (java.util.Map.Entry<Integer, Long> entry : given.entrySet()) {
       if (entry.getKey() < 0 || entry.getKey() >= partitions) {
         throw new IllegalArgumentException(what + " names partition " + entry.getKey() + " of " + topic + ", which has " + partitions);
-      }
-      if (entry.getValue() < 0) {
-        throw new IllegalArgumentException(what + ": partition " + entry.getKey() + "'s timestamp must be at least 0, not " + entry.getValue());
       }
       timestamps[entry.getKey()] = entry.getValue();
     }
@@ -164,7 +161,12 @@ final class ReadPlan implements Serializable {
     long[] found = client.offsetsForTimestamps(names, times);
     for (int p = 0; p < count; p++) {
       if (found[p] >= 0) {
-        starts[p] = Math.min(found[p], offsets.get(p).end);
+        // At least the log start: a tiered topic's tier may answer below it just after delete_records. A
+        // batch read ends at the end it planned with (asked first: a match past it leaves nothing to read);
+        // a stream starts at the match, past the end it knows if records came meanwhile, which the next
+        // trigger sees.
+        long start = Math.max(found[p], offsets.get(p).logStart);
+        starts[p] = batch ? Math.min(start, offsets.get(p).end) : start;
       } else if (options.startLatestWhenNoTimestampMatch) {
         starts[p] = offsets.get(p).end;
       } else {
@@ -197,7 +199,7 @@ final class ReadPlan implements Serializable {
     }
     long[] found = client.offsetsForTimestamps(names, times);
     for (int p = 0; p < count; p++) {
-      ends[p] = found[p] >= 0 ? Math.min(found[p], offsets.get(p).end) : offsets.get(p).end;
+      ends[p] = found[p] >= 0 ? Math.max(Math.min(found[p], offsets.get(p).end), offsets.get(p).logStart) : offsets.get(p).end;
     }
     return ends;
   }

@@ -38,13 +38,13 @@ final class SourceOptions implements Serializable {
    * Options of Spark's Kafka source that would change what is read and that logbus does not offer: refused
    * by name rather than ignored (a query would otherwise read other records than its author asked for).
    */
-  static final String[] NOT_OFFERED = {"assign", "subscribePattern", "minOffsetsPerTrigger", "maxTriggerDelay"};
+  static final String[] NOT_OFFERED = {"assign", "subscribePattern"};
 
   SourceOptions(CaseInsensitiveStringMap options, String defaultStart) {
     for (String name : NOT_OFFERED) {
       if (options.containsKey(name)) {
         throw new IllegalArgumentException("format(\"logbus\") does not offer Spark's Kafka option " + name
-            + " (it reads one topic, from startingOffsets, startingTimestamp or startingOffsetsByTimestamp)");
+            + " (it reads the one topic named by subscribe)");
       }
     }
     topic = options.get("subscribe");
