@@ -42,8 +42,8 @@ def _lighter_ray_nodes() -> None:
 
     Ray's log monitor copies its workers' output to the drivers that ask for it (``log_to_driver``),
     and rescans the session's log directory every 0.1 s to do so. The tests' drivers do not ask, and
-    their sessions gather the logs of a thousand worker processes in a run: the monitor took about a
-    tenth of the machine for nothing. Worker output still goes to the session's log files.
+    their sessions gather the logs of a thousand worker processes in a run: the monitors took about
+    7 % of one core for nothing. Worker output still goes to the session's log files.
     """
     from ray._private import node, ray_constants
 
