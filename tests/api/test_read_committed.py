@@ -13,8 +13,9 @@ import pytest
 import logbus
 from logbus import TopicPartition
 from logbus.actors.remote import get
-from logbus.errors import InvalidConfigError, LogbusError, ProducerFencedError
+from logbus.errors import InvalidConfigError, ProducerFencedError
 from logbus.protocol.messages import READ_COMMITTED, FetchRequest
+from logbus.retry import retry_until
 from logbus.storage import record_batch as rb
 from tests.conftest import wait_for
 
@@ -24,15 +25,9 @@ pytestmark = pytest.mark.timeout(300)
 def at_leader(bus, topic, call):
     """``get(call(leader))`` on the partition's leader, asked again as a client asks while the error is
     retriable (a new topic's leader takes writes only once its node's lease is held), for up to 60 s."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return get(call(bus.topic_metadata(topic).leaders[0]))
-        except LogbusError as error:
-            if not error.retriable or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-            bus.topic_metadata(topic, refresh=True)
+    return retry_until(time.monotonic() + 60, f"a call to {topic}'s leader",
+                       lambda _left: get(call(bus.topic_metadata(topic).leaders[0])),
+                       on_retry=lambda _error: bus.topic_metadata(topic, refresh=True))
 
 
 class TxnWriter:

@@ -115,10 +115,10 @@ final class ReadPlan implements Serializable {
    * (Kafka's JSON, {@code {"topic": {"0": 1700000000000}}}, every partition named, as Spark's Kafka source
    * asks), or null when neither is set.
    */
-  static long[] timestamps(String global, String byPartition, String topic, String what, int partitions) {
+  static long[] timestamps(Long global, String byPartition, String topic, String what, int partitions) {
     long[] timestamps = new long[partitions];
     if (global != null) {
-      java.util.Arrays.fill(timestamps, Long.parseLong(global));
+      java.util.Arrays.fill(timestamps, global);
       return timestamps;
     }
     if (byPartition == null) {

@@ -24,10 +24,10 @@ final class SourceOptions implements Serializable {
   final String namespace;
   final String startingOffsets;
   final String endingOffsets;
-  final String startingTimestamp; // null when not set; takes precedence over startingOffsetsByTimestamp, as in Spark
+  final Long startingTimestamp; // null when not set; takes precedence over startingOffsetsByTimestamp, as in Spark
   final String startingOffsetsByTimestamp; // Kafka's JSON of timestamps, every partition named
   final boolean startLatestWhenNoTimestampMatch; // startingOffsetsByTimestampStrategy "latest" (else "error")
-  final String endingTimestamp;
+  final Long endingTimestamp;
   final String endingOffsetsByTimestamp;
   final long maxOffsetsPerTrigger; // 0: no limit
   final boolean failOnDataLoss;
@@ -85,15 +85,16 @@ final class SourceOptions implements Serializable {
     isolation = level.equals("read_committed") ? 1 : 0;
   }
 
-  /** A timestamp option (milliseconds since the epoch, at least 0) as given, or null when it is not set. */
-  static String timestamp(CaseInsensitiveStringMap options, String name) {
+  /** A timestamp option (milliseconds since the epoch, at least 0), or null when it is not set. */
+  static Long timestamp(CaseInsensitiveStringMap options, String name) {
     String value = options.get(name);
     if (value == null) {
       return null;
     }
     try {
-      if (Long.parseLong(value.trim()) >= 0) {
-        return value.trim();
+      long timestamp = Long.parseLong(value.trim());
+      if (timestamp >= 0) {
+        return timestamp;
       }
     } catch (NumberFormatException e) {
       // refused below
