@@ -24,6 +24,14 @@ current Producer, enable_idempotence=True). Cases:
                  end - first start).
              Each timing runs from the first send to the end of ``flush()`` (every record
              acknowledged); a repetition stops sending after N records or a time cap.
+1d. produce  the per-record path as users write it: one Producer in the driver, ``send(topic,
+             value, key=key)`` per record (1,000 distinct keys), a 4-partition topic, every
+             RecordFuture kept in a list until the end (target >= 1M records/s); (info) the
+             same with ``add_callback`` on every future instead of keeping it (the callbacks
+             count the acknowledgements); (info) the same with send() in Python alone
+             (``logbus.api.producer.FAST_PATH = False``: the same run's baseline of the C
+             path, logbus/api/_fastsend.c); (info) the floor any per-record future pays in
+             CPython: one object of three slots made and kept per record, nothing sent.
 2. consume   one Consumer in the driver reads the whole send_table topic from offset 0
              with ``poll_arrow()``; records/s, and MB/s of value bytes.
 3. latency   a Producer in a Ray actor sends at a paced 10,000 records/s (bursts every
@@ -126,6 +134,7 @@ from _common import (
 
 import logbus
 import logbus.aio
+import logbus.api.producer as producer_module
 from logbus import Producer
 
 POOL_SIZE = 10_000  # distinct values cycled through by the send() loops
@@ -138,6 +147,9 @@ CONSUME_TARGET = 5_000_000
 CONSUME_RATIO_TARGET = 15.0  # x Redis XREADGROUP
 P50_TARGET_MS = 3.0
 P99_TARGET_MS = 15.0
+KEYED_TARGET = 1_000_000  # records/s: send() with keys, futures kept, 4 partitions
+KEYED_PARTITIONS = 4
+KEY_COUNT = 1_000
 ONE_PROCESS_P99_TARGET_MS = 5.0  # producer and consumer in one process (a Ray driver, a Serve replica)
 
 
@@ -188,6 +200,120 @@ class ProducerWorker:
 
     def close(self) -> None:
         self.producer.close()
+
+
+class _Kept:
+    """The least a per-record future holds (its batch, index and timestamp): the floor of case 1d."""
+
+    __slots__ = ("batch", "index", "timestamp_ms")
+
+    def __init__(self, batch, index: int, timestamp_ms: int) -> None:
+        self.batch = batch
+        self.index = index
+        self.timestamp_ms = timestamp_ms
+
+
+def produce_keyed(producer, topic: str, pool: list[bytes], keys: list[bytes], n: int, time_cap_s: float,
+                  callbacks: bool = False) -> Sent:
+    """Case 1d: send(topic, value, key=key) per record, every future kept (or given a callback), until
+    ``n`` records or ``time_cap_s``; then flush. Raises unless every record was acknowledged."""
+    send = producer.send
+    futures: list = []
+    keep = futures.append
+    acked = [0]
+
+    def on_ack(metadata) -> None:
+        acked[0] += 1
+
+    sent = 0
+    start_wall = time.time()
+    start = time.perf_counter()
+    deadline = start + time_cap_s
+    while sent < n:
+        if callbacks:
+            for key, value in zip(keys, pool):
+                send(topic, value, key=key).add_callback(on_ack)
+        else:
+            for key, value in zip(keys, pool):
+                keep(send(topic, value, key=key))
+        sent += len(pool)
+        if time.perf_counter() > deadline:
+            break
+    producer.flush()
+    seconds = time.perf_counter() - start
+    end_wall = time.time()
+    if callbacks:
+        if acked[0] != sent:
+            raise RuntimeError(f"{acked[0]} of {sent} records were acknowledged")
+    elif len(futures) != sent or futures[-1].result(timeout=60).offset < 0 or not all(f.done() for f in futures):
+        raise RuntimeError("not every record was acknowledged")
+    return Sent(sent, start_wall, end_wall, seconds)
+
+
+def keep_objects(pool: list[bytes], keys: list[bytes], n: int) -> Sent:
+    """The floor of case 1d: one small object made and kept per record, the loop of produce_keyed, nothing sent."""
+    kept: list = []
+    keep = kept.append
+    batch = object()
+    sent = 0
+    start_wall = time.time()
+    start = time.perf_counter()
+    while sent < n:
+        for key, value in zip(keys, pool):
+            keep(_Kept(batch, sent, 0))
+        sent += len(pool)
+    seconds = time.perf_counter() - start
+    return Sent(sent, start_wall, time.time(), seconds)
+
+
+def keyed_cases(bus, create, check_landed, pool: list[bytes], mode) -> list[Result]:
+    """Case 1d (see the module's docstring)."""
+    keys = [b"user-%d" % (i % KEY_COUNT) for i in range(len(pool))]
+    results: list[Result] = []
+    fast_path = getattr(producer_module, "FAST_PATH", False)
+    # (Named so that the Redis ratio and target of the 'logbus produce' rows are not applied to them.)
+    cases = [("kept", "logbus send() with keys, futures kept, 1 producer, 4 partitions", True)]
+    cases.append(("callbacks", "(info) keyed send(), add_callback() on every future instead of keeping it", True))
+    if fast_path:
+        cases.append(("kept", "(info) keyed send(), futures kept, send() in Python alone (FAST_PATH=False)", False))
+    for kind, label, use_c in cases:
+        topic = create(f"bench-keyed-{kind}{'' if use_c else '-python'}", KEYED_PARTITIONS)
+        producer_module.FAST_PATH = use_c and fast_path
+        try:
+            producer = Producer(bus, acks=1)
+        finally:
+            producer_module.FAST_PATH = fast_path
+
+        def produce(n: int) -> Sent:
+            return produce_keyed(producer, topic, pool, keys, n, mode.time_cap_s, callbacks=kind == "callbacks")
+
+        produce(mode.warmup_records)
+        runs, extra = [], {}
+        for rep in range(mode.reps):
+            before = sum(high_watermarks(bus, topic))
+            sent = produce(mode.records)
+            check_landed(topic, before, sent.records, extra)
+            runs.append((sent.records, sent.seconds))
+            log(f"{label:<60} rep {rep + 1}: {sent.records:,} records in {sent.seconds:.2f}s = {sent.records / sent.seconds:,.0f}/s")
+        producer.close()
+        rate, reps = best_rate(runs)
+        extra["c_path"] = use_c and fast_path
+        results.append(Result(label, rate, rate * VALUE_SIZE / 1e6, reps=reps, extra=extra))
+    floor_runs = []
+    for _ in range(mode.reps):
+        sent = keep_objects(pool, keys, mode.records)
+        floor_runs.append((sent.records, sent.seconds))
+    floor, floor_reps = best_rate(floor_runs)
+    log(f"floor: one object of three slots made and kept per record: {floor:,.0f}/s")
+    kept = results[0]
+    kept.target, kept.meets_target = f">= {KEYED_TARGET / 1e6:g} M/s", kept.records_per_s >= KEYED_TARGET
+    if fast_path:
+        python = results[-1]
+        kept.ratio_vs, kept.ratio = "send() in Python alone, same case (the C path's gain)", kept.records_per_s / python.records_per_s
+    results.append(Result("(info) floor: an object of three slots made and kept per record, nothing sent", floor, reps=floor_reps,
+                          ratio_vs="the futures-kept case / this floor",
+                          ratio=kept.records_per_s / floor))
+    return results
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -537,6 +663,9 @@ def main() -> int:
         send_row = next((r for r in results if r.case == "logbus produce, 1 producer, send()"), None)
         if send_row is not None:
             results.append(future_cost(send_row.records_per_s))
+
+        # ---- 1d. send() with keys, futures kept, 4 partitions --------------------------------------
+        results.extend(keyed_cases(bus, create, check_landed, pool, mode))
 
         # ---- 1c. two producers in two processes, 2 partitions --------------------------------------
         workers = [ProducerWorker.remote(namespace, data_dir) for _ in range(2)]

@@ -319,6 +319,19 @@ def test_a_clean_package_passes(tmp_path):
     assert "OK" in report.render()
 
 
+def test_a_c_extension_is_a_module_importing_nothing(tmp_path):
+    """A module built from C (logbus/api/_fastsend.c) is imported by name like any other; it is a leaf."""
+    root = write_package(tmp_path, {
+        "api/__init__.py": "from logbus.api.producer import Producer\n",
+        "api/producer.py": "from logbus.api import _fast\n\nclass Producer:\n    pass\n",
+        "api/_fast.c": "#include <Python.h>\n",
+    })
+    report = cs.check(root)
+    assert report.violations == []
+    assert ("logbus.api.producer", "logbus.api._fast") in edges(report.graph)
+    assert not any(e.source == "logbus.api._fast" for e in report.graph.internal)
+
+
 def test_the_command_exits_0_on_a_clean_package(tmp_path):
     pkg = write_package(tmp_path, CLEAN_PACKAGE)
     result = subprocess.run([sys.executable, str(TOOL), str(pkg)], capture_output=True, text=True, timeout=60)

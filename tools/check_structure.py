@@ -154,10 +154,12 @@ class Report:
 
 
 def discover_modules(package_dir: Path) -> dict[str, Path]:
-    """Module name -> file for every ``.py`` file under ``package_dir`` (the package itself included)."""
+    """Module name -> file for every ``.py`` file under ``package_dir`` (the package itself included), and
+    for every ``.c`` file: the source of a C extension of the same name (a module importing nothing of
+    the package's, as the checker sees it)."""
     package = package_dir.name
     modules: dict[str, Path] = {}
-    for path in sorted(package_dir.rglob("*.py")):
+    for path in sorted([*package_dir.rglob("*.py"), *package_dir.rglob("*.c")]):
         parts = path.relative_to(package_dir).with_suffix("").parts
         if "__pycache__" in parts:
             continue
@@ -192,6 +194,8 @@ def build_graph(package_dir: Path) -> ImportGraph:
         return name == package or name.startswith(package + ".")
 
     for module, path in modules.items():
+        if path.suffix != ".py":
+            continue  # a C extension's source
         rel = path.relative_to(package_dir.parent).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         is_package = path.name == "__init__.py"

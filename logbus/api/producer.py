@@ -101,6 +101,11 @@ from logbus.protocol.transaction_manager import TransactionManager, TxnClientSta
 from logbus.storage import record_batch as rb
 from logbus.storage.names import validate_topic_name
 
+try:  # the per-record path in C, built by pip at install (setup.py); absent, send() runs in Python alone
+    from logbus.api import _fastsend
+except ImportError:
+    _fastsend = None
+
 logger = logging.getLogger(__name__)
 
 BATCH_OVERHEAD_BYTES = 4096  # headroom under max.message.bytes for the frame and Arrow metadata
@@ -128,6 +133,10 @@ TRANSACTION_CALL_TIMEOUT_S = 60.0  # default bound of init/commit/abort/send_off
 
 
 _PRODUCER_IDS = itertools.count(1)  # names the producers of a process in their buffer metric
+# Whether producers created from now on take send()'s common case in C (logbus.api._fastsend), when it
+# was built. The Python send() is the reference and handles every other case; benchmarks and tests set
+# this to False to measure or check the Python path alone.
+FAST_PATH = _fastsend is not None and _fastsend.RECORD_OVERHEAD_BYTES == RECORD_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)
@@ -144,7 +153,7 @@ class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
         "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
-        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries",
+        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries", "callbacks",
     )
 
     def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
@@ -170,6 +179,8 @@ class _Batch:
         # (under _OUTCOME_LOCK) before the records' futures and the batch's future are completed.
         self.outcome: tuple[int, int, BaseException | None] | None = None
         self.waiting: list[RecordFuture] | None = None  # record futures with state of their own
+        # Its records' callbacks, six values each (RecordFuture._on_outcome), until the batch is done.
+        self.callbacks: list | None = None
         self.sequenced: tuple[int, int] | None = None  # (producer id, epoch) its sequence numbers belong to
         self.retries: Backoff | None = None  # from its first retriable failure: backoff until its delivery deadline
 
@@ -201,7 +212,10 @@ class _Sequences:
         return self.expiration_s is None or now_s - self.acknowledged_s < self.expiration_s / 2
 
 
+_track = _fastsend.track if _fastsend is not None else (lambda obj: None)
 _OUTCOME_LOCK = threading.Lock()  # orders a batch's completion against its records taking state of their own
+# How many batches the current thread is completing (running their records' callbacks): see flush().
+_IN_CALLBACKS = threading.local()
 _FUTURE_STATE = frozenset(("_condition", "_state", "_result", "_exception", "_waiters", "_done_callbacks"))
 
 
@@ -251,6 +265,7 @@ class RecordFuture(Future):
         with _OUTCOME_LOCK:
             if "_condition" in self.__dict__:
                 return
+            _track(self)  # the Future's state can refer back to it (a callback's closure, a waiter)
             Future.__init__(self)
             outcome = batch.outcome
             if outcome is None:
@@ -269,9 +284,7 @@ class RecordFuture(Future):
             Future.set_exception(self, error)
 
     def _metadata(self, base_offset: int, append_time_ms: int) -> RecordMetadata:
-        offset = -1 if base_offset < 0 else base_offset + self._index
-        timestamp_ms = append_time_ms if append_time_ms >= 0 else self._timestamp_ms
-        return RecordMetadata(self._batch.topic, self._batch.partition, offset, timestamp_ms)
+        return _record_metadata(self._batch, base_offset, append_time_ms, self._index, self._timestamp_ms)
 
     def _outcome(self, timeout: float | None) -> tuple:
         batch = self._batch
@@ -310,34 +323,49 @@ class RecordFuture(Future):
 
     def add_done_callback(self, fn) -> None:
         """Call ``fn(future)`` once the record is done (at once if it is)."""
-        self._batch.future.add_done_callback(lambda _: fn(self))
+        self._on_outcome(_DONE, fn, self, None)
 
     def add_callback(self, fn, *args, **kwargs) -> "RecordFuture":
         """Call ``fn(metadata, *args, **kwargs)`` if the record is acknowledged; returns this future."""
-
-        def call(_) -> None:
-            base_offset, append_time_ms, error = self._batch.outcome
-            if error is None:
-                fn(self._metadata(base_offset, append_time_ms), *args, **kwargs)
-
-        self._batch.future.add_done_callback(call)
+        self._on_outcome(_CALLBACK, fn, args, kwargs)
         return self
 
     def add_errback(self, fn, *args, **kwargs) -> "RecordFuture":
         """Call ``fn(exception, *args, **kwargs)`` if the record fails; returns this future."""
-
-        def call(_) -> None:
-            error = self._batch.outcome[2]
-            if error is not None:
-                fn(error, *args, **kwargs)
-
-        self._batch.future.add_done_callback(call)
+        self._on_outcome(_ERRBACK, fn, args, kwargs)
         return self
+
+    def _on_outcome(self, kind: int, fn, args, kwargs) -> None:
+        """Have ``fn`` called with the record's outcome: by the batch's completion, or now if it is done.
+
+        The batch keeps the call in a flat list of plain values (no closure, and no reference to this
+        future but for add_done_callback's): a callback per record, for a million records in flight,
+        would otherwise be millions of objects for the cyclic garbage collector to walk again and again.
+        A cycle through the list (a callback that refers to its future, which refers to its batch) ends
+        when the batch is done and drops the list, so a future the C path left untracked stays so.
+        """
+        batch = self._batch
+        with _OUTCOME_LOCK:
+            outcome = batch.outcome
+            if outcome is None:
+                calls = batch.callbacks
+                if calls is None:
+                    calls = batch.callbacks = []
+                calls += (self._index, self._timestamp_ms, kind, fn, args, kwargs)
+                return
+        _call_back(batch, outcome, self._index, self._timestamp_ms, kind, fn, args, kwargs)
 
     def set_result(self, *args) -> None:
         raise IllegalStateError("a record future is completed by the producer")
 
     set_exception = set_running_or_notify_cancel = set_result
+
+    if _fastsend is not None:
+        def __setattr__(self, name: str, value) -> None:
+            # A RecordFuture made by the C path is not tracked by the cyclic garbage collector (it
+            # refers only to its batch); an attribute of the caller's could close a cycle through it.
+            _track(self)
+            object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
@@ -345,18 +373,48 @@ class RecordFuture(Future):
 
 
 def _finish(batch: _Batch, base_offset: int, append_time_ms: int, error: BaseException | None) -> None:
-    """Complete a batch for good: its outcome, then its records' own futures, then the batch's future."""
+    """Complete a batch for good: its outcome, then its records' own futures, then the batch's future,
+    then its records' callbacks (in the order they were added)."""
     with _OUTCOME_LOCK:
         if batch.outcome is not None:
             return  # already completed (a reply racing close()'s abandon)
         outcome = batch.outcome = (base_offset, append_time_ms, error)
         waiting, batch.waiting = batch.waiting, None
+        calls, batch.callbacks = batch.callbacks, None
     for record in waiting or ():
         record._settle(outcome)
     if error is None:
         batch.future.set_result(base_offset)
     else:
         batch.future.set_exception(error)
+    if calls:
+        for at in range(0, len(calls), 6):
+            _call_back(batch, outcome, *calls[at:at + 6])
+
+
+def _record_metadata(batch: _Batch, base_offset: int, append_time_ms: int, index: int, timestamp_ms: int) -> RecordMetadata:
+    """The RecordMetadata of the record at ``index`` of ``batch``, written at ``base_offset``."""
+    offset = -1 if base_offset < 0 else base_offset + index
+    return RecordMetadata(batch.topic, batch.partition, offset, append_time_ms if append_time_ms >= 0 else timestamp_ms)
+
+
+_CALLBACK, _ERRBACK, _DONE = 0, 1, 2  # what a record's callback is called with (RecordFuture._on_outcome)
+
+
+def _call_back(batch: _Batch, outcome: tuple, index: int, timestamp_ms: int, kind: int, fn, args, kwargs) -> None:
+    """Call one callback of a record of ``batch`` with its outcome; what it raises is logged (as
+    concurrent.futures does), not propagated."""
+    base_offset, append_time_ms, error = outcome
+    try:
+        if kind == _DONE:
+            fn(args)  # the record's future
+        elif kind == _CALLBACK:
+            if error is None:
+                fn(_record_metadata(batch, base_offset, append_time_ms, index, timestamp_ms), *args, **kwargs)
+        elif error is not None:
+            fn(error, *args, **kwargs)
+    except Exception:  # noqa: BLE001 (a callback's failure is its own; the producer goes on)
+        logger.exception("a callback of a record sent to %s-%d raised", batch.topic, batch.partition)
 
 
 def _serialize(serializer, data, what: str, topic) -> bytes | None:
@@ -568,6 +626,10 @@ class Producer:
         self._ready: deque[_Batch] = deque()
         self._in_flight: dict[tuple[str, int], int] = {}
         self._in_flight_total = 0
+        # Batches whose outcome is decided and whose futures and callbacks are being completed (_complete):
+        # flush() waits for them too, so every record's future is done and its callbacks have run when it
+        # returns, as in Kafka's producer.
+        self._completing = 0
         self._buffered_bytes = 0
         self._buffer_gauge = metrics.BufferGauge(f"producer-{os.getpid()}-{next(_PRODUCER_IDS)}")
         self._flushing = 0
@@ -587,6 +649,10 @@ class Producer:
         self._condition = threading.Condition(self._lock)
         self._key_serializer = key_serializer
         self._value_serializer = value_serializer
+        self._send_records = self.send  # send() without serializers or a transaction's check
+        if FAST_PATH and type(self).send is Producer.send:
+            # The common case in C; every other case, and every error, through the Python send().
+            self.send = self._send_records = _fastsend.FastSend(self, self._send_records, murmur2, RecordFuture, _Batch)
         if key_serializer is not None or value_serializer is not None:
             # Serializing goes in front of send() for this producer alone, so that a producer
             # without serializers runs send() exactly as before, without even a test for them.
@@ -758,7 +824,7 @@ class Producer:
             value = _serialize(self._value_serializer, value, "value", topic)
         if key is not None and self._key_serializer is not None:
             key = _serialize(self._key_serializer, key, "key", topic)
-        return Producer.send(self, topic, value, key, headers, partition, timestamp_ms)
+        return self._send_records(topic, value, key, headers, partition, timestamp_ms)
 
     def send_table(self, topic: str, table: pa.Table | pa.RecordBatch) -> Future:
         """Send a pyarrow Table in bulk; returns a Future of a list of BatchMetadata.
@@ -1208,6 +1274,7 @@ class Producer:
                 retried = sorted([b for b in self._ready if b.order] + [batch], key=lambda b: b.order)
                 self._ready = deque(retried + [b for b in self._ready if not b.order])
             else:
+                self._completing += 1
                 self._buffered_bytes -= batch.size_bytes
                 if error is None and batch.sequenced is not None:
                     sequences = self._sequences.get(slot)
@@ -1224,7 +1291,14 @@ class Producer:
             self._condition.notify_all()
         if retry:
             return
-        _finish(batch, base_offset if error is None else -1, append_time_ms, error)
+        _IN_CALLBACKS.depth = getattr(_IN_CALLBACKS, "depth", 0) + 1
+        try:
+            _finish(batch, base_offset if error is None else -1, append_time_ms, error)
+        finally:
+            _IN_CALLBACKS.depth -= 1
+            with self._condition:
+                self._completing -= 1
+                self._condition.notify_all()
 
     def _behind_a_lost_batch(self, batch: _Batch) -> bool:
         """Under the lock: whether ``batch`` is its partition's oldest batch of a sequence with a hole.
@@ -1470,8 +1544,9 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                while self._open or self._ready or self._in_flight_total:
-                    if not txn.sending_allowed and not self._in_flight_total:
+                own = getattr(_IN_CALLBACKS, "depth", 0)  # (as in flush())
+                while self._open or self._ready or self._in_flight_total or self._completing > own:
+                    if not txn.sending_allowed and not self._in_flight_total and self._completing <= own:
                         return  # what is left is held for good (failed or aborting transaction)
                     remaining = deadline_s - time.monotonic()
                     if remaining <= 0:
@@ -1525,7 +1600,8 @@ class Producer:
     # --- flushing and closing ------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None, *, timeout: float | None = None) -> None:
-        """Send everything buffered and wait until every record is acknowledged or failed.
+        """Send everything buffered and wait until every record is acknowledged or failed: every future
+        sent before is done, and its callbacks have run, when this returns (as in Kafka's producer).
 
         Raises RequestTimedOutError if that takes longer than ``timeout_s``
         seconds (None: no limit). ``timeout`` is kafka-python's name for it.
@@ -1540,7 +1616,9 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                while self._open or self._ready or self._in_flight_total:
+                # (A callback that calls flush() cannot wait for its own batch's callbacks to end.)
+                own = getattr(_IN_CALLBACKS, "depth", 0)
+                while self._open or self._ready or self._in_flight_total or self._completing > own:
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise RequestTimedOutError(f"flush did not finish within {timeout_s}s")
