@@ -3,7 +3,8 @@
 
 Run with ``./dev bench broker`` (= ``.venv/bin/python perf/bench_broker.py``).
 ``--quick`` makes a short smoke run (< 90 s); ``--records N`` sets the records per
-repetition of the throughput cases; ``--skip-redis`` leaves out the Redis baseline.
+repetition of the throughput cases; ``--skip-redis`` leaves out the Redis baseline;
+``--only keyed`` runs case 1d alone (with its baselines).
 
 Everything runs in one process tree on this machine: a private local Ray
 (``ray.init(address="local", num_cpus=4)``), a fresh temp ``data_dir`` and a
@@ -584,11 +585,36 @@ def producer_accepts(option: str) -> bool:
     return option in inspect.signature(Producer.__init__).parameters
 
 
+def report(results: list[Result], run: RunInfo, mode: Mode) -> int:
+    """Print the table and the JSON lines of ``results``."""
+    wall = run.finish()
+    print_results(results)
+    log(f"done in {wall:.0f}s; every throughput figure is the best of {mode.reps} repetitions, every latency "
+        f"figure the repetition with the lowest p99 of {mode.latency_reps}; 'lost' = not received within "
+        f"{mode.latency_grace_s:g}s after the sending ended; load average {run.load_start[0]:.1f} at the start, "
+        f"{run.load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
+    for r in results:
+        line = {
+            "bench": "broker", "case": r.case, "records_per_s": json_value(r.records_per_s),
+            "mb_per_s": json_value(r.mb_per_s, 1), "p50_ms": json_value(r.p50_ms), "p99_ms": json_value(r.p99_ms),
+            "ratio_vs": r.ratio_vs, "ratio": json_value(r.ratio), "target": r.target, "meets_target": r.meets_target,
+            "reps": [json_value(x) for x in r.reps], "quick": run.quick, "date": run.date,
+            "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
+        }
+        if r.note:
+            line["note"] = r.note
+        # Only the top-level figures of ``extra`` are rounded (per-repetition lists are printed as measured).
+        line.update({k: (json_value(v) if isinstance(v, float) else v) for k, v in r.extra.items() if k != "topic"})
+        print(json.dumps(line))
+    return 0
+
+
 def main() -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="short smoke run (< 90 s)")
     parser.add_argument("--records", type=int, default=None, help="records per repetition of a throughput case")
     parser.add_argument("--skip-redis", action="store_true", help="leave out the Redis Streams baseline")
+    parser.add_argument("--only", choices=["keyed"], help="run one case alone: keyed = case 1d (with its baselines)")
     args = parser.parse_args()
     mode = QUICK if args.quick else FULL
     if args.records is not None:
@@ -626,6 +652,10 @@ def main() -> int:
             if landed != count:
                 log(f"WARNING: {count:,} records sent to {topic} but {landed:,} landed")
                 result_extra.setdefault("landed_mismatch", []).append([count, landed])
+
+        if args.only == "keyed":
+            results.extend(keyed_cases(bus, create, check_landed, pool, mode))
+            return report(results, run, mode)  # (then the clean-up in finally)
 
         # ---- 1a/1b. one producer in the driver, send() and send_table() ----------------------------
         single_cases = [
@@ -919,27 +949,7 @@ def main() -> int:
         shutdown_ray()
         remove_dir(data_dir)
 
-    wall = run.finish()
-    print_results(results)
-    log(f"done in {wall:.0f}s; every throughput figure is the best of {mode.reps} repetitions, every latency "
-        f"figure the repetition with the lowest p99 of {mode.latency_reps}; 'lost' = not received within "
-        f"{mode.latency_grace_s:g}s after the sending ended; load average {run.load_start[0]:.1f} at the start, "
-        f"{run.load_end[0]:.1f} at the end (other processes share these {os.cpu_count()} CPUs)")
-    for r in results:
-        line = {
-            "bench": "broker", "case": r.case, "records_per_s": json_value(r.records_per_s),
-            "mb_per_s": json_value(r.mb_per_s, 1), "p50_ms": json_value(r.p50_ms), "p99_ms": json_value(r.p99_ms),
-            "ratio_vs": r.ratio_vs, "ratio": json_value(r.ratio), "target": r.target, "meets_target": r.meets_target,
-            "reps": [json_value(x) for x in r.reps], "quick": run.quick, "date": run.date,
-            "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
-        }
-        if r.note:
-            line["note"] = r.note
-        # Only the top-level figures of ``extra`` are rounded (per-repetition lists are printed as measured).
-        line.update({k: (json_value(v) if isinstance(v, float) else v) for k, v in r.extra.items() if k != "topic"})
-        print(json.dumps(line))
-    return 0
-
+    return report(results, run, mode)
 
 if __name__ == "__main__":
     sys.exit(main())

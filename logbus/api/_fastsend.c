@@ -10,12 +10,18 @@
    for the partition with room for the record) without the interpreter, and
    hands every other case to the Python send() unchanged, which stays the
    reference: both paths append to the same batches under the producer's lock.
+   Those batches keep their records as Arrow buffers (Columns, below), which
+   the sender thread frames without a conversion per record.
 
    The RecordFuture it returns is not tracked by the cyclic collector: until
-   it is asked for a Future's own state (RecordFuture._materialize, which calls
-   track() first), it refers only to its batch and two ints, and nothing
-   refers back to it, so it cannot be part of a cycle (CPython untracks tuples
-   whose items cannot form cycles the same way). Its reference count frees it.
+   it is asked for a Future's own state or given an attribute (RecordFuture
+   calls track() first), it refers only to its batch and two ints, so a cycle
+   through it must pass through its batch. The batch refers to its futures
+   only through callbacks, which it drops once done, and it hands each caller
+   a copy of its error, never the error it keeps (producer._own_copy), so no
+   traceback of a caller's frames is reachable from it. (CPython untracks
+   tuples whose items cannot form cycles the same way.) Its reference count
+   frees it.
 
    Built by pip at install (setup.py, optional): without a compiler logbus
    runs the pure-Python path, which is the same behaviour.
@@ -33,7 +39,224 @@
 
 static PyObject *str_closed, *str_buffered, *str_buffer_memory, *str_batch_size, *str_close_batch;
 static PyObject *arg_names[ARGS_MAX];
-static PyObject *empty_tuple;
+
+
+/* --- Columns: a batch's records as the Arrow buffers they are framed from ----------------------------
+
+   A batch of a producer with the C path keeps its records' keys, values and timestamps here, copied
+   in as each record is added (the bytes are in the CPU's cache then), instead of in three lists of
+   Python objects that the sender thread turned into Arrow arrays record by record when it framed the
+   batch: building those arrays was the largest part of the sender's time (perf/RESULTS.md). The
+   buffers are Arrow's binary and int64 layouts: validity bitmaps (least significant bit first),
+   int32 offsets, data. Not thread-safe by itself: the producer adds records under its lock, and the
+   sender takes the buffers after the batch left the open batches. */
+
+typedef struct {
+    char *data;
+    Py_ssize_t size, capacity;
+} Buf;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t count, null_values, null_keys;
+    long long first_timestamp, max_timestamp;
+    Buf value_data, value_offsets, value_valid, key_data, key_offsets, key_valid, timestamps;
+} Columns;
+
+static PyTypeObject ColumnsType;
+
+static int
+buf_reserve(Buf *buf, Py_ssize_t extra)
+{
+    if (buf->size + extra <= buf->capacity)
+        return 0;
+    Py_ssize_t capacity = buf->capacity ? buf->capacity : 256;
+    while (capacity < buf->size + extra) {
+        if (capacity > PY_SSIZE_T_MAX / 2) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        capacity *= 2;
+    }
+    char *data = PyMem_Realloc(buf->data, capacity);
+    if (data == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    buf->data = data;
+    buf->capacity = capacity;
+    return 0;
+}
+
+static void
+buf_put(Buf *buf, const void *bytes, Py_ssize_t size)
+{
+    memcpy(buf->data + buf->size, bytes, size);
+    buf->size += size;
+}
+
+/* Add one record (value and key: bytes or None); its index in the batch, or -1 with an error set and
+   nothing added. */
+static Py_ssize_t
+columns_add(Columns *self, PyObject *value, PyObject *key, long long timestamp_ms)
+{
+    Py_ssize_t value_size = value == Py_None ? 0 : PyBytes_GET_SIZE(value);
+    Py_ssize_t key_size = key == Py_None ? 0 : PyBytes_GET_SIZE(key);
+    if (self->value_data.size + value_size > INT32_MAX || self->key_data.size + key_size > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "a batch holds at most 2 GiB of keys and of values");
+        return -1;
+    }
+    int new_bitmap_byte = self->count % 8 == 0;
+    if (buf_reserve(&self->value_data, value_size) < 0 || buf_reserve(&self->key_data, key_size) < 0
+        || buf_reserve(&self->value_offsets, 4) < 0 || buf_reserve(&self->key_offsets, 4) < 0
+        || buf_reserve(&self->timestamps, 8) < 0 || buf_reserve(&self->value_valid, 1) < 0
+        || buf_reserve(&self->key_valid, 1) < 0)
+        return -1;
+    Py_ssize_t index = self->count;
+    if (new_bitmap_byte) {
+        self->value_valid.data[self->value_valid.size++] = 0;
+        self->key_valid.data[self->key_valid.size++] = 0;
+    }
+    char bit = (char)(1 << (index % 8));
+    if (value == Py_None)
+        self->null_values++;
+    else {
+        buf_put(&self->value_data, PyBytes_AS_STRING(value), value_size);
+        self->value_valid.data[index / 8] |= bit;
+    }
+    if (key == Py_None)
+        self->null_keys++;
+    else {
+        buf_put(&self->key_data, PyBytes_AS_STRING(key), key_size);
+        self->key_valid.data[index / 8] |= bit;
+    }
+    int32_t value_end = (int32_t)self->value_data.size, key_end = (int32_t)self->key_data.size;
+    int64_t timestamp = timestamp_ms;
+    buf_put(&self->value_offsets, &value_end, 4);
+    buf_put(&self->key_offsets, &key_end, 4);
+    buf_put(&self->timestamps, &timestamp, 8);
+    if (index == 0)
+        self->first_timestamp = self->max_timestamp = timestamp_ms;
+    else if (timestamp_ms > self->max_timestamp)
+        self->max_timestamp = timestamp_ms;
+    self->count++;
+    return index;
+}
+
+static PyObject *
+columns_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    if (PyTuple_GET_SIZE(args) || (kwargs != NULL && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Columns() takes no arguments");
+        return NULL;
+    }
+    Columns *self = (Columns *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    int32_t zero = 0;
+    if (buf_reserve(&self->value_offsets, 4) < 0 || buf_reserve(&self->key_offsets, 4) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    buf_put(&self->value_offsets, &zero, 4);
+    buf_put(&self->key_offsets, &zero, 4);
+    return (PyObject *)self;
+}
+
+static void
+columns_dealloc(Columns *self)
+{
+    Buf *bufs[] = {&self->value_data, &self->value_offsets, &self->value_valid, &self->key_data,
+                   &self->key_offsets, &self->key_valid, &self->timestamps};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
+        PyMem_Free(bufs[i]->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+columns_append(Columns *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "append(value, key, timestamp_ms) takes 3 arguments, not %zd", nargs);
+        return NULL;
+    }
+    PyObject *value = args[0], *key = args[1];
+    if ((value != Py_None && !PyBytes_CheckExact(value)) || (key != Py_None && !PyBytes_CheckExact(key))) {
+        PyErr_SetString(PyExc_TypeError, "a record's value and key must be bytes or None");
+        return NULL;
+    }
+    long long timestamp_ms = PyLong_AsLongLong(args[2]);
+    if (timestamp_ms == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t index = columns_add(self, value, key, timestamp_ms);
+    return index < 0 ? NULL : PyLong_FromSsize_t(index);
+}
+
+static PyObject *
+bytes_of(Buf *buf)
+{
+    return PyBytes_FromStringAndSize(buf->data, buf->size);
+}
+
+/* (count, first timestamp, largest timestamp, values, keys, timestamps): values and keys as
+   (null count, validity bitmap or None when there is no null, offsets, data), each buffer as bytes. */
+static PyObject *
+columns_buffers(Columns *self, PyObject *unused)
+{
+    PyObject *value_valid = self->null_values ? bytes_of(&self->value_valid) : Py_NewRef(Py_None);
+    PyObject *key_valid = self->null_keys ? bytes_of(&self->key_valid) : Py_NewRef(Py_None);
+    PyObject *values = value_valid == NULL ? NULL : Py_BuildValue(
+        "(nNNN)", self->null_values, value_valid, bytes_of(&self->value_offsets), bytes_of(&self->value_data));
+    PyObject *keys = key_valid == NULL ? NULL : Py_BuildValue(
+        "(nNNN)", self->null_keys, key_valid, bytes_of(&self->key_offsets), bytes_of(&self->key_data));
+    if (values == NULL || keys == NULL) {
+        Py_XDECREF(values);
+        Py_XDECREF(keys);
+        return NULL;
+    }
+    return Py_BuildValue("(nLLNNN)", self->count, self->first_timestamp, self->max_timestamp, values, keys,
+                         bytes_of(&self->timestamps));
+}
+
+static Py_ssize_t
+columns_length(Columns *self)
+{
+    return self->count;
+}
+
+static PyMethodDef columns_methods[] = {
+    {"append", (PyCFunction)(void (*)(void))columns_append, METH_FASTCALL,
+     PyDoc_STR("append(value, key, timestamp_ms) -> index: add one record (bytes or None, bytes or None, int).")},
+    {"buffers", (PyCFunction)columns_buffers, METH_NOARGS,
+     PyDoc_STR("buffers() -> (count, first timestamp, largest timestamp, values, keys, timestamps): values and keys "
+               "as (null count, validity bitmap or None, int32 offsets, data), as bytes.")},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef columns_members[] = {
+    {"null_keys", T_PYSSIZET, offsetof(Columns, null_keys), READONLY, PyDoc_STR("records without a key")},
+    {"null_values", T_PYSSIZET, offsetof(Columns, null_values), READONLY, PyDoc_STR("records without a value")},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PySequenceMethods columns_as_sequence = {
+    .sq_length = (lenfunc)columns_length,
+};
+
+static PyTypeObject ColumnsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "logbus.api._fastsend.Columns",
+    .tp_doc = PyDoc_STR("Columns(): a batch's keys, values and timestamps as Arrow buffers, added record by record."),
+    .tp_basicsize = sizeof(Columns),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = columns_new,
+    .tp_dealloc = (destructor)columns_dealloc,
+    .tp_methods = columns_methods,
+    .tp_members = columns_members,
+    .tp_as_sequence = &columns_as_sequence,
+};
+
+/* --- FastSend: send()'s common case ------------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -50,7 +273,9 @@ typedef struct {
     PyTypeObject *future_type;  /* RecordFuture */
     PyTypeObject *batch_type;   /* _Batch */
     Py_ssize_t f_batch, f_index, f_timestamp;  /* RecordFuture's slots */
-    Py_ssize_t b_values, b_keys, b_timestamps, b_headers, b_size;  /* _Batch's slots */
+    Py_ssize_t b_columns, b_headers, b_size;  /* _Batch's slots */
+    PyObject *last_timestamp;  /* the int of the last record's timestamp, and its value */
+    long long last_timestamp_ms;
 } FastSend;
 
 #define SLOT(obj, offset) (*(PyObject **)((char *)(obj) + (offset)))
@@ -92,6 +317,10 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *given[ARGS_MAX] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (self->producer == NULL) {  /* cleared by the garbage collector (a finalizer running late) */
+        PyErr_SetString(PyExc_ReferenceError, "the producer of this send() is gone");
+        return NULL;
+    }
     if (nargs < 1 || nargs > ARGS_MAX)
         return slow_path(self, args, nargsf, kwnames);
     for (Py_ssize_t i = 0; i < nargs; i++)
@@ -199,7 +428,9 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
     long long batch_size = PyLong_AsLongLong(batch_size_obj);
     if (PyErr_Occurred() || buffered + size > buffer_memory)  /* a full buffer: the reference path waits */
         goto unlock;
-    slot = Py_BuildValue("(OL)", topic, partition);
+    PyObject *partition_obj = PyLong_FromLongLong(partition);
+    slot = partition_obj == NULL ? NULL : PyTuple_Pack(2, topic, partition_obj);
+    Py_XDECREF(partition_obj);
     if (slot == NULL)
         goto unlock;
     PyObject *open_batch = PyDict_GetItemWithError(self->open, slot);
@@ -207,30 +438,36 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
         goto unlock;  /* no batch open for the partition: the reference path opens one */
     Py_INCREF(open_batch);
     batch = open_batch;
-    PyObject *values = SLOT(batch, self->b_values), *keys = SLOT(batch, self->b_keys);
-    PyObject *timestamps = SLOT(batch, self->b_timestamps), *headers = SLOT(batch, self->b_headers);
+    PyObject *columns = SLOT(batch, self->b_columns), *headers = SLOT(batch, self->b_headers);
     PyObject *size_obj = SLOT(batch, self->b_size);
-    if (values == NULL || keys == NULL || timestamps == NULL || headers == NULL || size_obj == NULL
-        || !PyList_CheckExact(values) || !PyList_CheckExact(keys) || !PyList_CheckExact(timestamps)
+    if (columns == NULL || headers == NULL || size_obj == NULL || Py_TYPE(columns) != &ColumnsType
         || (headers != Py_None && !PyList_CheckExact(headers)))
         goto unlock;
     long long batch_bytes = PyLong_AsLongLong(size_obj);
     if (PyErr_Occurred() || batch_bytes + size > batch_limit)
         goto unlock;  /* the batch is full: the reference path closes it and opens another */
-    Py_ssize_t index = PyList_GET_SIZE(values);
-    index_obj = PyLong_FromSsize_t(index);
-    timestamp_obj = PyLong_FromLongLong(timestamp_ms);
+    /* Records sent in the same millisecond share one int (about a thousand of them at 1M records/s). */
+    if (self->last_timestamp == NULL || self->last_timestamp_ms != timestamp_ms) {
+        PyObject *fresh = PyLong_FromLongLong(timestamp_ms);
+        if (fresh != NULL) {
+            Py_XSETREF(self->last_timestamp, fresh);
+            self->last_timestamp_ms = timestamp_ms;
+        }
+    }
+    timestamp_obj = Py_XNewRef(self->last_timestamp_ms == timestamp_ms ? self->last_timestamp : NULL);
     PyObject *new_size = PyLong_FromLongLong(batch_bytes + size);
     PyObject *new_buffered = PyLong_FromLongLong(buffered + size);
-    if (index_obj == NULL || timestamp_obj == NULL || new_size == NULL || new_buffered == NULL) {
+    Py_ssize_t index = -1;
+    if (timestamp_obj == NULL || new_size == NULL || new_buffered == NULL
+        || (index = columns_add((Columns *)columns, value, key, timestamp_ms)) < 0) {
         Py_XDECREF(new_size);
         Py_XDECREF(new_buffered);
-        goto unlock;
+        goto unlock;  /* nothing was added (columns_add adds all of a record or nothing) */
     }
-    /* From here the record is in the batch: no error may leave it half added. Appending to a list
-       fails only without memory, after which the process is not worth saving. */
-    if (PyList_Append(values, value) < 0 || PyList_Append(keys, key) < 0 || PyList_Append(timestamps, timestamp_obj) < 0
-        || (headers != Py_None && PyList_Append(headers, Py_None) < 0))
+    /* From here the record is in the batch: nothing may fail but for memory, after which the process
+       is not worth saving. */
+    index_obj = PyLong_FromSsize_t(index);
+    if (index_obj == NULL || (headers != Py_None && PyList_Append(headers, Py_None) < 0))
         Py_FatalError("logbus: no memory to add a record to a batch");
     PyObject *old_size = SLOT(batch, self->b_size);
     SLOT(batch, self->b_size) = new_size;
@@ -244,9 +481,20 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
         Py_DECREF(closed_batch);
         closed_batch = PyObject_CallMethodOneArg(self->producer, str_close_batch, slot);
     }
+    /* (An error _close_batch raised waits while the lock is released: no call may be made with one set.) */
+    PyObject *error_type, *error_value, *error_trace;
+    PyErr_Fetch(&error_type, &error_value, &error_trace);
     PyObject *unlocked = PyObject_CallNoArgs(self->release);
-    Py_XDECREF(unlocked);
     Py_DECREF(slot);
+    if (unlocked == NULL) {
+        Py_XDECREF(error_type);
+        Py_XDECREF(error_value);
+        Py_XDECREF(error_trace);
+    }
+    else {
+        Py_DECREF(unlocked);
+        PyErr_Restore(error_type, error_value, error_trace);
+    }
     if (closed_batch == NULL || unlocked == NULL) {
         Py_XDECREF(closed_batch);
         Py_DECREF(batch);
@@ -256,7 +504,9 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
     }
     Py_DECREF(closed_batch);
 
-    PyObject *future = self->future_type->tp_new(self->future_type, empty_tuple, NULL);
+    /* Allocated as object.__new__ would, without its set-up of the instance's __dict__ values (which
+       allocates): a RecordFuture's __dict__ is made on first use, if ever (the Future's own state). */
+    PyObject *future = self->future_type->tp_alloc(self->future_type, 0);
     if (future == NULL) {
         Py_DECREF(batch);
         Py_DECREF(index_obj);
@@ -334,9 +584,7 @@ fastsend_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (slot_offset(self->future_type, "_batch", &self->f_batch) < 0
         || slot_offset(self->future_type, "_index", &self->f_index) < 0
         || slot_offset(self->future_type, "_timestamp_ms", &self->f_timestamp) < 0
-        || slot_offset(self->batch_type, "values", &self->b_values) < 0
-        || slot_offset(self->batch_type, "keys", &self->b_keys) < 0
-        || slot_offset(self->batch_type, "timestamps", &self->b_timestamps) < 0
+        || slot_offset(self->batch_type, "columns", &self->b_columns) < 0
         || slot_offset(self->batch_type, "headers", &self->b_headers) < 0
         || slot_offset(self->batch_type, "size_bytes", &self->b_size) < 0)
         goto error;
@@ -378,6 +626,7 @@ fastsend_clear(FastSend *self)
     Py_CLEAR(self->murmur2);
     Py_CLEAR(self->future_type);
     Py_CLEAR(self->batch_type);
+    Py_CLEAR(self->last_timestamp);
     return 0;
 }
 
@@ -435,18 +684,20 @@ PyInit__fastsend(void)
         || (str_buffered = PyUnicode_InternFromString("_buffered_bytes")) == NULL
         || (str_buffer_memory = PyUnicode_InternFromString("buffer_memory_bytes")) == NULL
         || (str_batch_size = PyUnicode_InternFromString("batch_size_bytes")) == NULL
-        || (str_close_batch = PyUnicode_InternFromString("_close_batch")) == NULL
-        || (empty_tuple = PyTuple_New(0)) == NULL)
+        || (str_close_batch = PyUnicode_InternFromString("_close_batch")) == NULL)
         return NULL;
-    if (PyType_Ready(&FastSendType) < 0)
+    if (PyType_Ready(&FastSendType) < 0 || PyType_Ready(&ColumnsType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
     Py_INCREF(&FastSendType);
+    Py_INCREF(&ColumnsType);
     if (PyModule_AddObject(m, "FastSend", (PyObject *)&FastSendType) < 0
+        || PyModule_AddObject(m, "Columns", (PyObject *)&ColumnsType) < 0
         || PyModule_AddIntConstant(m, "RECORD_OVERHEAD_BYTES", RECORD_OVERHEAD_BYTES) < 0) {
         Py_DECREF(&FastSendType);
+        Py_DECREF(&ColumnsType);
         Py_DECREF(m);
         return NULL;
     }

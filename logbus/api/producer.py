@@ -54,6 +54,7 @@ flight: see ``_restart_sequences``.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import os
@@ -153,16 +154,19 @@ class _Batch:
     __slots__ = (
         "topic", "partition", "values", "keys", "headers", "timestamps", "size_bytes", "created_s",
         "future", "encoded", "record_count", "attempts", "deadline_s", "not_before_s", "records", "order",
-        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries", "callbacks",
+        "sent_s", "leader_id", "outcome", "waiting", "sequenced", "retries", "callbacks", "columns",
     )
 
-    def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float) -> None:
+    def __init__(self, topic: str, partition: int, now_s: float, delivery_timeout_s: float, columnar: bool = False) -> None:
         self.topic = topic
         self.partition = partition
-        self.values: list = []
-        self.keys: list = []
+        # The records' keys, values and timestamps: as Arrow buffers (logbus.api._fastsend.Columns) in a
+        # producer with the C path, else as lists.
+        self.columns = _fastsend.Columns() if columnar else None
+        self.values: list | None = None if columnar else []
+        self.keys: list | None = None if columnar else []
         self.headers: list | None = None
-        self.timestamps: list = []
+        self.timestamps: list | None = None if columnar else []
         self.size_bytes = 0
         self.created_s = now_s
         self.future: Future = Future()
@@ -214,8 +218,16 @@ class _Sequences:
 
 _track = _fastsend.track if _fastsend is not None else (lambda obj: None)
 _OUTCOME_LOCK = threading.Lock()  # orders a batch's completion against its records taking state of their own
-# How many batches the current thread is completing (running their records' callbacks): see flush().
-_IN_CALLBACKS = threading.local()
+# The producers whose batches the current thread is completing (running their records' callbacks): see flush().
+_COMPLETING = threading.local()
+
+
+def _completing_here() -> list:
+    producers = getattr(_COMPLETING, "producers", None)
+    if producers is None:
+        producers = _COMPLETING.producers = []
+    return producers
+
 _FUTURE_STATE = frozenset(("_condition", "_state", "_result", "_exception", "_waiters", "_done_callbacks"))
 
 
@@ -281,7 +293,7 @@ class RecordFuture(Future):
         if error is None:
             Future.set_result(self, self._metadata(base_offset, append_time_ms))
         else:
-            Future.set_exception(self, error)
+            Future.set_exception(self, _own_copy(error))
 
     def _metadata(self, base_offset: int, append_time_ms: int) -> RecordMetadata:
         return _record_metadata(self._batch, base_offset, append_time_ms, self._index, self._timestamp_ms)
@@ -295,10 +307,13 @@ class RecordFuture(Future):
         return outcome
 
     def result(self, timeout: float | None = None) -> RecordMetadata:
-        """The record's RecordMetadata once acknowledged; raises its error if it failed, TimeoutError after ``timeout`` s."""
+        """The record's RecordMetadata once acknowledged; raises its error if it failed, TimeoutError after ``timeout`` s.
+
+        The error raised is the caller's own copy of the batch's (see :meth:`exception`).
+        """
         base_offset, append_time_ms, error = self._outcome(timeout)
         if error is not None:
-            raise error
+            raise _own_copy(error)
         return self._metadata(base_offset, append_time_ms)
 
     def get(self, timeout: float | None = None) -> RecordMetadata:
@@ -306,8 +321,14 @@ class RecordFuture(Future):
         return self.result(timeout)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        """The record's error, None if it was acknowledged; TimeoutError after ``timeout`` s."""
-        return self._outcome(timeout)[2]
+        """The record's error, None if it was acknowledged; TimeoutError after ``timeout`` s.
+
+        Each call returns a new copy of the error the record's batch failed with (the same type,
+        arguments and attributes; its ``__cause__`` is the batch's error), so that raising it adds
+        tracebacks to that copy alone (see :func:`_own_copy`).
+        """
+        error = self._outcome(timeout)[2]
+        return None if error is None else _own_copy(error)
 
     def done(self) -> bool:
         return self._batch.outcome is not None
@@ -392,6 +413,27 @@ def _finish(batch: _Batch, base_offset: int, append_time_ms: int, error: BaseExc
             _call_back(batch, outcome, *calls[at:at + 6])
 
 
+def _own_copy(error: BaseException) -> BaseException:
+    """``error`` as one caller's own exception object: a shallow copy (type, arguments, attributes) whose
+    ``__cause__`` is ``error``.
+
+    Every record of a failed batch shares the batch's one error. Raised as it is, each raise adds the
+    caller's frames to its traceback, and a frame that holds futures of the batch (a list of them, say)
+    makes a cycle through the batch: collected by the cyclic garbage collector only if it can see every
+    reference in it, which the futures that the C path leaves untracked hide. A copy's traceback is
+    reachable from the caller alone. An error that cannot be copied is handed out as it is.
+    """
+    try:
+        own = copy.copy(error)
+    except Exception:  # noqa: BLE001 (an exception type whose arguments do not rebuild it)
+        return error
+    if type(own) is not type(error):
+        return error
+    own.__cause__ = error
+    own.__traceback__ = None
+    return own
+
+
 def _record_metadata(batch: _Batch, base_offset: int, append_time_ms: int, index: int, timestamp_ms: int) -> RecordMetadata:
     """The RecordMetadata of the record at ``index`` of ``batch``, written at ``base_offset``."""
     offset = -1 if base_offset < 0 else base_offset + index
@@ -412,9 +454,18 @@ def _call_back(batch: _Batch, outcome: tuple, index: int, timestamp_ms: int, kin
             if error is None:
                 fn(_record_metadata(batch, base_offset, append_time_ms, index, timestamp_ms), *args, **kwargs)
         elif error is not None:
-            fn(error, *args, **kwargs)
+            fn(_own_copy(error), *args, **kwargs)
     except Exception:  # noqa: BLE001 (a callback's failure is its own; the producer goes on)
         logger.exception("a callback of a record sent to %s-%d raised", batch.topic, batch.partition)
+
+
+def _binary_column(count: int, buffers: tuple) -> pa.Array:
+    """An Arrow binary array over a Columns column's buffers, (null count, validity or None, offsets, data)."""
+    nulls, validity, offsets, data = buffers
+    return pa.Array.from_buffers(
+        pa.binary(), count, [None if validity is None else pa.py_buffer(validity), pa.py_buffer(offsets), pa.py_buffer(data)],
+        null_count=nulls,
+    )
 
 
 def _serialize(serializer, data, what: str, topic) -> bytes | None:
@@ -650,7 +701,9 @@ class Producer:
         self._key_serializer = key_serializer
         self._value_serializer = value_serializer
         self._send_records = self.send  # send() without serializers or a transaction's check
+        self._columnar = False  # whether send()'s batches keep their records as Arrow buffers (the C path's)
         if FAST_PATH and type(self).send is Producer.send:
+            self._columnar = True
             # The common case in C; every other case, and every error, through the Python send().
             self.send = self._send_records = _fastsend.FastSend(self, self._send_records, murmur2, RecordFuture, _Batch)
         if key_serializer is not None or value_serializer is not None:
@@ -787,11 +840,14 @@ class Producer:
                 batch = None
             new = batch is None
             if new:
-                batch = self._open[slot] = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s)
-            index = len(batch.values)
-            batch.values.append(value)
-            batch.keys.append(key)
-            batch.timestamps.append(timestamp_ms)
+                batch = self._open[slot] = _Batch(topic, partition, time.monotonic(), self.delivery_timeout_s, self._columnar)
+            if batch.columns is not None:
+                index = batch.columns.append(value, key, timestamp_ms)
+            else:
+                index = len(batch.values)
+                batch.values.append(value)
+                batch.keys.append(key)
+                batch.timestamps.append(timestamp_ms)
             if headers is not None:
                 if batch.headers is None:
                     batch.headers = [None] * index
@@ -941,7 +997,7 @@ class Producer:
     def _close_batch(self, slot: tuple[str, int]) -> None:
         batch = self._open.pop(slot)
         self._ready.append(batch)
-        if self._sticky.get(slot[0]) == slot[1] and batch.keys.count(None):
+        if self._sticky.get(slot[0]) == slot[1] and (batch.columns.null_keys if batch.columns is not None else batch.keys.count(None)):
             self._sticky.pop(slot[0], None)  # keyless records move on to another partition
         self._condition.notify_all()
 
@@ -1217,6 +1273,15 @@ class Producer:
         if batch.records is not None:
             encoded = rb.frame_record_batch(batch.records, **frame)
             batch.records = None
+        elif batch.columns is not None:
+            count, first_ms, max_ms, values, keys, timestamps = batch.columns.buffers()
+            records = rb.build_record_batch(
+                _binary_column(count, values), None if keys[0] == count else _binary_column(count, keys),
+                pa.Array.from_buffers(pa.int64(), count, [None, pa.py_buffer(timestamps)]), batch.headers,
+            )
+            encoded = rb.frame_record_batch(records, timestamp_range=(first_ms, max_ms), **frame)
+            batch.record_count = count
+            batch.columns = batch.headers = None
         else:
             keys = batch.keys if any(k is not None for k in batch.keys) else None
             encoded = rb.encode_batch(batch.values, keys, batch.timestamps, batch.headers, **frame)
@@ -1291,14 +1356,7 @@ class Producer:
             self._condition.notify_all()
         if retry:
             return
-        _IN_CALLBACKS.depth = getattr(_IN_CALLBACKS, "depth", 0) + 1
-        try:
-            _finish(batch, base_offset if error is None else -1, append_time_ms, error)
-        finally:
-            _IN_CALLBACKS.depth -= 1
-            with self._condition:
-                self._completing -= 1
-                self._condition.notify_all()
+        self._finish_counted([(batch, base_offset if error is None else -1, append_time_ms, error)])
 
     def _behind_a_lost_batch(self, batch: _Batch) -> bool:
         """Under the lock: whether ``batch`` is its partition's oldest batch of a sequence with a hole.
@@ -1330,9 +1388,23 @@ class Producer:
             self._in_flight.clear()
             self._in_flight_total = 0
             self._buffered_bytes = 0
+            self._completing += len(batches)
             self._condition.notify_all()
-        for batch in batches:
-            _finish(batch, -1, -1, error)
+        self._finish_counted([(batch, -1, -1, error) for batch in batches])
+
+    def _finish_counted(self, outcomes: list[tuple]) -> None:
+        """``_finish`` each (batch, base offset, append time, error), then take them out of ``_completing``
+        (the caller counted them in, under the lock, when it took them out of what flush() waits for)."""
+        here = _completing_here()
+        here.append(self)
+        try:
+            for outcome in outcomes:
+                _finish(*outcome)
+        finally:
+            here.remove(self)
+            with self._condition:
+                self._completing -= len(outcomes)
+                self._condition.notify_all()
 
     # --- transactions ----------------------------------------------------------------------------------
 
@@ -1531,10 +1603,10 @@ class Producer:
                 self._buffered_bytes -= batch.size_bytes
                 if batch.sequenced is not None:
                     txn.epoch_bump_needed = True  # it may have been written: its sequence has a hole
+            self._completing += len(unsent)
             self._condition.notify_all()
         aborted = TransactionAbortedError(f"transactional id {txn.transactional_id!r}: the transaction was aborted before this record was sent")
-        for batch in unsent:
-            _finish(batch, -1, -1, aborted)
+        self._finish_counted([(batch, -1, -1, aborted) for batch in unsent])
 
     def _drain_transaction(self, deadline_s: float) -> None:
         """Send everything buffered and wait for every reply; stop early (nothing in flight) once the
@@ -1544,9 +1616,9 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                own = getattr(_IN_CALLBACKS, "depth", 0)  # (as in flush())
-                while self._open or self._ready or self._in_flight_total or self._completing > own:
-                    if not txn.sending_allowed and not self._in_flight_total and self._completing <= own:
+                callbacks = self in _completing_here()  # (as in flush())
+                while self._open or self._ready or self._in_flight_total or (self._completing and not callbacks):
+                    if not txn.sending_allowed and not self._in_flight_total and (not self._completing or callbacks):
                         return  # what is left is held for good (failed or aborting transaction)
                     remaining = deadline_s - time.monotonic()
                     if remaining <= 0:
@@ -1616,9 +1688,12 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                # (A callback that calls flush() cannot wait for its own batch's callbacks to end.)
-                own = getattr(_IN_CALLBACKS, "depth", 0)
-                while self._open or self._ready or self._in_flight_total or self._completing > own:
+                # A callback of this producer that calls flush() waits for what is sent, not for the
+                # callbacks being run (its own among them, perhaps others' on other threads doing the same).
+                callbacks = self in _completing_here()
+                if threading.current_thread() is self._sender and (self._open or self._ready or self._in_flight_total):
+                    raise IllegalStateError("flush() in a callback run by the producer's sender thread would wait for that thread forever")
+                while self._open or self._ready or self._in_flight_total or (self._completing and not callbacks):
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         raise RequestTimedOutError(f"flush did not finish within {timeout_s}s")

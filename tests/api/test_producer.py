@@ -510,3 +510,40 @@ def test_flush_returns_once_every_callback_has_run_and_a_callback_may_flush(bus,
     producer.flush(timeout_s=60)
     assert inner == [3]
     producer.close()
+
+
+def test_a_failed_batch_is_freed_after_its_error_was_raised_in_a_frame_that_holds_its_futures(bus, topic_name):
+    """A batch's records share its error; each caller gets a copy of it (caused by it). Raising the shared
+    error into a frame that holds the batch's futures would make a cycle through the batch that the C
+    path's untracked futures hide from the garbage collector: the batch, and every value in it, kept forever."""
+    bus.admin.create_topic(topic_name, partitions=1, config={"max.message.bytes": 65536})
+    producer = logbus.Producer(bus, linger_ms=LONG_LINGER_MS)
+    producer.send(topic_name, b"first")
+    producer.flush(timeout=60)
+    bus.admin.alter_config(topic_name, {"max.message.bytes": 16384})  # the producer still knows 65536
+
+    def send_and_look_at_the_errors():
+        futures = [producer.send(topic_name, b"x" * 1000) for _ in range(40)]  # one batch, refused for good
+        producer.flush(timeout=60)
+        caught = []
+        for future in futures:
+            try:
+                future.get()
+            except RecordTooLargeError as error:
+                caught.append(error)
+        errors = [future.exception() for future in futures]
+        try:
+            raise errors[0]
+        except RecordTooLargeError:
+            pass
+        assert len(caught) == 40 and all(isinstance(e, RecordTooLargeError) for e in errors)
+        assert caught[0] is not caught[1] and caught[0].__cause__ is caught[1].__cause__ is errors[0].__cause__
+        return weakref.ref(futures[-1]._batch.future)
+
+    batch_future = send_and_look_at_the_errors()
+    bus.admin.alter_config(topic_name, {"max.message.bytes": 65536})
+    # (The sender thread keeps its last round's batches in its frame until its next round: one more.)
+    producer.send(topic_name, b"next").result(timeout=60)
+    gc.collect()
+    assert batch_future() is None
+    producer.close()
