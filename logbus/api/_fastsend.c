@@ -256,6 +256,11 @@ static PyTypeObject ColumnsType = {
     .tp_as_sequence = &columns_as_sequence,
 };
 
+/* librdkafka's rd_kafka_msg_partitioner_murmur2 (rdkafka.h), which confluent_kafka.murmur2 calls: the
+   topic and the opaque pointers are not used. */
+typedef int32_t (*partitioner_fn)(const void *topic, const void *key, size_t key_size, int32_t partitions,
+                                  void *topic_opaque, void *message_opaque);
+
 /* --- FastSend: send()'s common case ------------------------------------------------------- */
 
 typedef struct {
@@ -270,6 +275,7 @@ typedef struct {
     PyObject *acquire;    /* producer._lock.acquire */
     PyObject *release;    /* producer._lock.release */
     PyObject *murmur2;    /* confluent_kafka.murmur2 */
+    partitioner_fn partitioner;  /* librdkafka's murmur2 partitioner, the same function without Python's call, or NULL */
     PyTypeObject *future_type;  /* RecordFuture */
     PyTypeObject *batch_type;   /* _Batch */
     Py_ssize_t f_batch, f_index, f_timestamp;  /* RecordFuture's slots */
@@ -372,17 +378,22 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
     if (partition_arg == Py_None) {
         if (key != Py_None) {
             /* (the count is held: the limits tuple is borrowed, and the call could let another thread run) */
-            PyObject *count_obj = PyTuple_GET_ITEM(limits, 0);
-            Py_INCREF(count_obj);
-            PyObject *call_args[2] = {key, count_obj};
-            PyObject *hashed = PyObject_Vectorcall(self->murmur2, call_args, 2, NULL);
-            Py_DECREF(count_obj);
-            if (hashed == NULL)
-                return NULL;
-            partition = PyLong_AsLongLong(hashed);
-            Py_DECREF(hashed);
-            if (partition == -1 && PyErr_Occurred())
-                return NULL;
+            if (self->partitioner != NULL && count <= INT32_MAX)
+                partition = self->partitioner(NULL, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), (int32_t)count,
+                                              NULL, NULL);
+            else {
+                PyObject *count_obj = PyTuple_GET_ITEM(limits, 0);
+                Py_INCREF(count_obj);
+                PyObject *call_args[2] = {key, count_obj};
+                PyObject *hashed = PyObject_Vectorcall(self->murmur2, call_args, 2, NULL);
+                Py_DECREF(count_obj);
+                if (hashed == NULL)
+                    return NULL;
+                partition = PyLong_AsLongLong(hashed);
+                Py_DECREF(hashed);
+                if (partition == -1 && PyErr_Occurred())
+                    return NULL;
+            }
         }
         else {
             PyObject *sticky = PyDict_GetItemWithError(self->sticky, topic);
@@ -549,14 +560,16 @@ static PyObject *
 fastsend_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     PyObject *producer, *slow, *murmur2, *future_type, *batch_type;
-    static char *names[] = {"producer", "slow", "murmur2", "future_type", "batch_type", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!", names, &producer, &slow, &murmur2,
-                                     &PyType_Type, &future_type, &PyType_Type, &batch_type))
+    unsigned long long partitioner = 0;
+    static char *names[] = {"producer", "slow", "murmur2", "future_type", "batch_type", "partitioner", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!|K", names, &producer, &slow, &murmur2,
+                                     &PyType_Type, &future_type, &PyType_Type, &batch_type, &partitioner))
         return NULL;
     FastSend *self = (FastSend *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->vectorcall = (vectorcallfunc)fastsend_call;
+    self->partitioner = (partitioner_fn)(uintptr_t)partitioner;
     Py_INCREF(producer);
     self->producer = producer;
     Py_INCREF(slow);
@@ -641,8 +654,9 @@ fastsend_dealloc(FastSend *self)
 static PyTypeObject FastSendType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "logbus.api._fastsend.FastSend",
-    .tp_doc = PyDoc_STR("FastSend(producer, slow, murmur2, future_type, batch_type): a producer's send(), "
-                        "the common case in C and every other case by ``slow``."),
+    .tp_doc = PyDoc_STR("FastSend(producer, slow, murmur2, future_type, batch_type, partitioner=0): a producer's "
+                        "send(), the common case in C and every other case by ``slow``; ``partitioner`` is the address "
+                        "of librdkafka's rd_kafka_msg_partitioner_murmur2 (0: call ``murmur2``)."),
     .tp_basicsize = sizeof(FastSend),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_vectorcall_offset = offsetof(FastSend, vectorcall),
@@ -661,7 +675,23 @@ track(PyObject *module, PyObject *obj)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+murmur2_partition(PyObject *module, PyObject *args)
+{
+    unsigned long long address;
+    Py_buffer key;
+    int partitions;
+    if (!PyArg_ParseTuple(args, "Ky*i:murmur2_partition", &address, &key, &partitions))
+        return NULL;
+    int32_t partition = ((partitioner_fn)(uintptr_t)address)(NULL, key.buf, (size_t)key.len, partitions, NULL, NULL);
+    PyBuffer_Release(&key);
+    return PyLong_FromLong(partition);
+}
+
 static PyMethodDef methods[] = {
+    {"murmur2_partition", murmur2_partition, METH_VARARGS,
+     PyDoc_STR("murmur2_partition(address, key, partitions): the partition the C path picks for ``key`` through the "
+               "partitioner at ``address`` (for tests).")},
     {"track", track, METH_O,
      PyDoc_STR("track(obj): have the cyclic garbage collector track ``obj`` again (a RecordFuture about to "
                "hold a Future's own state, which can refer back to it).")},

@@ -17,6 +17,8 @@ import weakref
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import logbus
 from logbus import TopicPartition
@@ -35,6 +37,7 @@ from logbus.errors import (
 from logbus.protocol.messages import FetchRequest
 from logbus.storage import encode_batch
 from logbus.storage import record_batch as rb
+from tests.api.murmur2_reference import kafka_partition
 from tests.conftest import wait_for
 
 LONG_LINGER_MS = 5_000  # records stay pending this long unless flushed: time to look at pending futures
@@ -547,3 +550,13 @@ def test_a_failed_batch_is_freed_after_its_error_was_raised_in_a_frame_that_hold
     gc.collect()
     assert batch_future() is None
     producer.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.binary(max_size=64), partitions=st.integers(1, 10_000))
+def test_the_c_path_picks_the_partition_of_kafkas_java_client(key, partitions):
+    """The C path calls librdkafka's murmur2 partitioner directly (confluent_kafka.murmur2 calls the same
+    function); both agree with the Java client's partitioner, ported line by line."""
+    address = producer_module._murmur2_partitioner()
+    assert address
+    assert producer_module._fastsend.murmur2_partition(address, key, partitions) == kafka_partition(key, partitions)
