@@ -383,16 +383,21 @@ class RecordFuture(Future):
 
     set_exception = set_running_or_notify_cancel = set_result
 
-    if _fastsend is not None:
-        def __setattr__(self, name: str, value) -> None:
-            # A RecordFuture made by the C path is not tracked by the cyclic garbage collector (it
-            # refers only to its batch); an attribute of the caller's could close a cycle through it.
-            _track(self)
-            object.__setattr__(self, name, value)
-
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"<RecordFuture {self._batch.topic}-{self._batch.partition}[{self._index}] {state}>"
+
+
+class _UntrackedRecordFuture(RecordFuture):
+    """A RecordFuture made by the C path (logbus/api/_fastsend.c), which leaves it untracked by the
+    cyclic garbage collector: it refers only to its batch. An attribute of the caller's could close a
+    cycle through it, so setting one tracks it first (as asking for a Future's state does)."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        _track(self)
+        object.__setattr__(self, name, value)
 
 
 def _finish(batch: _Batch, base_offset: int, append_time_ms: int, error: BaseException | None) -> None:
@@ -725,7 +730,7 @@ class Producer:
             self._columnar = True
             # The common case in C; every other case, and every error, through the Python send().
             self.send = self._send_records = _fastsend.FastSend(
-                self, self._send_records, murmur2, RecordFuture, _Batch, _murmur2_partitioner()
+                self, self._send_records, murmur2, _UntrackedRecordFuture, _Batch, _murmur2_partitioner()
             )
         if key_serializer is not None or value_serializer is not None:
             # Serializing goes in front of send() for this producer alone, so that a producer
