@@ -19,8 +19,8 @@ tree it lives in. The pieces:
 - Data: 100-byte random values (``make_pool``, ``split_values``), tables for
   ``send_table`` (``make_table``), and values that carry their send time
   (``stamped_value``, read back with ``first_int64``).
-- logbus load: ``produce_send`` / ``produce_tables`` (a timed produce repetition),
-  ``paced_send`` and the two ends of a latency stream, ``PacedProducer`` and
+- logbus load: ``produce_send`` / ``produce_tables`` (a timed produce repetition;
+  ``produce_rounds`` times any round of sends), ``paced_send`` and the two ends of a latency stream, ``PacedProducer`` and
   ``LatencyConsumer`` (logbus or Redis).
 - Same-run baselines: a private ``RedisServer`` (a child process, always stopped) with
   ``redis_produce`` / ``redis_consume``; ``ray.util.queue`` (``queue_round``); Ray's own
@@ -390,30 +390,40 @@ class Sent(NamedTuple):
     seconds: float  # perf_counter between the two
 
 
-def produce_send(producer, topic: str, pool: list[bytes], n: int, time_cap_s: float, partition: int | None = None) -> Sent:
-    """send() per record, cycling through ``pool``, until ``n`` records or ``time_cap_s``; then flush.
-    Raises if the last record failed."""
-    send = producer.send
+def produce_rounds(producer, send_round, round_size: int, n: int, time_cap_s: float) -> Sent:
+    """``send_round()`` (which sends ``round_size`` records) until ``n`` records or ``time_cap_s``; then
+    flush. The caller checks what it sent."""
     sent = 0
-    last = None
     start_wall = time.time()
     start = time.perf_counter()
     deadline = start + time_cap_s
     while sent < n:
-        if partition is None:
-            for value in pool:
-                last = send(topic, value)
-        else:
-            for value in pool:
-                last = send(topic, value, partition=partition)
-        sent += len(pool)
+        send_round()
+        sent += round_size
         if time.perf_counter() > deadline:
             break
     producer.flush()
     seconds = time.perf_counter() - start
-    end_wall = time.time()
-    last.result()
-    return Sent(sent, start_wall, end_wall, seconds)
+    return Sent(sent, start_wall, time.time(), seconds)
+
+
+def produce_send(producer, topic: str, pool: list[bytes], n: int, time_cap_s: float, partition: int | None = None) -> Sent:
+    """send() per record, cycling through ``pool``, until ``n`` records or ``time_cap_s``; then flush.
+    Raises if the last record failed."""
+    send = producer.send
+    last = [None]
+
+    def send_round() -> None:
+        if partition is None:
+            for value in pool:
+                last[0] = send(topic, value)
+        else:
+            for value in pool:
+                last[0] = send(topic, value, partition=partition)
+
+    sent = produce_rounds(producer, send_round, len(pool), n, time_cap_s)
+    last[0].result()
+    return sent
 
 
 def produce_tables(producer, topic: str, table: pa.Table, n: int, time_cap_s: float) -> Sent:

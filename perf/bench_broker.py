@@ -122,6 +122,7 @@ from _common import (
     new_namespace,
     paced_send,
     print_table,
+    produce_rounds,
     produce_send,
     produce_tables,
     queue_round,
@@ -226,29 +227,21 @@ def produce_keyed(producer, topic: str, pool: list[bytes], keys: list[bytes], n:
     def on_ack(metadata) -> None:
         acked[0] += 1
 
-    sent = 0
-    start_wall = time.time()
-    start = time.perf_counter()
-    deadline = start + time_cap_s
-    while sent < n:
+    def send_round() -> None:
         if callbacks:
             for key, value in zip(keys, pool):
                 send(topic, value, key=key).add_callback(on_ack)
         else:
             for key, value in zip(keys, pool):
                 keep(send(topic, value, key=key))
-        sent += len(pool)
-        if time.perf_counter() > deadline:
-            break
-    producer.flush()
-    seconds = time.perf_counter() - start
-    end_wall = time.time()
+
+    sent = produce_rounds(producer, send_round, len(pool), n, time_cap_s)
     if callbacks:
-        if acked[0] != sent:
-            raise RuntimeError(f"{acked[0]} of {sent} records were acknowledged")
-    elif len(futures) != sent or futures[-1].result(timeout=60).offset < 0 or not all(f.done() for f in futures):
+        if acked[0] != sent.records:
+            raise RuntimeError(f"{acked[0]} of {sent.records} records were acknowledged")
+    elif len(futures) != sent.records or futures[-1].result(timeout=60).offset < 0 or not all(f.done() for f in futures):
         raise RuntimeError("not every record was acknowledged")
-    return Sent(sent, start_wall, end_wall, seconds)
+    return sent
 
 
 def keep_objects(pool: list[bytes], keys: list[bytes], n: int) -> Sent:
