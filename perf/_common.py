@@ -20,8 +20,8 @@ tree it lives in. The pieces:
   ``send_table`` (``make_table``), and values that carry their send time
   (``stamped_value``, read back with ``first_int64``).
 - logbus load: ``produce_send`` / ``produce_tables`` (a timed produce repetition;
-  ``produce_rounds`` times any round of sends), ``paced_send`` and the two ends of a latency stream, ``PacedProducer`` and
-  ``LatencyConsumer`` (logbus or Redis).
+  ``produce_rounds`` times any round of sends), ``paced_send`` and the two ends of a
+  latency stream, ``PacedProducer`` and ``LatencyConsumer`` (logbus or Redis).
 - Same-run baselines: a private ``RedisServer`` (a child process, always stopped) with
   ``redis_produce`` / ``redis_consume``; ``ray.util.queue`` (``queue_round``); Ray's own
   transport of 1 MiB arrays to an actor (``Sink``, ``transport_ceiling``).
