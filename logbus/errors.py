@@ -11,6 +11,34 @@ cluster (``NotLeaderError``, ``NotEnoughReplicasError``, timeouts) is.
 
 from __future__ import annotations
 
+import copy
+
+
+def copy_error(error: BaseException) -> BaseException:
+    """A caller's own copy of an error that several callers share (a failed batch's, a transaction's
+    fatal one): the same type, arguments and attributes, a list of notes of its own, and the
+    original's cause, but no traceback yet.
+
+    Raising a shared error adds each caller's frames to its one traceback, so whatever keeps the
+    error (a batch, a transaction) keeps those frames and what they hold: a cycle, when a frame holds
+    futures of the batch, that the garbage collector cannot see whole where the producer's C path
+    leaves futures untracked (logbus/api/_fastsend.c). An error that cannot be rebuilt from its
+    arguments is returned as it is.
+    """
+    try:
+        own = copy.copy(error)
+    except Exception:  # noqa: BLE001 (an exception type whose arguments do not rebuild it)
+        return error
+    if type(own) is not type(error):
+        return error
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list):
+        own.__notes__ = list(notes)
+    own.__cause__ = error.__cause__
+    own.__suppress_context__ = error.__suppress_context__
+    own.__traceback__ = None
+    return own
+
 
 class LogbusError(Exception):
     """Base of every logbus error."""

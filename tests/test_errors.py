@@ -49,3 +49,34 @@ def test_a_bad_partition_number_is_a_caller_error_unlike_an_unknown_topic():
     assert not InvalidPartitionError.retriable and issubclass(InvalidPartitionError, ValueError)
     assert not issubclass(InvalidPartitionError, InvalidPartitionsError)  # a number, not a count
     assert UnknownTopicError.retriable  # the topic may be being created, as in Kafka
+
+
+def test_copy_error_gives_each_caller_an_exception_of_its_own():
+    """A shared error (a failed batch's) is handed out as copies: raising one adds tracebacks to it alone."""
+    try:
+        raise ValueError("the cause")
+    except ValueError as cause:
+        shared = errors.RecordDeserializationError("closed", ("t", 3), 17)
+        shared.__cause__ = cause
+    shared.add_note("a note")
+    shared.detail = "an attribute"
+    own = errors.copy_error(shared)
+    assert type(own) is errors.RecordDeserializationError and own is not shared
+    assert (own.args, str(own), own.topic_partition, own.offset, own.detail) == (shared.args, "closed", ("t", 3), 17, "an attribute")
+    assert own.__cause__ is shared.__cause__ and own.__traceback__ is None
+    own.add_note("the caller's")
+    assert shared.__notes__ == ["a note"] and own.__notes__ == ["a note", "the caller's"]
+    try:
+        raise own
+    except errors.RecordDeserializationError:
+        pass
+    assert shared.__traceback__ is None  # the raise went to the copy
+
+
+def test_copy_error_hands_out_an_error_it_cannot_rebuild_as_it_is():
+    class NeedsTwo(Exception):
+        def __init__(self, a, b):
+            super().__init__(a)  # args no longer rebuild it
+
+    error = NeedsTwo("a", "b")
+    assert errors.copy_error(error) is error

@@ -18,7 +18,7 @@
    calls track() first), it refers only to its batch and two ints, so a cycle
    through it must pass through its batch. The batch refers to its futures
    only through callbacks, which it drops once done, and it hands each caller
-   a copy of its error, never the error it keeps (producer._own_copy), so no
+   a copy of its error, never the error it keeps (logbus.errors.copy_error), so no
    traceback of a caller's frames is reachable from it. (CPython untracks
    tuples whose items cannot form cycles the same way.) Its reference count
    frees it.
@@ -378,7 +378,7 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
     if (partition_arg == Py_None) {
         if (key != Py_None) {
             /* (the count is held: the limits tuple is borrowed, and the call could let another thread run) */
-            if (self->partitioner != NULL && count <= INT32_MAX)
+            if (self->partitioner != NULL && count > 0 && count <= INT32_MAX)
                 partition = self->partitioner(NULL, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), (int32_t)count,
                                               NULL, NULL);
             else {
@@ -683,6 +683,11 @@ murmur2_partition(PyObject *module, PyObject *args)
     int partitions;
     if (!PyArg_ParseTuple(args, "Ky*i:murmur2_partition", &address, &key, &partitions))
         return NULL;
+    if (address == 0 || partitions <= 0) {
+        PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_ValueError, "murmur2_partition needs a partitioner's address and at least one partition");
+        return NULL;
+    }
     int32_t partition = ((partitioner_fn)(uintptr_t)address)(NULL, key.buf, (size_t)key.len, partitions, NULL, NULL);
     PyBuffer_Release(&key);
     return PyLong_FromLong(partition);

@@ -54,7 +54,6 @@ flight: see ``_restart_sequences``.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import functools
 import itertools
@@ -94,6 +93,7 @@ from logbus.errors import (
     RequestTimedOutError,
     SerializationError,
     TransactionAbortedError,
+    copy_error,
 )
 from logbus.actors import metrics
 from logbus.actors.channel_client import channels as local_channels
@@ -295,7 +295,7 @@ class RecordFuture(Future):
         if error is None:
             Future.set_result(self, self._metadata(base_offset, append_time_ms))
         else:
-            Future.set_exception(self, _own_copy(error))
+            Future.set_exception(self, copy_error(error))
 
     def _metadata(self, base_offset: int, append_time_ms: int) -> RecordMetadata:
         return _record_metadata(self._batch, base_offset, append_time_ms, self._index, self._timestamp_ms)
@@ -315,7 +315,7 @@ class RecordFuture(Future):
         """
         base_offset, append_time_ms, error = self._outcome(timeout)
         if error is not None:
-            raise _own_copy(error)
+            raise copy_error(error)
         return self._metadata(base_offset, append_time_ms)
 
     def get(self, timeout: float | None = None) -> RecordMetadata:
@@ -326,11 +326,11 @@ class RecordFuture(Future):
         """The record's error, None if it was acknowledged; TimeoutError after ``timeout`` s.
 
         Each call returns a new copy of the error the record's batch failed with (the same type,
-        arguments and attributes; its ``__cause__`` is the batch's error), so that raising it adds
-        tracebacks to that copy alone (see :func:`_own_copy`).
+        arguments, attributes and cause: ``logbus.errors.copy_error``), so that raising it adds
+        tracebacks to that copy alone; compare errors by type, not identity.
         """
         error = self._outcome(timeout)[2]
-        return None if error is None else _own_copy(error)
+        return None if error is None else copy_error(error)
 
     def done(self) -> bool:
         return self._batch.outcome is not None
@@ -416,29 +416,14 @@ def _finish(batch: _Batch, base_offset: int, append_time_ms: int, error: BaseExc
     else:
         batch.future.set_exception(error)
     if calls:
+        interrupt = None
         for at in range(0, len(calls), 6):
-            _call_back(batch, outcome, *calls[at:at + 6])
-
-
-def _own_copy(error: BaseException) -> BaseException:
-    """``error`` as one caller's own exception object: a shallow copy (type, arguments, attributes) whose
-    ``__cause__`` is ``error``.
-
-    Every record of a failed batch shares the batch's one error. Raised as it is, each raise adds the
-    caller's frames to its traceback, and a frame that holds futures of the batch (a list of them, say)
-    makes a cycle through the batch: collected by the cyclic garbage collector only if it can see every
-    reference in it, which the futures that the C path leaves untracked hide. A copy's traceback is
-    reachable from the caller alone. An error that cannot be copied is handed out as it is.
-    """
-    try:
-        own = copy.copy(error)
-    except Exception:  # noqa: BLE001 (an exception type whose arguments do not rebuild it)
-        return error
-    if type(own) is not type(error):
-        return error
-    own.__cause__ = error
-    own.__traceback__ = None
-    return own
+            try:
+                _call_back(batch, outcome, *calls[at:at + 6])
+            except BaseException as error:  # noqa: BLE001 (SystemExit, KeyboardInterrupt: raised once all have run)
+                interrupt = interrupt or error
+        if interrupt is not None:
+            raise interrupt
 
 
 def _record_metadata(batch: _Batch, base_offset: int, append_time_ms: int, index: int, timestamp_ms: int) -> RecordMetadata:
@@ -461,7 +446,7 @@ def _call_back(batch: _Batch, outcome: tuple, index: int, timestamp_ms: int, kin
             if error is None:
                 fn(_record_metadata(batch, base_offset, append_time_ms, index, timestamp_ms), *args, **kwargs)
         elif error is not None:
-            fn(_own_copy(error), *args, **kwargs)
+            fn(copy_error(error), *args, **kwargs)
     except Exception:  # noqa: BLE001 (a callback's failure is its own; the producer goes on)
         logger.exception("a callback of a record sent to %s-%d raised", batch.topic, batch.partition)
 
@@ -1374,7 +1359,7 @@ class Producer:
                         if expiration_ms > 0:
                             sequences.expiration_s = expiration_ms / 1000
                 if error is not None and self._txn is not None:
-                    self._txn.batch_failed(error)
+                    self._txn.batch_failed(copy_error(error))
                 if error is not None and batch.sequenced is not None:
                     sequences = self._sequences.get(slot)
                     if sequences is not None and (sequences.producer_id, sequences.epoch) == batch.sequenced:
@@ -1420,17 +1405,38 @@ class Producer:
 
     def _finish_counted(self, outcomes: list[tuple]) -> None:
         """``_finish`` each (batch, base offset, append time, error), then take them out of ``_completing``
-        (the caller counted them in, under the lock, when it took them out of what flush() waits for)."""
+        (the caller counted them in, under the lock, when it took them out of what flush() waits for).
+        A callback's SystemExit or KeyboardInterrupt is raised once every batch is complete."""
         here = _completing_here()
         here.append(self)
+        interrupt = None
         try:
             for outcome in outcomes:
-                _finish(*outcome)
+                try:
+                    _finish(*outcome)
+                except BaseException as error:  # noqa: BLE001 (raised below, once the others are complete)
+                    interrupt = interrupt or error
         finally:
             here.remove(self)
             with self._condition:
                 self._completing -= len(outcomes)
                 self._condition.notify_all()
+        if interrupt is not None:
+            raise interrupt
+
+    def _refuse_wait_in_callback(self, call: str) -> bool:
+        """Whether this thread is running callbacks of this producer's records; IllegalStateError if it is
+        running any producer's callbacks while this producer has records buffered or in flight. (Call with
+        the lock held.) Callbacks run on the thread that delivers replies (the local channel's reader,
+        Ray's), which a wait for replies there would hold up for good; with nothing pending there is
+        nothing to wait for, and the callbacks being run are not waited for."""
+        here = _completing_here()
+        if (here or threading.current_thread() is self._sender) and (self._open or self._ready or self._in_flight_total):
+            raise IllegalStateError(
+                f"{call} in a record's callback would wait for replies that the thread running the callback "
+                "delivers: call it outside callbacks"
+            )
+        return self in here
 
     # --- transactions ----------------------------------------------------------------------------------
 
@@ -1642,7 +1648,7 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                callbacks = self in _completing_here()  # (as in flush())
+                callbacks = self._refuse_wait_in_callback("commit_transaction()")
                 while self._open or self._ready or self._in_flight_total or (self._completing and not callbacks):
                     if not txn.sending_allowed and not self._in_flight_total and (not self._completing or callbacks):
                         return  # what is left is held for good (failed or aborting transaction)
@@ -1714,11 +1720,7 @@ class Producer:
             self._flushing += 1
             self._condition.notify_all()
             try:
-                # A callback of this producer that calls flush() waits for what is sent, not for the
-                # callbacks being run (its own among them, perhaps others' on other threads doing the same).
-                callbacks = self in _completing_here()
-                if threading.current_thread() is self._sender and (self._open or self._ready or self._in_flight_total):
-                    raise IllegalStateError("flush() in a callback run by the producer's sender thread would wait for that thread forever")
+                callbacks = self._refuse_wait_in_callback("flush()")
                 while self._open or self._ready or self._in_flight_total or (self._completing and not callbacks):
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
@@ -1746,7 +1748,7 @@ class Producer:
             except LogbusError as error:
                 logger.warning("producer %s: its open transaction was not aborted on close: %r", self._txn.transactional_id, error)
         if self._txn is not None and self._txn.state is TxnClientState.FATAL_ERROR:
-            self._abandon(self._txn.error or IllegalStateError("the producer was fenced"))
+            self._abandon(copy_error(self._txn.error) if self._txn.error is not None else IllegalStateError("the producer was fenced"))
         try:
             self.flush(timeout_s)
         except RequestTimedOutError as error:

@@ -47,6 +47,7 @@ from logbus.errors import (
     InvalidTxnStateError,
     ProducerFencedError,
     TransactionAbortedError,
+    copy_error,
 )
 
 
@@ -114,7 +115,7 @@ class TransactionManager:
 
     def _fatal_error(self) -> BaseException:
         if self.error is not None:
-            return self.error
+            return copy_error(self.error)  # each raise its own (a raise adds the caller's frames to it)
         return InvalidTxnStateError(f"transactional id {self.transactional_id!r}: the producer failed")
 
     def begin_init(self) -> None:
