@@ -297,6 +297,10 @@ class GroupService:
         keep_alive = True
         while True:
             result = self.coordinator.join(group_id, now_ms=monotonic_ms(), keep_alive=keep_alive, **options)
+            # Again now that the member is in: a first join (KIP-394) only hands out a member id, and a
+            # timer that ticked while this call waited for the second found the group without members
+            # and ended.
+            self.start()
             event = await self._settle(group_id, waiting=not isinstance(result, JoinResult))
             remaining_ms = (deadline - loop.time()) * 1000
             if isinstance(result, JoinResult) or remaining_ms <= 0:

@@ -295,3 +295,28 @@ def test_long_poll_state_is_kept_only_for_groups_someone_waits_on(tmp_path):
         assert set(service._events) == set(service._prints) <= {"g"}
 
     asyncio.run(main())
+
+
+def test_a_timer_that_ends_while_a_first_join_waits_is_started_again_once_the_member_is_in(tmp_path):
+    """A first join only hands out a member id (KIP-394); the member is in after the second, within the
+    same call. A timer that ticks while the call waits between the two (for groups.json to be durable,
+    slow on a busy machine) finds no member and ends: the call starts it again once the member is in."""
+
+    async def main():
+        service = Service(tmp_path)
+        ticks = []
+        tick = service.tick
+        service.tick = lambda: (ticks.append(1), tick())[1]
+        durable = service._writer.durable
+
+        async def slow_durable():
+            # A write as slow as the timer: it completes once the timer has ended or ticked twice.
+            await asyncio.wait_for(until(lambda: service._timer.done() or len(ticks) >= 2), 10)
+            await durable()
+
+        service._writer.durable = slow_durable
+        a = await join(service)
+        assert isinstance(a, JoinResult)
+        assert not service._timer.done() and service._busy()
+
+    asyncio.run(main())
