@@ -436,8 +436,9 @@ _CALLBACK, _ERRBACK, _DONE = 0, 1, 2  # what a record's callback is called with 
 
 
 def _call_back(batch: _Batch, outcome: tuple, index: int, timestamp_ms: int, kind: int, fn, args, kwargs) -> None:
-    """Call one callback of a record of ``batch`` with its outcome; what it raises is logged (as
-    concurrent.futures does), not propagated."""
+    """Call one callback of a record of ``batch`` with its outcome; an Exception it raises is logged (as
+    concurrent.futures does), not propagated (``_finish`` raises a SystemExit or KeyboardInterrupt once
+    the batch's other callbacks have run)."""
     base_offset, append_time_ms, error = outcome
     try:
         if kind == _DONE:
