@@ -377,11 +377,11 @@ fastsend_call(FastSend *self, PyObject *const *args, size_t nargsf, PyObject *kw
     long long partition;
     if (partition_arg == Py_None) {
         if (key != Py_None) {
-            /* (the count is held: the limits tuple is borrowed, and the call could let another thread run) */
             if (self->partitioner != NULL && count > 0 && count <= INT32_MAX)
                 partition = self->partitioner(NULL, PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), (int32_t)count,
                                               NULL, NULL);
             else {
+                /* (the count is held: the limits tuple is borrowed, and the call could let another thread run) */
                 PyObject *count_obj = PyTuple_GET_ITEM(limits, 0);
                 Py_INCREF(count_obj);
                 PyObject *call_args[2] = {key, count_obj};
