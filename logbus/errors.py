@@ -334,6 +334,14 @@ class HeartbeatLinkClosedError(LogbusError, ConnectionError):
     """
 
 
+class FetchLinkClosedError(LogbusError, ConnectionError):
+    """A follower's fetch link to its leader is gone (closed, refused, garbage, or silent past a fetch's deadline).
+
+    Internal: the follower fetches with actor calls meanwhile and opens a new
+    link later (``actors/fetch_link.py``).
+    """
+
+
 class HeartbeatRefusedError(LogbusError):
     """The controller answered a heartbeat on the link with an error: it renews nothing."""
 

@@ -140,9 +140,9 @@ async def read_frame(reader: asyncio.StreamReader) -> dict:
             message = None
         else:
             message = json.loads(await reader.readexactly(size))
-    except (asyncio.IncompleteReadError, OSError, ValueError) as error:
+    except (asyncio.IncompleteReadError, OSError, ValueError, RecursionError) as error:
         # OSError: the connection reset, or timed out (ETIMEDOUT: keepalive found the peer gone, a cut
-        # network); ValueError: not JSON, or not UTF-8.
+        # network); ValueError: not JSON, or not UTF-8; RecursionError: JSON nested too deep.
         raise HeartbeatLinkClosedError(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__) from None
     if size > MAX_FRAME_BYTES:
         raise HeartbeatLinkClosedError(f"frame of {size} bytes is over the {MAX_FRAME_BYTES}-byte limit")
@@ -184,7 +184,7 @@ class HeartbeatServer:
         try:
             _keep_alive(writer)
             hello = await read_frame(reader)
-            if not hmac.compare_digest(str(hello.get("token", "")), self._token):
+            if not hmac.compare_digest(str(hello.get("token", "")).encode(), self._token.encode()):  # any text, not only ASCII
                 logger.warning("heartbeat link from %s: wrong token; closed", writer.get_extra_info("peername"))
                 return
             self.links_opened += 1

@@ -104,6 +104,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from logbus.actors import metrics
 from logbus.actors.channel_server import ChannelServer
 from logbus.actors.cleaning_schedule import CleaningSchedule
+from logbus.actors.fetch_link import FetchLinkServer
 from logbus.actors.fetch_packaging import FetchPackaging
 from logbus.actors.fetch_parking import FetchParking
 from logbus.actors.invariant_exit import exit_on_violation
@@ -260,6 +261,7 @@ class PartitionReplica:
         self._loop_ready = False
         self._tasks: list[asyncio.Task] = []
         self._channel = ChannelServer(self._channel_request, f"replica {self._label}")
+        self._fetch_links = FetchLinkServer(self._linked_replica_fetch, self._label)  # listens once a follower asks
         self._channel_started: asyncio.Task | None = None
         self._save_state()
         # From here on a broken invariant ends this process, and Ray starts it again from its files
@@ -908,18 +910,36 @@ class PartitionReplica:
         """For followers: like fetch, but up to the log end; the fetch offset reports the follower's progress.
 
         No CRC check here: the follower's append checks every batch it receives.
+        Followers send this over their fetch link when they have one (``fetch_link_address``).
         """
+        return await self._replica_fetch(follower_id, epoch, request, channel=False)
+
+    async def _linked_replica_fetch(self, follower_id: int, epoch: int, request: FetchRequest) -> tuple[FetchResponse, object]:
+        """A follower's fetch over its fetch link: the batches as a view of the log, sent before the next yield."""
+        return await self._replica_fetch(follower_id, epoch, request, channel=True)
+
+    async def _replica_fetch(self, follower_id: int, epoch: int, request: FetchRequest, channel: bool) -> tuple[FetchResponse, object]:
         self._started()
         self._check_fence()
         self._run(self.state.on_replica_fetch(follower_id, epoch, request.offset, self.log, monotonic_ms()))
         if request.offset < self.log.log_end_offset:
-            return await self._serve_fetch(request, lambda: None, consumer=False)
+            return await self._serve_fetch(request, lambda: None, channel=channel, consumer=False)
         # At the end: the fetch waits here for the next append; while it waits, this follower is in sync.
         token = self.state.park(follower_id, request.offset, monotonic_ms())
         try:
-            return await self._serve_fetch(request, lambda: None, consumer=False)
+            return await self._serve_fetch(request, lambda: None, channel=channel, consumer=False)
         finally:
             self.state.unpark(follower_id, token)
+
+    async def fetch_link_address(self) -> dict | None:
+        """For followers: where to open a fetch link to this replica (host, port, token), or None where
+        it cannot listen (``actors/fetch_link.py``). The first call starts listening."""
+        self._started()
+        try:
+            return await self._fetch_links.address(ray.util.get_node_ip_address())
+        except OSError as error:
+            logger.warning("replica %s: no fetch link: %s", self._label, error)
+            return None
 
     async def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
         """KIP-279 OffsetsForLeaderEpoch: (largest epoch <= ``epoch`` in this log, where it ends)."""
@@ -1053,6 +1073,7 @@ class PartitionReplica:
         if self._fence is not None:
             self._fence.remove()
         await self._channel.close()
+        self._fetch_links.close()
         self.log.delete()
         shutil.rmtree(self.directory, ignore_errors=True)
         self._owner_lock.release()
@@ -1088,6 +1109,11 @@ class PartitionReplica:
             "node_id": ray.get_runtime_context().get_node_id(),
             "size_bytes": self.log.size_bytes,
             "fetched_bytes": self._fetcher.fetched_bytes,  # copied from leaders since this process started
+            # A follower's fetches answered over its fetch link (the rest went as actor calls), and as a
+            # leader, the fetches it answered over links; both since this process started.
+            "linked_fetches": self._fetcher.linked_fetches,
+            "linked_fetches_served": self._fetch_links.fetches,
+            "fetch_links_opened": self._fetch_links.links_opened,
             "segments": len(self.log.segments),
             "tier": self._tiering.status(),  # a tiered topic's remote tier as this replica last saw it, else None
             # Long polls parked here for data (and, rarely, an idempotent batch waiting for an earlier one).

@@ -7,6 +7,10 @@ fetch from our log end) and what each answer means (truncate, append,
 start the log at the leader's log start, adopt its high watermark). This
 module makes the calls and carries the answers back:
 
+- fetches go over the fetch link to the leader (``fetch_link.py``: TCP,
+  no Ray call) once it is open, and as actor calls until then, while it is
+  being opened again after a failure, and for a batch larger than a link's
+  reply;
 - a fetch has a deadline of its own, its wait plus FOLLOWER_FETCH_SLACK_MS:
   one sent into a cut network (or on a connection that died) would
   otherwise wait until the transport gives up, many seconds; the other calls
@@ -32,7 +36,8 @@ from collections.abc import Callable
 
 import ray
 
-from logbus.errors import OffsetOutOfRangeError, RequestTimedOutError
+from logbus.actors.fetch_link import LinkSlot
+from logbus.errors import ChannelReplyTooLargeError, FetchLinkClosedError, LogbusError, OffsetOutOfRangeError, RequestTimedOutError
 from logbus.protocol.messages import READ_UNCOMMITTED
 from logbus.protocol.replica_state import AskEpochEnd, ReplicaState
 from logbus.storage.partition_log import PartitionLog
@@ -77,6 +82,7 @@ class ReplicaFetcher:
         self.throttle_bytes_per_s: int | None = None  # a reassignment's copy rate limit
         self.throttled_copy_bytes = 0  # copied from the leader under a throttle, since this process started
         self.fetched_bytes = 0  # appended from leaders' fetch replies, since this process started
+        self.linked_fetches = 0  # fetches answered over a fetch link, since this process started
         self._throttle_until = 0.0
         self._task: asyncio.Task | None = None
 
@@ -91,9 +97,43 @@ class ReplicaFetcher:
             self._task = None
 
     async def _follow(self, epoch: int, leader) -> None:
+        link = LinkSlot(lambda: asyncio.wait_for(leader.fetch_link_address.remote(), FOLLOWER_CALL_TIMEOUT_S), self._label)
+        try:
+            await self._follow_with(epoch, leader, link)
+        finally:
+            link.close()
+
+    async def _fetch(self, leader, link: LinkSlot, epoch: int, step) -> tuple:
+        """One fetch from the leader, within its deadline: over the fetch link when it is open, else (or
+        when the link fails) as an actor call in the time left."""
+        replica_id = self.state.replica_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (step.max_wait_ms + FOLLOWER_FETCH_SLACK_MS) / 1000
+        connection = link.ready()
+        try:
+            if connection is not None:
+                try:
+                    reply = await asyncio.wait_for(connection.fetch(replica_id, epoch, step), deadline - loop.time())
+                    self.linked_fetches += 1
+                    return reply
+                except FetchLinkClosedError as error:
+                    link.failed(error)  # nothing answered: this fetch goes as an actor call
+                except ChannelReplyTooLargeError:
+                    pass  # a batch larger than a link's reply: this fetch goes as an actor call
+                except LogbusError:
+                    raise  # the leader's answer, as the actor call would have raised it
+                except asyncio.TimeoutError:
+                    link.failed(RequestTimedOutError("a fetch passed its deadline"))  # a reply may still come: out of step
+                    raise
+            return await asyncio.wait_for(leader.replica_fetch.remote(replica_id, epoch, step), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            raise RequestTimedOutError(
+                f"fetch from the leader not answered within its wait ({step.max_wait_ms} ms) and {FOLLOWER_FETCH_SLACK_MS} ms"
+            ) from None
+
+    async def _follow_with(self, epoch: int, leader, link: LinkSlot) -> None:
         last_error = None
         state = self.state
-        replica_id = state.replica_id
         while self._active():
             self._look_at_fence()
             step = state.next_fetch(epoch, self.log, self.throttle_bytes_per_s)
@@ -106,14 +146,7 @@ class ReplicaFetcher:
                     )
                     self._run(state.on_epoch_end(epoch, leader_epoch, end_offset, self.log))
                     continue
-                try:
-                    meta, data = await asyncio.wait_for(
-                        leader.replica_fetch.remote(replica_id, epoch, step), (step.max_wait_ms + FOLLOWER_FETCH_SLACK_MS) / 1000
-                    )
-                except asyncio.TimeoutError:
-                    raise RequestTimedOutError(
-                        f"fetch from the leader not answered within its wait ({step.max_wait_ms} ms) and {FOLLOWER_FETCH_SLACK_MS} ms"
-                    ) from None
+                meta, data = await self._fetch(leader, link, epoch, step)
                 if state.follow is not None and state.follow.failing:
                     logger.info("replica %s: fetching from leader %s again", self._label, state.leader_id)
                 last_error = None

@@ -76,10 +76,11 @@ def test_a_refused_heartbeat_raises_and_the_link_keeps_serving():
     run(main())
 
 
-def test_a_wrong_token_gets_the_connection_closed_and_nothing_heard():
+@pytest.mark.parametrize("token", ["0" * 32, "\u00fc" * 32, ""])
+def test_a_wrong_token_gets_the_connection_closed_and_nothing_heard(token):
     async def main():
         controller, server, address = await serving()
-        link = await HeartbeatLink.open({**address, "token": "0" * 32}, 5)
+        link = await HeartbeatLink.open({**address, "token": token}, 5)
         with pytest.raises(HeartbeatLinkClosedError):
             await link.call({"node": "n1"}, now_ms=0)
         assert link.closed and controller.heard == {}
@@ -98,6 +99,7 @@ def test_garbage_and_truncated_frames_close_only_their_own_connection():
         rng = random.Random(17)
         hello = encode({"token": address["token"]})
         cases = [
+            hello + struct.pack(">I", 60_000) + b"[" * 60_000,  # JSON nested too deep to parse
             struct.pack(">I", MAX_FRAME_BYTES + 1) + b"x",
             struct.pack(">I", 5) + b"\xff\xfe\x00ab",
             struct.pack(">I", 2) + b"[]",

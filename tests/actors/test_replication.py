@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import threading
 import time
 import uuid
@@ -443,6 +444,46 @@ def test_a_killed_leader_process_on_a_live_node_fails_over(cluster, rbus):
     wait_new_leader(rbus, topic, described.leader_epoch, timeout_s=60)
     with logbus.Producer(rbus, acks="all") as producer:
         assert producer.send(topic, b"after").result(timeout=60).offset >= 0
+    assert_healed(rbus, topic)
+
+
+def test_followers_fetch_over_their_links_and_a_reset_link_loses_nothing(cluster, rbus):
+    """Followers fetch from the leader over TCP fetch links once open. Under acks=all load, every link
+    to the leader is reset from outside (``ss -K``, as a middlebox or a dying connection would): the
+    followers fetch with actor calls meanwhile, open new links, and nothing acknowledged is lost."""
+    topic = "linked"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2})
+    wait_isr(rbus, topic, 3)
+    workload = Workload(rbus, topic)
+    try:
+        def linked():
+            followers = [s for s in statuses(rbus, topic) if s.get("role") == "follower"]
+            return len(followers) == 2 and all(s["linked_fetches"] > 20 for s in followers) and followers
+
+        wait_for(linked, timeout_s=90, interval_s=0.2, message="both followers fetching over their links")
+        described, status = serving_leader(rbus, topic)
+        handle = ray.get(controller_of(rbus).topic_metadata.remote(topic), timeout=60)["partitions"][0]["leader"]
+        address = ray.get(handle.fetch_link_address.remote(), timeout=60)
+        assert status["linked_fetches_served"] > 0 and status["fetch_links_opened"] >= 2
+        opened_before = status["fetch_links_opened"]
+        before = {s["replica_id"]: s["linked_fetches"] for s in linked()}
+        acknowledged_before = workload.acknowledged_count()
+        killed = subprocess.run(["ss", "-K", "dst", address["host"], "dport", "=", str(address["port"])],
+                                capture_output=True, text=True, timeout=30)
+        assert killed.returncode == 0, killed.stderr
+        assert killed.stdout.count("ESTAB") >= 2, killed.stdout  # both followers' connections were reset
+
+        def linked_again():
+            now = {s["replica_id"]: s["linked_fetches"] for s in linked() or []}
+            return now.keys() == before.keys() and all(now[r] > before[r] + 20 for r in now)
+
+        wait_for(linked_again, timeout_s=90, interval_s=0.2, message="both followers fetching over new links")
+        assert serving_leader(rbus, topic)[1]["fetch_links_opened"] >= opened_before + 2
+        wait_for(lambda: workload.acknowledged_count() > acknowledged_before + 500, timeout_s=90, message="more writes")
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    assert check_invariants(rbus, topic, acknowledged, 3) >= len(acknowledged)
     assert_healed(rbus, topic)
 
 
