@@ -101,7 +101,7 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from logbus.actors import metrics
+from logbus.actors import fetch_link, metrics
 from logbus.actors.channel_server import ChannelServer
 from logbus.actors.cleaning_schedule import CleaningSchedule
 from logbus.actors.fetch_link import FetchLinkServer
@@ -933,8 +933,10 @@ class PartitionReplica:
 
     async def fetch_link_address(self) -> dict | None:
         """For followers: where to open a fetch link to this replica (host, port, token), or None where
-        it cannot listen (``actors/fetch_link.py``). The first call starts listening."""
+        it cannot listen or Ray encrypts its traffic (``actors/fetch_link.py``). The first call starts listening."""
         self._started()
+        if not fetch_link.offered():
+            return None
         try:
             return await self._fetch_links.address(ray.util.get_node_ip_address())
         except OSError as error:

@@ -314,3 +314,10 @@ def test_a_link_that_fails_before_any_reply_asks_for_the_address_again(monkeypat
         server.close()
 
     run(main())
+
+
+@pytest.mark.parametrize("environ, links", [
+    ({}, True), ({"RAY_USE_TLS": "0"}, True), ({"RAY_USE_TLS": "1"}, False), ({"RAY_USE_TLS": "True"}, False),
+])
+def test_no_link_is_offered_where_ray_encrypts_its_own_traffic(environ, links):
+    assert fetch_link.offered(environ) is links
