@@ -275,7 +275,7 @@ def test_a_newer_subscription_version_is_read_for_its_topics_and_owned_partition
 UNMAPPED = {
     "LogbusError", "RetriableError", "SerializationError", "RecordDeserializationError", "CliError", "BufferExhaustedError",
     "FrameError", "ChannelReplyTooLargeError", "InternalStateError", "InvariantViolationError", "DataDirectoryInUseError", "KafkaProtocolError",
-    "HeartbeatLinkClosedError", "HeartbeatRefusedError", "TransactionAbortedError",
+    "HeartbeatLinkClosedError", "HeartbeatRefusedError", "FetchLinkClosedError", "TransactionAbortedError",
     "NodeIdentityError",  # a host's identity files: the host's operator meets it, never a client
 }
 
