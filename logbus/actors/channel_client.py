@@ -1,11 +1,13 @@
 """The client's end of the local channel (see ``logbus/protocol/local_channel.py``).
 
 ``channels()`` is this process's registry: for a leader's actor handle it
-returns an open :class:`Connection` when that replica runs on this node and
-its socket is up, else None (the caller then makes an actor call). Looking up
-a replica's address is itself an actor call, made once and in the
-background: the first requests to a replica go as actor calls while the
-answer is on its way, so a lookup never delays a request.
+returns an open :class:`Connection` when that replica's socket is up (a
+Unix socket on this node, TCP to another node), else None (the caller then
+makes an actor call). Looking up a replica's address is itself an actor
+call, made once and in the background, and so is opening a TCP connection:
+the first requests to a replica go as actor calls while either is on its
+way, so neither delays a request. A process keeps at most
+``REMOTE_CONNECTIONS_MAX`` TCP connections; replicas past that get actor calls.
 
 A connection whose socket fails fails every request waiting on it with
 LeaderNotAvailableError (retriable: producers retry, consumers fetch again)
@@ -27,6 +29,7 @@ from concurrent.futures import Future
 
 import ray
 
+from logbus.actors.channel_server import tune_tcp
 from logbus.errors import ChannelBusyError, ChannelClosedError, FrameError, LogbusError
 from logbus.protocol import local_channel as wire
 
@@ -41,19 +44,38 @@ LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long 
 # connection (replicas on other nodes, failed lookups): those cost one lookup to learn again. Entries
 # with a connection are replicas on this node, bounded by what one node hosts.
 ENTRIES_MAX = 4096
+# TCP connections to replicas on other nodes that one process keeps open; past that, requests to
+# further replicas go as actor calls (each connection has a reader thread).
+REMOTE_CONNECTIONS_MAX = 64
+CONNECT_TIMEOUT_S = 2.0  # a TCP connection not open in this long (a cut network) is given up
 
 
 class Connection:
-    """One Unix socket to one replica, shared by every producer and consumer of this process.
+    """One socket to one replica, shared by every producer and consumer of this process: a Unix
+    socket to a replica on this node (``address`` a string), or TCP to one on another node
+    (``address`` a dict of host, port and token; connecting may take up to CONNECT_TIMEOUT_S).
 
     ``call`` sends a request and returns a Future of its result; a reader
     thread completes the futures as replies arrive (in any order).
+    Over TCP every send is as with ``block=False`` (a caller never waits on a
+    cut network), and replies are decoded restricted (``wire.decode_body``).
     """
 
-    def __init__(self, address: str, on_close=None) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address, on_close=None) -> None:
+        self.remote = isinstance(address, dict)
+        if self.remote:
+            sock = socket.socket(socket.AF_INET6 if ":" in address["host"] else socket.AF_INET, socket.SOCK_STREAM)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(address)
+            if self.remote:
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.connect((address["host"], address["port"]))
+                sock.settimeout(None)
+                tune_tcp(sock)
+                sock.sendall(wire.encode_hello(address["token"]))
+            else:
+                sock.connect(address)
             seconds = int(SEND_TIMEOUT_S)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
         except OSError:
@@ -92,6 +114,7 @@ class Connection:
         request_id = next(self._ids)
         future.channel_request = (self, request_id)  # for cancel_request()
         parts = wire.encode_parts(request_id, kind, args)
+        block = block and not self.remote
         with self._lock:
             if self.closed:
                 raise ChannelClosedError("the local channel is closed")
@@ -233,7 +256,7 @@ class Connection:
         if future is None:
             return
         try:
-            value = wire.decode_body(body)
+            value = wire.decode_body(body, restricted=self.remote)
         except Exception as error:  # noqa: BLE001 (a reply that does not decode fails its request)
             future.set_exception(LogbusError(f"undecodable local channel reply: {error}"))
             return
@@ -296,8 +319,10 @@ class _Entry:
     __slots__ = ("state", "address", "connection", "retry_at")
 
     def __init__(self) -> None:
-        self.state = "looking-up"  # then "ready" (address known), "remote" (another node), "failed"
-        self.address: str | None = None
+        # then "ready" (address known), "connecting" (TCP, in the background), "remote" (actor calls for
+        # good: no TCP address, or too many TCP connections), "failed"
+        self.state = "looking-up"
+        self.address: str | dict | None = None
         self.connection: Connection | None = None
         self.retry_at = time.monotonic() + LOOKUP_TIMEOUT_S  # a lookup still unanswered then is asked again
 
@@ -305,11 +330,13 @@ class _Entry:
 class Channels:
     """Per process: the local channel connection of each replica on this node, by actor id."""
 
-    def __init__(self, entries_max: int = ENTRIES_MAX) -> None:
+    def __init__(self, entries_max: int = ENTRIES_MAX, remote_max: int = REMOTE_CONNECTIONS_MAX) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._entries: dict[object, _Entry] = {}
         self.entries_max = entries_max
+        self.remote_max = remote_max
+        self._remote = 0  # TCP connections open or being opened
 
     def connection(self, replica) -> Connection | None:
         """The open connection to ``replica`` (an actor handle), or None: use an actor call."""
@@ -334,6 +361,9 @@ class Channels:
             return None
         if address is None:
             return None
+        if isinstance(address, dict):
+            self._connect_remote(key, entry, address)
+            return None
         # The address is known but there is no open connection (first use, or it closed): connect.
         try:
             connection = Connection(address, on_close=lambda c: self._closed(key, c))
@@ -348,6 +378,36 @@ class Channels:
                 return connection
         connection.close()  # another thread connected first, or the entry changed
         return self.connection(replica) if self._entries.get(key) is entry else None
+
+    def _connect_remote(self, key, entry: _Entry, address: dict) -> None:
+        """Open a TCP connection to a replica on another node, in a thread of its own: a connect into a
+        cut network waits up to CONNECT_TIMEOUT_S, which no caller should. Meanwhile, actor calls."""
+        with self._lock:
+            if self._entries.get(key) is not entry or entry.state != "ready":
+                return
+            if self._remote >= self.remote_max:
+                entry.state = "remote"  # enough TCP connections: this replica gets actor calls
+                return
+            entry.state = "connecting"
+            self._remote += 1
+
+        def connect() -> None:
+            try:
+                connection = Connection(address, on_close=lambda c: self._closed(key, c))
+            except OSError:
+                with self._lock:
+                    self._remote -= 1
+                    if self._entries.get(key) is entry:
+                        # Looked up again later: a restarted replica listens on another port.
+                        entry.state, entry.retry_at = "failed", time.monotonic() + RETRY_LOOKUP_S
+                return
+            with self._lock:
+                if self._entries.get(key) is entry and entry.state == "connecting":
+                    entry.state, entry.connection = "ready", connection
+                    return
+            connection.close()  # the entry was dropped meanwhile (_closed counts the connection out)
+
+        threading.Thread(target=connect, name="logbus-channel-connect", daemon=True).start()
 
     def _drop_unconnected(self) -> None:
         """Under the lock, with the registry full: forget the oldest half of the entries without an open
@@ -389,7 +449,9 @@ class Channels:
             if found is None:
                 entry.state = "remote"  # the replica has no channel (not Linux): never ask again
             elif found[0] != node_id:
-                entry.state = "remote"  # replicas stay on their node: actor calls for good
+                # Another node: TCP where the replica listens for it, else actor calls for good.
+                tcp = found[2] if len(found) > 2 else None
+                entry.state, entry.address = ("ready", tcp) if tcp else ("remote", None)
             else:
                 entry.state, entry.address = "ready", found[1]
 
@@ -401,6 +463,8 @@ class Channels:
     def _closed(self, key, connection: Connection) -> None:
         """A connection closed: look the address up again (a restarted replica has a new socket)."""
         with self._lock:
+            if connection.remote:
+                self._remote -= 1
             entry = self._entries.get(key)
             if entry is not None and entry.connection is connection:
                 entry.state, entry.connection, entry.retry_at = "failed", None, time.monotonic()

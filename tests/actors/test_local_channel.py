@@ -279,6 +279,95 @@ def test_a_malformed_frame_closes_the_connection(loop):
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
 
 
+def tcp_start(loop, service):
+    server, _ = start(loop, service)
+    return server, asyncio.run_coroutine_threadsafe(server.tcp_address("127.0.0.1"), loop).result(10)
+
+
+class Bug:
+    """An object whose unpickling would run a function (it writes a file): a frame from the network
+    must never rebuild it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_over_tcp_a_client_with_the_token_is_served_and_gets_logbus_errors_only(loop):
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        connection = Connection(address)
+        assert connection.remote
+        assert connection.call(wire.FETCH, ("x", 1)).result(10) == (wire.FETCH, ("x", 1))
+        with pytest.raises(NotLeaderError, match="not the leader"):
+            connection.call(wire.PRODUCE, ("raise",)).result(10)
+        assert connection.call(wire.FETCH, ("big",)).result(30) == b"x" * (1 << 20)
+        assert asyncio.run_coroutine_threadsafe(asyncio.sleep(0, server.tcp_connections), loop).result(10) == 1
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    # A request far larger than a socket's buffer goes out of band, whole.
+    server, address = tcp_start(loop, Echo())
+    try:
+        connection = Connection(address)
+        blob = os.urandom(3 << 20)
+        assert connection.call(wire.PRODUCE, (pickle.PickleBuffer(blob),)).result(30) == (zlib.crc32(blob), len(blob), "memoryview")
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+@pytest.mark.parametrize("first", ["wrong token", "no hello", "large hello", "silence"])
+def test_over_tcp_a_connection_without_the_token_first_is_closed_unserved(loop, monkeypatch, first):
+    monkeypatch.setattr(channel_server, "HELLO_TIMEOUT_S", 0.3)
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        with socket.create_connection((address["host"], address["port"]), timeout=30) as raw:
+            if first == "wrong token":
+                raw.sendall(wire.encode_hello("0" * 32) + encode(1, wire.PRODUCE, ("x",)))
+            elif first == "no hello":
+                raw.sendall(encode(1, wire.PRODUCE, ("x",)))
+            elif first == "large hello":
+                raw.sendall(wire.HEADER.pack(wire.MAX_BODY_BYTES, 0, wire.HELLO))
+            assert raw.recv(1) == b""  # closed, nothing served
+        assert service.started == 0
+        connection = Connection(address)  # the server itself keeps serving
+        assert connection.call(wire.PRODUCE, ("ok",)).result(10) == (wire.PRODUCE, ("ok",))
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_over_tcp_a_frame_rebuilds_nothing_but_logbus_messages_and_errors(loop, tmp_path):
+    """A request whose pickle would call a function is refused at the server; a reply that would is
+    refused at the client. Over the Unix socket (same user, same trust as Ray) both are pickles as any."""
+    marker = tmp_path / "ran"
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        connection = Connection(address)
+        with pytest.raises(logbus.LogbusError, match="may not rebuild"):
+            connection.call(wire.PRODUCE, (Bug(str(marker)),)).result(10)
+        assert not marker.exists() and service.started == 0
+
+        class Answer:
+            async def __call__(self, kind, args):
+                return Bug(str(marker))
+
+        server._handler = Answer()
+        with pytest.raises(logbus.LogbusError, match="undecodable"):
+            connection.call(wire.FETCH, ()).result(10)
+        marker.unlink(missing_ok=True)  # the server pickled its reply; the client never unpickled it
+        assert connection.call(wire.FETCH, ()).exception(10) is not None and not marker.exists()
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
 class Echo:
     """Answers a request of one blob with (its CRC, its length, the type it arrived as), and
     a request for n bytes with n bytes out of band."""
