@@ -35,6 +35,8 @@ logger = logging.getLogger(__name__)
 MAX_CONCURRENT_PER_CONNECTION = 256
 WRITE_BUFFER_HIGH_BYTES = 4 << 20  # wait for the socket to drain above this much unsent reply data
 TCP_CONNECTIONS_MAX = 1024  # clients on other nodes at once (each holds one connection per replica it uses)
+TCP_UNGREETED_MAX = 32  # of those, connections that have not sent their HELLO yet
+WARN_EVERY_S = 10.0  # refused TCP connections are logged at most this often per replica
 HELLO_TIMEOUT_S = 5.0  # a TCP connection that has not sent its HELLO in this long is closed
 HELLO_MAX_BYTES = 256  # a HELLO's body (the token); a connection whose first frame is larger is closed unread
 # Sent data unacknowledged this long ends a TCP connection (TCP_USER_TIMEOUT), keepalive one whose
@@ -68,6 +70,18 @@ def tcp_allowed(environ=None) -> bool:
     which go over Ray's TLS."""
     environ = os.environ if environ is None else environ
     return str(environ.get("RAY_USE_TLS", "0")).lower() not in ("1", "true")
+
+
+def tcp_connections_max() -> int:
+    """TCP_CONNECTIONS_MAX, or a quarter of this process's file descriptor limit if that is less:
+    the replica's own files (segments, indexes) keep room."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return TCP_CONNECTIONS_MAX
+    return TCP_CONNECTIONS_MAX if soft == resource.RLIM_INFINITY else max(16, min(TCP_CONNECTIONS_MAX, soft // 4))
 
 
 def tune_tcp(sock) -> None:
@@ -107,6 +121,16 @@ class ChannelServer:
         self._connections: set[_Connection] = set()
         self.address: str | None = None
         self.tcp_connections = 0  # TCP connections open now, HELLO or not
+        self.tcp_ungreeted = 0  # of those, the ones whose HELLO has not come yet
+        self._closed = False
+        self._warned_at = float("-inf")
+
+    def warn(self, message: str, *args) -> None:
+        """A refused TCP connection, logged at most every WARN_EVERY_S (anyone on the network may cause one)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            logger.warning("%s: " + message, self._label, *args)
 
     async def start(self) -> str | None:
         """Listen; returns the address, or None where the channel is not supported."""
@@ -121,6 +145,8 @@ class ChannelServer:
     async def tcp_address(self, host: str) -> dict:
         """Listen on TCP at ``host`` too (once), for clients on other nodes; returns host, port and the
         token their HELLO must carry. Such frames are decoded restricted (``wire.decode_body``)."""
+        if self._closed:
+            raise OSError("the replica's channel is closed")
         if self._tcp_starting is None:
             loop = asyncio.get_running_loop()
             self._tcp_starting = loop.create_task(loop.create_server(lambda: _Connection(self, self._token), host, 0))
@@ -134,6 +160,7 @@ class ChannelServer:
         return {"host": host, "port": self._tcp_server.sockets[0].getsockname()[1], "token": self._token}
 
     async def close(self) -> None:
+        self._closed = True
         if self._tcp_starting is not None and not self._tcp_starting.done():
             self._tcp_starting.cancel()
         if self._tcp_server is not None:
@@ -179,9 +206,10 @@ class _Connection(asyncio.BufferedProtocol):
                 transport.close()  # only processes of this user (Ray's own workers) may talk to the replica
                 return
         else:
-            if self._server.tcp_connections >= TCP_CONNECTIONS_MAX:
-                logger.warning("%s: a channel connection from %s refused: %d open", self._server._label,
-                               transport.get_extra_info("peername"), self._server.tcp_connections)
+            server = self._server
+            if server.tcp_connections >= tcp_connections_max() or server.tcp_ungreeted >= TCP_UNGREETED_MAX:
+                server.warn("channel connections from other nodes refused: %d open, %d of them without a HELLO yet",
+                            server.tcp_connections, server.tcp_ungreeted)
                 transport.close()
                 return
             try:
@@ -189,7 +217,8 @@ class _Connection(asyncio.BufferedProtocol):
             except OSError:
                 transport.close()
                 return
-            self._server.tcp_connections += 1
+            server.tcp_connections += 1
+            server.tcp_ungreeted += 1
             self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, transport.close)
         self._transport = transport
         self._write_copies = _write_copies(transport)
@@ -210,6 +239,8 @@ class _Connection(asyncio.BufferedProtocol):
             self._server.tcp_connections -= 1
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+            self._hello_timer = None
+            self._server.tcp_ungreeted -= 1
         self._server._connections.discard(self)
         self._transport = None
         for task in self._tasks.values():
@@ -249,7 +280,10 @@ class _Connection(asyncio.BufferedProtocol):
                         raise FrameError(f"the first frame is {header[0]} bytes of kind {header[2]}, not a HELLO")
                 frame = self._reader.next_frame()
             except FrameError as error:
-                logger.warning("%s: closing a local channel connection: %s", self._server._label, error)
+                if self._token is None:
+                    logger.warning("%s: closing a local channel connection: %s", self._server._label, error)
+                else:
+                    self._server.warn("closing a channel connection from %s: %s", self._transport.get_extra_info("peername"), error)
                 self._transport.close()
                 return
             if frame is None:
@@ -270,12 +304,13 @@ class _Connection(asyncio.BufferedProtocol):
         """The first frame of a TCP connection: HELLO with the token, else the connection closes."""
         _, kind, body = frame
         if self._hello_timer is None or kind != wire.HELLO or not hmac.compare_digest(bytes(body), self._token.encode()):
-            logger.warning("%s: a channel connection from %s closed: no HELLO with the token first", self._server._label,
-                           self._transport.get_extra_info("peername"))
+            self._server.warn("a channel connection from %s closed: no HELLO with the token first",
+                              self._transport.get_extra_info("peername"))
             self._transport.close()
             return False
         self._hello_timer.cancel()
         self._hello_timer = None
+        self._server.tcp_ungreeted -= 1
         return True
 
     def _start_request(self, request_id: int, kind: int, body) -> None:
