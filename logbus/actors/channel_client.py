@@ -1,11 +1,13 @@
 """The client's end of the local channel (see ``logbus/protocol/local_channel.py``).
 
 ``channels()`` is this process's registry: for a leader's actor handle it
-returns an open :class:`Connection` when that replica runs on this node and
-its socket is up, else None (the caller then makes an actor call). Looking up
-a replica's address is itself an actor call, made once and in the
-background: the first requests to a replica go as actor calls while the
-answer is on its way, so a lookup never delays a request.
+returns an open :class:`Connection` when that replica's socket is up (a
+Unix socket on this node, TCP to another node), else None (the caller then
+makes an actor call). Looking up a replica's address is itself an actor
+call, made once and in the background, and so is opening a TCP connection:
+the first requests to a replica go as actor calls while either is on its
+way, so neither delays a request. A process keeps at most
+``REMOTE_CONNECTIONS_MAX`` TCP connections; replicas past that get actor calls.
 
 A connection whose socket fails fails every request waiting on it with
 LeaderNotAvailableError (retriable: producers retry, consumers fetch again)
@@ -27,6 +29,7 @@ from concurrent.futures import Future
 
 import ray
 
+from logbus.actors.channel_server import tune_tcp
 from logbus.errors import ChannelBusyError, ChannelClosedError, FrameError, LogbusError
 from logbus.protocol import local_channel as wire
 
@@ -35,25 +38,51 @@ logger = logging.getLogger(__name__)
 SEND_TIMEOUT_S = 5.0  # a replica that stops reading its socket fails the send after this long
 RETRY_LOOKUP_S = 5.0  # a failed lookup or connection is tried again after this long
 SEND_PARTS_MAX = 64  # buffers per sendmsg call (Linux allows 1,024)
+TURN_WAIT_MAX_S = 1.0  # a caller that waits its turn behind another thread's send (over TCP) waits at most this long
 BACKLOG_MAX_BYTES = 64 << 20  # frames queued for a replica's socket by callers that may not wait
 LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
 # Replicas the registry remembers. Past that, a new one drops the oldest entries without an open
 # connection (replicas on other nodes, failed lookups): those cost one lookup to learn again. Entries
 # with a connection are replicas on this node, bounded by what one node hosts.
 ENTRIES_MAX = 4096
+# TCP connections to replicas on other nodes that one process keeps open; past that, requests to
+# further replicas go as actor calls (each connection has a reader thread).
+REMOTE_CONNECTIONS_MAX = 64
+CONNECT_TIMEOUT_S = 2.0  # a TCP connection not open in this long (a cut network) is given up
+# A TCP connection that cannot be opened, or that closes before any reply (the replica refused it),
+# is tried again after RETRY_LOOKUP_S, then twice as late each time up to REMOTE_RETRY_MAX_S; after
+# REMOTE_FAILURES_MAX such failures in a row (a firewall between the hosts, say), actor calls for good.
+REMOTE_RETRY_MAX_S = 60.0
+REMOTE_FAILURES_MAX = 5
+REMOTE_FULL_RETRY_S = 30.0  # with REMOTE_CONNECTIONS_MAX open, another replica asks again this much later
 
 
 class Connection:
-    """One Unix socket to one replica, shared by every producer and consumer of this process.
+    """One socket to one replica, shared by every producer and consumer of this process: a Unix
+    socket to a replica on this node (``address`` a string), or TCP to one on another node
+    (``address`` a dict of host, port and token; connecting may take up to CONNECT_TIMEOUT_S).
 
     ``call`` sends a request and returns a Future of its result; a reader
     thread completes the futures as replies arrive (in any order).
+    Over TCP every send is as with ``block=False`` (a caller never waits on a
+    cut network), and replies are decoded restricted (``wire.decode_body``).
     """
 
-    def __init__(self, address: str, on_close=None) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address, on_close=None) -> None:
+        self.remote = isinstance(address, dict)
+        if self.remote:
+            sock = socket.socket(socket.AF_INET6 if ":" in address["host"] else socket.AF_INET, socket.SOCK_STREAM)
+        else:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(address)
+            if self.remote:
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.connect((address["host"], address["port"]))
+                sock.settimeout(None)
+                tune_tcp(sock)
+                sock.sendall(wire.encode_hello(address["token"]))
+            else:
+                sock.connect(address)
             seconds = int(SEND_TIMEOUT_S)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
         except OSError:
@@ -73,8 +102,13 @@ class Connection:
         self._ids = itertools.count(1)
         self.closed = False
         self.requests_sent = 0  # for tests and diagnostics
+        self.replies = 0  # replies received
         self._reader = threading.Thread(target=self._read_replies, name="logbus-local-channel", daemon=True)
-        self._reader.start()
+        try:
+            self._reader.start()
+        except RuntimeError as error:  # no thread to be had: no connection either
+            sock.close()
+            raise OSError(f"cannot start the channel's reader thread: {error}") from None
 
     def call(self, kind: int, args: tuple, block: bool = True) -> Future:
         """Send one request; the Future holds its result or the error it raised.
@@ -92,6 +126,9 @@ class Connection:
         request_id = next(self._ids)
         future.channel_request = (self, request_id)  # for cancel_request()
         parts = wire.encode_parts(request_id, kind, args)
+        # Over TCP nothing waits for the socket; a caller that may wait (a producer: its batches of a
+        # partition must not overtake one another) waits only for another thread's send to finish.
+        wait_turn, block = block and self.remote, block and not self.remote
         with self._lock:
             if self.closed:
                 raise ChannelClosedError("the local channel is closed")
@@ -103,7 +140,7 @@ class Connection:
                 with self._send_lock:
                     _send_parts(self._sock, parts)
             else:
-                self._send_without_waiting(parts)
+                self._send_without_waiting(parts, wait_turn)
             self.requests_sent += 1
         except ChannelBusyError:
             with self._lock:
@@ -117,24 +154,37 @@ class Connection:
             raise ChannelClosedError(f"the local channel failed: {error}") from None
         return future
 
-    def _send_without_waiting(self, parts: list) -> None:
+    def _send_without_waiting(self, parts: list, wait_turn: bool = False) -> None:
         """Send what the socket takes now; the rest, and frames after it, go to a sender thread.
 
         Frames keep their order: while the sender thread has frames to send,
         later ones queue behind them (up to ``BACKLOG_MAX_BYTES``, then
-        ChannelBusyError, nothing sent).
+        ChannelBusyError, nothing sent). Another thread's send under way is
+        waited for with ``wait_turn`` (it never waits on the socket: a short
+        wait), else ChannelBusyError.
         """
         views = [memoryview(part).cast("B") for part in parts if len(part)]
-        with self._backlog_lock:
-            if self._sender_active:
-                size = sum(view.nbytes for view in views)
-                if self._backlog_bytes + size > BACKLOG_MAX_BYTES:
-                    raise ChannelBusyError("the replica is not reading its socket fast enough")
-                self._backlog.append(views)
-                self._backlog_bytes += size
-                return
-            if not self._send_lock.acquire(blocking=False):
+        deadline = None
+        while True:
+            with self._backlog_lock:
+                if self._sender_active:
+                    size = sum(view.nbytes for view in views)
+                    if self._backlog_bytes + size > BACKLOG_MAX_BYTES:
+                        raise ChannelBusyError("the replica is not reading its socket fast enough")
+                    self._backlog.append(views)
+                    self._backlog_bytes += size
+                    return
+                if self._send_lock.acquire(blocking=False):
+                    break
+                if not wait_turn:
+                    raise ChannelBusyError("another send to this replica is under way")
+            # Another thread is in a send that does not wait: it holds the lock for one sendmsg, or
+            # hands it to the sender thread (and then this frame queues behind it). Look again shortly.
+            if deadline is None:
+                deadline = time.monotonic() + TURN_WAIT_MAX_S
+            elif time.monotonic() > deadline:
                 raise ChannelBusyError("another send to this replica is under way")
+            time.sleep(0.0001)
         try:
             sent = self._sock.sendmsg(views[:SEND_PARTS_MAX], (), socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -228,12 +278,13 @@ class Connection:
 
     def _complete(self, request_id: int, kind: int, body) -> None:
         """Complete the Future of the request a reply answers."""
+        self.replies += 1
         with self._lock:
             future = self._pending.pop(request_id, None)
         if future is None:
             return
         try:
-            value = wire.decode_body(body)
+            value = wire.decode_body(body, restricted=self.remote)
         except Exception as error:  # noqa: BLE001 (a reply that does not decode fails its request)
             future.set_exception(LogbusError(f"undecodable local channel reply: {error}"))
             return
@@ -293,23 +344,28 @@ def _advance(views: list, sent: int) -> None:
 
 
 class _Entry:
-    __slots__ = ("state", "address", "connection", "retry_at")
+    __slots__ = ("state", "address", "connection", "retry_at", "failures")
 
     def __init__(self) -> None:
-        self.state = "looking-up"  # then "ready" (address known), "remote" (another node), "failed"
-        self.address: str | None = None
+        # then "ready" (address known), "connecting" (TCP, in the background), "remote" (actor calls for
+        # good: no TCP address, or too many TCP connections), "failed"
+        self.state = "looking-up"
+        self.address: str | dict | None = None
         self.connection: Connection | None = None
         self.retry_at = time.monotonic() + LOOKUP_TIMEOUT_S  # a lookup still unanswered then is asked again
+        self.failures = 0  # TCP connections that failed in a row (carried over to the entry that replaces it)
 
 
 class Channels:
     """Per process: the local channel connection of each replica on this node, by actor id."""
 
-    def __init__(self, entries_max: int = ENTRIES_MAX) -> None:
+    def __init__(self, entries_max: int = ENTRIES_MAX, remote_max: int = REMOTE_CONNECTIONS_MAX) -> None:
         self.pid = os.getpid()
         self._lock = threading.Lock()
         self._entries: dict[object, _Entry] = {}
         self.entries_max = entries_max
+        self.remote_max = remote_max
+        self._remote = 0  # TCP connections open or being opened
 
     def connection(self, replica) -> Connection | None:
         """The open connection to ``replica`` (an actor handle), or None: use an actor call."""
@@ -321,7 +377,9 @@ class Channels:
             if entry is None or (entry.state in ("failed", "looking-up") and time.monotonic() >= entry.retry_at):
                 if entry is None and len(self._entries) >= self.entries_max:
                     self._drop_unconnected()
+                failures = 0 if entry is None else entry.failures
                 entry = self._entries[key] = _Entry()
+                entry.failures = failures
                 start_lookup = True
             else:
                 start_lookup = False
@@ -333,6 +391,9 @@ class Channels:
             self._look_up(key, replica, entry)
             return None
         if address is None:
+            return None
+        if isinstance(address, dict):
+            self._connect_remote(key, entry, address)
             return None
         # The address is known but there is no open connection (first use, or it closed): connect.
         try:
@@ -348,6 +409,55 @@ class Channels:
                 return connection
         connection.close()  # another thread connected first, or the entry changed
         return self.connection(replica) if self._entries.get(key) is entry else None
+
+    def _connect_remote(self, key, entry: _Entry, address: dict) -> None:
+        """Open a TCP connection to a replica on another node, in a thread of its own: a connect into a
+        cut network waits up to CONNECT_TIMEOUT_S, which no caller should. Meanwhile, actor calls."""
+        with self._lock:
+            if self._entries.get(key) is not entry or entry.state != "ready":
+                return
+            if self._remote >= self.remote_max:
+                # Enough TCP connections: this replica gets actor calls, and asks again later.
+                entry.state, entry.retry_at = "failed", time.monotonic() + REMOTE_FULL_RETRY_S
+                return
+            entry.state = "connecting"
+            self._remote += 1
+
+        def connect() -> None:
+            try:
+                connection = Connection(address, on_close=lambda c: self._closed(key, c))
+            except Exception:  # noqa: BLE001 (refused, timed out, no thread: actor calls, and later again)
+                with self._lock:
+                    self._remote -= 1
+                    self._connect_failed(key, entry)
+                return
+            with self._lock:
+                if self._entries.get(key) is entry and entry.state == "connecting":
+                    if connection.closed:
+                        self._connect_failed(key, entry)  # closed at once (refused); _closed counted it out
+                    else:
+                        entry.state, entry.connection = "ready", connection
+                    return
+            connection.close()  # the entry was dropped meanwhile (_closed counts the connection out)
+
+        try:
+            threading.Thread(target=connect, name="logbus-channel-connect", daemon=True).start()
+        except RuntimeError:  # no thread to be had: actor calls
+            with self._lock:
+                self._remote -= 1
+                self._connect_failed(key, entry)
+
+    def _connect_failed(self, key, entry: _Entry) -> None:
+        """Under the lock: a TCP connection could not open or closed unanswered; back off, or give up."""
+        if self._entries.get(key) is not entry:
+            return
+        entry.connection = None
+        entry.failures += 1
+        if entry.failures >= REMOTE_FAILURES_MAX:
+            entry.state = "remote"  # actor calls for good
+            return
+        delay = min(RETRY_LOOKUP_S * 2 ** (entry.failures - 1), REMOTE_RETRY_MAX_S)
+        entry.state, entry.retry_at = "failed", time.monotonic() + delay
 
     def _drop_unconnected(self) -> None:
         """Under the lock, with the registry full: forget the oldest half of the entries without an open
@@ -389,7 +499,9 @@ class Channels:
             if found is None:
                 entry.state = "remote"  # the replica has no channel (not Linux): never ask again
             elif found[0] != node_id:
-                entry.state = "remote"  # replicas stay on their node: actor calls for good
+                # Another node: TCP where the replica listens for it, else actor calls for good.
+                tcp = found[2] if len(found) > 2 else None
+                entry.state, entry.address = ("ready", tcp) if tcp else ("remote", None)
             else:
                 entry.state, entry.address = "ready", found[1]
 
@@ -401,8 +513,14 @@ class Channels:
     def _closed(self, key, connection: Connection) -> None:
         """A connection closed: look the address up again (a restarted replica has a new socket)."""
         with self._lock:
+            if connection.remote:
+                self._remote -= 1
             entry = self._entries.get(key)
             if entry is not None and entry.connection is connection:
+                if connection.remote and not connection.replies:
+                    self._connect_failed(key, entry)  # refused after it opened (a wrong token, a full server)
+                    return
+                entry.failures = 0
                 entry.state, entry.connection, entry.retry_at = "failed", None, time.monotonic()
 
 

@@ -17,6 +17,7 @@ received where the request keeps it).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import secrets
@@ -33,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 MAX_CONCURRENT_PER_CONNECTION = 256
 WRITE_BUFFER_HIGH_BYTES = 4 << 20  # wait for the socket to drain above this much unsent reply data
+TCP_CONNECTIONS_MAX = 1024  # clients on other nodes at once (each holds one connection per replica it uses)
+TCP_UNGREETED_MAX = 32  # of those, connections that have not sent their HELLO yet
+WARN_EVERY_S = 10.0  # refused TCP connections are logged at most this often per replica
+HELLO_TIMEOUT_S = 5.0  # a TCP connection that has not sent its HELLO in this long is closed
+HELLO_MAX_BYTES = 256  # a HELLO's body (the token); a connection whose first frame is larger is closed unread
+# Sent data unacknowledged this long ends a TCP connection (TCP_USER_TIMEOUT), keepalive one whose
+# peer vanished while idle: a client on a host that died leaves neither its requests nor their replies here.
+TCP_USER_TIMEOUT_MS = 30_000
+TCP_KEEPALIVE_S = (10, 5, 3)  # idle, interval, probes
 
 Handler = Callable[[int, tuple], Awaitable[object]]
 
@@ -54,6 +64,38 @@ def _write_copies(transport) -> bool:
     return isinstance(transport, selector_events._SelectorSocketTransport) and sys.version_info < (3, 12)
 
 
+def tcp_allowed(environ=None) -> bool:
+    """Whether replicas serve other nodes over plain TCP (the channel, followers' fetch links): not
+    where Ray encrypts its own traffic (``RAY_USE_TLS``); clients and followers then use actor calls,
+    which go over Ray's TLS."""
+    environ = os.environ if environ is None else environ
+    return str(environ.get("RAY_USE_TLS", "0")).lower() not in ("1", "true")
+
+
+def tcp_connections_max() -> int:
+    """TCP_CONNECTIONS_MAX, or a quarter of this process's file descriptor limit if that is less:
+    the replica's own files (segments, indexes) keep room."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return TCP_CONNECTIONS_MAX
+    return TCP_CONNECTIONS_MAX if soft == resource.RLIM_INFINITY else max(16, min(TCP_CONNECTIONS_MAX, soft // 4))
+
+
+def tune_tcp(sock) -> None:
+    """A channel's TCP socket: Nagle off (frames go whole), keepalive and TCP_USER_TIMEOUT (a peer that
+    vanished ends the connection, and the requests waiting on it fail, rather than waiting for good)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in zip(("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT"), TCP_KEEPALIVE_S):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+
+
 def _peer_uid(sock) -> int | None:
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -73,8 +115,22 @@ class ChannelServer:
         self._handler = handler
         self._label = label
         self._server: asyncio.AbstractServer | None = None
+        self._tcp_starting: asyncio.Task | None = None
+        self._tcp_server: asyncio.AbstractServer | None = None
+        self._token = secrets.token_hex(16)
         self._connections: set[_Connection] = set()
         self.address: str | None = None
+        self.tcp_connections = 0  # TCP connections open now, HELLO or not
+        self.tcp_ungreeted = 0  # of those, the ones whose HELLO has not come yet
+        self._closed = False
+        self._warned_at = float("-inf")
+
+    def warn(self, message: str, *args) -> None:
+        """A refused TCP connection, logged at most every WARN_EVERY_S (anyone on the network may cause one)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            logger.warning("%s: " + message, self._label, *args)
 
     async def start(self) -> str | None:
         """Listen; returns the address, or None where the channel is not supported."""
@@ -86,7 +142,30 @@ class ChannelServer:
         self.address = address
         return address
 
+    async def tcp_address(self, host: str) -> dict:
+        """Listen on TCP at ``host`` too (once), for clients on other nodes; returns host, port and the
+        token their HELLO must carry. Such frames are decoded restricted (``wire.decode_body``)."""
+        if self._closed:
+            raise OSError("the replica's channel is closed")
+        if self._tcp_starting is None:
+            loop = asyncio.get_running_loop()
+            self._tcp_starting = loop.create_task(loop.create_server(lambda: _Connection(self, self._token), host, 0))
+        starting = self._tcp_starting
+        try:
+            self._tcp_server = await asyncio.shield(starting)
+        except OSError:
+            if self._tcp_starting is starting:
+                self._tcp_starting = None  # asked again later (out of file descriptors, say)
+            raise
+        return {"host": host, "port": self._tcp_server.sockets[0].getsockname()[1], "token": self._token}
+
     async def close(self) -> None:
+        self._closed = True
+        if self._tcp_starting is not None and not self._tcp_starting.done():
+            self._tcp_starting.cancel()
+        if self._tcp_server is not None:
+            self._tcp_server.close()
+            self._tcp_server = None
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -106,8 +185,10 @@ class _Connection(asyncio.BufferedProtocol):
     with a large batch) gets a buffer of its own, which the socket fills
     directly and the request keeps: its batch is never copied in this process."""
 
-    def __init__(self, server: ChannelServer) -> None:
+    def __init__(self, server: ChannelServer, token: str | None = None) -> None:
         self._server = server
+        self._token = token  # a TCP connection: its first frame must be HELLO with this token
+        self._hello_timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self._reader = wire.FrameReader()
         self._running = 0
@@ -119,9 +200,26 @@ class _Connection(asyncio.BufferedProtocol):
     # --- asyncio.BufferedProtocol ----------------------------------------------------------------
 
     def connection_made(self, transport) -> None:
-        if _peer_uid(transport.get_extra_info("socket")) != os.getuid():
-            transport.close()  # only processes of this user (Ray's own workers) may talk to the replica
-            return
+        sock = transport.get_extra_info("socket")
+        if self._token is None:
+            if _peer_uid(sock) != os.getuid():
+                transport.close()  # only processes of this user (Ray's own workers) may talk to the replica
+                return
+        else:
+            server = self._server
+            if server.tcp_connections >= tcp_connections_max() or server.tcp_ungreeted >= TCP_UNGREETED_MAX:
+                server.warn("channel connections from other nodes refused: %d open, %d of them without a HELLO yet",
+                            server.tcp_connections, server.tcp_ungreeted)
+                transport.close()
+                return
+            try:
+                tune_tcp(sock)
+            except OSError:
+                transport.close()
+                return
+            server.tcp_connections += 1
+            server.tcp_ungreeted += 1
+            self._hello_timer = asyncio.get_running_loop().call_later(HELLO_TIMEOUT_S, transport.close)
         self._transport = transport
         self._write_copies = _write_copies(transport)
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH_BYTES)
@@ -137,6 +235,12 @@ class _Connection(asyncio.BufferedProtocol):
         self._take_frames()
 
     def connection_lost(self, exc) -> None:
+        if self._token is not None and self._transport is not None:
+            self._server.tcp_connections -= 1
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+            self._hello_timer = None
+            self._server.tcp_ungreeted -= 1
         self._server._connections.discard(self)
         self._transport = None
         for task in self._tasks.values():
@@ -170,13 +274,24 @@ class _Connection(asyncio.BufferedProtocol):
         # reading pauses (_update_reading) until _finished or resume_writing takes them.
         while self._may_start():
             try:
+                if self._hello_timer is not None:
+                    header = self._reader.peek_header()
+                    if header is not None and (header[2] != wire.HELLO or header[0] > HELLO_MAX_BYTES):
+                        raise FrameError(f"the first frame is {header[0]} bytes of kind {header[2]}, not a HELLO")
                 frame = self._reader.next_frame()
             except FrameError as error:
-                logger.warning("%s: closing a local channel connection: %s", self._server._label, error)
+                if self._token is None:
+                    logger.warning("%s: closing a local channel connection: %s", self._server._label, error)
+                else:
+                    self._server.warn("closing a channel connection from %s: %s", self._transport.get_extra_info("peername"), error)
                 self._transport.close()
                 return
             if frame is None:
                 break
+            if self._hello_timer is not None or (self._token is not None and frame[1] == wire.HELLO):
+                if not self._hello(frame):
+                    return
+                continue
             if frame[1] == wire.CANCEL:
                 task = self._tasks.get(frame[0])
                 if task is not None:
@@ -184,6 +299,19 @@ class _Connection(asyncio.BufferedProtocol):
                 continue
             self._start_request(*frame)
         self._update_reading()
+
+    def _hello(self, frame) -> bool:
+        """The first frame of a TCP connection: HELLO with the token, else the connection closes."""
+        _, kind, body = frame
+        if self._hello_timer is None or kind != wire.HELLO or not hmac.compare_digest(bytes(body), self._token.encode()):
+            self._server.warn("a channel connection from %s closed: no HELLO with the token first",
+                              self._transport.get_extra_info("peername"))
+            self._transport.close()
+            return False
+        self._hello_timer.cancel()
+        self._hello_timer = None
+        self._server.tcp_ungreeted -= 1
+        return True
 
     def _start_request(self, request_id: int, kind: int, body) -> None:
         self._running += 1
@@ -215,7 +343,7 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             if kind not in wire.REQUEST_KINDS:
                 raise ValueError(f"unknown local channel request kind {kind}")
-            args = wire.decode_body(body)
+            args = wire.decode_body(body, restricted=self._token is not None)
             del body
             if not isinstance(args, tuple):
                 raise ValueError("local channel request arguments must be a tuple")
@@ -223,6 +351,9 @@ class _Connection(asyncio.BufferedProtocol):
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 (every failure goes back to the caller)
+            if self._token is not None and not isinstance(error, LogbusError):
+                # A client on another node rebuilds only logbus's errors: others go as their text.
+                error = LogbusError(f"{type(error).__name__}: {error}")
             try:
                 parts = wire.encode_parts(request_id, wire.ERROR, error)
             except Exception:  # noqa: BLE001 (an error that does not pickle goes as its text)

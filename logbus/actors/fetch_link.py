@@ -36,7 +36,8 @@ an epoch ends, the leader's offsets) stay actor calls: they are rare.
 Costs: a socket per follower loop and one listening socket per leader
 process that has followers, no timer; TCP keepalive ends a connection to a
 host that vanished. A link is plain TCP, so where Ray encrypts its own
-traffic (``RAY_USE_TLS``) leaders offer none and followers keep to actor calls.
+traffic (``RAY_USE_TLS``: ``channel_server.tcp_allowed``) leaders offer none and
+followers keep to actor calls.
 """
 
 from __future__ import annotations
@@ -45,14 +46,13 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
 from collections.abc import Awaitable, Callable
 
 from logbus import errors
-from logbus.actors.channel_server import _write_copies
+from logbus.actors.channel_server import _write_copies, tcp_allowed
 from logbus.actors.heartbeat_link import _keep_alive
 from logbus.errors import FetchLinkClosedError, LogbusError
 from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES
@@ -70,13 +70,6 @@ HELLO_TIMEOUT_S = 5.0  # a connection that has not sent the token in this long i
 # in the socket of a peer that vanished mid-send, where keepalive does not run, frees its buffer.
 USER_TIMEOUT_MS = 30_000
 REQUEST_FIELDS = ("follower", "epoch", "offset", "max_bytes", "max_wait_ms")
-
-
-def offered(environ=None) -> bool:
-    """Whether a leader offers fetch links: not where Ray encrypts its own traffic (``RAY_USE_TLS``),
-    since a link is plain TCP; followers then fetch with actor calls, over Ray's TLS."""
-    environ = os.environ if environ is None else environ
-    return str(environ.get("RAY_USE_TLS", "0")).lower() not in ("1", "true")
 
 
 def _tune(writer: asyncio.StreamWriter) -> None:

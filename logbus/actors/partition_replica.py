@@ -101,8 +101,8 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from logbus.actors import fetch_link, metrics
-from logbus.actors.channel_server import ChannelServer
+from logbus.actors import metrics
+from logbus.actors.channel_server import ChannelServer, tcp_allowed
 from logbus.actors.cleaning_schedule import CleaningSchedule
 from logbus.actors.fetch_link import FetchLinkServer
 from logbus.actors.fetch_packaging import FetchPackaging
@@ -882,15 +882,29 @@ class PartitionReplica:
             return pack()  # the batches as stored, or their frame headers: no Arrow
         return await asyncio.to_thread(pack)  # each batch decoded and written again: off the event loop
 
-    async def channel_address(self) -> tuple[str, str] | None:
-        """(node id, socket address) of this replica's local channel, or None where there is none."""
+    async def channel_address(self) -> tuple[str, str, dict | None] | None:
+        """(node id, socket address, TCP address) of this replica's channel, or None where there is none.
+
+        Clients on this node use the Unix socket; clients on other nodes the TCP
+        address (host, port and the token their HELLO carries), None where Ray
+        encrypts its own traffic (a channel is plain TCP) or the replica cannot
+        listen: they then use actor calls. The first call starts the TCP listener.
+        """
         self._started()
         try:
             address = await asyncio.shield(self._channel_started)
         except Exception as error:  # noqa: BLE001 (clients fall back to actor calls)
             logger.warning("replica %s: no local channel: %s", self._label, error)
             return None
-        return None if address is None else (ray.get_runtime_context().get_node_id(), address)
+        if address is None:
+            return None
+        tcp = None
+        if tcp_allowed():
+            try:
+                tcp = await self._channel.tcp_address(ray.util.get_node_ip_address())
+            except OSError as error:
+                logger.warning("replica %s: no channel for other nodes: %s", self._label, error)
+        return ray.get_runtime_context().get_node_id(), address, tcp
 
     async def _channel_request(self, kind: int, args: tuple):
         """A request that came over the local channel: the same work as the actor method."""
@@ -935,7 +949,7 @@ class PartitionReplica:
         """For followers: where to open a fetch link to this replica (host, port, token), or None where
         it cannot listen or Ray encrypts its traffic (``actors/fetch_link.py``). The first call starts listening."""
         self._started()
-        if not fetch_link.offered():
+        if not tcp_allowed():
             return None
         try:
             return await self._fetch_links.address(ray.util.get_node_ip_address())

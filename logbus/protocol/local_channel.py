@@ -6,9 +6,18 @@ over a Unix socket between the same two processes takes under 0.1 ms, and a
 1 MB batch crosses one in about 0.3 ms where putting it into Ray's object
 store alone takes 1.5 ms. So a client on the node of a partition's leader
 sends its produce requests and its fetches over a Unix socket to that
-replica, and keeps actor calls (and the object store) for everything else:
-batches over 32 MiB, clients on other nodes, and whenever the socket is
-unavailable.
+replica, and a client on another node over TCP to it; it keeps actor calls
+(and the object store) for everything else: batches over 32 MiB, and
+whenever the socket is unavailable.
+
+Over TCP the client's first frame is HELLO, whose body is the token the
+replica gave with its address (through an actor call: only a process that
+may call the cluster's actors learns it); a connection that sends anything
+else first is closed unread. Frames that came over TCP are unpickled with
+an allowlist (``decode_body(restricted=True)``): logbus's produce and fetch
+messages and its errors, plain containers, numbers, strings and buffers,
+and no other class or function, so a frame cannot make the receiver run
+code.
 
 Frames, both ways (little-endian)::
 
@@ -53,12 +62,15 @@ in ``logbus/actors/channel_client.py``.
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 
 import numpy as np
 
+from logbus import errors
 from logbus.errors import FrameError
+from logbus.protocol import messages
 
 HEADER = struct.Struct("<IQB")
 HEADER_SIZE = HEADER.size
@@ -79,6 +91,10 @@ REQUEST_KINDS = (PRODUCE, FETCH)
 # empty tuple): the server cancels that request if it still runs (a fetch waiting for data) and
 # sends nothing back.
 CANCEL = 3
+
+# The first frame a client sends over TCP (a channel to a replica on another node): its body is the
+# token the replica gave with its address, as bytes (not pickled). Nothing else is read before it.
+HELLO = 4
 
 # reply kinds
 OK = 0
@@ -138,8 +154,31 @@ def decode_header(header) -> tuple[int, int, int]:
     return length, request_id, kind
 
 
-def decode_body(body) -> object:
-    """The payload of a frame's body; out-of-band buffers come back as read-only memoryviews into ``body``."""
+# What a frame that came over TCP may rebuild: the messages of the produce and fetch paths and
+# logbus's errors (see _RestrictedUnpickler). Containers, numbers, strings and buffers need no global.
+_MESSAGE_CLASSES = frozenset({"ProduceResponse", "FetchRequest", "FetchResponse"})
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only what the channel's requests and replies hold: a frame from another host can
+    rebuild logbus's message dataclasses and errors, and call nothing else (no other global is
+    found, so no other constructor or function runs)."""
+
+    def find_class(self, module: str, name: str):
+        if module == "logbus.protocol.messages" and name in _MESSAGE_CLASSES:
+            return getattr(messages, name)
+        if module == "logbus.errors":
+            found = getattr(errors, name, None)
+            if isinstance(found, type) and issubclass(found, errors.LogbusError):
+                return found
+        raise pickle.UnpicklingError(f"a channel frame from the network may not rebuild {module}.{name}")
+
+
+def decode_body(body, restricted: bool = False) -> object:
+    """The payload of a frame's body; out-of-band buffers come back as read-only memoryviews into ``body``.
+
+    ``restricted`` (a frame that came over TCP): only logbus's messages and errors are rebuilt;
+    anything else raises FrameError."""
     view = memoryview(body)
     if len(view) < BODY_PREFIX.size:
         raise FrameError(f"a frame body is at least {BODY_PREFIX.size} bytes, got {len(view)}")
@@ -158,7 +197,12 @@ def decode_body(body) -> object:
             raise FrameError("a frame's out-of-band buffer runs past its body")
         buffers.append(view[position : position + length].toreadonly())
         position += length + _padding(length)
-    return pickle.loads(pickled, buffers=buffers)
+    if not restricted:
+        return pickle.loads(pickled, buffers=buffers)
+    try:
+        return _RestrictedUnpickler(io.BytesIO(pickled), buffers=buffers).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError) as error:
+        raise FrameError(f"a channel frame that does not decode: {type(error).__name__}: {error}") from None
 
 
 class FrameReader:
@@ -239,6 +283,13 @@ class FrameReader:
             self._complete = (*self._large_frame, self._large)
             self._large = None
 
+    def peek_header(self) -> tuple[int, int, int] | None:
+        """(body length, request id, kind) of the next frame, without taking it; None until its header
+        has arrived (or while a large body is being received)."""
+        if self._complete is not None or self._large is not None or self._end - self._start < HEADER_SIZE:
+            return None
+        return decode_header(memoryview(self._buffer)[self._start : self._start + HEADER_SIZE])
+
     def next_frame(self) -> tuple[int, int, bytes | np.ndarray] | None:
         """The next complete frame as (request id, kind, body), or None until more bytes arrive.
 
@@ -278,6 +329,12 @@ class FrameReader:
         self._start = position
         if self._start == self._end:
             self._start = self._end = 0  # nothing left: receive at the front again
+
+
+def encode_hello(token: str) -> bytes:
+    """The HELLO frame a TCP client sends first: the token, not pickled."""
+    body = token.encode()
+    return HEADER.pack(len(body), 0, HELLO) + body
 
 
 def abstract_address(token: str) -> str:

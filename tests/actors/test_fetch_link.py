@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from logbus.actors import fetch_link
+from logbus.actors.channel_server import tcp_allowed
 from logbus.actors.fetch_link import (
     MAX_HEADER_BYTES,
     FetchLink,
@@ -320,4 +321,4 @@ def test_a_link_that_fails_before_any_reply_asks_for_the_address_again(monkeypat
     ({}, True), ({"RAY_USE_TLS": "0"}, True), ({"RAY_USE_TLS": "1"}, False), ({"RAY_USE_TLS": "True"}, False),
 ])
 def test_no_link_is_offered_where_ray_encrypts_its_own_traffic(environ, links):
-    assert fetch_link.offered(environ) is links
+    assert tcp_allowed(environ) is links

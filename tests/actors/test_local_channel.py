@@ -7,6 +7,7 @@ import random
 import signal
 import socket
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -277,6 +278,197 @@ def test_a_malformed_frame_closes_the_connection(loop):
         connection.close()
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def on_loop(loop, read):
+    """``read()`` run on the server's event loop (its counters change there)."""
+
+    async def call():
+        return read()
+
+    return asyncio.run_coroutine_threadsafe(call(), loop).result(10)
+
+
+def closed_unanswered(raw) -> bool:
+    """Whether the peer closed the connection without a byte (a reset counts: unread bytes were dropped)."""
+    try:
+        return raw.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def tcp_start(loop, service):
+    server, _ = start(loop, service)
+    return server, asyncio.run_coroutine_threadsafe(server.tcp_address("127.0.0.1"), loop).result(10)
+
+
+class Bug:
+    """An object whose unpickling would run a function (it writes a file): a frame from the network
+    must never rebuild it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_over_tcp_a_client_with_the_token_is_served_and_gets_logbus_errors_only(loop):
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        connection = Connection(address)
+        assert connection.remote
+        assert connection.call(wire.FETCH, ("x", 1)).result(10) == (wire.FETCH, ("x", 1))
+        with pytest.raises(NotLeaderError, match="not the leader"):
+            connection.call(wire.PRODUCE, ("raise",)).result(10)
+        assert connection.call(wire.FETCH, ("big",)).result(30) == b"x" * (1 << 20)
+        assert on_loop(loop, lambda: (server.tcp_connections, server.tcp_ungreeted)) == (1, 0)
+        connection.close()
+        wait_for(lambda: on_loop(loop, lambda: server.tcp_connections) == 0, timeout_s=30, message="the connection counted out")
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    # A request far larger than a socket's buffer goes out of band, whole.
+    server, address = tcp_start(loop, Echo())
+    try:
+        connection = Connection(address)
+        blob = os.urandom(3 << 20)
+        assert connection.call(wire.PRODUCE, (pickle.PickleBuffer(blob),)).result(30) == (zlib.crc32(blob), len(blob), "memoryview")
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+@pytest.mark.parametrize("first", ["wrong token", "no hello", "large hello", "silence"])
+def test_over_tcp_a_connection_without_the_token_first_is_closed_unserved(loop, monkeypatch, first):
+    monkeypatch.setattr(channel_server, "HELLO_TIMEOUT_S", 0.3)
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        with socket.create_connection((address["host"], address["port"]), timeout=30) as raw:
+            if first == "wrong token":
+                raw.sendall(wire.encode_hello("0" * 32) + encode(1, wire.PRODUCE, ("x",)))
+            elif first == "no hello":
+                raw.sendall(encode(1, wire.PRODUCE, ("x",)))
+            elif first == "large hello":
+                raw.sendall(wire.HEADER.pack(wire.MAX_BODY_BYTES, 0, wire.HELLO))
+            assert closed_unanswered(raw)
+        assert service.started == 0
+        wait_for(lambda: on_loop(loop, lambda: (server.tcp_connections, server.tcp_ungreeted)) == (0, 0), timeout_s=30,
+                 message="the connection counted out")
+        connection = Connection(address)  # the server itself keeps serving
+        assert connection.call(wire.PRODUCE, ("ok",)).result(10) == (wire.PRODUCE, ("ok",))
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_over_tcp_a_frame_rebuilds_nothing_but_logbus_messages_and_errors(loop, tmp_path):
+    """A request whose pickle would call a function is refused at the server; a reply that would is
+    refused at the client. Over the Unix socket (same user, same trust as Ray) both are pickles as any."""
+    marker = tmp_path / "ran"
+    service = Service()
+    server, address = tcp_start(loop, service)
+    try:
+        connection = Connection(address)
+        with pytest.raises(logbus.LogbusError, match="may not rebuild"):
+            connection.call(wire.PRODUCE, (Bug(str(marker)),)).result(10)
+        assert not marker.exists() and service.started == 0
+
+        class Answer:
+            async def __call__(self, kind, args):
+                return Bug(str(marker))
+
+        server._handler = Answer()
+        with pytest.raises(logbus.LogbusError, match="undecodable"):
+            connection.call(wire.FETCH, ()).result(10)
+        assert not marker.exists()  # the reply was refused, not unpickled
+        connection.close()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_over_tcp_connections_without_a_hello_are_bounded_and_counted_out(loop, monkeypatch):
+    monkeypatch.setattr(channel_server, "TCP_UNGREETED_MAX", 2)
+    monkeypatch.setattr(channel_server, "HELLO_TIMEOUT_S", 1.0)
+    service = Service()
+    server, address = tcp_start(loop, service)
+    silent = [socket.create_connection((address["host"], address["port"]), timeout=30) for _ in range(2)]
+    try:
+        wait_for(lambda: on_loop(loop, lambda: server.tcp_ungreeted) == 2, timeout_s=30, message="two connections waiting")
+        with socket.create_connection((address["host"], address["port"]), timeout=30) as third:
+            assert closed_unanswered(third)  # refused while two wait for their HELLO
+        for raw in silent:
+            assert closed_unanswered(raw)  # their HELLO did not come in time
+        assert on_loop(loop, lambda: (server.tcp_connections, server.tcp_ungreeted)) == (0, 0)
+        connection = Connection(address)
+        assert connection.call(wire.FETCH, ("ok",)).result(10) == (wire.FETCH, ("ok",))
+        connection.close()
+        assert service.started == 1
+    finally:
+        for raw in silent:
+            raw.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+class Replica:
+    """What the registry keeps of a replica's actor handle: its actor id."""
+
+    def __init__(self, actor_id):
+        self._actor_id = actor_id
+
+
+def ready_entry(registry, replica, address):
+    """Put a replica in the registry as its lookup would (on another node, with a TCP address)."""
+    entry = channel_client._Entry()
+    entry.state, entry.address = "ready", address
+    registry._entries[replica._actor_id] = entry
+    return entry
+
+
+def test_the_registry_opens_tcp_connections_in_the_background_up_to_its_bound(loop):
+    server, address = tcp_start(loop, Service())
+    registry = channel_client.Channels(remote_max=2)
+    replicas = [Replica(i) for i in range(3)]
+    try:
+        for replica in replicas:
+            ready_entry(registry, replica, address)
+            assert registry.connection(replica) is None  # connecting: this request goes as an actor call
+        opened = [wait_for(lambda r=r: registry.connection(r), timeout_s=30, message="a connection") for r in replicas[:2]]
+        assert all(c.remote for c in opened) and opened[0] is not opened[1]
+        assert registry.connection(replicas[2]) is None and registry._entries[2].state == "failed"  # past the bound
+        assert opened[0].call(wire.FETCH, ("x",)).result(10) == (wire.FETCH, ("x",))
+        opened[0].close()  # it had answered: looked up again at once, and the count is one less
+        assert registry._entries[0].state == "failed" and registry._entries[0].failures == 0
+        assert registry._remote == 1
+        opened[1].close()
+        assert registry._remote == 0
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+
+
+def test_the_registry_backs_off_from_a_replica_it_cannot_reach_then_uses_actor_calls_for_good(monkeypatch):
+    monkeypatch.setattr(channel_client, "RETRY_LOOKUP_S", 10.0)  # (nothing here waits for a retry: entries are set up anew)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    address = {"host": "127.0.0.1", "port": closed.getsockname()[1], "token": "t"}
+    closed.close()  # nothing listens there: every connection is refused
+    registry = channel_client.Channels()
+    replica = Replica("r")
+    delays = []
+    for attempt in range(1, channel_client.REMOTE_FAILURES_MAX + 1):
+        entry = ready_entry(registry, replica, address)
+        entry.failures = attempt - 1  # as the entry before it left them
+        assert registry.connection(replica) is None
+        wait_for(lambda: entry.state in ("failed", "remote"), timeout_s=30, message="the connection failed")
+        assert registry._remote == 0
+        if entry.state == "failed":
+            delays.append(entry.retry_at - time.monotonic())
+    assert entry.state == "remote"  # actor calls for good
+    assert len(delays) == channel_client.REMOTE_FAILURES_MAX - 1
+    # 10 s, then twice as long each time, up to REMOTE_RETRY_MAX_S (less the time each failure took here).
+    expected = [min(10.0 * 2 ** i, channel_client.REMOTE_RETRY_MAX_S) for i in range(len(delays))]
+    assert all(want - 5 < got <= want for got, want in zip(delays, expected)), (delays, expected)
 
 
 class Echo:

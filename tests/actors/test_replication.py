@@ -27,6 +27,7 @@ import ray
 
 import logbus
 from logbus import TopicPartition
+from logbus.actors.channel_client import channels
 from logbus.actors.controller import CONTROLLER_NAME
 from logbus.actors.remote import get
 from logbus.cli import main
@@ -485,6 +486,41 @@ def test_followers_fetch_over_their_links_and_a_reset_link_loses_nothing(cluster
         workload.stop()
     assert check_invariants(rbus, topic, acknowledged, 3) >= len(acknowledged)
     assert_healed(rbus, topic)
+
+
+def test_clients_on_another_node_use_the_leaders_channel_over_tcp_and_a_reset_loses_nothing(cluster, rbus):
+    """The driver's producer and consumer (on the head node) reach a leader on another node over the
+    replica's channel on TCP rather than actor calls. Under acks=all load the connection is reset from
+    outside (``ss -K``): the requests on it fail retriably and are sent again, a new connection opens,
+    and nothing acknowledged is lost or written twice."""
+    topic = "remote-clients"
+    rbus.admin.create_topic(topic, partitions=1, replication_factor=3, config={"min.insync.replicas": 2})
+    wait_isr(rbus, topic, 3)
+    leader = rbus.topic_metadata(topic).leaders[0]
+    connection = wait_for(lambda: channels().connection(leader), timeout_s=60, message="a channel to the leader")
+    assert connection.remote  # the leader is on a replica node, the driver on the head node
+    with logbus.Producer(rbus, acks="all", linger_ms=0) as producer:
+        offsets = [producer.send(topic, b"one-%d" % i).result(30).offset for i in range(200)]
+    assert offsets == list(range(200))
+    assert connection.requests_sent >= 200
+    address = ray.get(leader.channel_address.remote(), timeout=60)[2]
+    workload = Workload(rbus, topic)
+    try:
+        wait_for(lambda: workload.acknowledged_count() > 1000, timeout_s=90, message="load")
+        killed = subprocess.run(["ss", "-K", "dst", address["host"], "dport", "=", str(address["port"])],
+                                capture_output=True, text=True, timeout=30)
+        assert killed.returncode == 0, killed.stderr
+        assert "ESTAB" in killed.stdout, killed.stdout
+        wait_for(lambda: connection.closed, timeout_s=30, message="the reset connection closed")
+        acknowledged_before = workload.acknowledged_count()
+        again = wait_for(lambda: (lambda c: c if c is not None and c is not connection else None)(channels().connection(leader)),
+                         timeout_s=60, message="a new channel to the leader")
+        wait_for(lambda: workload.acknowledged_count() > acknowledged_before + 1000, timeout_s=90, message="more writes")
+        acknowledged = workload.finish()
+    finally:
+        workload.stop()
+    assert again.requests_sent > 0 and again.remote
+    assert check_invariants(rbus, topic, acknowledged, 3) >= len(acknowledged) + 200
 
 
 def test_a_lost_follower_shows_in_the_metrics_and_in_status(cluster, rbus):

@@ -301,3 +301,54 @@ def test_the_reader_refuses_impossible_sizes():
     reader = wire.FrameReader(buffer_bytes=200, large_body_bytes=100)
     with pytest.raises(ValueError, match="received into a buffer of 200"):
         reader.buffer_updated(201)
+
+
+class _Calls:
+    """Unpickling it would call a function (``os.getcwd``): a frame from the network must not."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.getcwd, ())
+
+
+def test_a_restricted_decode_rebuilds_the_channels_messages_and_errors_only():
+    from logbus.protocol.messages import FetchRequest, ProduceResponse
+
+    allowed = [
+        (pickle.PickleBuffer(b"b" * 5000), "all", None, 30_000),
+        (FetchRequest(3, 1 << 20, 500, False, 0, 7),),
+        (FetchResponse(1, 2, 2, 0, 5, 2, ((9, 1),), {"uri": "s3://b/t", "files": [["f", 0, 2]]}), pickle.PickleBuffer(b"x" * 5000)),
+        ProduceResponse(0, 1, 0, 17),
+        NotLeaderError("moved"),
+        ChannelReplyTooLargeError("too large", 42),
+    ]
+    for payload in allowed:
+        body = encode(1, wire.OK, payload)[wire.HEADER_SIZE :]
+        got = wire.decode_body(body, restricted=True)
+        assert type(got) is type(payload)
+        assert repr(got) == repr(wire.decode_body(body)) or isinstance(got, tuple)
+    too_large = wire.decode_body(encode(1, wire.ERROR, ChannelReplyTooLargeError("too large", 42))[wire.HEADER_SIZE :], restricted=True)
+    assert too_large.end_offset == 42
+    # A function's call, a numpy scalar, a class object that is not one of logbus's, another library's error.
+    refused = [(_Calls(),), np.int64(5), (int,), (ValueError("not logbus's"),)]
+    for payload in refused:
+        body = encode(1, wire.OK, payload)[wire.HEADER_SIZE :]
+        with pytest.raises(FrameError, match="may not rebuild"):
+            wire.decode_body(body, restricted=True)
+        wire.decode_body(body)  # the Unix socket's frames (same user) are pickles as any
+
+
+def test_a_reader_shows_the_next_header_before_taking_its_frame():
+    reader = wire.FrameReader()
+    frame = wire.encode_hello("token")
+    view = reader.get_buffer()
+    view[: wire.HEADER_SIZE - 1] = frame[: wire.HEADER_SIZE - 1]
+    reader.buffer_updated(wire.HEADER_SIZE - 1)
+    assert reader.peek_header() is None
+    view = reader.get_buffer()
+    view[: len(frame) - wire.HEADER_SIZE + 1] = frame[wire.HEADER_SIZE - 1 :]
+    reader.buffer_updated(len(frame) - wire.HEADER_SIZE + 1)
+    assert reader.peek_header() == (5, 0, wire.HELLO)
+    assert reader.next_frame() == (0, wire.HELLO, b"token")
+    assert reader.peek_header() is None
