@@ -42,8 +42,9 @@ TURN_WAIT_MAX_S = 1.0  # a caller that waits its turn behind another thread's se
 BACKLOG_MAX_BYTES = 64 << 20  # frames queued for a replica's socket by callers that may not wait
 LOOKUP_TIMEOUT_S = 30.0  # a replica that has not said its address in this long (busy, restarting) is asked again
 # Replicas the registry remembers. Past that, a new one drops the oldest entries without an open
-# connection (replicas on other nodes, failed lookups): those cost one lookup to learn again. Entries
-# with a connection are replicas on this node, bounded by what one node hosts.
+# connection (replicas reached by actor calls, failed lookups): those cost one lookup to learn again.
+# Entries with a connection are replicas on this node, bounded by what one node hosts, and at most
+# REMOTE_CONNECTIONS_MAX on other nodes.
 ENTRIES_MAX = 4096
 # TCP connections to replicas on other nodes that one process keeps open; past that, requests to
 # further replicas go as actor calls (each connection has a reader thread).
@@ -348,7 +349,8 @@ class _Entry:
 
     def __init__(self) -> None:
         # then "ready" (address known), "connecting" (TCP, in the background), "remote" (actor calls for
-        # good: no TCP address, or too many TCP connections), "failed"
+        # good: no TCP address, or REMOTE_FAILURES_MAX failed connections in a row), "failed" (looked
+        # up again at retry_at)
         self.state = "looking-up"
         self.address: str | dict | None = None
         self.connection: Connection | None = None
@@ -357,7 +359,8 @@ class _Entry:
 
 
 class Channels:
-    """Per process: the local channel connection of each replica on this node, by actor id."""
+    """Per process: the channel connection of each replica, by actor id (a Unix socket on this node, TCP
+    to another)."""
 
     def __init__(self, entries_max: int = ENTRIES_MAX, remote_max: int = REMOTE_CONNECTIONS_MAX) -> None:
         self.pid = os.getpid()
