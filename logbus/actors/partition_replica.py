@@ -8,7 +8,8 @@ each have one job (Kafka's Partition, fetcher and purgatory):
   leader epoch, a fetch out of range, the leader's log start and high
   watermark), the fence rule. It returns actions (truncate, propose an ISR,
   arm a timer, ask for the role, ...) that ``_run`` carries out;
-- ``replica_fetcher.py``: a follower's fetch loop, the calls to its leader;
+- ``replica_fetcher.py``: a follower's fetch loop, the calls to its leader
+  (over ``fetch_link.py``'s TCP link once it is open);
 - ``fetch_parking.py``: fetches parked at the log end (long polls) and
   acks=all produces waiting for their commit;
 - ``protocol/fetch_sessions.py``: consumers' fetch sessions;
@@ -18,10 +19,11 @@ each have one job (Kafka's Partition, fetcher and purgatory):
 - ``timers.py``: the named one-shot timers the replica arms.
 
 It receives encoded batches (bytes or uint8 arrays, never Arrow objects),
-appends them, and serves fetches as a copy of whole batches. Clients on the
-same node may send small produce requests and fetches at the log end over
-the replica's local channel, a Unix socket served on the same event loop
-(``channel_server.py``): the same methods, without Ray's per-call cost.
+appends them, and serves fetches as a copy of whole batches. Clients send
+produce requests and fetches over the replica's channel, served on the same
+event loop (``channel_server.py``): a Unix socket for clients on the same
+node, TCP for clients on other nodes; the same methods, without Ray's
+per-call cost.
 
 Roles. The controller decides who leads: ``become_leader`` /
 ``become_follower`` carry the new leader epoch. A follower pulls from the
