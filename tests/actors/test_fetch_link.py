@@ -322,3 +322,36 @@ def test_a_link_that_fails_before_any_reply_asks_for_the_address_again(monkeypat
 ])
 def test_no_link_is_offered_where_ray_encrypts_its_own_traffic(environ, links):
     assert tcp_allowed(environ) is links
+
+
+def test_a_slot_that_cannot_connect_waits_twice_as_long_each_time_then_keeps_to_actor_calls():
+    """A firewall between the hosts: every connection fails. The follower does not try every second
+    for good: each wait doubles (up to RETRY_MAX_S), and after FAILURES_MAX tries it stops."""
+
+    async def main():
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        address = {"host": "127.0.0.1", "port": closed.getsockname()[1], "token": "t"}
+        closed.close()  # nothing listens there: connections are refused
+        asked = []
+
+        async def ask():
+            asked.append(1)
+            return address
+
+        slot = LinkSlot(ask, "test")
+        loop = asyncio.get_running_loop()
+        waits = []
+        for _ in range(fetch_link.FAILURES_MAX):
+            slot._retry_at = 0.0  # (no waiting here: each try is let through at once, and its wait read)
+            assert slot.ready() is None
+            while slot._opening is not None:
+                await asyncio.sleep(0.01)
+            waits.append(slot._retry_at - loop.time())
+        assert waits[-1] == float("inf")  # stopped trying
+        expected = [min(fetch_link.RETRY_S * 2 ** i, fetch_link.RETRY_MAX_S) for i in range(fetch_link.FAILURES_MAX - 1)]
+        assert all(want - 1 < got <= want for got, want in zip(waits, expected)), (waits, expected)
+        assert len(asked) == fetch_link.FAILURES_MAX  # refused each time: the address is asked again each time
+        slot.close()
+
+    run(main())
