@@ -50,11 +50,10 @@ ENTRIES_MAX = 4096
 # further replicas go as actor calls (each connection has a reader thread).
 REMOTE_CONNECTIONS_MAX = 64
 CONNECT_TIMEOUT_S = 2.0  # a TCP connection not open in this long (a cut network) is given up
-# A TCP connection that cannot be opened, or that closes before any reply (the replica refused it),
-# is tried again after RETRY_LOOKUP_S, then twice as late each time up to REMOTE_RETRY_MAX_S; after
-# REMOTE_FAILURES_MAX such failures in a row (a firewall between the hosts, say), actor calls for good.
+# A TCP connection that cannot be opened, or that closes before any reply (the replica refused it, a
+# firewall between the hosts, a long cut), is tried again after RETRY_LOOKUP_S, then twice as late each
+# time in a row, up to REMOTE_RETRY_MAX_S (actor calls meanwhile).
 REMOTE_RETRY_MAX_S = 60.0
-REMOTE_FAILURES_MAX = 5
 REMOTE_FULL_RETRY_S = 30.0  # with REMOTE_CONNECTIONS_MAX open, another replica asks again this much later
 
 
@@ -349,8 +348,7 @@ class _Entry:
 
     def __init__(self) -> None:
         # then "ready" (address known), "connecting" (TCP, in the background), "remote" (actor calls for
-        # good: no TCP address, or REMOTE_FAILURES_MAX failed connections in a row), "failed" (looked
-        # up again at retry_at)
+        # good: the replica offers no TCP address), "failed" (looked up again at retry_at)
         self.state = "looking-up"
         self.address: str | dict | None = None
         self.connection: Connection | None = None
@@ -451,14 +449,11 @@ class Channels:
                 self._connect_failed(key, entry)
 
     def _connect_failed(self, key, entry: _Entry) -> None:
-        """Under the lock: a TCP connection could not open or closed unanswered; back off, or give up."""
+        """Under the lock: a TCP connection could not open or closed unanswered: back off."""
         if self._entries.get(key) is not entry:
             return
         entry.connection = None
         entry.failures += 1
-        if entry.failures >= REMOTE_FAILURES_MAX:
-            entry.state = "remote"  # actor calls for good
-            return
         delay = min(RETRY_LOOKUP_S * 2 ** (entry.failures - 1), REMOTE_RETRY_MAX_S)
         entry.state, entry.retry_at = "failed", time.monotonic() + delay
 

@@ -31,8 +31,7 @@ stream would be out of step. Any failure of the link (refused, closed, timed
 out, a frame it cannot read) sends that fetch as an actor call instead, and
 the follower opens a link again after ``RETRY_S``, in the background, so a
 fetch never waits for a link to open. Failures in a row with no working link
-between them double that wait, and after ``FAILURES_MAX`` the follower keeps
-to actor calls until its leader or epoch changes. The other calls of the follower (where
+between them double that wait, up to ``RETRY_MAX_S``. The other calls of the follower (where
 an epoch ends, the leader's offsets) stay actor calls: they are rare.
 
 Costs: a socket per follower loop and one listening socket per leader
@@ -67,10 +66,9 @@ MAX_HEADER_BYTES = 64 << 10  # a request or reply header is under 200 bytes
 MAX_CONNECTIONS = 256  # per leader process: its followers (replication factor - 1), and their reconnections
 CONNECT_TIMEOUT_S = 1.0  # a connection not open in this long (a cut network) is given up; the fetch goes as an actor call
 RETRY_S = 1.0  # after a link failed or could not open, fetches go as actor calls this long before it is opened again
-# Failures in a row without a working link (a firewall between the hosts, say) double that wait each
-# time, up to RETRY_MAX_S; after FAILURES_MAX of them the follower keeps to actor calls for this leader.
+# Failures in a row without a working link (a firewall between the hosts, a long cut) double that wait
+# each time, up to RETRY_MAX_S: a link is still tried once a minute, and opens soon after a cut heals.
 RETRY_MAX_S = 60.0
-FAILURES_MAX = 6
 HELLO_TIMEOUT_S = 5.0  # a connection that has not sent the token in this long is closed
 # Data sent and not acknowledged for this long ends the connection (TCP_USER_TIMEOUT): a reply stuck
 # in the socket of a peer that vanished mid-send, where keepalive does not run, frees its buffer.
@@ -294,8 +292,8 @@ class FetchLink:
 
 class LinkSlot:
     """A follower loop's link to one leader: opened in the background, used while open, and after a
-    failure left alone for ``RETRY_S``, twice as long after each further failure in a row (fetches go
-    as actor calls meanwhile), and for good after ``FAILURES_MAX``.
+    failure left alone for ``RETRY_S``, twice as long after each further failure in a row, up to
+    ``RETRY_MAX_S`` (fetches go as actor calls meanwhile).
 
     ``ask_address`` makes the actor call that returns the leader's address (or None: it offers no
     link); the address is kept and asked again only when connecting to it fails.
@@ -353,11 +351,6 @@ class LinkSlot:
             self._link.close()
             self._link = None
         self._failures = 1 if worked else self._failures + 1
-        if self._failures >= FAILURES_MAX:
-            self._retry_at = float("inf")
-            logger.info("replica %s: no fetch link to the leader after %d tries: %s; fetching with actor calls",
-                        self._label, self._failures, error)
-            return
         self._retry_at = asyncio.get_running_loop().time() + min(RETRY_S * 2 ** (self._failures - 1), RETRY_MAX_S)
         if repr(error) != self._last_error:  # once per kind of failure, not every second
             self._last_error = repr(error)
