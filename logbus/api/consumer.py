@@ -434,9 +434,9 @@ class Consumer:
             "cooperative-sticky" (cooperative only if every listed strategy is).
         group_instance_id: makes this member static: restarting within the session timeout gets
             its partitions back with no rebalance.
-        local_channel: fetch from a leader on this node over its local channel (a Unix socket;
-            a tenth of an actor call's latency, and no copy into the object store) rather than
-            with actor calls.
+        local_channel: fetch from the leader over its channel (a Unix socket on this node, TCP to
+            another; a fraction of an actor call's latency, and no copy into the object store)
+            rather than with actor calls.
         read_tier_directly: in a tiered topic, read the history the leader says is in the remote
             tier straight from the tier's Parquet files when this process can reach them (see
             "Tiered topics" above) rather than through the leader.

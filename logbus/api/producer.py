@@ -585,9 +585,9 @@ class Producer:
         max_block_ms: how long send() may block on a full buffer before raising BufferExhaustedError.
         delivery_timeout_ms: bound on the time from send() to success or failure, retries included.
         request_timeout_ms: how long one produce request may take before it is retried.
-        local_channel: send batches to a leader on this node over its local channel (a Unix
-            socket; a tenth of an actor call's latency, and no copy into the object store) rather
-            than as actor calls. Batches over 32 MiB, and leaders on other nodes, use actor calls.
+        local_channel: send batches to the leader over its channel (a Unix socket on this node,
+            TCP to another; a fraction of an actor call's latency, and no copy into the object
+            store) rather than as actor calls. Batches over 32 MiB use actor calls.
         key_serializer, value_serializer: callables (kafka-python's options) that send() applies
             to each key / value before anything else; each must return bytes, str or None. A
             serializer that raises or returns anything else fails the send() with
