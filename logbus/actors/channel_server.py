@@ -20,6 +20,7 @@ import asyncio
 import hmac
 import logging
 import os
+import resource
 import secrets
 import socket
 import struct
@@ -76,10 +77,8 @@ def tcp_connections_max() -> int:
     """TCP_CONNECTIONS_MAX, or a quarter of this process's file descriptor limit if that is less:
     the replica's own files (segments, indexes) keep room."""
     try:
-        import resource
-
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError):
         return TCP_CONNECTIONS_MAX
     return TCP_CONNECTIONS_MAX if soft == resource.RLIM_INFINITY else max(16, min(TCP_CONNECTIONS_MAX, soft // 4))
 
@@ -94,6 +93,40 @@ def tune_tcp(sock) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
     if hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, TCP_USER_TIMEOUT_MS)
+
+
+class LazyListener:
+    """A TCP listener started by the first caller of ``port(host)`` with ``start(host)`` (once; a start
+    that failed, out of file descriptors say, is tried again by the next caller), never after ``close()``."""
+
+    def __init__(self, start: Callable[[str], Awaitable[asyncio.AbstractServer]]) -> None:
+        self._start = start
+        self._starting: asyncio.Task | None = None
+        self._closed = False
+
+    async def port(self, host: str) -> int:
+        if self._closed:
+            raise OSError("the listener is closed")
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_task(self._start(host))
+        starting = self._starting
+        try:
+            server = await asyncio.shield(starting)
+        except OSError:
+            if self._starting is starting:
+                self._starting = None
+            raise
+        return server.sockets[0].getsockname()[1]
+
+    def close(self) -> None:
+        self._closed = True
+        starting, self._starting = self._starting, None
+        if starting is None:
+            return
+        if not starting.done():
+            starting.cancel()
+        elif not starting.cancelled() and starting.exception() is None:
+            starting.result().close()
 
 
 def _peer_uid(sock) -> int | None:
@@ -115,14 +148,12 @@ class ChannelServer:
         self._handler = handler
         self._label = label
         self._server: asyncio.AbstractServer | None = None
-        self._tcp_starting: asyncio.Task | None = None
-        self._tcp_server: asyncio.AbstractServer | None = None
+        self._tcp = LazyListener(lambda host: asyncio.get_running_loop().create_server(lambda: _Connection(self, self._token), host, 0))
         self._token = secrets.token_hex(16)
         self._connections: set[_Connection] = set()
         self.address: str | None = None
         self.tcp_connections = 0  # TCP connections open now, HELLO or not
         self.tcp_ungreeted = 0  # of those, the ones whose HELLO has not come yet
-        self._closed = False
         self._warned_at = float("-inf")
 
     def warn(self, message: str, *args) -> None:
@@ -145,27 +176,10 @@ class ChannelServer:
     async def tcp_address(self, host: str) -> dict:
         """Listen on TCP at ``host`` too (once), for clients on other nodes; returns host, port and the
         token their HELLO must carry. Such frames are decoded restricted (``wire.decode_body``)."""
-        if self._closed:
-            raise OSError("the replica's channel is closed")
-        if self._tcp_starting is None:
-            loop = asyncio.get_running_loop()
-            self._tcp_starting = loop.create_task(loop.create_server(lambda: _Connection(self, self._token), host, 0))
-        starting = self._tcp_starting
-        try:
-            self._tcp_server = await asyncio.shield(starting)
-        except OSError:
-            if self._tcp_starting is starting:
-                self._tcp_starting = None  # asked again later (out of file descriptors, say)
-            raise
-        return {"host": host, "port": self._tcp_server.sockets[0].getsockname()[1], "token": self._token}
+        return {"host": host, "port": await self._tcp.port(host), "token": self._token}
 
     async def close(self) -> None:
-        self._closed = True
-        if self._tcp_starting is not None and not self._tcp_starting.done():
-            self._tcp_starting.cancel()
-        if self._tcp_server is not None:
-            self._tcp_server.close()
-            self._tcp_server = None
+        self._tcp.close()
         if self._server is not None:
             self._server.close()
             self._server = None

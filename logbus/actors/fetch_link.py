@@ -48,13 +48,11 @@ import hmac
 import json
 import logging
 import secrets
-import socket
 import struct
 from collections.abc import Awaitable, Callable
 
 from logbus import errors
-from logbus.actors.channel_server import _write_copies, tcp_allowed
-from logbus.actors.heartbeat_link import _keep_alive
+from logbus.actors.channel_server import LazyListener, _write_copies, tcp_allowed, tune_tcp
 from logbus.errors import FetchLinkClosedError, LogbusError
 from logbus.protocol.local_channel import CHANNEL_FETCH_MAX_BYTES
 from logbus.protocol.messages import FetchRequest, FetchResponse
@@ -70,21 +68,15 @@ RETRY_S = 1.0  # after a link failed or could not open, fetches go as actor call
 # each time, up to RETRY_MAX_S: a link is still tried once a minute, and opens soon after a cut heals.
 RETRY_MAX_S = 60.0
 HELLO_TIMEOUT_S = 5.0  # a connection that has not sent the token in this long is closed
-# Data sent and not acknowledged for this long ends the connection (TCP_USER_TIMEOUT): a reply stuck
-# in the socket of a peer that vanished mid-send, where keepalive does not run, frees its buffer.
-USER_TIMEOUT_MS = 30_000
 REQUEST_FIELDS = ("follower", "epoch", "offset", "max_bytes", "max_wait_ms")
 
 
 def _tune(writer: asyncio.StreamWriter) -> None:
-    """Keepalive (a connection to a host that vanished ends) and TCP_USER_TIMEOUT (so does one whose
-    sent data is never acknowledged); Nagle's algorithm off, as every frame is sent whole."""
-    _keep_alive(writer)
+    """The channel's TCP settings (``tune_tcp``): Nagle off, keepalive, and TCP_USER_TIMEOUT, so a reply
+    stuck in the socket of a peer that vanished mid-send frees its buffer."""
     sock = writer.get_extra_info("socket")
     if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if hasattr(socket, "TCP_USER_TIMEOUT"):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
+        tune_tcp(sock)
 
 
 def _frame(header: dict) -> bytes:
@@ -149,31 +141,17 @@ class FetchLinkServer:
         self._handler = handler
         self._label = label
         self._token = secrets.token_hex(16)
-        self._server: asyncio.AbstractServer | None = None
-        self._starting: asyncio.Task | None = None
+        self._listener = LazyListener(lambda host: asyncio.start_server(self._serve, host, 0, limit=1 << 16))
         self._writers: set[asyncio.StreamWriter] = set()
         self.links_opened = 0  # connections that passed the token check
         self.fetches = 0  # fetches answered over links
 
     async def address(self, host: str) -> dict:
         """Listen on ``host`` (once); returns what a follower needs to connect: host, port and token."""
-        if self._starting is None:
-            self._starting = asyncio.get_running_loop().create_task(asyncio.start_server(self._serve, host, 0, limit=1 << 16))
-        starting = self._starting
-        try:
-            self._server = await asyncio.shield(starting)
-        except OSError:
-            if self._starting is starting:
-                self._starting = None  # the next follower that asks tries again (out of file descriptors, say)
-            raise
-        port = self._server.sockets[0].getsockname()[1]
-        return {"host": host, "port": port, "token": self._token}
+        return {"host": host, "port": await self._listener.port(host), "token": self._token}
 
     def close(self) -> None:
-        if self._starting is not None and not self._starting.done():
-            self._starting.cancel()
-        if self._server is not None:
-            self._server.close()
+        self._listener.close()
         for writer in list(self._writers):
             writer.close()
 
