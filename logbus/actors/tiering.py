@@ -31,14 +31,21 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from logbus.actors import metrics
 from logbus.actors.timers import Timers
 from logbus.clock import wall_ms
 from logbus.errors import LogbusError, NotLeaderError, TierFencedError, TierNotAvailableError
 from logbus.storage.partition_log import PartitionLog, ReadResult
-from logbus.storage.tier import RemoteTier, redact, segment_copy
-from logbus.storage.tier_catalog import TierCatalog, catalog_location
+
+if TYPE_CHECKING:
+    from logbus.storage.tier import RemoteTier
+    from logbus.storage.tier_catalog import TierCatalog
+
+# logbus.storage.tier (and tier_catalog, which imports it) are imported where a tier is opened
+# or used, not here: they load pyarrow's compute, filesystem and Parquet modules, about 75 ms of
+# CPU that every replica's process paid at start whether its topic is tiered or not (most are not).
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +127,9 @@ class TierSchedule:
         Blocking: called in a worker thread, through :meth:`_opened`."""
         if not self.enabled:
             return None
+        from logbus.storage.tier import RemoteTier  # noqa: PLC0415 (see the imports above)
+        from logbus.storage.tier_catalog import TierCatalog, catalog_location  # noqa: PLC0415
+
         uri = self.log.config.remote_storage_uri or default_tier_uri(self._replica_directory)
         if self.tier is None or uri != self._uri:
             self.tier = RemoteTier(uri, self._topic, self._topic_id, self._partition)
@@ -259,6 +269,8 @@ class TierSchedule:
             if segment.next_offset > self._bound():
                 self._waiting_for = segment.next_offset  # bound_moved() starts the next pass
                 return
+            from logbus.storage.tier import segment_copy  # noqa: PLC0415 (see the imports above)
+
             copy = segment_copy(self.log, index)
             entries = await asyncio.to_thread(tier.upload, copy, self._epoch())
             if entries is not None:
@@ -428,6 +440,8 @@ class TierSchedule:
         tier = self.tier
         if tier is None:
             return None
+        from logbus.storage.tier import redact  # noqa: PLC0415 (loaded with the tier: see the imports above)
+
         manifest = tier.manifest
         return {
             "uri": redact(self._uri),
