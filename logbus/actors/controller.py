@@ -136,6 +136,10 @@ OWNER_LOCK_FILE = "owner.lock"  # in {data_dir}/controller/, with its note owner
 OWNER_LOCK_WAIT_S = 10.0  # a restarted controller waits this long for a predecessor still exiting
 REPLICA_CALL_TIMEOUT_S = 60.0
 CONTROL_LOOP_INTERVAL_S = 0.1
+# The partition-health gauges are set again this often while nothing changes them: Ray's metrics agent
+# drops a gauge that was not set within two report intervals (each at least 1 s), so a count set only
+# when an ISR or a leader changed left Prometheus seconds later (docs/design.md, Known limits).
+HEALTH_GAUGES_EVERY_MS = 1000
 REPLICA_REPLACEMENT_MS = 60_000  # default; settable per controller
 CREATE_TIMEOUT_S = 300.0  # default bound on waiting for the autoscaler to add nodes for a new topic
 FENCE_TIMEOUT_MS = 10_000  # bound on waiting for nodes to apply a new epoch (a silent node is dead sooner)
@@ -217,6 +221,8 @@ class Controller:
         self._delivery_tasks: dict[tuple[str, int, int], asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()  # tasks started and not awaited: held until done (asyncio keeps them weakly)
         self._leaderless: set[tuple[str, int]] = set()  # partitions the metadata gives no leader (see _export_health)
+        self._health: tuple[int, int] | None = None  # (under-replicated, offline) as last counted (_export_health)
+        self._health_set_ms = 0  # when those gauges were last set
         self._leaderless_watch = LeaderlessWatch()
         self._heartbeats = HeartbeatServer(self._linked_heartbeat)
         self._host_map = self.cluster_nodes.host_map  # which Ray node each node is: read here by placement and clients
@@ -501,7 +507,9 @@ class Controller:
         for key in self._leaderless - leaderless:
             self._leaderless_watch.clear(key)
         self._leaderless = leaderless
-        metrics.partition_health(under, len(leaderless))
+        self._health = (under, len(leaderless))
+        self._health_set_ms = monotonic_ms()
+        metrics.partition_health(*self._health)
 
     def _electable(self, topic: TopicState, partition: int, now: int) -> bool:
         """Whether an election would give the partition a live leader it lacks now."""
@@ -649,6 +657,9 @@ class Controller:
         self._redeliver(now)
         self._watch_leaderless(now)
         self.moves.tick(now)
+        if self._health is not None and now - self._health_set_ms >= HEALTH_GAUGES_EVERY_MS:
+            self._health_set_ms = now  # the same counts again (two gauges, whatever the cluster's size)
+            metrics.partition_health(*self._health)
 
     async def check_partitions(self, partitions: set[tuple[str, int]], announce: bool = True) -> list[tuple[TopicState, int]]:
         """Elect where a leader is missing or gone, replace replicas long gone; returns the partitions changed.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -70,3 +71,20 @@ def test_produce_fetch_latency_and_log_metrics_after_known_traffic(bus, topic_na
     assert total(samples, "ray_logbus_request_latency_ms_count", request="fetch") >= 1
     assert {labels["partition"] for labels, _ in samples["ray_logbus_log_segments"] if labels.get("topic") == topic_name} == {"0", "1"}
     assert "ray_logbus_producer_buffer_bytes" in samples
+
+
+def test_the_partition_health_gauges_stay_on_the_endpoint_while_nothing_changes(bus, topic_name):
+    """Ray's metrics agent drops a gauge that was not set within two report intervals (2 s under
+    tests/conftest.py). The controller counts under-replicated and offline partitions when an ISR or a
+    leader changes, and sets the same counts again while nothing does: they are still on the endpoint
+    well after the last change (before, they were gone about 2 s after it)."""
+    bus.admin.create_topic(topic_name, partitions=1)  # the last change this test makes
+    changed = time.monotonic()
+
+    def there_long_after():
+        if time.monotonic() - changed < 5.0:
+            return False
+        samples = scrape()
+        return "ray_logbus_under_replicated_partitions" in samples and "ray_logbus_offline_partitions" in samples
+
+    wait_for(there_long_after, timeout_s=90, interval_s=0.2, message="the health gauges 5 s after the last change")
