@@ -105,13 +105,33 @@ JVM_FETCH_TIMEOUT_S = 30.0  # how long Spark's reader of a partition tries its r
 
 logger = logging.getLogger(__name__)
 
-def spark_configs(configs: dict | None = None) -> dict:
-    """``configs`` with the Java 17 options merged in (ours first, so the caller's can override)."""
+def spark_configs(configs: dict | None = None, ray_logs_dir: str | None = None) -> dict:
+    """``configs`` with the Java 17 options merged in (ours first, so the caller's can override).
+
+    ``ray_logs_dir``: the connected Ray session's log directory, given to the driver's JVM as
+    ``ray.logging.dir``. RayDP's Java agent in that JVM writes its log there, and without the
+    property uses ``/tmp/ray/session_latest/logs``: another session's (the machine's latest, not
+    necessarily this one), and when that link dangles (its session was deleted) the agent fails and
+    Spark does not start.
+    """
     merged = {str(k): str(v) for k, v in (configs or {}).items()}
     for key in JAVA_OPTION_KEYS:
         theirs = merged.get(key, "").strip()
-        merged[key] = f"{JAVA_17_OPTIONS} {theirs}".strip()
+        ours = JAVA_17_OPTIONS
+        if key == "spark.driver.extraJavaOptions" and ray_logs_dir and "-Dray.logging.dir=" not in theirs:
+            ours = f"{ours} -Dray.logging.dir={ray_logs_dir}"
+        merged[key] = f"{ours} {theirs}".strip()
     return merged
+
+
+def _ray_logs_dir() -> str | None:
+    """This driver's Ray session's log directory (None if Ray does not say)."""
+    import ray
+
+    try:
+        return ray._private.worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 (a Ray without it: RayDP's agent falls back to its default)
+        return None
 
 
 def init_spark(
@@ -130,8 +150,11 @@ def init_spark(
     zero-CPU Ray tasks, so the executors may take every CPU of the cluster.
     ``raydp_options`` go to ``raydp.init_spark`` (e.g. ``placement_group_strategy``).
     """
+    import ray
     import raydp
 
+    if not ray.is_initialized():
+        ray.init()  # as raydp.init_spark would: here, so that the driver's options can name its session's logs
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     configs = dict(configs or {})
     try:
@@ -142,7 +165,7 @@ def init_spark(
         theirs = str(configs.get("spark.jars", "")).strip()
         configs["spark.jars"] = f"{theirs},{jar}" if theirs else jar
     return raydp.init_spark(
-        app_name, num_executors, executor_cores, executor_memory, configs=spark_configs(configs), **raydp_options
+        app_name, num_executors, executor_cores, executor_memory, configs=spark_configs(configs, _ray_logs_dir()), **raydp_options
     )
 
 

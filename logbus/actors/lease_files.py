@@ -15,6 +15,12 @@ through two kinds of small memory-mapped files under ``/dev/shm`` (tmpfs):
   says so). A leader takes a write only while its own epoch is the current
   one: a leader that was deposed while paused (SIGSTOP) and comes back finds
   a newer epoch in its fence file and refuses, before any call reaches it.
+  A leader also publishes its log's gauges there (size, segments, and its
+  remote tier's size and upload lag), under the epoch it leads in, with its
+  topic's name: the agent exports them to Ray's metrics for every current
+  leader of its node, one pass a report interval (Ray drops a gauge not set
+  again within two; ``NodeAgent._export_gauges``). A deposed leader's figures
+  stop being exported as soon as its fence holds the newer epoch.
 
 So a leader's check is two 8-byte reads from mapped memory. Linux's
 ``CLOCK_MONOTONIC`` is shared by every process of a machine, so the lease
@@ -33,11 +39,19 @@ import struct
 import tempfile
 
 SLOT = struct.Struct("<q")
-FILE_BYTES = 64  # a few 8-byte slots; one page of tmpfs each
+LABEL_LENGTH = struct.Struct("<H")
+FILE_BYTES = 64  # the 8-byte slots; a file shorter than this was never initialised (one page of tmpfs each)
 NODE_LEASE_AT = 0  # node file: lease expiry, monotonic ms
 REPLICA_PID_AT = 0  # replica file: the replica's process id (0: not started yet)
 REPLICA_EPOCH_AT = 8  # replica file: the partition's current leader epoch (-1: none known yet)
+GAUGES_EPOCH_AT = 16  # replica file: the leader epoch the gauges below were published in (-1: none)
+LOG_BYTES_AT = 24  # replica file: the leader's log size, bytes
+LOG_SEGMENTS_AT = 32  # replica file: the leader's segment count
+REMOTE_BYTES_AT = 40  # replica file: the remote tier's size as the leader sees it (-1: no tier)
+REMOTE_LAG_AT = 48  # replica file: local bytes not yet in the tier
 NO_EPOCH = -1
+REPLICA_FILE_BYTES = 512  # the slots, then the topic's name: 2 bytes of length and at most 249 of ASCII
+LABEL_AT = FILE_BYTES
 
 
 def base_directory() -> str:
@@ -58,15 +72,16 @@ def replica_file_name(topic_id: str, partition: int, replica_id: int) -> str:
 class MappedSlots:
     """A small file of 8-byte slots, mapped shared (created zeroed if missing; existing values kept)."""
 
-    def __init__(self, path: str, initial: dict[int, int] | None = None) -> None:
+    def __init__(self, path: str, initial: dict[int, int] | None = None, size: int = FILE_BYTES) -> None:
         self.path = path
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fresh = os.fstat(fd).st_size < FILE_BYTES
-            if fresh:
-                os.ftruncate(fd, FILE_BYTES)
-            self._map = mmap.mmap(fd, FILE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            found = os.fstat(fd).st_size
+            fresh = found < FILE_BYTES
+            if found < size:  # new, or made by an older logbus with fewer bytes: the new ones read zero
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)  # the mapping keeps the file
         if fresh:
@@ -104,10 +119,11 @@ class NodeLease(MappedSlots):
 
 
 class ReplicaFence(MappedSlots):
-    """One replica's fence file: its pid and its partition's current leader epoch."""
+    """One replica's fence file: its pid, its partition's current leader epoch, and, while it leads, its log's gauges."""
 
     def __init__(self, path: str) -> None:
-        super().__init__(path, {REPLICA_EPOCH_AT: NO_EPOCH})
+        super().__init__(path, {REPLICA_EPOCH_AT: NO_EPOCH, GAUGES_EPOCH_AT: NO_EPOCH, REMOTE_BYTES_AT: -1},
+                         size=REPLICA_FILE_BYTES)
 
     @classmethod
     def at(cls, path: str) -> "ReplicaFence":
@@ -132,6 +148,50 @@ class ReplicaFence(MappedSlots):
     @current_epoch.setter
     def current_epoch(self, value: int) -> None:
         self.write(REPLICA_EPOCH_AT, value)
+
+    @property
+    def label(self) -> str:
+        """The topic's name, as the replica wrote it ("" before it did)."""
+        (length,) = LABEL_LENGTH.unpack_from(self._map, LABEL_AT)
+        start = LABEL_AT + LABEL_LENGTH.size
+        if length > REPLICA_FILE_BYTES - start:
+            return ""  # not a length this module wrote
+        return self._map[start : start + length].decode("ascii", errors="replace")
+
+    @label.setter
+    def label(self, topic: str) -> None:
+        data = topic.encode("ascii", errors="replace")  # topic names are ASCII (storage/names.py)
+        start = LABEL_AT + LABEL_LENGTH.size
+        if len(data) > REPLICA_FILE_BYTES - start:
+            raise ValueError(f"a topic name of {len(data)} bytes does not fit a fence file")
+        self._map[start : start + len(data)] = data
+        LABEL_LENGTH.pack_into(self._map, LABEL_AT, len(data))  # the length last: a reader sees all of it or none
+
+    def publish_log(self, epoch: int, size_bytes: int, segments: int) -> None:
+        """A leader of ``epoch``: its log's size and segment count (two 8-byte writes; the epoch's only when it moved)."""
+        self.write(LOG_BYTES_AT, size_bytes)
+        self.write(LOG_SEGMENTS_AT, segments)
+        if self.read(GAUGES_EPOCH_AT) != epoch:
+            self.write(REMOTE_BYTES_AT, -1)  # the tier's figures of an earlier leadership are not this one's
+            self.write(GAUGES_EPOCH_AT, epoch)
+
+    def publish_tier(self, remote_bytes: int, lag_bytes: int) -> None:
+        """The leader's view of its remote tier: its size and the local bytes not yet in it."""
+        self.write(REMOTE_LAG_AT, lag_bytes)
+        self.write(REMOTE_BYTES_AT, remote_bytes)
+
+    def withdraw(self) -> None:
+        """No gauges to export from this replica (it does not lead, or its process started again)."""
+        self.write(GAUGES_EPOCH_AT, NO_EPOCH)
+
+    def published(self) -> tuple[int, int, int, int] | None:
+        """What the agent exports for this replica: ``(log bytes, segments, remote bytes, remote lag)``
+        (remote bytes -1 without a tier), or None unless it published them as the current leader."""
+        epoch = self.read(GAUGES_EPOCH_AT)
+        if epoch == NO_EPOCH or epoch != self.current_epoch:
+            return None
+        values = (self.read(LOG_BYTES_AT), self.read(LOG_SEGMENTS_AT), self.read(REMOTE_BYTES_AT), self.read(REMOTE_LAG_AT))
+        return values if self.read(GAUGES_EPOCH_AT) == epoch else None  # moved while read: next pass
 
     def remove(self) -> None:
         self.close()

@@ -31,12 +31,18 @@ Prometheus name                                        what                     
 =====================================================  ==============================================  =======================
 
 Each process creates the metrics it uses on first use (a replica never
-creates the controller's). Updates are made where the event happens (an
-append, a fetch, an ISR change, an election); the per-partition gauges are
-set at most once a second per partition, by the append that finds the last
-setting older than that, and at once when retention, a cleaning or
-delete_records shrinks the log; a tiered partition's two gauges are set by
-each upload or retention pass of its leader: nothing runs on a timer.
+creates the controller's). Counters and histograms are updated where the
+event happens (an append, a fetch, an ISR change, an election). Gauges are
+different: Ray 2.60's metrics agent drops a gauge series that was not set
+again within two report intervals, so a gauge set only on events leaves the
+endpoint seconds after the last one. Each gauge is therefore set again
+while its value stands still, by one timer per process that already has
+one: the controller's control loop sets the two partition counts once a
+second; a leader publishes its log's size and segments (at each append,
+retention, cleaning or delete_records) and its tier's two sizes (at each
+upload or retention pass) in its fence file (``lease_files.py``), and the
+node agent sets them for every current leader of its node once a report
+interval. Nothing runs per partition on a timer.
 """
 
 from __future__ import annotations
@@ -139,15 +145,25 @@ def partition_health(under_replicated: int, offline: int) -> None:
 
 
 class LogGauges:
-    """A leader's log size and segment count, set at most once a second (by the event that finds them stale)."""
+    """A leader's log size and segment count.
 
-    __slots__ = ("_tags", "_set_ms")
+    A replica under a controller publishes them in its fence file at each change (two 8-byte writes),
+    and its node's agent sets the gauges from there, every report interval, for each current leader
+    of the node (``export_published``). A standalone replica (no controller, no agent) sets them
+    here, at most once a second, by the event that finds them stale.
+    """
+
+    __slots__ = ("_tags", "_set_ms", "fence")
 
     def __init__(self, topic: str, partition: int) -> None:
         self._tags = {"topic": topic, "partition": str(partition)}
         self._set_ms = 0
+        self.fence = None  # the replica's ReplicaFence, once it has one
 
-    def update(self, size_bytes: int, segments: int, force: bool = False) -> None:
+    def update(self, size_bytes: int, segments: int, epoch: int, force: bool = False) -> None:
+        if self.fence is not None:
+            self.fence.publish_log(epoch, size_bytes, segments)
+            return
         now = monotonic_ms()
         if not force and now - self._set_ms < GAUGE_EVERY_MS:
             return
@@ -156,21 +172,33 @@ class LogGauges:
         _metric("logbus_log_segments").set(segments, tags=self._tags)
 
 
-class BufferGauge:
-    """A producer's buffer use, set at most once a second."""
+def export_published(topic: str, partition: int, published: tuple[int, int, int, int]) -> None:
+    """Set a leader's gauges from what it published in its fence file (``ReplicaFence.published``):
+    the node agent's pass over its node's leaders."""
+    size_bytes, segments, remote_bytes, lag_bytes = published
+    tags = {"topic": topic, "partition": str(partition)}
+    _metric("logbus_log_size_bytes").set(size_bytes, tags=tags)
+    _metric("logbus_log_segments").set(segments, tags=tags)
+    if remote_bytes >= 0:
+        tier_sizes(topic, partition, remote_bytes, lag_bytes)
 
-    __slots__ = ("_tags", "_set_ms", "_last")
+
+class BufferGauge:
+    """A producer's buffer use, set at most once a second, and again each second while it stands still
+    (the producer's sender thread calls ``update`` at least every 50 ms; Ray drops a gauge not set
+    within two report intervals)."""
+
+    __slots__ = ("_tags", "_set_ms")
 
     def __init__(self, client_id: str) -> None:
         self._tags = {"client_id": client_id}
         self._set_ms = 0
-        self._last = -1
 
     def update(self, buffered: int) -> None:
         now = monotonic_ms()
-        if buffered == self._last or now - self._set_ms < GAUGE_EVERY_MS:
+        if now - self._set_ms < GAUGE_EVERY_MS:
             return
-        self._set_ms, self._last = now, buffered
+        self._set_ms = now
         try:
             _metric("logbus_producer_buffer_bytes").set(buffered, tags=self._tags)
         except Exception:  # noqa: BLE001 (Ray not connected any more: a metric is not worth an error)

@@ -27,6 +27,13 @@ hosting the partition has applied the new epoch. A replica whose epoch
 moved is told (``fence_moved``, given its handle when it registered), so
 that one whose role change from the controller does not come asks for it.
 
+Gauges. Ray's metrics agent drops a gauge series not set again within two
+report intervals, and an idle partition's log changes rarely. Each leader
+publishes its log's gauges in its fence file (``lease_files.py``); the agent
+sets them, from its one timer, once a report interval for every replica of
+its node whose process runs and whose published epoch is the partition's
+current one (``_export_gauges``): the node's cost, not a timer per partition.
+
 After a restart (Ray restarts the agent like any actor) the agent starts
 with no lease, finds its node's replicas from their fence files, and is
 brought up to date by the controller's first reply.
@@ -57,6 +64,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from logbus.actors.heartbeat_link import HeartbeatLink, ReopenPolicy
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
+from logbus.actors import metrics
 from logbus.actors.logs import configure_logging
 from logbus.actors.placement import host_identity
 from logbus.clock import monotonic_ms
@@ -69,6 +77,15 @@ HEARTBEATS_IN_FLIGHT_MAX = 5
 LINK_OPEN_TIMEOUT_S = 5.0  # asking the controller for its address, and a first connection to it
 LINK_SILENT_MS = 2 * LEASE_TIMEOUT_MS  # a link with a heartbeat unanswered this long is dropped and reopened
 REPLICA_FILE_PREFIX = "r-"
+
+
+def gauge_export_interval_ms() -> int:
+    """How often the agent sets its leaders' gauges: Ray's metrics report interval (Ray floors it at 1 s),
+    within which a gauge must be set again to stay on the endpoint."""
+    try:
+        return max(int(ray._config.metrics_report_interval_ms()), 1_000)
+    except Exception:  # noqa: BLE001 (a Ray without this setting: its default)
+        return 10_000
 
 
 def _process_state(pid: int, stat_fd: int | None = None) -> str | None:
@@ -90,11 +107,21 @@ def _process_state(pid: int, stat_fd: int | None = None) -> str | None:
     return data[end + 2 : end + 3].decode() if end >= 0 else None
 
 
-class _Watched:
-    __slots__ = ("fence", "pid", "pidfd", "stat_fd", "replica")
+def _partition_of(name: str) -> int:
+    """The partition in a replica file's name (``lease_files.replica_file_name``: r-TOPICID-PARTITION-REPLICA)."""
+    try:
+        return int(name.rsplit("-", 2)[1])
+    except (IndexError, ValueError):
+        return -1
 
-    def __init__(self, fence: ReplicaFence) -> None:
+
+class _Watched:
+    __slots__ = ("fence", "pid", "pidfd", "stat_fd", "replica", "topic", "partition")
+
+    def __init__(self, fence: ReplicaFence, partition: int) -> None:
         self.fence = fence
+        self.topic = ""  # the topic's name, read from the fence once the replica wrote it
+        self.partition = partition
         self.pid = 0
         self.pidfd: int | None = None
         self.stat_fd: int | None = None
@@ -127,6 +154,8 @@ class NodeAgent:
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._gauges_every_ms = gauge_export_interval_ms()
+        self._gauges_at_ms = 0  # when the leaders' gauges were last set
         for name in sorted(os.listdir(self.directory)):
             if name.startswith(REPLICA_FILE_PREFIX):
                 self._track(name)
@@ -141,7 +170,7 @@ class NodeAgent:
     def _track(self, name: str) -> _Watched:
         watched = self._replicas.get(name)
         if watched is None:
-            watched = self._replicas[name] = _Watched(ReplicaFence.at(os.path.join(self.directory, name)))
+            watched = self._replicas[name] = _Watched(ReplicaFence.at(os.path.join(self.directory, name)), _partition_of(name))
         pid = watched.fence.pid
         if pid and pid != watched.pid:
             self._watch(name, watched, pid)
@@ -320,6 +349,10 @@ class NodeAgent:
         loop = asyncio.get_running_loop()
         while True:
             self._scan_states()
+            now_ms = monotonic_ms()
+            if now_ms - self._gauges_at_ms >= self._gauges_every_ms:
+                self._gauges_at_ms = now_ms
+                self._export_gauges()
             if len(outstanding) < HEARTBEATS_IN_FLIGHT_MAX:
                 sequence += 1
                 task = loop.create_task(self._heartbeat(sequence))
@@ -339,6 +372,25 @@ class NodeAgent:
             state = _process_state(watched.pid, watched.stat_fd)
             if state is not None:
                 self._set_down(name, state in ("T", "t"))
+
+    def _export_gauges(self) -> None:
+        """Set the gauges of each leader of this node from its fence file (see the module docstring):
+        a few 8-byte reads and four gauge settings per leader, once a report interval."""
+        for name, watched in self._replicas.items():
+            if watched.pidfd is None or name in self._down or watched.partition < 0:
+                continue  # a process that is gone or stopped serves nothing: its gauges leave with it
+            published = watched.fence.published()
+            if published is None:
+                continue
+            if not watched.topic:
+                watched.topic = watched.fence.label
+                if not watched.topic:
+                    continue
+            try:
+                metrics.export_published(watched.topic, watched.partition, published)
+            except Exception as error:  # noqa: BLE001 (metrics are not worth the heartbeat's loop)
+                logger.warning("node %s: could not set the gauges of %s: %s", self.node_id[:8], name, error)
+                return
 
     async def _heartbeat(self, sequence: int) -> None:
         sent_ms = monotonic_ms()

@@ -243,7 +243,7 @@ class PartitionReplica:
             self.log, self._timers, topic, topic_id, partition, directory,
             leading=lambda: self.role == LEADER, epoch=lambda: self.leader_epoch,
             upload_bound=lambda: self.last_stable_offset, uploaded=self._retention_due, label=self._label,
-            active=lambda: not self._deleted,
+            active=lambda: not self._deleted, publish_sizes=self._publish_tier_sizes,
         )
         self._fetcher = ReplicaFetcher(
             self.state, self.log, self._label, self._run, self._check_fence, self._after_follower_append,
@@ -334,6 +334,7 @@ class PartitionReplica:
                     self._sessions.clear()  # so may a session's position
                     self._parking.leadership_changed()  # acks=all waiters on a deposed leader give up
                     self._tiering.leadership_changed()  # a new leader uploads what the tier lacks
+                    self._gauges_follow_role()
                 case HighWatermarkMoved():
                     if self.role == LEADER:
                         self._parking.high_watermark_moved()  # and consumers long-polling at the old one proceed
@@ -361,6 +362,20 @@ class PartitionReplica:
     def _check_isr(self) -> None:
         self._run(self.state.check_isr(self.log, monotonic_ms()))
 
+    def _gauges_follow_role(self) -> None:
+        """A new leader publishes its log's gauges now (an idle partition may see no append for long); a
+        replica that no longer leads publishes none (``metrics.LogGauges``)."""
+        if self.role == LEADER:
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), self.leader_epoch, force=True)
+        elif self._fence is not None:
+            self._fence.withdraw()
+
+    def _publish_tier_sizes(self, remote_bytes: int, lag_bytes: int) -> None:
+        if self._fence is not None:
+            self._fence.publish_tier(remote_bytes, lag_bytes)
+        else:
+            metrics.tier_sizes(self.topic, self.partition, remote_bytes, lag_bytes)
+
     def _role_timer_fired(self) -> None:
         if self._fence is not None:
             self._run(self.state.role_timer_fired(self._fence.current_epoch))
@@ -385,6 +400,10 @@ class PartitionReplica:
             self._lease = NodeLease(directory)
             self._fence = ReplicaFence.of(directory, self.topic_id, self.partition, self.replica_id)
             self._fence.pid = os.getpid()
+            self._fence.withdraw()  # what an earlier process of this replica published is not ours
+            self._fence.label = self.topic  # the agent exports our gauges under the topic's name
+            self._log_gauges.fence = self._fence
+            self._gauges_follow_role()
             self._tasks.append(loop.create_task(self._say_started()))
         self._channel_started = loop.create_task(self._channel.start())
         self._arm_retention()
@@ -531,7 +550,7 @@ class PartitionReplica:
         """Retention, a cleaning or delete_records changed the log's size: a leader's gauges say so now
         (they are otherwise set by appends, which may not come)."""
         if self.role == LEADER:
-            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), force=True)
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), self.leader_epoch, force=True)
 
     def _after_append(self) -> None:
         """Timers an append may need: the retention deadline of new data, an interval flush, a cleaning."""
@@ -632,7 +651,7 @@ class PartitionReplica:
             self._parking.appended_now()
             self._after_append()
             metrics.appended(self.topic, result.record_count, len(batch))
-            self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), self.leader_epoch)
         self._run(self.state.after_append(self.log, monotonic_ms()))
         if acks == "all":
             await self._wait_committed(state, result.last_offset + 1, min(int(timeout_ms), PRODUCE_TIMEOUT_MS_MAX))
@@ -734,7 +753,7 @@ class PartitionReplica:
         if end_offset is not None:
             self._parking.appended_now()
             self._after_append()
-            self._log_gauges.update(self.log.size_bytes, len(self.log.segments))
+            self._log_gauges.update(self.log.size_bytes, len(self.log.segments), self.leader_epoch)
             self._run(self.state.after_append(self.log, monotonic_ms()))
             if self.log.config.compact:
                 self._cleaning.arm()  # a cleaning the transaction held back (nothing at or above the LSO is cleaned)
@@ -1089,6 +1108,7 @@ class PartitionReplica:
             except LogbusError as error:
                 logger.warning("replica %s: the deleted topic's remote tier stays: %s", self._label, error)
         if self._fence is not None:
+            self._fence.withdraw()  # the agent may still hold the file open until the controller has it forget us
             self._fence.remove()
         await self._channel.close()
         self._fetch_links.close()

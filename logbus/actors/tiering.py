@@ -88,6 +88,7 @@ class TierSchedule:
         uploaded: Callable[[], None],
         label: str,
         active: Callable[[], bool] = lambda: True,
+        publish_sizes: Callable[[int, int], None] | None = None,
     ) -> None:
         self.log = log
         self._timers = timers
@@ -97,6 +98,9 @@ class TierSchedule:
         self._uploaded = uploaded
         self._label = label
         self._active = active
+        # Where the tier's size and upload lag go (the replica's fence file, which its node agent exports);
+        # without it they are set as Ray gauges here.
+        self._publish_sizes = publish_sizes
         self.tier: RemoteTier | None = None
         self._uri: str | None = None
         self.catalog: TierCatalog | None = None
@@ -346,7 +350,10 @@ class TierSchedule:
         tier = self.tier
         if tier is not None:
             lag = sum(s.size_bytes for s in self.log.segments if s.next_offset > tier.manifest.end_offset)
-            metrics.tier_sizes(self._topic, self._partition, tier.manifest.size_bytes, lag)
+            if self._publish_sizes is not None:
+                self._publish_sizes(tier.manifest.size_bytes, lag)
+            else:
+                metrics.tier_sizes(self._topic, self._partition, tier.manifest.size_bytes, lag)
 
     # --- what consumers see -------------------------------------------------------------------------
 

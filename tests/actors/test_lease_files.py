@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 
+import pytest
+
 from logbus.actors import lease_files
 from logbus.actors.lease_files import NodeLease, ReplicaFence, may_write
 
@@ -54,3 +56,60 @@ def test_namespaces_and_nodes_never_share_files():
     a = lease_files.node_directory("ns-a", "node1" * 8)
     assert a != lease_files.node_directory("ns-b", "node1" * 8)
     assert a != lease_files.node_directory("ns-a", "node2" * 8)
+
+
+def test_a_leaders_gauges_are_exported_only_under_the_current_epoch(tmp_path):
+    fence = ReplicaFence.of(str(tmp_path), "topic-id", 3, 1)
+    fence.label = "orders.v2"
+    assert fence.published() is None  # nothing published yet
+    fence.current_epoch = 5
+    fence.publish_log(5, 4096, 2)
+    assert fence.published() == (4096, 2, -1, 0)  # no tier: remote bytes -1
+    fence.publish_tier(1 << 20, 512)
+    fence.publish_log(5, 8192, 3)
+    assert fence.published() == (8192, 3, 1 << 20, 512)
+    fence.current_epoch = 6  # deposed: another replica leads epoch 6
+    assert fence.published() is None
+    fence.publish_log(7, 100, 1)  # this replica leads again, in a later epoch: the tier's old figures are not kept
+    fence.current_epoch = 7
+    assert fence.published() == (100, 1, -1, 512)
+    fence.withdraw()  # it stopped leading, or its process started again
+    assert fence.published() is None
+    assert ReplicaFence.of(str(tmp_path), "topic-id", 3, 1).label == "orders.v2"  # as the agent reads it
+
+
+def _publish_from_another_process(directory: str) -> None:
+    fence = ReplicaFence.of(directory, "topic-id", 0, 0)
+    fence.label = "t" * 249  # the longest topic name Kafka allows
+    fence.publish_log(2, 123, 4)
+
+
+def test_gauges_and_label_written_by_the_replica_are_read_by_the_agent(tmp_path):
+    directory = str(tmp_path)
+    agent_view = ReplicaFence.of(directory, "topic-id", 0, 0)  # the agent maps it first
+    agent_view.current_epoch = 2
+    process = multiprocessing.get_context("spawn").Process(target=_publish_from_another_process, args=(directory,))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    assert agent_view.published() == (123, 4, -1, 0) and agent_view.label == "t" * 249
+
+
+def test_a_fence_file_of_the_earlier_size_keeps_its_epoch_and_gains_the_gauge_slots(tmp_path):
+    path = tmp_path / "r-topic-id-0-0"
+    old = bytearray(lease_files.FILE_BYTES)  # an earlier logbus: 64 bytes, pid and epoch only
+    lease_files.SLOT.pack_into(old, lease_files.REPLICA_PID_AT, 4321)
+    lease_files.SLOT.pack_into(old, lease_files.REPLICA_EPOCH_AT, 9)
+    path.write_bytes(bytes(old))
+    fence = ReplicaFence.at(str(path))
+    assert (fence.pid, fence.current_epoch, fence.label) == (4321, 9, "")
+    assert os.path.getsize(path) == lease_files.REPLICA_FILE_BYTES
+    fence.withdraw()  # what a replica does when it starts
+    assert fence.published() is None
+
+
+def test_a_topic_name_too_long_for_the_file_is_refused(tmp_path):
+    fence = ReplicaFence.of(str(tmp_path), "topic-id", 0, 0)
+    with pytest.raises(ValueError, match="does not fit"):
+        fence.label = "x" * 1000
+    assert fence.label == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.error
@@ -88,3 +89,53 @@ def test_the_partition_health_gauges_stay_on_the_endpoint_while_nothing_changes(
         return "ray_logbus_under_replicated_partitions" in samples and "ray_logbus_offline_partitions" in samples
 
     wait_for(there_long_after, timeout_s=90, interval_s=0.2, message="the health gauges 5 s after the last change")
+
+
+def test_a_leaders_log_gauges_stay_on_the_endpoint_while_idle_and_leave_with_the_topic(bus, topic_name):
+    """A leader's log size and segment count change only with its log; Ray drops a gauge not set within
+    two report intervals. Each leader publishes them in its fence file and its node's agent sets them
+    every interval: they are still there well after the last append (before, about 2 s after it), and
+    go once the topic is deleted (the agent exports no replica that is gone)."""
+    bus.admin.create_topic(topic_name, partitions=2)
+    with logbus.Producer(bus, acks=1) as producer:
+        for i in range(40):
+            producer.send(topic_name, b"idle-%02d" % i, partition=i % 2)
+    appended = time.monotonic()  # the last change to either log
+
+    def both_partitions(samples) -> dict:
+        return {labels["partition"]: value for labels, value in samples.get("ray_logbus_log_size_bytes", [])
+                if labels.get("topic") == topic_name}
+
+    def there_long_after():
+        if time.monotonic() - appended < 5.0:
+            return None
+        samples = scrape()
+        sizes = both_partitions(samples)
+        segments = {labels["partition"] for labels, _ in samples.get("ray_logbus_log_segments", []) if labels.get("topic") == topic_name}
+        return sizes if set(sizes) == {"0", "1"} and segments == {"0", "1"} else None
+
+    sizes = wait_for(there_long_after, timeout_s=90, interval_s=0.2, message="both leaders' log gauges 5 s after the last append")
+    assert all(value > 20 * 7 for value in sizes.values()), sizes  # 20 records of 7 bytes each, and framing
+
+    bus.admin.delete_topic(topic_name)
+    wait_for(lambda: not both_partitions(scrape()), timeout_s=90, interval_s=0.5, message="the deleted topic's log gauges gone")
+
+
+def test_an_idle_producers_buffer_gauge_stays_on_the_endpoint(bus, topic_name):
+    """The buffer gauge is set by the producer's sender thread, and set again each second while the
+    buffer stands still: an idle producer's series (all its records acknowledged: 0 bytes) is there
+    well after its last send, and not only for the two report intervals Ray keeps a gauge."""
+    bus.admin.create_topic(topic_name, partitions=1)
+    prefix = f"producer-{os.getpid()}-"
+    with logbus.Producer(bus, acks=1) as producer:
+        producer.send(topic_name, b"one")
+        producer.flush()
+        sent = time.monotonic()
+
+        def idle_and_there():
+            if time.monotonic() - sent < 5.0:
+                return False
+            return any(labels.get("client_id", "").startswith(prefix) and value == 0
+                       for labels, value in scrape().get("ray_logbus_producer_buffer_bytes", []))
+
+        wait_for(idle_and_there, timeout_s=90, interval_s=0.2, message="the idle producer's buffer gauge 5 s after its last send")

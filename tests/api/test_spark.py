@@ -6,6 +6,7 @@ start); it runs on the shared Ray session of tests/conftest.py.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 import zlib
@@ -546,3 +547,25 @@ def test_the_jvm_reader_waits_out_a_leader_restart(spark, bus):
 def test_format_logbus_without_a_plan_says_how_to_read(spark):
     with pytest.raises(Exception, match="logbus.spark.read"):
         spark.read.format("logbus").load().count()
+
+
+def test_the_spark_drivers_jvm_logs_into_this_ray_sessions_log_directory(spark):
+    """RayDP's Java agent in the driver's JVM writes its log to ``ray.logging.dir``, and without it to
+    /tmp/ray/session_latest/logs: the machine's latest Ray session, not necessarily this one, and
+    when that link dangled (its session deleted) the agent failed and Spark did not start.
+    init_spark gives the driver's JVM this session's directory."""
+    logs = ray._private.worker._global_node.get_logs_dir_path()
+    jvm = spark.sparkContext._jvm
+    assert jvm.java.lang.System.getProperty("ray.logging.dir") == logs
+    pid = int(jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getName().split("@")[0])
+    assert os.path.exists(os.path.join(logs, f"slf4j-{pid}.log"))
+
+
+def test_the_driver_options_name_the_ray_logs_directory_unless_the_caller_did():
+    ours = logbus.spark.spark_configs({"spark.driver.extraJavaOptions": "-Dx=1"}, "/tmp/ray/session_x/logs")
+    driver = ours["spark.driver.extraJavaOptions"]
+    assert "-Dray.logging.dir=/tmp/ray/session_x/logs" in driver and driver.endswith("-Dx=1")
+    assert "ray.logging.dir" not in ours["spark.executor.extraJavaOptions"]  # RayDP names it for its actors
+    theirs = logbus.spark.spark_configs({"spark.driver.extraJavaOptions": "-Dray.logging.dir=/elsewhere"}, "/tmp/ray/s/logs")
+    assert theirs["spark.driver.extraJavaOptions"].count("ray.logging.dir") == 1
+    assert "ray.logging.dir" not in logbus.spark.spark_configs({}, None)["spark.driver.extraJavaOptions"]
