@@ -38,7 +38,8 @@ again within two report intervals, so a gauge set only on events leaves the
 endpoint seconds after the last one. Each gauge is therefore set again
 while its value stands still, by one timer per process that already has
 one: the controller's control loop sets the two partition counts once a
-second; a leader publishes its log's size and segments (at each append,
+second; a producer's sender thread its buffer gauge once a second; a
+leader publishes its log's size and segments (at each append,
 retention, cleaning or delete_records) and its tier's two sizes (at each
 upload or retention pass) in its fence file (``lease_files.py``), and the
 node agent sets them for every current leader of its node once a report

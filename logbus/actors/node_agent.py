@@ -62,9 +62,9 @@ import uuid
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from logbus.actors import metrics
 from logbus.actors.heartbeat_link import HeartbeatLink, ReopenPolicy
 from logbus.actors.lease_files import NodeLease, ReplicaFence, node_directory
-from logbus.actors import metrics
 from logbus.actors.logs import configure_logging
 from logbus.actors.placement import host_identity
 from logbus.clock import monotonic_ms
