@@ -30,9 +30,10 @@ that one whose role change from the controller does not come asks for it.
 Gauges. Ray's metrics agent drops a gauge series not set again within two
 report intervals, and an idle partition's log changes rarely. Each leader
 publishes its log's gauges in its fence file (``lease_files.py``); the agent
-sets them, from its one timer, once a report interval for every replica of
+sets them, from its one timer, twice a report interval for every replica of
 its node whose process runs and whose published epoch is the partition's
-current one (``_export_gauges``): the node's cost, not a timer per partition.
+current one, while the node holds its lease (``_export_gauges``): the
+node's cost, not a timer per partition.
 
 After a restart (Ray restarts the agent like any actor) the agent starts
 with no lease, finds its node's replicas from their fence files, and is
@@ -154,7 +155,9 @@ class NodeAgent:
         self._heartbeat_applied = 0
         self._urgent: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._gauges_every_ms = gauge_export_interval_ms()
+        # Twice a report interval: Ray drops a gauge whose last setting reached it two intervals ago, and
+        # this loop's ticks drift against the worker's export timer.
+        self._gauges_every_ms = gauge_export_interval_ms() // 2
         self._gauges_at_ms = 0  # when the leaders' gauges were last set
         for name in sorted(os.listdir(self.directory)):
             if name.startswith(REPLICA_FILE_PREFIX):
@@ -350,7 +353,7 @@ class NodeAgent:
         while True:
             self._scan_states()
             now_ms = monotonic_ms()
-            if now_ms - self._gauges_at_ms >= self._gauges_every_ms:
+            if now_ms - self._gauges_at_ms >= self._gauges_every_ms and now_ms < self.lease.expires_ms:
                 self._gauges_at_ms = now_ms
                 self._export_gauges()
             if len(outstanding) < HEARTBEATS_IN_FLIGHT_MAX:
@@ -375,7 +378,10 @@ class NodeAgent:
 
     def _export_gauges(self) -> None:
         """Set the gauges of each leader of this node from its fence file (see the module docstring):
-        a few 8-byte reads and four gauge settings per leader, once a report interval."""
+        a few 8-byte reads and four gauge settings per leader, twice a report interval, while the node
+        holds its lease (a node cut off from the controller may have been replaced as leader of each of
+        its partitions: its fences keep the old epochs until the controller is heard again)."""
+        failed = None
         for name, watched in self._replicas.items():
             if watched.pidfd is None or name in self._down or watched.partition < 0:
                 continue  # a process that is gone or stopped serves nothing: its gauges leave with it
@@ -389,8 +395,9 @@ class NodeAgent:
             try:
                 metrics.export_published(watched.topic, watched.partition, published)
             except Exception as error:  # noqa: BLE001 (metrics are not worth the heartbeat's loop)
-                logger.warning("node %s: could not set the gauges of %s: %s", self.node_id[:8], name, error)
-                return
+                failed = failed or (name, error)
+        if failed is not None:
+            logger.warning("node %s: could not set the gauges of %s (and maybe others): %s", self.node_id[:8], *failed)
 
     async def _heartbeat(self, sequence: int) -> None:
         sent_ms = monotonic_ms()

@@ -364,13 +364,18 @@ class PartitionReplica:
 
     def _gauges_follow_role(self) -> None:
         """A new leader publishes its log's gauges now (an idle partition may see no append for long); a
-        replica that no longer leads publishes none (``metrics.LogGauges``)."""
+        replica that no longer leads publishes none (``metrics.LogGauges``). Nothing once it is deleted:
+        ``delete`` withdraws them itself, and then closes the fence."""
+        if self._deleted:
+            return
         if self.role == LEADER:
             self._log_gauges.update(self.log.size_bytes, len(self.log.segments), self.leader_epoch, force=True)
         elif self._fence is not None:
             self._fence.withdraw()
 
     def _publish_tier_sizes(self, remote_bytes: int, lag_bytes: int) -> None:
+        if self._deleted:
+            return
         if self._fence is not None:
             self._fence.publish_tier(remote_bytes, lag_bytes)
         else:
