@@ -102,21 +102,58 @@ def test_a_topic_replicated_over_three_hosts_is_produced_and_consumed_from_a_fou
     assert sum(p["high_watermark"] for p in described["partitions"]) == 300
 
 
-# Run on the head while it is cut off: asks the controller (on the head too) until it has heard no node for
+READY_MARKER = "@@ready"
+
+# Run on the head: connects to Ray and finds the controller (on the head too), says it is ready, and once
+# told (a line on stdin: the head is cut off by then) asks the controller until it has heard no node for
 # longer than a lease timeout, and prints what it says of that silence.
 ISOLATION_QUERY = (
     "import json, sys, time, ray\n"
     "from logbus.actors.controller import CONTROLLER_NAME\n"
     "ray.init(address=sys.argv[1], namespace=sys.argv[2], log_to_driver=False, logging_level='ERROR')\n"
     "controller = ray.get_actor(CONTROLLER_NAME)\n"
+    "ray.get(controller.ping.remote(), timeout=60)\n"
+    "print('" + READY_MARKER + "', flush=True)\n"
+    "sys.stdin.readline()\n"
     "deadline = time.monotonic() + float(sys.argv[4])\n"
     "while True:\n"
     "    view = ray.get(controller.lease_isolation.remote(), timeout=30)\n"
     "    if view['isolated_ms'] > int(sys.argv[3]) or time.monotonic() > deadline:\n"
     "        break\n"
     "    time.sleep(0.05)\n"
-    "print('" + RESULT_MARKER + "' + json.dumps(view))\n"
+    "print('" + RESULT_MARKER + "' + json.dumps(view), flush=True)\n"
 )
+
+
+def isolation_while_cut(cluster, namespace: str) -> dict:
+    """Cut the head off from every other host for a little longer than a lease timeout, as the controller
+    measures it, and heal it; what the controller said of that silence.
+
+    The query process starts and connects to Ray before the cut, so that the cut lasts about a lease
+    timeout, not that plus a Python process's start (tens of seconds on a busy machine): a cut of tens
+    of seconds is another fault, in which Ray's own health checks (5 missed, at 3 s) may declare the
+    replica hosts' Ray nodes dead and end their processes."""
+    process = cluster.popen_python(["-c", ISOLATION_QUERY, cluster.address, namespace, str(LEASE_TIMEOUT_MS), "120"], role=HEAD,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in process.stdout:  # Ray may print lines of its own first
+            if line.startswith(READY_MARKER):
+                break
+        else:
+            raise RuntimeError(f"the isolation query ended before it was ready:\n{process.stderr.read()[-3000:]}")
+        cluster.cut(HEAD)
+        try:
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            for line in process.stdout:
+                if line.startswith(RESULT_MARKER):
+                    return json.loads(line[len(RESULT_MARKER):])
+            raise RuntimeError(f"the isolation query printed no result:\n{process.stderr.read()[-3000:]}")
+        finally:
+            cluster.heal(HEAD)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
 
 
 def test_a_cut_of_the_controllers_host_alone_deposes_no_leader(netns_cluster, workload):
@@ -138,11 +175,7 @@ def test_a_cut_of_the_controllers_host_alone_deposes_no_leader(netns_cluster, wo
     assert all(leader is not None for leader, _ in before.values()), before
     view_before = workload.call("lease_isolation")
 
-    cluster.cut(HEAD)
-    try:
-        view = cluster.python_json(ISOLATION_QUERY, workload.namespace, str(LEASE_TIMEOUT_MS), "120", role=HEAD)
-    finally:
-        cluster.heal(HEAD)
+    view = isolation_while_cut(cluster, workload.namespace)
     assert view["isolated"] and view["isolated_ms"] > LEASE_TIMEOUT_MS, view  # without the rule, every lease ran out
 
     # Every node kept alive through the cut is heard again (none can lose its lease for the cut after that).
