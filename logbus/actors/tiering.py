@@ -87,8 +87,8 @@ class TierSchedule:
         upload_bound: Callable[[], int],
         uploaded: Callable[[], None],
         label: str,
+        publish_sizes: Callable[[int, int], None],
         active: Callable[[], bool] = lambda: True,
-        publish_sizes: Callable[[int, int], None] | None = None,
     ) -> None:
         self.log = log
         self._timers = timers
@@ -98,9 +98,7 @@ class TierSchedule:
         self._uploaded = uploaded
         self._label = label
         self._active = active
-        # Where the tier's size and upload lag go (the replica's fence file, which its node agent exports);
-        # without it they are set as Ray gauges here.
-        self._publish_sizes = publish_sizes
+        self._publish_sizes = publish_sizes  # the tier's size and upload lag go here (the replica: _publish_tier_sizes)
         self.tier: RemoteTier | None = None
         self._uri: str | None = None
         self.catalog: TierCatalog | None = None
@@ -350,10 +348,7 @@ class TierSchedule:
         tier = self.tier
         if tier is not None:
             lag = sum(s.size_bytes for s in self.log.segments if s.next_offset > tier.manifest.end_offset)
-            if self._publish_sizes is not None:
-                self._publish_sizes(tier.manifest.size_bytes, lag)
-            else:
-                metrics.tier_sizes(self._topic, self._partition, tier.manifest.size_bytes, lag)
+            self._publish_sizes(tier.manifest.size_bytes, lag)
 
     # --- what consumers see -------------------------------------------------------------------------
 
