@@ -18,10 +18,12 @@ import pytest
 # Ray cluster that is being torn down: Ray ends a process whose cluster vanishes under it, which
 # would cut the run short without a report.
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
-# Ray's processes export metrics every 10 s by default; tests that read the Prometheus endpoint
-# would wait that long for each value. Every Ray process the tests start inherits this (an idle
-# Ray session costs the same CPU with it as with the default).
-os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# Ray's processes report metrics every 10 s by default, and the suite's Ray sessions keep that: at 1 s,
+# every worker's exporter and each node's metrics agent took a third of an idle session's CPU
+# (perf/RESULTS.md). Tests that read the Prometheus endpoint wait for their values with deadlines
+# that allow for it; the modules whose tests hinge on the interval itself (a gauge still there after
+# two intervals) start their Ray with this setting (``metrics_every_second``).
+METRICS_EVERY_SECOND = {"RAY_metrics_report_interval_ms": "1000"}
 # The test hooks that break an invariant on purpose (logbus/invariant.py: require_test_hooks) are
 # refused in a process started without this; every Ray process the tests start inherits it, so a
 # replica actor accepts them in tests, and only there.
@@ -96,6 +98,23 @@ def ray_session():
     start_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def metrics_every_second(ray_session):
+    """For a module whose tests hinge on Ray's metrics report interval: this worker's Ray session is
+    started again with a 1 s interval (``METRICS_EVERY_SECOND``, in the environment every process of the
+    session inherits), and ended after the module, so that the next module starts the usual one. Such a
+    module replaces Ray: it is listed in ``REPLACES_RAY``."""
+    ray_session.shutdown()
+    os.environ.update(METRICS_EVERY_SECOND)
+    try:
+        start_ray()
+        yield
+    finally:
+        ray_session.shutdown()
+        for name in METRICS_EVERY_SECOND:
+            os.environ.pop(name, None)
 
 
 def close_bus(bus) -> None:
@@ -370,9 +389,10 @@ SHARED_FIXTURE_MODULES = {
     "three_node_cluster": {f"actors/{name}" for name, rank in CLUSTER_MODULES.items() if rank == 2},
     "spark": {"api/test_spark.py", "api/test_spark_stream.py", "api/test_tier.py", "api/test_transactional_pipelines.py"},
 }
-# Modules that end the worker's Ray session and start another (a multi-node cluster, a restart): they
-# are handed out before the Spark modules, so that no worker replaces the Ray its Spark session runs on.
-REPLACES_RAY = SHARED_FIXTURE_MODULES["three_node_cluster"] | {"actors/test_reassign.py", "api/test_restart.py"}
+# Modules that end the worker's Ray session and start another (a multi-node cluster, a restart, a
+# session reporting metrics every second): they are handed out before the Spark modules, so that no
+# worker replaces the Ray its Spark session runs on.
+REPLACES_RAY = SHARED_FIXTURE_MODULES["three_node_cluster"] | {"actors/test_reassign.py", "api/test_restart.py", "actors/test_metrics.py"}
 
 
 def worker_group(module: str) -> str:
@@ -382,9 +402,13 @@ def worker_group(module: str) -> str:
 
 def check_worker_groups(items) -> None:
     """Refuse a run where a module uses a shared fixture without being listed with it in
-    ``SHARED_FIXTURE_MODULES``: under pytest-xdist it would start a second copy on the other worker."""
+    ``SHARED_FIXTURE_MODULES`` (under pytest-xdist it would start a second copy on the other worker), or
+    starts Ray again for its metrics without being listed in ``REPLACES_RAY`` (it could end the Ray a
+    Spark session runs on)."""
     for item in items:
         module = os.path.relpath(str(item.fspath), TESTS_DIR)
+        if "metrics_every_second" in getattr(item, "fixturenames", ()) and module not in REPLACES_RAY:
+            raise pytest.UsageError(f"{module} starts Ray again (metrics_every_second): list it in REPLACES_RAY in tests/conftest.py")
         for fixture, modules in SHARED_FIXTURE_MODULES.items():
             if fixture in getattr(item, "fixturenames", ()) and module not in modules:
                 raise pytest.UsageError(f"{module} uses the {fixture} fixture: list it in SHARED_FIXTURE_MODULES[{fixture!r}] "

@@ -29,7 +29,8 @@ from logbus.errors import (
 )
 from logbus.protocol.messages import FETCH_WAIT_MS_MAX, FetchRequest
 from logbus.storage.record_batch import encode_batch
-from tests.actors.test_replication import SYSTEM_CONFIG, Workload, check_invariants, leader_status, wait_isr
+from tests.actors.multinode import HEAD_NODE_ARGS
+from tests.actors.test_replication import Workload, check_invariants, leader_status, wait_isr
 from tests.conftest import close_bus, wait_for
 from tests.healing import assert_healed
 
@@ -43,7 +44,7 @@ VALUE = b"x" * 1000
 def cluster():
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "_system_config": SYSTEM_CONFIG})
+    cluster = Cluster(initialize_head=True, head_node_args=HEAD_NODE_ARGS)
     nodes = [cluster.add_node(num_cpus=1, resources={"logbus_replica": 16}, labels={"logbus.rack": rack}) for rack in RACKS]
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)

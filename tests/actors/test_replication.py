@@ -33,7 +33,7 @@ from logbus.actors.remote import get
 from logbus.cli import main
 from logbus.errors import NotEnoughReplicasError
 from logbus.storage.record_batch import encode_batch
-from tests.actors.multinode import REPLICA_RESOURCE, SYSTEM_CONFIG  # noqa: F401 (SYSTEM_CONFIG: for the modules that import it from here)
+from tests.actors.multinode import REPLICA_RESOURCE
 from tests.actors.replica_files import committed_bytes
 from tests.actors.test_metrics import scrape, total
 from logbus.actors.node_agent import agent_actor_name
