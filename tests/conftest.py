@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray session per test run (started on first use), one logbus cluster per test module (see ``bus``).
+"""Shared fixtures: one Ray session per test process (started on first use), and one logbus cluster that
+the modules it runs share (see ``bus``).
 
 tests/storage and tests/protocol never request these, so they run without Ray.
 """
@@ -169,7 +170,7 @@ def kafka_python_consumer(topics, **config):
 def leave_group(bus, group: str) -> None:
     """Make every member of ``group`` leave, as their clients' LeaveGroup would: for a test whose clients
     are gone but whose members stay by design (a static member, which does not leave on close; a raw
-    protocol client's member, until its session times out), so that the module's shared cluster can
+    protocol client's member, until its session times out), so that the shared cluster can
     delete the group when the test ends (``SharedBus.tidy``)."""
     import ray
 
@@ -187,21 +188,32 @@ def leave_group(bus, group: str) -> None:
 
 
 class LeftoverGroupWarning(UserWarning):
-    """A test left a consumer group with live members on its module's shared cluster (``SharedBus.tidy``)."""
+    """A test left a consumer group with live members on the shared cluster (``SharedBus.tidy``)."""
+
+
+def _ray_session_id() -> tuple:
+    """Which Ray session this process is connected to now (a test or a module may have started another)."""
+    import ray
+
+    context = ray.get_runtime_context()
+    return context.gcs_address, context.get_node_id()
 
 
 class SharedBus:
-    """A module's shared logbus cluster (see ``bus``): started on first use, replaced if a test broke it.
+    """The logbus cluster that tests share (see ``bus``): started on first use, replaced if a test broke it
+    or if the Ray session it ran on was replaced.
 
     Besides the topics and groups each test makes, which are deleted when it ends, the cluster holds
-    what the module makes once for all its tests (``kept``: a topic produced once, a Kafka gateway).
-    That lasts until the module ends, or until the cluster is replaced, and is then made again on the
-    new cluster for the next test that asks for it. Not thread-safe: fixtures use it from pytest's thread.
+    what a module makes once for all its tests (``kept``: a topic produced once, a Kafka gateway).
+    That lasts until the module ends (``end_module``), or until the cluster is replaced, and is then
+    made again on the new cluster for the next test that asks for it. Not thread-safe: fixtures use it
+    from pytest's thread.
     """
 
     def __init__(self, tmp_path_factory) -> None:
         self._tmp_path_factory = tmp_path_factory
         self.bus = None  # the cluster now (a Bus), None until a test asks for it
+        self._session = None  # the Ray session it runs on (_ray_session_id)
         self._kept: dict = {}  # key -> what ``kept`` made for it on this cluster
         self._kept_topics: set[str] = set()  # the topics ``kept`` made: each test's tidy leaves them
         self._stops: list = []  # what ``kept`` asked to run when the cluster closes, in the order made
@@ -210,6 +222,9 @@ class SharedBus:
         """The cluster, started now if it is not yet, or again if a test ended its controller."""
         import ray
 
+        start_ray()  # a test or a module may have ended the Ray session
+        if self.bus is not None and self._session != _ray_session_id():
+            self._forget()  # it went with the Ray session it ran on
         if self.bus is not None:
             try:
                 ray.get(self.bus.controller.ping.remote(), timeout=60)
@@ -217,6 +232,12 @@ class SharedBus:
             except Exception:  # noqa: BLE001 (a test killed it for good: start another)
                 self.close()
         self.bus = own_bus(str(self._tmp_path_factory.mktemp("shared-data")))
+        self._session = _ray_session_id()
+        # A node's agent stops once the node hosts no replica (an idle node is what an autoscaler
+        # removes), and each test deletes its topics when it ends: the node's agent was started again
+        # for nearly every test (about 0.7 CPU-seconds each, some 200 a run). The offsets topic, which
+        # any cluster a group has used holds anyway, is a replica that outlives the tests (not listed).
+        ray.get(self.bus.controller.ensure_offsets_topic.remote(), timeout=120)
         return self.bus
 
     def topics(self) -> set[str]:
@@ -279,44 +300,92 @@ class SharedBus:
             return
         if left:
             warnings.warn(LeftoverGroupWarning(
-                f"{test} left consumer group(s) {', '.join(left)} with live members on its module's shared logbus "
+                f"{test} left consumer group(s) {', '.join(left)} with live members on the shared logbus "
                 "cluster (a consumer or Kafka client not closed?): the next test gets a new cluster"))
             self.close()
 
-    def close(self) -> None:
-        """Stop what ``kept`` made (last made, first stopped), then the cluster: its topics and controller."""
+    def end_module(self) -> None:
+        """A module's tests are done: stop what it kept and delete the topics that made; the cluster stays
+        for the next module (closed instead if that fails: the next module gets a new one)."""
+        import ray
+
+        self._stop_kept()
+        topics, self._kept_topics = self._kept_topics, set()
+        if self.bus is None or not topics:
+            return
+        try:
+            if self._session != _ray_session_id():
+                self._forget()
+                return
+            for topic in topics:
+                ray.get(self.bus.controller.delete_topic.remote(topic), timeout=120)
+                self.bus.forget(topic)
+        except Exception:  # noqa: BLE001 (a cluster the module broke: the next module gets a new one)
+            self.close()
+
+    def _stop_kept(self) -> None:
         while self._stops:
             try:
                 self._stops.pop()()
             except Exception:  # noqa: BLE001 (best-effort, as close_bus: it may be gone with a broken cluster)
                 pass
         self._kept.clear()
+
+    def _forget(self) -> None:
+        """Let go of a cluster whose Ray session is gone (nothing of it is left to stop)."""
+        self._stops.clear()
+        self._kept.clear()
         self._kept_topics.clear()
+        self.bus = None
+
+    def close(self) -> None:
+        """Stop what ``kept`` made (last made, first stopped), then the cluster: its topics and controller."""
+        self._stop_kept()
+        self._kept_topics.clear()
+        if self.bus is not None and self._session != _ray_session_id():
+            self._forget()
         if self.bus is not None:
             bus, self.bus = self.bus, None
             close_bus(bus)
 
 
-@pytest.fixture(scope="module")
-def module_bus_state(ray_session, tmp_path_factory):
-    """The logbus cluster that a module's tests share (a :class:`SharedBus`; see ``bus``), started on first use."""
+@pytest.fixture(scope="session")
+def worker_bus_state(ray_session, tmp_path_factory):
+    """The logbus cluster that the modules run by this process share (a :class:`SharedBus`; see ``bus``)."""
     state = SharedBus(tmp_path_factory)
     yield state
     if ray_session.is_initialized():
         state.close()
 
 
+@pytest.fixture(scope="module")
+def module_bus_state(request, ray_session, worker_bus_state, tmp_path_factory):
+    """The logbus cluster that a module's tests share (a :class:`SharedBus`; see ``bus``), started on first use:
+    the one this process's modules share, or one of the module's own if it is marked ``cluster_of_its_own``."""
+    if request.node.get_closest_marker("cluster_of_its_own"):
+        state = SharedBus(tmp_path_factory)
+        yield state
+        if ray_session.is_initialized():
+            state.close()
+        return
+    yield worker_bus_state
+    if ray_session.is_initialized():
+        worker_bus_state.end_module()
+
+
 @pytest.fixture
 def bus(request, ray_session, module_bus_state):
     """A logbus cluster for one test.
 
-    Tests of a module share one cluster (a controller and a node agent are a Ray worker process
-    each to start, which every test paid): each test makes topics and groups of its own, and they
-    are deleted when it ends (a group it leaves with live members is reported, and the next test gets
-    a new cluster: ``SharedBus.tidy``). What the module makes once for all its tests (a topic
-    produced once, a Kafka gateway) it makes with ``module_bus_state.kept``. A test that asks for
-    ``data_dir`` (it looks at the files), or that is marked ``own_bus`` (it changes the cluster as a
-    whole), gets a cluster of its own.
+    The tests of the modules a process runs share one cluster (a controller and a node agent are a
+    Ray worker process each to start, which every test, then every module, paid): each test makes
+    topics and groups of its own, and they are deleted when it ends (a group it leaves with live
+    members is reported, and the next test gets a new cluster: ``SharedBus.tidy``). What a module
+    makes once for all its tests (a topic produced once, a Kafka gateway) it makes with
+    ``module_bus_state.kept``; that goes when the module ends. A module marked ``cluster_of_its_own``
+    (it leaves state no test deletes: ACLs, users) shares a cluster of its own among its tests. A
+    test that asks for ``data_dir`` (it looks at the files), or that is marked ``own_bus`` (it
+    changes the cluster as a whole), gets a cluster of its own.
     """
     if "data_dir" in request.fixturenames or request.node.get_closest_marker("own_bus"):
         connected = own_bus(request.getfixturevalue("data_dir"))

@@ -20,7 +20,8 @@ from tests.actors.test_gateway_security import authority, confluent_sasl, server
 from tests.api.test_restart import kill_controller
 from tests.conftest import wait_for
 
-pytestmark = pytest.mark.timeout(300)
+# ACLs and users stay on a cluster (no test deletes them): this module shares a cluster of its own.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster_of_its_own]
 
 SHORT = {"socket.timeout.ms": 10_000, "message.timeout.ms": 10_000, "request.timeout.ms": 10_000}
 

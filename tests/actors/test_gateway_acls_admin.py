@@ -12,7 +12,8 @@ from tests.actors.test_gateway_acls import acl_gateway, config, error_of, produc
 from tests.actors.test_gateway_security import authority, server_cert  # noqa: F401 (fixtures)
 from tests.api.test_restart import kill_controller
 
-pytestmark = pytest.mark.timeout(300)
+# ACLs and users stay on a cluster (no test deletes them): this module shares a cluster of its own.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster_of_its_own]
 
 
 def kafka_python_describe_error(gateway, authority, user: str) -> str | None:  # noqa: F811

@@ -27,7 +27,8 @@ from tests.actors.test_gateway import Raw, logbus_view
 from tests.certificates import Authority
 from tests.conftest import kafka_python_consumer, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+# ACLs and users stay on a cluster (no test deletes them): this module shares a cluster of its own.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.cluster_of_its_own]
 
 RECORDS = 200
 
