@@ -305,7 +305,7 @@ class SharedBus:
             self.close()
 
     def end_module(self) -> None:
-        """A module's tests are done: stop what it kept and delete the topics that made; the cluster stays
+        """A module's tests are done: stop what it kept and delete the topics it made; the cluster stays
         for the next module (closed instead if that fails: the next module gets a new one)."""
         import ray
 
