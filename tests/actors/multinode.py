@@ -18,7 +18,7 @@ SYSTEM_CONFIG = {
 }
 
 # The head: the driver and the controller. No dashboard: no test reads it, and it is a dozen Python
-# processes (its server and a process per module) that cost about 1 CPU-second to start and 0.07 of
+# processes (its server and a process per module) that cost about 1 CPU-second to start and 0.02 of
 # a core while idle, for as long as the cluster lives.
 HEAD_NODE_ARGS = {"num_cpus": 2, "include_dashboard": False, "_system_config": SYSTEM_CONFIG}
 

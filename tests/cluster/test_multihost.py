@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import uuid
 
 import pytest
@@ -133,14 +134,21 @@ def isolation_while_cut(cluster, namespace: str) -> dict:
     timeout, not that plus a Python process's start (tens of seconds on a busy machine): a cut of tens
     of seconds is another fault, in which Ray's own health checks (5 missed, at 3 s) may declare the
     replica hosts' Ray nodes dead and end their processes."""
+    # Its stderr goes to a file: a pipe read only at the end would block the query once 64 KB were written.
+    errors = tempfile.TemporaryFile(mode="w+")
+
+    def written() -> str:
+        errors.seek(0)
+        return errors.read()[-3000:]
+
     process = cluster.popen_python(["-c", ISOLATION_QUERY, cluster.address, namespace, str(LEASE_TIMEOUT_MS), "120"], role=HEAD,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, text=True)
     try:
         for line in process.stdout:  # Ray may print lines of its own first
             if line.startswith(READY_MARKER):
                 break
         else:
-            raise RuntimeError(f"the isolation query ended before it was ready:\n{process.stderr.read()[-3000:]}")
+            raise RuntimeError(f"the isolation query ended before it was ready:\n{written()}")
         cluster.cut(HEAD)
         try:
             process.stdin.write("go\n")
@@ -148,12 +156,13 @@ def isolation_while_cut(cluster, namespace: str) -> dict:
             for line in process.stdout:
                 if line.startswith(RESULT_MARKER):
                     return json.loads(line[len(RESULT_MARKER):])
-            raise RuntimeError(f"the isolation query printed no result:\n{process.stderr.read()[-3000:]}")
+            raise RuntimeError(f"the isolation query printed no result:\n{written()}")
         finally:
             cluster.heal(HEAD)
     finally:
         process.kill()
         process.wait(timeout=60)
+        errors.close()
 
 
 def test_a_cut_of_the_controllers_host_alone_deposes_no_leader(netns_cluster, workload):
