@@ -191,12 +191,12 @@ class LeftoverGroupWarning(UserWarning):
     """A test left a consumer group with live members on the shared cluster (``SharedBus.tidy``)."""
 
 
-def _ray_session_id() -> tuple:
-    """Which Ray session this process is connected to now (a test or a module may have started another)."""
+def _ray_session_id() -> str:
+    """Which Ray session this process is connected to now (a test or a module may have started another):
+    its node's id, which a new session never reuses."""
     import ray
 
-    context = ray.get_runtime_context()
-    return context.gcs_address, context.get_node_id()
+    return ray.get_runtime_context().get_node_id()
 
 
 class SharedBus:
