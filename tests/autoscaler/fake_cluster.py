@@ -34,8 +34,10 @@ Why not ``ray.cluster_utils.AutoscalingCluster``: its constructor reads
 including other test runs'. Never call ``ray stop`` here.
 
 These tests start a Ray cluster of their own and must not share the main suite's Ray
-session, so ``./dev test`` runs them in a pytest process of their own after the main suite
-(which it runs with ``--ignore=tests/autoscaler``).
+session, so ``./dev test`` runs them in a pytest process of their own, beside the main suite
+(which does not collect them: ``norecursedirs`` in pyproject.toml). Nothing here depends on
+what else runs on the machine: the driver names its cluster's GCS address, the address file is
+put back, and the leftover check matches this cluster's own address and session directory.
 """
 
 from __future__ import annotations
