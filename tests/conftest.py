@@ -400,6 +400,13 @@ def bus(request, ray_session, module_bus_state):
         module_bus_state.tidy(request.node.nodeid, topics_before, groups_before)
 
 
+# The suite's JVMs (Spark's driver, RayDP's application master and executor) compile with the JIT's
+# first tier only: they live minutes and run little code often, and without the optimising compiler
+# their CPU about halves. tests/api/test_spark.py alone, three runs each: the JVMs' CPU 31-46 s against
+# 62 s, the module 57-62 s against 70-73 s (perf/RESULTS.md). What the tests check does not change.
+SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
+
+
 @pytest.fixture(scope="session")
 def spark(ray_session):
     """One RayDP Spark session for the whole run: 1 executor of 1 core (the shared Ray has 4 CPUs)."""
@@ -411,7 +418,8 @@ def spark(ray_session):
         num_executors=1,
         executor_cores=1,
         executor_memory="1GB",
-        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4"},
+        configs={"spark.ui.showConsoleProgress": "false", "spark.sql.shuffle.partitions": "4",
+                 **{key: SPARK_TEST_JAVA_OPTIONS for key in logbus.spark.JAVA_OPTION_KEYS}},
     )
     yield session
     logbus.spark.stop_spark()
