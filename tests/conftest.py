@@ -402,8 +402,8 @@ def bus(request, ray_session, module_bus_state):
 
 # The suite's JVMs (Spark's driver, RayDP's application master and executor) compile with the JIT's
 # first tier only: they live minutes and run little code often, and without the optimising compiler
-# their CPU about halves. tests/api/test_spark.py alone, three runs each: the JVMs' CPU 31-46 s against
-# 62 s, the module 57-62 s against 70-73 s (perf/RESULTS.md). What the tests check does not change.
+# their CPU about halves. tests/api/test_spark.py alone: the JVMs' CPU 31-46 s in three runs against
+# 62 s in two, the module 57-62 s against 70-73 s (perf/RESULTS.md). What the tests check does not change.
 SPARK_TEST_JAVA_OPTIONS = "-XX:TieredStopAtLevel=1"
 
 
