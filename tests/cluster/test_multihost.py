@@ -138,6 +138,9 @@ def isolation_while_cut(cluster, namespace: str) -> dict:
     errors = tempfile.TemporaryFile(mode="w+")
 
     def written() -> str:
+        # Read once the query has ended: it writes through the same file offset this seeks.
+        process.kill()
+        process.wait(timeout=60)
         errors.seek(0)
         return errors.read()[-3000:]
 
