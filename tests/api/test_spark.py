@@ -206,6 +206,44 @@ def test_write_dataframe_to_topic(spark, bus, writer, monkeypatch):
     assert Counter(back["partition"].to_pylist()) == {0: 500, 1: 500}
 
 
+@pytest.mark.timeout(300)
+def test_jvm_writer_keeps_every_key_and_value_over_many_batches_per_task(spark, bus):
+    """Spark's executors frame several batches per partition in one task (more rows than a batch holds,
+    framed and sent while the task reads on, the batch's buffers used again): every record comes back
+    once, in order per partition, with its key (binary, string, null) and value (empty, multi-byte UTF-8,
+    large) as written."""
+    target = f"sp-many-{uuid.uuid4().hex[:8]}"
+    bus.admin.create_topic(target, partitions=2)
+    count = 150_000  # one Spark partition: 2-3 batches of at most 65,536 records for each topic partition
+    df = spark.range(0, count, 1, 1).selectExpr(
+        "CASE WHEN id % 7 = 0 THEN NULL ELSE CAST(CAST(id % 301 AS STRING) AS BINARY) END AS key",
+        "CASE WHEN id % 11 = 0 THEN '' WHEN id % 1001 = 0 THEN REPEAT('v', 20000) "
+        "ELSE CONCAT('é-', CAST(id AS STRING)) END AS value",
+    )
+    assert logbus.spark.write(df, target, bus=bus) == count
+    back = drain(bus, target, 2, count)
+    assert back.num_rows == count
+
+    def expected(i: int) -> tuple:
+        key = None if i % 7 == 0 else b"%d" % (i % 301)
+        value = b"" if i % 11 == 0 else b"v" * 20000 if i % 1001 == 0 else "é-{}".format(i).encode()
+        return key, value
+
+    rows = back.select(["key", "value", "partition", "offset"]).to_pylist()
+    got = sorted((row["key"] is None, row["key"] or b"", row["value"]) for row in rows)
+    assert got == sorted((key is None, key or b"", value) for key, value in map(expected, range(count)))
+    for row in rows:
+        if row["key"] is not None:
+            assert row["partition"] == kafka_partition(row["key"], 2)
+    # Within a partition, the records of one key keep the order they were written in (ids ascending).
+    numbered = [(r["partition"], r["offset"], r["key"], r["value"]) for r in rows if r["value"].startswith("é-".encode())]
+    by_key: dict = {}
+    for partition, offset, key, value in sorted(numbered):
+        if key is not None:
+            by_key.setdefault(key, []).append(int(value[len("é-".encode()):]))
+    assert all(ids == sorted(ids) for ids in by_key.values())
+
+
 class _StoppedContext:
     _jsc = None
     master = "ray://stopped"

@@ -1,12 +1,12 @@
 package io.logbus.spark;
 
-import java.io.ByteArrayOutputStream;
 import java.io.IOException;
 import java.io.UncheckedIOException;
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
-import java.nio.channels.Channels;
+import java.nio.channels.WritableByteChannel;
 import java.util.ArrayList;
+import java.util.Arrays;
 import java.util.List;
 import java.util.zip.CRC32C;
 
@@ -14,6 +14,7 @@ import org.apache.arrow.memory.ArrowBuf;
 import org.apache.arrow.memory.BufferAllocator;
 import org.apache.arrow.vector.BigIntVector;
 import org.apache.arrow.vector.BitVectorHelper;
+import org.apache.arrow.vector.FieldVector;
 import org.apache.arrow.vector.VarBinaryVector;
 import org.apache.arrow.vector.VarCharVector;
 import org.apache.arrow.vector.VectorSchemaRoot;
@@ -22,6 +23,7 @@ import org.apache.arrow.vector.complex.MapVector;
 import org.apache.arrow.vector.complex.StructVector;
 import org.apache.arrow.vector.ipc.WriteChannel;
 import org.apache.arrow.vector.ipc.message.ArrowRecordBatch;
+import org.apache.arrow.vector.ipc.message.IpcOption;
 import org.apache.arrow.vector.ipc.message.MessageSerializer;
 
 /**
@@ -61,11 +63,18 @@ final class BatchEncoder implements AutoCloseable {
     entries = (StructVector) headers.getDataVector();
     headerKeys = (VarCharVector) entries.getChildByOrdinal(0);
     headerValues = (VarBinaryVector) entries.getChildByOrdinal(1);
-    reset();
+    root.allocateNew();
   }
 
+  /**
+   * Empty again for the next batch, which reuses the buffers this one grew (validity and offsets zeroed): a
+   * batch of 4 MiB would otherwise grow its buffers from Arrow's default size again, copying them each time.
+   */
   private void reset() {
-    root.allocateNew();
+    for (FieldVector vector : root.getFieldVectors()) {
+      vector.reset();
+    }
+    root.setRowCount(0);
     rows = 0;
     entryCount = 0;
     bytes = 0;
@@ -81,17 +90,26 @@ final class BatchEncoder implements AutoCloseable {
 
   /** One record; {@code headerKeys}/{@code headerValues} null for none. */
   void add(byte[] key, byte[] value, long timestampMs, byte[][] hKeys, byte[][] hValues) {
+    add(key, 0, key == null ? 0 : key.length, value, 0, value == null ? 0 : value.length, timestampMs, hKeys, hValues);
+  }
+
+  /**
+   * One record whose key and value are ranges of arrays ({@code key[keyStart, keyStart + keyLength)}; a null
+   * array for a null key or value), copied once, into the batch's vectors.
+   */
+  void add(byte[] key, int keyStart, int keyLength, byte[] value, int valueStart, int valueLength, long timestampMs,
+      byte[][] hKeys, byte[][] hValues) {
     if (key == null) {
       keys.setNull(rows);
     } else {
-      keys.setSafe(rows, key);
-      bytes += key.length;
+      keys.setSafe(rows, key, keyStart, keyLength);
+      bytes += keyLength;
     }
     if (value == null) {
       values.setNull(rows);
     } else {
-      values.setSafe(rows, value);
-      bytes += value.length;
+      values.setSafe(rows, value, valueStart, valueLength);
+      bytes += valueLength;
     }
     timestamps.setSafe(rows, timestampMs);
     if (hKeys == null) {
@@ -128,8 +146,7 @@ final class BatchEncoder implements AutoCloseable {
     headerValues.setValueCount(entryCount);
     entries.setValueCount(entryCount);
     root.setRowCount(rows);
-    ByteArrayOutputStream out = new ByteArrayOutputStream((int) Math.min(Integer.MAX_VALUE - 64, bytes + 4096));
-    out.write(new byte[64], 0, 64);
+    ArrayChannel out;
     try (ArrowRecordBatch batch = new VectorUnloader(root).getRecordBatch();
         ArrowBuf oneOffset = allocator.buffer(8)) {
       // Arrow Java writes an empty variable-width vector's offsets as no bytes; the format (and Arrow
@@ -147,15 +164,15 @@ final class BatchEncoder implements AutoCloseable {
       }
       if (empty) {
         try (ArrowRecordBatch whole = new ArrowRecordBatch(batch.getLength(), batch.getNodes(), buffers)) {
-          MessageSerializer.serialize(new WriteChannel(Channels.newChannel(out)), whole);
+          out = serialize(whole);
         }
       } else {
-        MessageSerializer.serialize(new WriteChannel(Channels.newChannel(out)), batch);
+        out = serialize(batch);
       }
     } catch (IOException e) {
       throw new UncheckedIOException(e);
     }
-    byte[] framed = out.toByteArray();
+    byte[] framed = out.array();
     ByteBuffer header = ByteBuffer.wrap(framed).order(ByteOrder.LITTLE_ENDIAN);
     header.putLong(0, 0L); // base offset: the leader assigns it
     header.putInt(8, framed.length - LOG_OVERHEAD);
@@ -173,6 +190,54 @@ final class BatchEncoder implements AutoCloseable {
     header.putInt(17, (int) crc.getValue());
     reset();
     return framed;
+  }
+
+  /**
+   * The batch as an IPC message after the 64 bytes of the frame header, in an array of its exact size: the
+   * message's length (the continuation marker and metadata length, the metadata padded to 8 bytes, then the
+   * body) is known before it is written, so its buffers are copied once, into the array.
+   */
+  private static ArrayChannel serialize(ArrowRecordBatch batch) throws IOException {
+    int metadata = MessageSerializer.serializeMetadata(batch, IpcOption.DEFAULT).remaining();
+    long size = 64L + 8 + ((metadata + 7) & ~7L) + batch.computeBodyLength();
+    ArrayChannel out = new ArrayChannel((int) Math.min(Integer.MAX_VALUE - 8, size));
+    out.position = 64;
+    MessageSerializer.serialize(new WriteChannel(out), batch, IpcOption.DEFAULT);
+    return out;
+  }
+
+  /** A channel writing into one array, grown only if the message is longer than foreseen. */
+  private static final class ArrayChannel implements WritableByteChannel {
+    private byte[] array;
+    private int position;
+
+    ArrayChannel(int capacity) {
+      array = new byte[capacity];
+    }
+
+    @Override
+    public int write(ByteBuffer source) {
+      int length = source.remaining();
+      if (array.length - position < length) {
+        array = Arrays.copyOf(array, Math.max(position + length, array.length * 2));
+      }
+      source.get(array, position, length);
+      position += length;
+      return length;
+    }
+
+    /** What was written, the frame header's 64 bytes first (zeros until the caller fills them). */
+    byte[] array() {
+      return position == array.length ? array : Arrays.copyOf(array, position);
+    }
+
+    @Override
+    public boolean isOpen() {
+      return true;
+    }
+
+    @Override
+    public void close() {}
   }
 
   @Override

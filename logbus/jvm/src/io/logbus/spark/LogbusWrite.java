@@ -68,12 +68,12 @@ public final class LogbusWrite implements WriteBuilder, Write, BatchWrite, Strea
 
   @Override
   public DataWriterFactory createBatchWriterFactory(PhysicalWriteInfo info) {
-    return new Factory(options);
+    return new Factory(options, TopicWriter.Layout.of(options)); // asked once for the job's tasks
   }
 
   @Override
   public StreamingDataWriterFactory createStreamingWriterFactory(PhysicalWriteInfo info) {
-    return new Factory(options);
+    return new Factory(options, null); // each epoch's tasks ask: leaders move while a query runs
   }
 
   @Override
@@ -105,19 +105,21 @@ public final class LogbusWrite implements WriteBuilder, Write, BatchWrite, Strea
   static final class Factory implements DataWriterFactory, StreamingDataWriterFactory {
     private static final long serialVersionUID = 1L;
     private final WriteOptions options;
+    private final TopicWriter.Layout layout;
 
-    Factory(WriteOptions options) {
+    Factory(WriteOptions options, TopicWriter.Layout layout) {
       this.options = options;
+      this.layout = layout;
     }
 
     @Override
     public DataWriter<InternalRow> createWriter(int partitionId, long taskId) {
-      return new TopicWriter(options);
+      return new TopicWriter(options, layout);
     }
 
     @Override
     public DataWriter<InternalRow> createWriter(int partitionId, long taskId, long epochId) {
-      return new TopicWriter(options);
+      return new TopicWriter(options, layout);
     }
   }
 }

@@ -5,19 +5,28 @@ final class Murmur2 {
   private Murmur2() {}
 
   static int partition(byte[] key, int partitions) {
-    return (hash(key) & 0x7fffffff) % partitions;
+    return partition(key, 0, key.length, partitions);
+  }
+
+  /** The partition of the key held in {@code data[start, start + length)}. */
+  static int partition(byte[] data, int start, int length, int partitions) {
+    return (hash(data, start, length) & 0x7fffffff) % partitions;
   }
 
   /** Kafka's {@code Utils.murmur2} (seed 0x9747b28c). */
   static int hash(byte[] data) {
-    int length = data.length;
+    return hash(data, 0, data.length);
+  }
+
+  /** Kafka's {@code Utils.murmur2} of {@code data[start, start + length)}. */
+  static int hash(byte[] data, int start, int length) {
     int seed = 0x9747b28c;
     final int m = 0x5bd1e995;
     final int r = 24;
     int h = seed ^ length;
     int length4 = length / 4;
     for (int i = 0; i < length4; i++) {
-      final int i4 = i * 4;
+      final int i4 = start + i * 4;
       int k = (data[i4] & 0xff) + ((data[i4 + 1] & 0xff) << 8) + ((data[i4 + 2] & 0xff) << 16) + ((data[i4 + 3] & 0xff) << 24);
       k *= m;
       k ^= k >>> r;
@@ -27,13 +36,13 @@ final class Murmur2 {
     }
     switch (length % 4) {
       case 3:
-        h ^= (data[(length & ~3) + 2] & 0xff) << 16;
+        h ^= (data[start + (length & ~3) + 2] & 0xff) << 16;
         // fall through
       case 2:
-        h ^= (data[(length & ~3) + 1] & 0xff) << 8;
+        h ^= (data[start + (length & ~3) + 1] & 0xff) << 8;
         // fall through
       case 1:
-        h ^= data[length & ~3] & 0xff;
+        h ^= data[start + (length & ~3)] & 0xff;
         h *= m;
         // fall through
       default:
