@@ -342,16 +342,25 @@ final class TopicWriter implements DataWriter<InternalRow> {
 
   @Override
   public void close() {
-    sender.shutdown(); // what it has queued is framed and sent (or fails) first: its encoders are in use
-    try {
-      if (!sender.awaitTermination(options.timeoutMs, TimeUnit.MILLISECONDS)) {
-        sender.shutdownNow();
-        return; // its buffers are left to the allocator's owner rather than freed under it
+    // What the sender has queued is framed and sent (or fails) first: its encoders are in use. Its work is
+    // short (a copy, a call that does not wait for its reply), so it is waited for even when Spark interrupts
+    // the task, within the write's timeout: Arrow's buffers are freed only by closing them.
+    sender.shutdown();
+    boolean interrupted = false;
+    long deadline = System.currentTimeMillis() + options.timeoutMs;
+    while (!sender.isTerminated() && System.currentTimeMillis() < deadline) {
+      try {
+        sender.awaitTermination(Math.max(1, deadline - System.currentTimeMillis()), TimeUnit.MILLISECONDS);
+      } catch (InterruptedException e) {
+        interrupted = true;
       }
-    } catch (InterruptedException e) {
+    }
+    if (interrupted) {
       Thread.currentThread().interrupt();
+    }
+    if (!sender.isTerminated()) {
       sender.shutdownNow();
-      return;
+      return; // its buffers are left unfreed rather than freed under it
     }
     for (BatchEncoder encoder : encoders) {
       if (encoder != null) {
