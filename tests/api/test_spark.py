@@ -210,8 +210,8 @@ def test_write_dataframe_to_topic(spark, bus, writer, monkeypatch):
 def test_jvm_writer_keeps_every_key_and_value_over_many_batches_per_task(spark, bus):
     """Spark's executors frame several batches per partition in one task (more rows than a batch holds,
     framed and sent while the task reads on, the batch's buffers used again): every record comes back
-    once, in order per partition, with its key (binary, string, null) and value (empty, multi-byte UTF-8,
-    large) as written."""
+    once, in order per partition, with its key (binary, null), value (empty, multi-byte UTF-8, large)
+    and headers (some, none) as written."""
     target = f"sp-many-{uuid.uuid4().hex[:8]}"
     bus.admin.create_topic(target, partitions=2)
     count = 150_000  # one Spark partition: 2-3 batches of at most 65,536 records for each topic partition
@@ -219,6 +219,8 @@ def test_jvm_writer_keeps_every_key_and_value_over_many_batches_per_task(spark, 
         "CASE WHEN id % 7 = 0 THEN NULL ELSE CAST(CAST(id % 301 AS STRING) AS BINARY) END AS key",
         "CASE WHEN id % 11 = 0 THEN '' WHEN id % 1001 = 0 THEN REPEAT('v', 20000) "
         "ELSE CONCAT('é-', CAST(id AS STRING)) END AS value",
+        "CASE WHEN id % 5 = 0 THEN ARRAY(NAMED_STRUCT('key', 'n', 'value', CAST(CAST(id AS STRING) AS BINARY))) "
+        "ELSE NULL END AS headers",
     )
     assert logbus.spark.write(df, target, bus=bus) == count
     back = drain(bus, target, 2, count)
@@ -229,9 +231,13 @@ def test_jvm_writer_keeps_every_key_and_value_over_many_batches_per_task(spark, 
         value = b"" if i % 11 == 0 else b"v" * 20000 if i % 1001 == 0 else "é-{}".format(i).encode()
         return key, value
 
-    rows = back.select(["key", "value", "partition", "offset"]).to_pylist()
+    rows = back.select(["key", "value", "headers", "partition", "offset"]).to_pylist()
     got = sorted((row["key"] is None, row["key"] or b"", row["value"]) for row in rows)
     assert got == sorted((key is None, key or b"", value) for key, value in map(expected, range(count)))
+    for row in rows:
+        if row["value"].startswith("é-".encode()):
+            number = int(row["value"][len("é-".encode()):])
+            assert (row["headers"] or None) == ([("n", b"%d" % number)] if number % 5 == 0 else None), row
     for row in rows:
         if row["key"] is not None:
             assert row["partition"] == kafka_partition(row["key"], 2)
