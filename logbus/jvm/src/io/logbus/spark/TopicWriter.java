@@ -67,7 +67,7 @@ final class TopicWriter implements DataWriter<InternalRow> {
   private final Pending[] last; // each partition's batch in flight: one at a time, so a retry keeps their order
   private final long batchBytes;
   // Frames full batches and makes their first call while the task's thread goes on with the next rows (the
-  // Arrow IPC copy, the CRC and Ray's copies into its object store: about a third of a task's time alone),
+  // Arrow IPC copy, the CRC and Ray's copies into its object store: over a third of a task's time alone),
   // in the order sent. Its encoders come back to `spare`, emptied, for the task's thread to fill again (at
   // most partitions + IN_FLIGHT + 1 encoders, each holding up to twice a batch's bytes: they keep their buffers).
   private final ExecutorService sender;
