@@ -129,6 +129,9 @@ class GroupService:
         # Long polls.
         self._events: dict[str, asyncio.Event] = {}
         self._prints: dict[str, tuple] = {}  # group -> its fingerprint when its event was made (one per event)
+        # group -> [its commits' lock, commits holding or waiting for it]: one group's commits are applied
+        # one at a time, in the order they came (an entry lives while a commit of the group does).
+        self._commit_order: dict[str, list] = {}
         self._long_polls: dict[int, tuple[str, str, str, float, float]] = {}  # id -> (kind, group, member, start, wait)
         self._long_poll_ids = 0
         self._timer: asyncio.Task | None = None
@@ -470,6 +473,22 @@ class GroupService:
         The records carry the commit's wall-clock time and, with ``retention_ms``
         (Kafka's OffsetCommit v2-v4 retention time), the time they expire.
         """
+        # One at a time per group, in arrival order (asyncio's lock is first come, first served): between its
+        # check and its write a commit awaits, and a commit whose client gave up on it still runs, so two
+        # commits of one member could otherwise end in the other order and the committed offset go back.
+        # Kafka applies a connection's requests in order.
+        entry = self._commit_order.setdefault(group_id, [asyncio.Lock(), 0])
+        entry[1] += 1
+        try:
+            async with entry[0]:
+                await self._commit_offsets(group_id, member_id, generation, offsets, group_instance_id, retention_ms)
+        finally:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._commit_order[group_id]
+
+    async def _commit_offsets(self, group_id: str, member_id: str, generation: int, offsets: dict,
+                              group_instance_id: str | None, retention_ms: int | None) -> None:
         await self.offsets.ready()
         checked = self._checked_offsets(offsets)
         if not checked:

@@ -320,3 +320,43 @@ def test_a_timer_that_ends_while_a_first_join_waits_is_started_again_once_the_me
         assert not service._timer.done() and service._busy()
 
     asyncio.run(main())
+
+
+class SlowFirstOffsets:
+    """``CommittedOffsets`` whose first write waits until released: commits' writes in the order they end."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls = 0
+        self.written: list[int] = []
+
+    async def ready(self) -> None:
+        return None
+
+    async def commit(self, group_id, records, checked) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            await self.release.wait()
+        self.written.extend(om.offset for om in checked.values())
+
+
+def test_one_groups_commits_are_applied_in_the_order_they_came(tmp_path):
+    """A commit whose write is slow (its client may have given up on it) holds back the group's next one, so
+    the committed offset never goes back; another group's commits do not wait for it."""
+    from logbus import TopicPartition
+
+    async def main():
+        service = Service(tmp_path)
+        service.offsets = offsets = SlowFirstOffsets()
+        first = asyncio.ensure_future(service.commit_offsets("g", "", -1, {TopicPartition("t", 0): 127}))
+        second = asyncio.ensure_future(service.commit_offsets("g", "", -1, {TopicPartition("t", 0): 140}))
+        other = asyncio.ensure_future(service.commit_offsets("h", "", -1, {TopicPartition("t", 0): 5}))
+        await asyncio.wait_for(other, 10)  # another group's commit is not held
+        await run_ready(20)
+        assert not first.done() and not second.done() and offsets.written == [5]
+        offsets.release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 10)
+        assert offsets.written == [5, 127, 140]
+        assert service._commit_order == {}  # nothing kept per group once its commits are done
+
+    asyncio.run(main())
