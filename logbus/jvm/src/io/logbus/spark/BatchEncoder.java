@@ -88,14 +88,10 @@ final class BatchEncoder implements AutoCloseable {
     return bytes;
   }
 
-  /** One record; {@code headerKeys}/{@code headerValues} null for none. */
-  void add(byte[] key, byte[] value, long timestampMs, byte[][] hKeys, byte[][] hValues) {
-    add(key, 0, key == null ? 0 : key.length, value, 0, value == null ? 0 : value.length, timestampMs, hKeys, hValues);
-  }
-
   /**
    * One record whose key and value are ranges of arrays ({@code key[keyStart, keyStart + keyLength)}; a null
-   * array for a null key or value), copied once, into the batch's vectors.
+   * array for a null key or value), copied once, into the batch's vectors; {@code hKeys}/{@code hValues} null
+   * for no headers.
    */
   void add(byte[] key, int keyStart, int keyLength, byte[] value, int valueStart, int valueLength, long timestampMs,
       byte[][] hKeys, byte[][] hValues) {

@@ -4,21 +4,12 @@ package io.logbus.spark;
 final class Murmur2 {
   private Murmur2() {}
 
-  static int partition(byte[] key, int partitions) {
-    return partition(key, 0, key.length, partitions);
-  }
-
   /** The partition of the key held in {@code data[start, start + length)}. */
   static int partition(byte[] data, int start, int length, int partitions) {
     return (hash(data, start, length) & 0x7fffffff) % partitions;
   }
 
-  /** Kafka's {@code Utils.murmur2} (seed 0x9747b28c). */
-  static int hash(byte[] data) {
-    return hash(data, 0, data.length);
-  }
-
-  /** Kafka's {@code Utils.murmur2} of {@code data[start, start + length)}. */
+  /** Kafka's {@code Utils.murmur2} (seed 0x9747b28c) of {@code data[start, start + length)}. */
   static int hash(byte[] data, int start, int length) {
     int seed = 0x9747b28c;
     final int m = 0x5bd1e995;
