@@ -44,6 +44,7 @@ serves with its other metrics on each node's Prometheus endpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -473,15 +474,24 @@ class GroupService:
         The records carry the commit's wall-clock time and, with ``retention_ms``
         (Kafka's OffsetCommit v2-v4 retention time), the time they expire.
         """
-        # One at a time per group, in arrival order (asyncio's lock is first come, first served): between its
-        # check and its write a commit awaits, and a commit whose client gave up on it still runs, so two
-        # commits of one member could otherwise end in the other order and the committed offset go back.
-        # Kafka applies a connection's requests in order.
+        async with self._in_commit_order(group_id):
+            await self._commit_offsets(group_id, member_id, generation, offsets, group_instance_id, retention_ms)
+
+    @contextlib.asynccontextmanager
+    async def _in_commit_order(self, group_id: str):
+        """One commit (plain or transactional) of ``group_id`` at a time, in arrival order.
+
+        asyncio's lock is first come, first served. Between its check and its write a commit
+        awaits, and a commit whose client gave up on it still runs, so two commits of one member
+        could otherwise end in the other order and the committed offset go back. Kafka applies a
+        connection's requests in order. A group's entry goes with its last commit: nothing is kept
+        per idle group.
+        """
         entry = self._commit_order.setdefault(group_id, [asyncio.Lock(), 0])
         entry[1] += 1
         try:
             async with entry[0]:
-                await self._commit_offsets(group_id, member_id, generation, offsets, group_instance_id, retention_ms)
+                yield
         finally:
             entry[1] -= 1
             if entry[1] == 0:
@@ -510,7 +520,13 @@ class GroupService:
         """TxnOffsetCommit (KIP-447): checked against the group's generation and member like a commit,
         written to ``__consumer_offsets`` as a transactional batch of the producer, and pending until
         the transaction's marker there (see committed_offsets.py). The transaction service checks the
-        producer before it calls this."""
+        producer before it calls this. Ordered with the group's other commits (``_in_commit_order``)."""
+        async with self._in_commit_order(group_id):
+            await self._txn_offset_commit(group_id, member_id, generation, offsets, producer_id, producer_epoch)
+
+    async def _txn_offset_commit(
+        self, group_id: str, member_id: str, generation: int, offsets: dict, producer_id: int, producer_epoch: int
+    ) -> None:
         await self.offsets.ready()
         checked = self._checked_offsets(offsets)
         if not checked:

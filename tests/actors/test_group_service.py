@@ -339,6 +339,9 @@ class SlowFirstOffsets:
             await self.release.wait()
         self.written.extend(om.offset for om in checked.values())
 
+    async def commit_transactional(self, producer_id, producer_epoch, group_id, records, checked) -> None:
+        await self.commit(group_id, records, checked)
+
 
 def test_one_groups_commits_are_applied_in_the_order_they_came(tmp_path):
     """A commit whose write is slow (its client may have given up on it) holds back the group's next one, so
@@ -358,5 +361,34 @@ def test_one_groups_commits_are_applied_in_the_order_they_came(tmp_path):
         await asyncio.wait_for(asyncio.gather(first, second), 10)
         assert offsets.written == [5, 127, 140]
         assert service._commit_order == {}  # nothing kept per group once its commits are done
+
+    asyncio.run(main())
+
+
+def test_a_transactional_commit_waits_for_the_groups_earlier_commit(tmp_path):
+    """TxnOffsetCommit takes its turn with the group's plain commits: one that came second ends second, both ways."""
+    from logbus import TopicPartition
+
+    async def main():
+        service = Service(tmp_path)
+        service.offsets = offsets = SlowFirstOffsets()
+        tp = TopicPartition("t", 0)
+        first = asyncio.ensure_future(service.commit_offsets("g", "", -1, {tp: 127}))
+        txn = asyncio.ensure_future(service.txn_offset_commit("g", "", -1, {tp: 140}, producer_id=7, producer_epoch=0))
+        await run_ready(20)
+        assert not first.done() and not txn.done() and offsets.written == []
+        offsets.release.set()
+        await asyncio.wait_for(asyncio.gather(first, txn), 10)
+        assert offsets.written == [127, 140]
+
+        offsets.calls, offsets.release = 0, asyncio.Event()  # now the transactional one is slow
+        txn = asyncio.ensure_future(service.txn_offset_commit("g", "", -1, {tp: 150}, producer_id=7, producer_epoch=0))
+        later = asyncio.ensure_future(service.commit_offsets("g", "", -1, {tp: 160}))
+        await run_ready(20)
+        assert not txn.done() and not later.done() and offsets.written == [127, 140]
+        offsets.release.set()
+        await asyncio.wait_for(asyncio.gather(txn, later), 10)
+        assert offsets.written == [127, 140, 150, 160]
+        assert service._commit_order == {}
 
     asyncio.run(main())
