@@ -548,6 +548,7 @@ class LatencyConsumer:
         self.bus = _connect(namespace, data_dir)
         self.redis = _redis_client(redis_port)
         self.consumer = None
+        self._timeline = (np.empty(0, np.int64),) * 2
 
     def prepare_logbus(self, topic: str, partition: int, offset: int, options: dict | None = None) -> bool:
         if self.consumer is not None:
@@ -566,7 +567,8 @@ class LatencyConsumer:
         return got
 
     def run_logbus(self, expected: int, timeout_s: float) -> np.ndarray:
-        out = []
+        """Each record's latency in ns, in the order received; ``timeline()`` then has its send and receipt times."""
+        stamps, receipts = [], []
         got = 0
         deadline = time.monotonic() + timeout_s
         poll = self.consumer.poll_arrow
@@ -574,9 +576,15 @@ class LatencyConsumer:
             table = poll(timeout_ms=LATENCY_POLL_MS)
             now = time.time_ns()
             if table.num_rows:
-                out.append(now - first_int64(table.column("value")))
+                stamps.append(first_int64(table.column("value")))
+                receipts.append(np.full(table.num_rows, now, np.int64))
                 got += table.num_rows
-        return np.concatenate(out) if out else np.empty(0, np.int64)
+        self._timeline = (np.concatenate(stamps), np.concatenate(receipts)) if stamps else (np.empty(0, np.int64),) * 2
+        return self._timeline[1] - self._timeline[0]
+
+    def timeline(self) -> tuple[np.ndarray, np.ndarray]:
+        """The last ``run_logbus``'s send times and receipt times (``time.time_ns()``), one per record received."""
+        return self._timeline
 
     def prepare_redis(self, stream: str, group: str) -> bool:
         self.redis.xgroup_create(stream, group, id="$", mkstream=True)

@@ -6,7 +6,9 @@ Run with ``./dev bench replication`` (= ``.venv/bin/python perf/bench_replicatio
 the number of leader-node kills (default 10; 2 with ``--quick``); ``--wait-load L`` first waits
 (up to 20 min) for the 1-minute load average to fall below L; ``--verbose`` shows the actors' output;
 ``--only PHASE ...`` runs only those of the cases below (``produce``, ``latency``, ``failover``),
-e.g. ``--only latency`` for the latency case alone (about a minute).
+e.g. ``--only latency`` for the latency case alone (about a minute); ``--timeline DIR`` saves each
+latency repetition's per-record send and receipt times there, to set beside ``perf sched`` (see
+perf/RESULTS.md, the acks=all tail).
 
 The cluster is built on this one machine with ``ray.cluster_utils.Cluster``, as in
 tests/actors/test_replication.py: a head node (the driver, the controller and the
@@ -723,6 +725,9 @@ def main() -> int:
     parser.add_argument("--verbose", action="store_true", help="show the replicas' and controller's output")
     parser.add_argument("--only", nargs="+", choices=PHASES, default=None, metavar="PHASE",
                         help=f"run only these phases ({', '.join(PHASES)}; default: all)")
+    parser.add_argument("--timeline", default=None, metavar="DIR",
+                        help="save each latency repetition's send and receipt times per record (time.time_ns()) "
+                             "to DIR/latency-lingerL-repN.npz, with the offset to CLOCK_MONOTONIC (for `perf sched`)")
     parser.add_argument("--wait-load", type=float, default=None, metavar="L",
                         help="first wait (up to 20 min) until the 1-minute load average is below L")
     args = parser.parse_args()
@@ -867,6 +872,11 @@ def main() -> int:
                 for rep in range(mode.latency_reps):
                     latencies, sent, send_s, flushed = latency_run(linger_ms, mode.latency_s)
                     p50, p99, mx = latency_percentiles_ms(latencies, sent)
+                    if args.timeline:
+                        sent_ns, received_ns = ray.get(consumer_actor.timeline.remote(), timeout=60)
+                        os.makedirs(args.timeline, exist_ok=True)
+                        np.savez(os.path.join(args.timeline, f"latency-linger{linger_ms:g}-rep{rep + 1}.npz"), sent_ns=sent_ns,
+                                 received_ns=received_ns, monotonic_minus_wall_ns=time.monotonic_ns() - time.time_ns())
                     got50, got99, _ = latency_percentiles_ms(latencies, len(latencies))  # over the received records only
                     lat_runs.append((p99, p50, mx, len(latencies), sent, send_s, flushed, got50, got99))
                     log(f"latency acks=all linger_ms={linger_ms} @{LATENCY_RATE:,}/s rep {rep + 1}: {len(latencies):,}/{sent:,} received "
