@@ -174,9 +174,16 @@ def main(argv=None) -> int:
     finally:
         end_spark_run(root)
 
+    def ratio_text(r: dict) -> str:
+        if "ratio" not in r:
+            return ""
+        text = f"{r['ratio']:.2f}x {r['ratio_to']}"
+        if "ratio_to_spark_source" in r:
+            text += f", {r['ratio_to_spark_source']:.2f}x Spark's own source"
+        return text
+
     print_table(("case", "median s", "p90 s", "ratio", "target"), [
-        (r["case"], f"{r['median_s']:.3f}", f"{r['p90_s']:.3f}", (f"{r['ratio']:.2f}x {r['ratio_to']}" + (f", {r['ratio_to_spark_source']:.2f}x Spark's own source"
-                                                 if "ratio_to_spark_source" in r else "")) if "ratio" in r else "",
+        (r["case"], f"{r['median_s']:.3f}", f"{r['p90_s']:.3f}", ratio_text(r),
          f"<= {r['target_s']} s: {'met' if r['met'] else 'MISSED'}" if "target_s" in r else "")
         for r in results
     ])
